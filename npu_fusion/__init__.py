@@ -1,0 +1,13 @@
+"""npu-fusion: fuse the decomposed RoPE and RMSNorm backward subgraphs that
+AOTAutograd produces into single Ascend fused-op calls."""
+from . import lowering  # noqa: F401  (registers torch.ops.npu_fusion)
+
+__version__ = "0.1.0"
+
+
+def install(config=None, **options):
+    """Install the npu-fusion pass into a torchair ``CompilerConfig`` (see
+    :func:`npu_fusion.plugin.torchair.install`); returns the config."""
+    from .plugin.torchair import install as _install
+
+    return _install(config, **options)

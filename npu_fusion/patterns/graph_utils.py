@@ -1,0 +1,219 @@
+"""Small helpers shared by the pattern modules: shapes that may be symbolic,
+node metadata, forward-graph provenance of saved tensors, and the rewrite."""
+from __future__ import annotations
+
+import dataclasses
+import operator
+from typing import Any, Dict, Iterable, List, Optional, Sequence
+
+import torch
+import torch.fx as fx
+from torch.fx.experimental.symbolic_shapes import statically_known_true
+
+aten = torch.ops.aten
+prims = torch.ops.prims
+
+
+class Unsupported(Exception):
+    """A node is outside the abstract domain: the evaluator treats it as a leaf."""
+
+
+def val(node) -> Optional[torch.Tensor]:
+    v = node.meta.get("val") if isinstance(node, fx.Node) else None
+    return v if isinstance(v, torch.Tensor) else None
+
+
+def shape(node) -> Optional[tuple]:
+    v = val(node)
+    return tuple(v.shape) if v is not None else None
+
+
+def dtype(node) -> Optional[torch.dtype]:
+    v = val(node)
+    return v.dtype if v is not None else None
+
+
+def meta_value(arg):
+    """A node argument as a value: symbolic sizes are nodes in FX, their SymInt in meta."""
+    if isinstance(arg, fx.Node):
+        return arg.meta.get("val")
+    if isinstance(arg, (list, tuple)):
+        return type(arg)(meta_value(a) for a in arg)
+    return arg
+
+
+def static_int(size) -> Optional[int]:
+    if isinstance(size, int):
+        return size
+    if isinstance(size, torch.SymInt):
+        expr = size.node.expr
+        if expr.is_number:
+            return int(expr)
+    return None
+
+
+def same_size(a, b) -> bool:
+    if isinstance(a, int) and isinstance(b, int):
+        return a == b
+    return bool(statically_known_true(a == b))
+
+
+def same_shape(a: Sequence, b: Sequence) -> bool:
+    return len(a) == len(b) and all(same_size(x, y) for x, y in zip(a, b))
+
+
+def normalize_dim(dim: int, rank: int) -> int:
+    return dim + rank if dim < 0 else dim
+
+
+CAST_TARGETS = {
+    aten._to_copy.default, prims.convert_element_type.default, aten.to.dtype,
+    aten.clone.default, aten.alias.default, aten.detach.default, aten.contiguous.default,
+    aten.lift_fresh_copy.default,
+}
+
+
+def is_value_preserving_cast(node: fx.Node) -> bool:
+    """Casts between float dtypes, copies and aliases: the identity in real arithmetic."""
+    if node.op != "call_function" or node.target not in CAST_TARGETS:
+        return False
+    src, out = node.args[0] if node.args else None, node
+    if not isinstance(src, fx.Node) or dtype(src) is None or dtype(out) is None:
+        return False
+    if node.target is aten._to_copy.default:
+        extra = set(node.kwargs) - {"dtype", "layout", "device", "memory_format", "non_blocking"}
+        if extra or (val(src).device != val(out).device):
+            return False
+    return dtype(src).is_floating_point and dtype(out).is_floating_point
+
+
+class Provenance:
+    """What a backward graph's saved-tensor placeholders were in the forward graph.
+
+    AOTAutograd's partitioners give each saved tensor's backward placeholder the
+    name of the forward node that produced it. Looking through those forward
+    definitions (an alias, a cast, ``rotate_half(q)``) lets a matcher prove that a
+    saved tensor equals an expression of other saved tensors.
+    """
+
+    def __init__(self, forward: Optional[fx.Graph], backward: fx.Graph):
+        self.forward = forward
+        self._fw_by_name: Dict[str, fx.Node] = {}
+        self._bw_by_name: Dict[str, fx.Node] = {}
+        if forward is None:
+            return
+        outputs = set()
+        for node in forward.nodes:
+            if node.op == "output":
+                outputs = {a for a in node.args[0] if isinstance(a, fx.Node)}
+        bw_placeholders = {n.name: n for n in backward.nodes if n.op == "placeholder"}
+        for node in forward.nodes:
+            bw = bw_placeholders.get(node.name)
+            if bw is None or not (node in outputs or node.op == "placeholder"):
+                continue
+            fv, bv = val(node), val(bw)
+            if fv is None or bv is None or fv.dtype != bv.dtype or len(fv.shape) != len(bv.shape):
+                continue
+            self._fw_by_name[node.name] = node
+            self._bw_by_name[node.name] = bw
+
+    def forward_definition(self, bw_placeholder: fx.Node) -> Optional[fx.Node]:
+        fw = self._fw_by_name.get(bw_placeholder.name)
+        return fw if fw is not None and fw.op == "call_function" else None
+
+    def saved_in_backward(self, fw_node: fx.Node) -> Optional[fx.Node]:
+        bw = self._bw_by_name.get(fw_node.name)
+        return bw if bw is not None and self._fw_by_name.get(fw_node.name) is fw_node else None
+
+    def is_forward(self, node: fx.Node) -> bool:
+        return self.forward is not None and node.graph is self.forward
+
+
+@dataclasses.dataclass
+class Miss:
+    """A subgraph that looked like a fusable backward but was left as it was."""
+    op: str
+    node: str
+    reason: str
+
+
+@dataclasses.dataclass
+class Site:
+    """A rewritten subgraph: which nodes it replaced and with what."""
+    op: str
+    mode: Optional[str]
+    outputs: Dict[str, str]
+    inputs: Dict[str, str]
+    replaced_nodes: List[str]
+    replaced_targets: Dict[str, int]
+
+
+def fake_mode_of(graph: fx.Graph):
+    for node in graph.nodes:
+        v = node.meta.get("val")
+        if isinstance(v, torch.Tensor) and hasattr(v, "fake_mode"):
+            return v.fake_mode
+    return None
+
+
+def call(graph: fx.Graph, fake_mode, target, args, kwargs=None) -> fx.Node:
+    """Insert a call (at the graph's current insertion point) with its fake value."""
+    kwargs = kwargs or {}
+    node = graph.call_function(target, tuple(args), kwargs)
+    meta_args = fx.node.map_arg((tuple(args), kwargs), lambda n: n.meta.get("val"))
+    if fake_mode is not None:
+        with fake_mode:
+            node.meta["val"] = target(*meta_args[0], **meta_args[1])
+    else:
+        node.meta["val"] = target(*meta_args[0], **meta_args[1])
+    return node
+
+
+def getitem(graph, fake_mode, node, index) -> fx.Node:
+    item = graph.call_function(operator.getitem, (node, index))
+    item.meta["val"] = node.meta["val"][index]
+    return item
+
+
+def cast(graph, fake_mode, node: fx.Node, to: torch.dtype) -> fx.Node:
+    if dtype(node) == to:
+        return node
+    return call(graph, fake_mode, aten._to_copy.default, (node,), {"dtype": to})
+
+
+def last_of(graph: fx.Graph, nodes: Iterable[fx.Node]) -> fx.Node:
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    return max(nodes, key=order.__getitem__)
+
+
+def region_of(outputs: Iterable[fx.Node], interior) -> List[fx.Node]:
+    """The interpreted nodes the outputs are computed from, outputs included."""
+    seen, stack = [], list(outputs)
+    while stack:
+        node = stack.pop()
+        if node in seen or not interior(node):
+            continue
+        seen.append(node)
+        stack.extend(a for a in node.all_input_nodes)
+    return seen
+
+
+def outside_users(region: List[fx.Node], outputs: Iterable[fx.Node]) -> List[fx.Node]:
+    """Interior nodes (not outputs) used by nodes outside the region."""
+    inside, outs = set(region), set(outputs)
+    return [n for n in region if n not in outs and any(u not in inside for u in n.users)]
+
+
+def erase_dead(graph: fx.Graph, nodes: Iterable[fx.Node]) -> List[fx.Node]:
+    """Erase the given nodes that no longer have users, users first."""
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    erased = []
+    for node in sorted(set(nodes), key=order.__getitem__, reverse=True):
+        if not node.users and node.op == "call_function":
+            graph.erase_node(node)
+            erased.append(node)
+    return erased
+
+
+def target_name(target: Any) -> str:
+    return getattr(target, "__name__", str(target))

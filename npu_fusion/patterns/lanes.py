@@ -1,0 +1,454 @@
+"""An exact abstract interpreter for RoPE-like backward subgraphs.
+
+RoPE's backward is bilinear and only moves elements along the last axis, so a
+node's value can be written, for every position ``i`` of its trailing axes, as
+a small polynomial in leaf elements ``leaf[..., p]``. Leading axes never mix:
+every op the interpreter accepts either acts element-wise with PyTorch's
+right-aligned broadcasting or works on the trailing axes only. So two nodes
+whose per-position polynomials are equal compute the same function of their
+leaves, whatever the (possibly symbolic) leading sizes are. That is what makes
+a match a proof rather than a resemblance: signs, split points, which table
+feeds which term and the broadcast axes are all part of the compared value.
+
+Casts between float dtypes count as the identity; the rewrite computes in the
+widest dtype of the operands and casts to the replaced node's dtype.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import operator
+from typing import Dict, List, Optional, Tuple
+
+import torch
+import torch.fx as fx
+
+from .graph_utils import (Provenance, Unsupported, aten, is_value_preserving_cast, meta_value,
+                          normalize_dim, same_shape, shape, static_int, val)
+
+Var = Tuple[int, int]            # (leaf id, flattened position in the leaf's trailing axes)
+Mono = Tuple[Var, ...]           # sorted product of vars; () is the constant monomial
+Poly = Dict[Mono, float]
+
+MAX_DEGREE = 2
+MAX_TERMS = 8
+MAX_LANES = 4096
+
+
+@dataclasses.dataclass
+class Lanes:
+    """A tensor value: ``inner`` are its tracked trailing sizes, ``polys`` one per position."""
+    inner: Tuple[int, ...]
+    polys: List[Poly]
+    #: for a sum over leading axes: (summand node, reduced dims, keepdim), else None
+    reduction: Optional[tuple] = None
+
+    def is_constant(self) -> bool:
+        return all(all(m == () for m in p) for p in self.polys)
+
+
+def _add(a: Poly, b: Poly, scale: float = 1.0) -> Poly:
+    out = dict(a)
+    for m, c in b.items():
+        v = out.get(m, 0.0) + scale * c
+        if v == 0.0:
+            out.pop(m, None)
+        else:
+            out[m] = v
+    if len(out) > MAX_TERMS:
+        raise Unsupported("too many terms")
+    return out
+
+
+def _mul(a: Poly, b: Poly) -> Poly:
+    out: Poly = {}
+    for ma, ca in a.items():
+        for mb, cb in b.items():
+            m = tuple(sorted(ma + mb))
+            if len(m) > MAX_DEGREE:
+                raise Unsupported("degree")
+            v = out.get(m, 0.0) + ca * cb
+            if v == 0.0:
+                out.pop(m, None)
+            else:
+                out[m] = v
+    if len(out) > MAX_TERMS:
+        raise Unsupported("too many terms")
+    return out
+
+
+def _strides(inner):
+    strides, acc = [], 1
+    for size in reversed(inner):
+        strides.append(acc)
+        acc *= size
+    return list(reversed(strides))
+
+
+def _index(inner, flat):
+    out = []
+    for stride in _strides(inner):
+        out.append(flat // stride)
+        flat %= stride
+    return out
+
+
+def _flat(inner, idx):
+    return sum(i * s for i, s in zip(idx, _strides(inner)))
+
+
+def _scalar(x) -> Optional[float]:
+    if isinstance(x, bool):
+        return None
+    if isinstance(x, (int, float)):
+        return float(x)
+    return None
+
+
+def _index_arg(x):
+    """A slice bound; a symbolic one is fine only when it is known to be a constant."""
+    if x is None or isinstance(x, int):
+        return x
+    s = static_int(x)
+    if s is None:
+        raise Unsupported("symbolic slice bound")
+    return s
+
+
+class LaneEvaluator:
+    """Memoized evaluation of nodes into :class:`Lanes`; unknown nodes become leaves."""
+
+    def __init__(self, provenance: Optional[Provenance] = None, forced_leaves=()):
+        self.provenance = provenance
+        self.forced_leaves = set(forced_leaves)
+        self.memo: Dict[fx.Node, Optional[Lanes]] = {}
+        self.interpreted: set = set()
+        self.leaf_ids: Dict[fx.Node, int] = {}
+        self.leaves: List[fx.Node] = []
+
+    # -- leaves -------------------------------------------------------------
+    def leaf_id(self, node: fx.Node) -> int:
+        if node not in self.leaf_ids:
+            self.leaf_ids[node] = len(self.leaves)
+            self.leaves.append(node)
+        return self.leaf_ids[node]
+
+    def _leaf(self, node: fx.Node) -> Optional[Lanes]:
+        if self.provenance is not None and self.provenance.is_forward(node):
+            raise Unsupported("forward node not saved for backward")
+        s, v = shape(node), val(node)
+        if s is None or not s or not v.dtype.is_floating_point:
+            return None
+        d = static_int(s[-1])
+        if d is None or d > MAX_LANES:
+            return None
+        lid = self.leaf_id(node)
+        return Lanes((d,), [{((lid, i),): 1.0} for i in range(d)])
+
+    # -- evaluation ---------------------------------------------------------
+    def value(self, node) -> Optional[Lanes]:
+        if not isinstance(node, fx.Node):
+            raise Unsupported("not a node")
+        if node in self.memo:
+            return self.memo[node]
+        self.memo[node] = None  # cycle guard; graphs are DAGs
+        result = None
+        if self.provenance is not None and self.provenance.is_forward(node):
+            saved = self.provenance.saved_in_backward(node)
+            if saved is not None:
+                result = self.value(saved)
+                self.memo[node] = result
+                return result
+        if node not in self.forced_leaves:
+            definition = node
+            if node.op == "placeholder" and self.provenance is not None:
+                definition = self.provenance.forward_definition(node)
+            if definition is not None and definition.op == "call_function":
+                try:
+                    result = self._interpret(definition)
+                    if definition is node:
+                        self.interpreted.add(node)
+                except Unsupported:
+                    result = None
+                    if self.provenance is not None and self.provenance.is_forward(node):
+                        raise
+        if result is None:
+            result = self._leaf(node)
+        self.memo[node] = result
+        return result
+
+    def _operand(self, arg, out_node) -> Lanes:
+        """An element-wise operand, broadcast to ``out_node``'s trailing sizes."""
+        s = _scalar(arg)
+        out_shape = shape(out_node)
+        if s is not None:
+            d = static_int(out_shape[-1])
+            if d is None:
+                raise Unsupported("dynamic last axis")
+            return Lanes((d,), [({(): s} if s else {}) for _ in range(d)])
+        v = self.value(arg)
+        if v is None or v.reduction is not None:
+            raise Unsupported("operand")
+        return v
+
+    def _broadcast(self, v: Lanes, node_shape, inner) -> Lanes:
+        """Bring v, the value of a tensor shaped ``node_shape``, to trailing sizes ``inner``."""
+        if v.inner == inner:
+            return v
+        if v.is_constant() and all(p == v.polys[0] for p in v.polys):
+            return Lanes(inner, [dict(v.polys[0]) for _ in range(math.prod(inner))])
+        k, own = len(inner), len(v.inner)
+        node_shape = tuple(node_shape)
+        if len(node_shape) < k:
+            node_shape = (1,) * (k - len(node_shape)) + node_shape
+        tail = tuple(static_int(s) for s in node_shape[len(node_shape) - k:])
+        # axes tracked for the output but not for v must be broadcast (size 1) in v's tensor
+        src_inner = (1,) * (k - own) + v.inner
+        if own > k or tail != src_inner or any(s not in (1, i) for s, i in zip(src_inner, inner)):
+            raise Unsupported("broadcast")
+        polys = []
+        for flat in range(math.prod(inner)):
+            idx = _index(inner, flat)
+            src = [0 if sz == 1 else i for i, sz in zip(idx, src_inner)]
+            polys.append(v.polys[_flat(src_inner, src)])
+        return Lanes(inner, polys)
+
+    def _elementwise(self, node, args, combine) -> Lanes:
+        out_shape = shape(node)
+        if out_shape is None or not out_shape:
+            raise Unsupported("no shape")
+        operands = [self._operand(a, node) for a in args]
+        width = max(len(o.inner) for o in operands)
+        inner = tuple(static_int(s) for s in out_shape[len(out_shape) - width:])
+        if len(inner) != width or None in inner:
+            raise Unsupported("inner sizes")
+        shapes = [shape(a) if isinstance(a, fx.Node) else () for a in args]
+        operands = [self._broadcast(o, s if s else out_shape, inner) for o, s in zip(operands, shapes)]
+        return Lanes(inner, [combine(*ps) for ps in zip(*(o.polys for o in operands))])
+
+    def _inner_dim(self, node_in, v: Lanes, dim) -> int:
+        rank = len(shape(node_in))
+        dim = normalize_dim(dim, rank)
+        first = rank - len(v.inner)
+        if dim < first:
+            raise Unsupported("leading-axis op")
+        return dim - first
+
+    def _select_positions(self, v: Lanes, axis: int, picks: List[int]) -> Lanes:
+        inner = list(v.inner)
+        new_inner = tuple(inner[:axis] + [len(picks)] + inner[axis + 1:])
+        polys = []
+        for flat in range(math.prod(new_inner)):
+            idx = _index(new_inner, flat)
+            idx[axis] = picks[idx[axis]]
+            polys.append(v.polys[_flat(v.inner, idx)])
+        return Lanes(new_inner, polys)
+
+    def _scatter(self, base: Lanes, src: Lanes, axis: int, picks: List[int]) -> Lanes:
+        polys = [dict(p) for p in base.polys]
+        for flat in range(math.prod(src.inner)):
+            idx = _index(src.inner, flat)
+            idx[axis] = picks[idx[axis]]
+            polys[_flat(base.inner, idx)] = src.polys[flat]
+        return Lanes(base.inner, polys)
+
+    def _reshape(self, node, v: Lanes) -> Lanes:
+        in_shape, out_shape = shape(node.args[0]), shape(node)
+        lead_in = in_shape[:len(in_shape) - len(v.inner)]
+        total = math.prod(v.inner)
+        for k in range(1, len(out_shape) + 1):
+            tail = [static_int(s) for s in out_shape[len(out_shape) - k:]]
+            if None in tail:
+                break
+            if math.prod(tail) == total and same_shape(out_shape[:len(out_shape) - k], lead_in):
+                return Lanes(tuple(tail), v.polys)
+            if math.prod(tail) > total:
+                break
+        raise Unsupported("reshape crosses leading axes")
+
+    def _interpret(self, node: fx.Node) -> Lanes:
+        t, kw = node.target, node.kwargs
+        # tensors stay nodes; symbolic sizes and indices become their SymInt values
+        args = tuple(a if isinstance(a, fx.Node) and isinstance(val(a), torch.Tensor) else meta_value(a)
+                     for a in node.args)
+        if t in (aten.cat.default, aten.stack.default):
+            args = (list(node.args[0]),) + args[1:]
+        if is_value_preserving_cast(node):
+            v = self.value(args[0])
+            if v is None:
+                raise Unsupported("cast of opaque")
+            return v
+        if t in (aten.add.Tensor, aten.sub.Tensor, aten.add.Scalar, aten.sub.Scalar):
+            alpha = kw.get("alpha", 1)
+            sign = (-1.0 if t in (aten.sub.Tensor, aten.sub.Scalar) else 1.0) * float(alpha)
+            return self._elementwise(node, args[:2], lambda a, b: _add(a, b, sign))
+        if t in (aten.mul.Tensor, aten.mul.Scalar):
+            return self._elementwise(node, args[:2], _mul)
+        if t in (aten.div.Tensor, aten.div.Scalar) and _scalar(args[1]) not in (None, 0.0):
+            inv = 1.0 / _scalar(args[1])
+            return self._elementwise(node, args[:1], lambda a: _add({}, a, inv))
+        if t is aten.neg.default:
+            return self._elementwise(node, args[:1], lambda a: _add({}, a, -1.0))
+        if t is aten.slice.Tensor:
+            v = self._checked(args[0])
+            axis = self._inner_dim(args[0], v, args[1] if len(args) > 1 else 0)
+            size = v.inner[axis]
+            start, end, step = (list(args[2:5]) + [None, None, 1])[:3]
+            start, end, step = (_index_arg(x) for x in (start, end, step))
+            return self._select_positions(v, axis, list(range(size))[slice(start, end, step)])
+        if t is aten.select.int:
+            v = self._checked(args[0])
+            axis = self._inner_dim(args[0], v, args[1])
+            picked = self._select_positions(v, axis, [args[2] % v.inner[axis]])
+            inner = picked.inner[:axis] + picked.inner[axis + 1:]
+            if not inner:
+                raise Unsupported("select removes the last tracked axis")
+            return Lanes(inner, picked.polys)
+        if t is aten.slice_backward.default:
+            grad, sizes, dim, start, end, step = args
+            start, end, step = (_index_arg(x) for x in (start, end, step))
+            v = self._checked(grad)
+            axis = self._inner_dim(grad, v, dim)
+            full = static_int(sizes[normalize_dim(dim, len(sizes))])
+            if full is None or not same_shape(sizes[:len(sizes) - len(v.inner)],
+                                             shape(grad)[:len(sizes) - len(v.inner)]):
+                raise Unsupported("slice_backward sizes")
+            inner = v.inner[:axis] + (full,) + v.inner[axis + 1:]
+            zero = Lanes(inner, [{} for _ in range(math.prod(inner))])
+            return self._scatter(zero, v, axis, list(range(full))[slice(start, end, step)])
+        if t is aten.slice_scatter.default:
+            base, src = self._checked(args[0]), self._checked(args[1])
+            dim = args[2] if len(args) > 2 else kw.get("dim", 0)
+            start = args[3] if len(args) > 3 else kw.get("start")
+            end = args[4] if len(args) > 4 else kw.get("end")
+            step = args[5] if len(args) > 5 else kw.get("step", 1)
+            start, end, step = (_index_arg(x) for x in (start, end, step))
+            axis = self._inner_dim(args[0], base, dim)
+            base = self._broadcast(base, shape(args[0]), base.inner)
+            picks = list(range(base.inner[axis]))[slice(start, end, step)]
+            if src.inner[:axis] + src.inner[axis + 1:] != base.inner[:axis] + base.inner[axis + 1:] or \
+                    src.inner[axis] != len(picks):
+                raise Unsupported("slice_scatter sizes")
+            return self._scatter(base, src, axis, picks)
+        if t in (aten.full.default, aten.zeros.default, aten.full_like.default, aten.zeros_like.default,
+                 aten.new_zeros.default):
+            fill = 0.0 if "zeros" in str(t) else _scalar(args[1])
+            if fill is None:
+                raise Unsupported("fill")
+            d = static_int(shape(node)[-1])
+            if d is None:
+                raise Unsupported("dynamic last axis")
+            return Lanes((d,), [({(): fill} if fill else {}) for _ in range(d)])
+        if t is aten.cat.default:
+            tensors = args[0]
+            dim = args[1] if len(args) > 1 else kw.get("dim", 0)
+            vals = [self._checked(a) for a in tensors]
+            axis = self._inner_dim(tensors[0], vals[0], dim)
+            inner = vals[0].inner
+            if any(len(v.inner) != len(inner) for v in vals):
+                raise Unsupported("cat ranks")
+            total = sum(v.inner[axis] for v in vals)
+            new_inner = inner[:axis] + (total,) + inner[axis + 1:]
+            out = Lanes(new_inner, [{} for _ in range(math.prod(new_inner))])
+            offset = 0
+            for v in vals:
+                if v.inner[:axis] + v.inner[axis + 1:] != inner[:axis] + inner[axis + 1:]:
+                    raise Unsupported("cat sizes")
+                out = self._scatter(out, v, axis, list(range(offset, offset + v.inner[axis])))
+                offset += v.inner[axis]
+            return out
+        if t is aten.stack.default:
+            tensors = args[0]
+            dim = args[1] if len(args) > 1 else kw.get("dim", 0)
+            vals = [self._checked(a) for a in tensors]
+            rank = len(shape(node))
+            dim = normalize_dim(dim, rank)
+            inner = vals[0].inner
+            if any(v.inner != inner for v in vals) or dim < rank - len(inner) - 1:
+                raise Unsupported("stack")
+            axis = dim - (rank - len(inner) - 1)
+            new_inner = inner[:axis] + (len(vals),) + inner[axis:]
+            out = Lanes(new_inner, [{} for _ in range(math.prod(new_inner))])
+            for k, v in enumerate(vals):
+                expanded = Lanes(inner[:axis] + (1,) + inner[axis:], v.polys)
+                out = self._scatter(out, expanded, axis, [k])
+            return out
+        if t in (aten.view.default, aten.reshape.default, aten._unsafe_view.default,
+                 aten.flatten.using_ints, aten.unflatten.int):
+            v = self.value(args[0])
+            if v is None:
+                raise Unsupported("view of opaque")
+            if v.reduction is not None:
+                return self._reduced_view(node, v)
+            return self._reshape(node, v)
+        if t in (aten.squeeze.dims, aten.squeeze.dim, aten.unsqueeze.default):
+            v = self.value(args[0])
+            if v is not None and v.reduction is not None:
+                return self._reduced_view(node, v)
+            if v is None:
+                raise Unsupported("view of opaque")
+            return self._reshape(node, v)
+        if t is aten.expand.default:
+            v = self._checked(args[0])
+            return self._broadcast(v, shape(args[0]), tuple(
+                static_int(s) for s in shape(node)[len(shape(node)) - len(v.inner):]))
+        if t is operator.getitem:
+            return self._getitem(node)
+        if t in (aten.sum.dim_IntList, aten.sum.default):
+            return self._sum(node)
+        raise Unsupported(f"op {t}")
+
+    def _checked(self, arg) -> Lanes:
+        v = self.value(arg) if isinstance(arg, fx.Node) else None
+        if v is None or v.reduction is not None:
+            raise Unsupported("operand")
+        return v
+
+    def _getitem(self, node) -> Lanes:
+        parent, index = node.args
+        if not isinstance(parent, fx.Node) or parent.op != "call_function":
+            raise Unsupported("getitem")
+        t, pargs = parent.target, parent.args
+        v = self._checked(pargs[0])
+        if t is aten.unbind.int:
+            axis = self._inner_dim(pargs[0], v, pargs[1] if len(pargs) > 1 else 0)
+            picked = self._select_positions(v, axis, [index])
+            inner = picked.inner[:axis] + picked.inner[axis + 1:]
+            if not inner:
+                raise Unsupported("unbind removes the last tracked axis")
+            return Lanes(inner, picked.polys)
+        if t in (aten.split.Tensor, aten.split_with_sizes.default, aten.chunk.default):
+            dim = pargs[2] if len(pargs) > 2 else 0
+            axis = self._inner_dim(pargs[0], v, dim)
+            size = v.inner[axis]
+            if t is aten.split_with_sizes.default:
+                sizes = list(pargs[1])
+            elif t is aten.chunk.default:
+                step = -(-size // pargs[1])
+                sizes = [min(step, size - s) for s in range(0, size, step)]
+            else:
+                sizes = [min(pargs[1], size - s) for s in range(0, size, pargs[1])]
+            start = sum(sizes[:index])
+            return self._select_positions(v, axis, list(range(start, start + sizes[index])))
+        raise Unsupported("getitem")
+
+    def _sum(self, node) -> Lanes:
+        src = node.args[0]
+        v = self._checked(src)
+        rank = len(shape(src))
+        dims = node.args[1] if len(node.args) > 1 else None
+        keepdim = node.args[2] if len(node.args) > 2 else node.kwargs.get("keepdim", False)
+        if node.kwargs.get("dtype") is not None or not dims:
+            raise Unsupported("sum")
+        dims = sorted(normalize_dim(d, rank) for d in dims)
+        if any(d >= rank - len(v.inner) for d in dims):
+            raise Unsupported("sum over a tracked axis")
+        return Lanes(v.inner, v.polys, reduction=(src, tuple(dims), bool(keepdim)))
+
+    def _reduced_view(self, node, v: Lanes) -> Lanes:
+        """Unit-axis reshapes after a reduction keep its value; the matcher checks shapes."""
+        def squeezed(s):
+            return [x for x in s if not (static_int(x) == 1)]
+        if not same_shape(squeezed(shape(node)), squeezed(shape(node.args[0]))):
+            raise Unsupported("reshape of a reduction")
+        return v

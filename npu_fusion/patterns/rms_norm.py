@@ -1,0 +1,424 @@
+"""Fuse RMSNorm backward subgraphs into ``npu_fusion.rms_norm_grad``.
+
+Unfused, as AOTAutograd writes the backward of HF ``LlamaRMSNorm``
+(``weight * (x32 * rsqrt(mean(x32**2) + eps)).to(dtype)``)::
+
+    g32    = _to_copy(mul(dy, weight), float32)
+    s      = sum(mul(g32, x32), [-1], keepdim)
+    dvar   = div(expand(mul(mul(s, -0.5), pow(rstd, 3))), D)
+    dx     = _to_copy(add(mul(g32, rstd), mul(dvar, mul(pow(x32, 1), 2))), dtype)
+    dgamma = view(sum(mul(dy, x_hat), leading axes), [D])
+
+Fused::
+
+    dx, dgamma = npu_fusion.rms_norm_grad(dy, x, rstd, gamma)
+
+How a match is found: nodes are evaluated symbolically (sympy) with the
+normalized axes as an abstract index: a leaf is a symbol, ``x_i`` when it spans
+the normalized axes and ``r`` when it is constant along them (``rstd``), and a
+sum over the normalized axes becomes a symbol ``S[monomial]`` after expanding
+its summand. A node is dx when its expression equals, for some leaves,
+``r*dy*g - r**3 * x * S[dy*g*x] / N`` (SPEC section 2), and dgamma when it is
+``dy * x * r`` summed over exactly the leading axes to gamma's shape. Equality is
+algebraic, so eps outside the square root, a wrong exponent or a missing term
+do not match.
+"""
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import math
+from typing import Dict, List, Optional
+
+import sympy
+import torch
+import torch.fx as fx
+
+from ..lowering.constraints import FusedOpInputError, RMS_NORM_DTYPES, check_rms_norm_grad_inputs
+from .graph_utils import (Miss, Provenance, Site, Unsupported, aten, call, cast, dtype, erase_dead,
+                          fake_mode_of, getitem, is_value_preserving_cast, last_of, normalize_dim,
+                          outside_users, region_of, same_shape, shape, static_int, target_name, val)
+
+OP = "rms_norm_grad"
+MAX_OPS = 80
+
+
+@dataclasses.dataclass
+class NormValue:
+    expr: sympy.Expr
+    #: for a sum over leading axes: (summand node, reduced dims), else None
+    lead_sum: Optional[tuple] = None
+
+
+def _scalar(x):
+    if isinstance(x, bool) or not isinstance(x, (int, float)):
+        return None
+    return sympy.nsimplify(x, rational=True) if isinstance(x, float) else sympy.Integer(x)
+
+
+class NormEvaluator:
+    """Memoized symbolic evaluation with the trailing ``len(norm_shape)`` axes abstracted."""
+
+    POLICY_LEAVES = {aten.rsqrt.default}  # rstd is an input of the fused op: keep it a leaf
+
+    def __init__(self, norm_shape, provenance: Optional[Provenance] = None, forced_leaves=()):
+        self.norm_shape = tuple(norm_shape)
+        self.k = len(norm_shape)
+        self.n = math.prod(norm_shape)
+        self.provenance = provenance
+        self.forced_leaves = set(forced_leaves)
+        self.memo: Dict[fx.Node, Optional[NormValue]] = {}
+        self.interpreted = set()
+        self.symbol_of: Dict[fx.Node, sympy.Symbol] = {}
+        self.node_of: Dict[sympy.Symbol, fx.Node] = {}
+        self.varying = set()  # symbols of leaves that span the normalized axes
+        self.sum_keys: Dict[str, sympy.Symbol] = {}
+        self.sum_body: Dict[sympy.Symbol, sympy.Expr] = {}
+
+    def spans(self, s) -> Optional[bool]:
+        """True: the shape spans the normalized axes; False: it is 1 along them; None: neither."""
+        s = tuple(s)
+        tail = s[max(0, len(s) - self.k):]
+        if len(tail) == self.k and tuple(static_int(x) for x in tail) == self.norm_shape:
+            return True
+        if all(static_int(x) == 1 for x in tail):
+            return False
+        return None
+
+    def _leaf(self, node) -> Optional[NormValue]:
+        if self.provenance is not None and self.provenance.is_forward(node):
+            raise Unsupported("forward node not saved for backward")
+        v = val(node)
+        if v is None or not v.dtype.is_floating_point or self.spans(v.shape) is None:
+            return None
+        sym = sympy.Symbol(f"{node.name}#{len(self.symbol_of)}", real=True)
+        self.symbol_of[node], self.node_of[sym] = sym, node
+        if self.spans(v.shape):
+            self.varying.add(sym)
+        return NormValue(sym)
+
+    def value(self, node) -> Optional[NormValue]:
+        if node in self.memo:
+            return self.memo[node]
+        self.memo[node] = None
+        result = None
+        if self.provenance is not None and self.provenance.is_forward(node):
+            saved = self.provenance.saved_in_backward(node)
+            if saved is not None:
+                self.memo[node] = result = self.value(saved)
+                return result
+        if node not in self.forced_leaves:
+            definition = node
+            if node.op == "placeholder" and self.provenance is not None:
+                definition = self.provenance.forward_definition(node)
+            if definition is not None and definition.op == "call_function":
+                try:
+                    result = self._interpret(definition, forward=definition is not node or
+                                             (self.provenance is not None and self.provenance.is_forward(node)))
+                    if definition is node:
+                        self.interpreted.add(node)
+                except Unsupported:
+                    result = None
+                    if self.provenance is not None and self.provenance.is_forward(node):
+                        raise
+        if result is None:
+            result = self._leaf(node)
+        self.memo[node] = result
+        return result
+
+    def _arg(self, arg) -> sympy.Expr:
+        s = _scalar(arg)
+        if s is not None:
+            return s
+        if not isinstance(arg, fx.Node) or val(arg) is None or self.spans(val(arg).shape) is None:
+            raise Unsupported("operand")
+        v = self.value(arg)
+        if v is None or v.lead_sum is not None:
+            raise Unsupported("operand")
+        return v.expr
+
+    def sum_over_normalized(self, expr) -> sympy.Expr:
+        """Sum of ``expr`` over the normalized index, in canonical form."""
+        total = sympy.Integer(0)
+        for term in sympy.Add.make_args(sympy.expand(expr)):
+            const, body = sympy.Integer(1), sympy.Integer(1)
+            for factor in sympy.Mul.make_args(term):
+                if factor.free_symbols & self.varying:
+                    base, _ = factor.as_base_exp()
+                    if base not in self.varying:
+                        raise Unsupported("non-polynomial in a varying leaf")
+                    body *= factor
+                else:
+                    const *= factor
+            if body == 1:
+                total += const * self.n
+                continue
+            key = sympy.srepr(body)
+            if key not in self.sum_keys:
+                sym = sympy.Symbol(f"S[{body}]", real=True)
+                self.sum_keys[key], self.sum_body[sym] = sym, body
+            total += const * self.sum_keys[key]
+        return total
+
+    def _interpret(self, node: fx.Node, forward: bool) -> NormValue:
+        t, args = node.target, node.args
+        out = val(node)
+        if out is None or not out.dtype.is_floating_point:
+            raise Unsupported("not a float tensor")
+        if t in self.POLICY_LEAVES:
+            raise Unsupported("policy leaf")
+        if is_value_preserving_cast(node):
+            v = self.value(args[0])
+            if v is None:
+                raise Unsupported("cast of opaque")
+            return v
+        if self.spans(out.shape) is None and t not in (aten.sum.dim_IntList, aten.view.default,
+                                                       aten.reshape.default, aten._unsafe_view.default):
+            raise Unsupported("shape")
+        binary = {aten.add.Tensor: lambda a, b: a + b, aten.add.Scalar: lambda a, b: a + b,
+                  aten.sub.Tensor: lambda a, b: a - b, aten.sub.Scalar: lambda a, b: a - b,
+                  aten.mul.Tensor: lambda a, b: a * b, aten.mul.Scalar: lambda a, b: a * b,
+                  aten.div.Tensor: lambda a, b: a / b, aten.div.Scalar: lambda a, b: a / b}
+        if t in binary:
+            alpha = node.kwargs.get("alpha", 1)
+            a, b = self._arg(args[0]), self._arg(args[1])
+            if t in (aten.add.Tensor, aten.sub.Tensor):
+                b = b * _scalar(alpha)
+            return self._bounded(binary[t](a, b))
+        if forward:  # saved-tensor provenance: only value-preserving arithmetic, no reductions
+            raise Unsupported("forward op")
+        if t is aten.neg.default:
+            return NormValue(-self._arg(args[0]))
+        if t is aten.pow.Tensor_Scalar and _scalar(args[1]) is not None:
+            return self._bounded(self._arg(args[0]) ** _scalar(args[1]))
+        if t is aten.sqrt.default:
+            return self._bounded(sympy.sqrt(self._arg(args[0])))
+        if t is aten.reciprocal.default:
+            return self._bounded(1 / self._arg(args[0]))
+        if t is aten.expand.default:
+            return NormValue(self._arg(args[0]))
+        if t in (aten.sum.dim_IntList, aten.mean.dim):
+            return self._reduce(node)
+        if t in (aten.view.default, aten.reshape.default, aten._unsafe_view.default):
+            v = self.value(args[0])
+            if v is not None and v.lead_sum is not None:
+                squeezed = lambda s: [x for x in s if static_int(x) != 1]  # noqa: E731
+                if same_shape(squeezed(shape(node)), squeezed(shape(args[0]))):
+                    return v
+            if v is not None and same_shape(shape(node), shape(args[0])):
+                return v
+            raise Unsupported("view")
+        raise Unsupported(f"op {t}")
+
+    def _bounded(self, expr) -> NormValue:
+        if sympy.count_ops(expr) > MAX_OPS:
+            raise Unsupported("expression too large")
+        return NormValue(expr)
+
+    def _reduce(self, node) -> NormValue:
+        src = node.args[0]
+        rank = len(shape(src))
+        dims = node.args[1] if len(node.args) > 1 else None
+        keepdim = node.args[2] if len(node.args) > 2 else node.kwargs.get("keepdim", False)
+        if not dims or node.kwargs.get("dtype") is not None:
+            raise Unsupported("reduction")
+        dims = tuple(sorted(normalize_dim(d, rank) for d in dims))
+        body = self._arg(src)
+        if dims == tuple(range(rank - self.k, rank)) and keepdim and self.spans(shape(src)):
+            total = self.sum_over_normalized(body)
+            if node.target is aten.mean.dim:
+                total = total / self.n
+            return self._bounded(total)
+        if node.target is aten.sum.dim_IntList and all(d < rank - self.k for d in dims):
+            return NormValue(body, lead_sum=(src, dims))
+        raise Unsupported("reduction axes")
+
+
+# -- matching -----------------------------------------------------------------
+
+@dataclasses.dataclass
+class NormMatch:
+    dx: fx.Node
+    dy: fx.Node
+    x: fx.Node
+    rstd: fx.Node
+    gamma: Optional[fx.Node]
+    ev: NormEvaluator
+    dgamma: Optional[fx.Node] = None
+
+
+def expected_dx(ev: NormEvaluator, dy, x, r, g) -> sympy.Expr:
+    return r * dy * g - r ** 3 * x * ev.sum_over_normalized(dy * g * x) / ev.n
+
+
+def _leaves_in(ev: NormEvaluator, expr) -> List[fx.Node]:
+    symbols = set(expr.free_symbols)
+    for sym in list(symbols):
+        if sym in ev.sum_body:
+            symbols |= ev.sum_body[sym].free_symbols
+    return sorted((ev.node_of[s] for s in symbols if s in ev.node_of), key=lambda n: n.name)
+
+
+def match_dx(ev: NormEvaluator, node: fx.Node) -> Optional[NormMatch]:
+    v = ev.memo.get(node)
+    if v is None or v.lead_sum is not None or not ev.spans(shape(node)):
+        return None
+    expr = v.expr
+    if not any(s in ev.sum_body for s in expr.free_symbols):
+        return None
+    leaves = _leaves_in(ev, expr)
+    full = [n for n in leaves if ev.symbol_of[n] in ev.varying and same_shape(shape(n), shape(node))]
+    gammas = [n for n in leaves if ev.symbol_of[n] in ev.varying and len(shape(n)) == ev.k]
+    stats = [n for n in leaves if ev.symbol_of[n] not in ev.varying]
+    expanded = sympy.expand(expr)
+    for r, g, (dy, x) in itertools.product(stats, gammas + [None], itertools.permutations(full, 2)):
+        gs = ev.symbol_of[g] if g is not None else sympy.Integer(1)
+        want = expected_dx(ev, ev.symbol_of[dy], ev.symbol_of[x], ev.symbol_of[r], gs)
+        if sympy.expand(expanded - want) == 0:
+            return NormMatch(node, dy, x, r, g, ev)
+    return None
+
+
+def match_dgamma(ev: NormEvaluator, node: fx.Node, site: NormMatch) -> bool:
+    v = ev.memo.get(node)
+    if v is None or v.lead_sum is None or site.gamma is None:
+        return False
+    summand, dims = v.lead_sum
+    rank = len(shape(summand))
+    want = ev.symbol_of[site.dy] * ev.symbol_of[site.x] * ev.symbol_of[site.rstd]
+    return (same_shape(shape(node), shape(site.gamma)) and same_shape(shape(summand), shape(site.dx))
+            and all(d in dims or static_int(shape(summand)[d]) == 1 for d in range(rank - ev.k))
+            and sympy.expand(v.expr - want) == 0)
+
+
+def _norm_shapes(graph: fx.Graph):
+    """The normalized trailing shapes of the graph's keep-dim reductions."""
+    found = []
+    for node in graph.nodes:
+        if node.op != "call_function" or node.target not in (aten.sum.dim_IntList, aten.mean.dim):
+            continue
+        src = node.args[0]
+        s = shape(src) if isinstance(src, fx.Node) else None
+        keepdim = node.args[2] if len(node.args) > 2 else node.kwargs.get("keepdim", False)
+        if not s or not keepdim or not node.args[1]:
+            continue
+        dims = sorted(normalize_dim(d, len(s)) for d in node.args[1])
+        if dims != list(range(len(s) - len(dims), len(s))):
+            continue
+        tail = tuple(static_int(x) for x in s[len(s) - len(dims):])
+        if None not in tail and tail not in found:
+            found.append(tail)
+    return found
+
+
+def find_sites(graph: fx.Graph, provenance, forced_leaves=()) -> List[NormMatch]:
+    matches = []
+    for norm_shape in _norm_shapes(graph):
+        ev = NormEvaluator(norm_shape, provenance, forced_leaves)
+        nodes = [n for n in graph.nodes if n.op == "call_function" and val(n) is not None
+                 and val(n).dtype.is_floating_point]
+        for n in nodes:
+            ev.value(n)
+        found = [m for m in (match_dx(ev, n) for n in nodes if ev.spans(shape(n))) if m is not None]
+        by_node = {m.dx: m for m in found}
+        same = lambda a, b: (a.dy, a.x, a.rstd, a.gamma) == (b.dy, b.x, b.rstd, b.gamma)  # noqa: E731
+        found = [m for m in found if not (len(m.dx.users) == 1 and next(iter(m.dx.users)) in by_node
+                                          and same(by_node[next(iter(m.dx.users))], m))]
+        for site in found:
+            grads = [n for n in nodes if match_dgamma(ev, n, site)]
+            grads = [n for n in grads if not (len(n.users) == 1 and next(iter(n.users)) in grads)]
+            if len(grads) == 1:
+                site.dgamma = grads[0]
+        matches += found
+    return matches
+
+
+# -- the rewrite --------------------------------------------------------------
+
+def _widened_from(node: fx.Node, to: torch.dtype, provenance: Optional[Provenance]) -> bool:
+    """Whether a saved tensor is a widening cast of a tensor of dtype ``to`` (so narrowing is exact)."""
+    fw = provenance.forward_definition(node) if provenance is not None and node.op == "placeholder" else None
+    return fw is not None and is_value_preserving_cast(fw) and dtype(fw.args[0]) == to
+
+
+def target_problem(target: str, compute: torch.dtype, gamma_dtype: torch.dtype) -> Optional[str]:
+    if target == "950":
+        return "RmsNormGrad is not documented for Ascend 950 (SPEC section 2 products)"
+    if (compute, gamma_dtype) not in RMS_NORM_DTYPES:
+        return f"dtype combination dy/x={compute}, gamma={gamma_dtype} is not in SPEC's table"
+    return None
+
+
+def rewrite(graph: fx.Graph, target: str, provenance: Optional[Provenance] = None):
+    fake_mode = fake_mode_of(graph)
+    sites, misses = [], []
+    for site in find_sites(graph, provenance):
+        outputs = {"dx": site.dx, **({"dgamma": site.dgamma} if site.dgamma is not None else {})}
+        roles = {site.dy, site.x, site.rstd} | ({site.gamma} if site.gamma is not None else set())
+        region = region_of(outputs.values(), lambda n: n in site.ev.interpreted and n not in roles)
+        shared = outside_users(region, outputs.values())
+        if shared:
+            again = [m for m in find_sites(graph, provenance, forced_leaves=shared) if m.dx is site.dx]
+            if not again or again[0].dgamma is not site.dgamma:
+                misses.append(Miss(OP, site.dx.name, f"intermediate {shared[0].name} has a user outside "
+                                                      f"the pattern ({next(iter(shared[0].users)).name})"))
+                continue
+            site = again[0]
+            roles = {site.dy, site.x, site.rstd} | ({site.gamma} if site.gamma is not None else set())
+            region = region_of(outputs.values(), lambda n: n in site.ev.interpreted and n not in roles)
+        done = _emit(graph, fake_mode, site, outputs, region, target, provenance)
+        (misses if isinstance(done, Miss) else sites).append(done)
+    return sites, misses
+
+
+def _emit(graph, fake_mode, site: NormMatch, outputs, region, target, provenance):
+    dy_dtype, x_dtype = dtype(site.dy), dtype(site.x)
+    wide = max(dy_dtype, x_dtype, key=lambda t: torch.finfo(t).bits)
+    compute = dy_dtype if (x_dtype == wide and _widened_from(site.x, dy_dtype, provenance)) else wide
+    gamma_dtype = dtype(site.gamma) if site.gamma is not None else compute
+    problem = target_problem(target, compute, gamma_dtype)
+    if problem is not None:
+        return Miss(OP, site.dx.name, problem)
+    anchor = last_of(graph, [n for n in (site.dy, site.x, site.rstd, site.gamma) if n is not None])
+    before = set(graph.nodes)
+    with graph.inserting_before(anchor.next):
+        dy, x = cast(graph, fake_mode, site.dy, compute), cast(graph, fake_mode, site.x, compute)
+        rstd = cast(graph, fake_mode, site.rstd, torch.float32)
+        gamma = site.gamma
+        if gamma is None:
+            gamma = call(graph, fake_mode, aten.full.default, (list(site.ev.norm_shape), 1.0),
+                         {"dtype": compute, "device": val(site.dy).device})
+        try:
+            with fake_mode if fake_mode is not None else _null():
+                check_rms_norm_grad_inputs(val(dy), val(x), val(rstd), val(gamma))
+        except FusedOpInputError as exc:
+            erase_dead(graph, [n for n in graph.nodes if n not in before])
+            return Miss(OP, site.dx.name, str(exc))
+        fused = call(graph, fake_mode, torch.ops.npu_fusion.rms_norm_grad.default, (dy, x, rstd, gamma))
+        replacements = {}
+        for index, name in enumerate(("dx", "dgamma")):
+            old = outputs.get(name)
+            if old is not None:
+                new = cast(graph, fake_mode, getitem(graph, fake_mode, fused, index), dtype(old))
+                if not same_shape(shape(new), shape(old)):
+                    new = call(graph, fake_mode, aten.view.default, (new, list(shape(old))))
+                replacements[old] = new
+    counts: Dict[str, int] = {}
+    for n in region:
+        counts[target_name(n.target)] = counts.get(target_name(n.target), 0) + 1
+    names = [n.name for n in region]
+    for old, new in replacements.items():
+        old.replace_all_uses_with(new)
+    erase_dead(graph, region)
+    return Site(OP, None, outputs={k: v.name for k, v in outputs.items()},
+                inputs={"dy": site.dy.name, "x": site.x.name, "rstd": site.rstd.name,
+                        **({"gamma": site.gamma.name} if site.gamma is not None else {})},
+                replaced_nodes=names, replaced_targets=counts)
+
+
+class _null:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False

@@ -1,0 +1,409 @@
+"""Fuse RoPE backward subgraphs into ``npu_fusion.rotary_position_embedding_grad``.
+
+Unfused, as AOTAutograd writes the backward of ``q_embed = q * cos + rotate_half(q) * sin``
+(HF ``apply_rotary_pos_emb``), for each of q and k::
+
+    t     = mul(dy, sin)
+    a, b  = slice(t, -1, 0, D/2), slice(t, -1, D/2, D)
+    r     = slice_backward(neg(a), .., D/2, D) + slice_backward(b, .., 0, D/2)
+    dx    = add(r, mul(dy, cos))                       # also full + slice_scatter forms
+    dcos  = sum(mul(dy, x), broadcast dims)            # when cos/sin require grad
+    dsin  = sum(mul(dy, rotate_half(x)), broadcast dims)
+
+Fused::
+
+    dx, dcos, dsin = npu_fusion.rotary_position_embedding_grad(dy, cos, sin, x?, mode)
+
+How a match is found: every node is evaluated by :class:`~.lanes.LaneEvaluator`
+into exact per-position polynomials of its leaves. A node is a ``dx`` when its
+polynomials equal SPEC's formula for some mode and some leaves playing dy, cos
+and sin; a node is a ``dcos``/``dsin`` of that site when it equals the
+broadcast-reduced ``dy * x`` / ``dy * rotate(x)`` with the same dy. Equality of
+those polynomials is equality of the functions, so near misses (a wrong sign, a
+wrong split point, a swapped table) simply do not match.
+"""
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from typing import Dict, List, Optional, Tuple
+
+import torch
+import torch.fx as fx
+
+from ..lowering.constraints import FLOAT_DTYPES, ROPE_MODES, rope_divisor
+from .graph_utils import (Miss, Provenance, Site, call, cast, dtype, erase_dead, fake_mode_of, getitem,
+                          last_of, outside_users, region_of, same_shape, same_size, shape, static_int,
+                          target_name)
+from .lanes import Lanes, LaneEvaluator, MAX_LANES
+
+OP = "rotary_position_embedding_grad"
+Role = Tuple[int, int]  # (leaf id, offset of the role's first position in the leaf's last axis)
+
+
+# -- SPEC section 1, position by position -------------------------------------
+
+def dx_terms(mode: int, d: int):
+    """For each position i of dx: [(coef, dy position, table, table position)]."""
+    h, q = d // 2, d // 4
+    out = []
+    for i in range(d):
+        if mode == 0:
+            other = (1.0, i + h) if i < h else (-1.0, i - h)
+        elif mode == 1:
+            other = (1.0, i + 1) if i % 2 == 0 else (-1.0, i - 1)
+        elif mode == 2:
+            other = (1.0, i + q) if (i // q) % 2 == 0 else (-1.0, i - q)
+        else:
+            j = i // 2
+            if i % 2 == 0:
+                out.append([(1.0, j, "cos", j), (1.0, j + h, "sin", j + h)])
+            else:
+                out.append([(1.0, j + h, "cos", j + h), (-1.0, j, "sin", j)])
+            continue
+        out.append([(1.0, i, "cos", i), (other[0], other[1], "sin", other[1])])
+    return out
+
+
+def table_terms(mode: int, d: int, which: str):
+    """For each position i of dcos's (``which="cos"``) or dsin's summand: (coef, x position)."""
+    h, q = d // 2, d // 4
+    out = []
+    for i in range(d):
+        if which == "cos":
+            out.append((1.0, i) if mode != 3 else ((1.0, 2 * i) if i < h else (1.0, 2 * (i - h) + 1)))
+        elif mode == 0:
+            out.append((-1.0, i + h) if i < h else (1.0, i - h))
+        elif mode == 1:
+            out.append((-1.0, i + 1) if i % 2 == 0 else (1.0, i - 1))
+        elif mode == 2:
+            out.append((-1.0, i + q) if (i // q) % 2 == 0 else (1.0, i - q))
+        else:
+            out.append((-1.0, 2 * i + 1) if i < h else (1.0, 2 * (i - h)))
+    return out
+
+
+def _mono(a, b):
+    return tuple(sorted((a, b)))
+
+
+def expected_dx(mode: int, d: int, dy: Role, cos: Role, sin: Role):
+    roles = {"cos": cos, "sin": sin}
+    return [{_mono((dy[0], dy[1] + yp), (roles[t][0], roles[t][1] + tp)): c for c, yp, t, tp in lane}
+            for lane in dx_terms(mode, d)]
+
+
+def expected_table(mode: int, d: int, which: str, dy: Role, x: Role):
+    return [{_mono((dy[0], dy[1] + i), (x[0], x[1] + xp)): c}
+            for i, (c, xp) in enumerate(table_terms(mode, d, which))]
+
+
+def _polys_equal(a, b) -> bool:
+    if len(a) != len(b):
+        return False
+    for pa, pb in zip(a, b):
+        if pa.keys() != pb.keys() or any(abs(pa[k] - pb[k]) > 1e-9 for k in pa):
+            return False
+    return True
+
+
+# -- per-target constraints (SPEC section 1) ----------------------------------
+
+def _lt(a, b) -> bool:
+    from torch.fx.experimental.symbolic_shapes import statically_known_true
+    return bool(statically_known_true(a < b)) if not (isinstance(a, int) and isinstance(b, int)) else a < b
+
+
+def _a2_layout_ok(mode: int, dy_shape, cos_shape, with_x: bool) -> Optional[str]:
+    d0, d1, d2 = dy_shape[:3]
+    layouts = {  # name: (B, N, S, allowed cos leading shapes and their extra condition)
+        "BNSD": (d0, d1, d2, [((1, 1, d2), True), ((d0, 1, d2), "B<S"), ((d0, d1, d2), True)]),
+        "BSND": (d0, d2, d1, [((1, d1, 1), True), ((d0, d1, 1), "B<S"), ((d0, d1, d2), True)]),
+        "SBND": (d1, d2, d0, [((d0, 1, 1), True), ((d0, d1, 1), True), ((d0, d1, d2), True)]),
+    }
+    for name, (b, n, s, allowed) in layouts.items():
+        if mode == 1:
+            allowed = allowed[:1]
+        for lead, cond in allowed:
+            if not same_shape(tuple(cos_shape[:3]), lead):
+                continue
+            if cond == "B<S" and not _lt(b, s):
+                continue
+            if mode == 0 and not (_lt(b, 1000) and _lt(n, 1000) and (not with_x or _lt(b * n, 1025))):
+                return f"A2/A3 half mode needs B < 1000, N < 1000 and (with x) B*N <= 1024 ({name})"
+            if mode == 1 and not _lt(b * n, 1000):
+                return f"A2/A3 interleave mode needs B*N < 1000 ({name})"
+            return None
+    return (f"A2/A3 support cos/sin shapes 11SD/B1SD/BNSD, 1S1D/BS1D/BSND, S11D/SB1D/SBND (half) or "
+            f"11SD/1S1D/S11D (interleave); got dy {list(dy_shape)}, cos {list(cos_shape)}")
+
+
+def target_problem(target: str, mode: int, dy_node, cos_node, with_x: bool, compute_dtype) -> Optional[str]:
+    """Why ``target`` cannot run this site, or None."""
+    if compute_dtype not in FLOAT_DTYPES:
+        return f"dtype {compute_dtype} is not float16, bfloat16 or float32"
+    dy_shape, cos_shape = shape(dy_node), shape(cos_node)
+    d = static_int(dy_shape[-1])
+    if target == "generic":
+        return None
+    if target == "950":
+        if d > 1024:
+            return f"Ascend 950 needs D <= 1024, got {d}"
+        if len(dy_shape) not in (3, 4):
+            return f"Ascend 950 supports dy layouts BNSD, BSND, SBND and TND, got rank {len(dy_shape)}"
+        if len(dy_shape) == 3 and not (len(cos_shape) == 3 and same_size(cos_shape[0], dy_shape[0])
+                                       and (static_int(cos_shape[1]) == 1 or same_size(cos_shape[1], dy_shape[1]))):
+            return "Ascend 950 with TND dy supports cos/sin T1D and TND only"
+        return None
+    if mode not in (0, 1):
+        return f"mode {mode} ({ROPE_MODES[mode]}) runs only on Ascend 950"
+    if d >= 896:
+        return f"A2/A3 need D < 896, got {d}"
+    if len(dy_shape) != 4 or len(cos_shape) != 4:
+        return "A2/A3 need 4-D dy and cos/sin (layouts BNSD, BSND, SBND)"
+    return _a2_layout_ok(mode, dy_shape, cos_shape, with_x)
+
+
+# -- matching -----------------------------------------------------------------
+
+@dataclasses.dataclass
+class RopeMatch:
+    mode: int
+    dx: fx.Node
+    dy: Role
+    cos: Role
+    sin: Role
+    dcos: Optional[fx.Node] = None
+    dsin: Optional[fx.Node] = None
+    x: Optional[Role] = None
+
+    @property
+    def key(self):
+        return (self.mode, self.dy, self.cos, self.sin)
+
+
+def _offsets(v: Lanes, lid: int) -> int:
+    return min(p for poly in v.polys for mono in poly for (l, p) in mono if l == lid)
+
+
+def match_dx(ev: LaneEvaluator, node: fx.Node) -> Optional[RopeMatch]:
+    v = ev.memo.get(node)
+    if v is None or v.reduction is not None or len(v.inner) != 1:
+        return None
+    d = v.inner[0]
+    if d < 2 or d % 2:
+        return None
+    if any(len(p) != 2 or any(len(m) != 2 for m in p) for p in v.polys):
+        return None
+    first = v.polys[0]
+    common = set.intersection(*({l for l, _ in m} for poly in v.polys[:1] + v.polys[-1:] for m in poly))
+    for dy_lid in sorted(common):
+        tables = sorted({l for m in first for l, _ in m if l != dy_lid})
+        if len(tables) != 2:
+            continue
+        dy = (dy_lid, _offsets(v, dy_lid))
+        for cos_lid, sin_lid in itertools.permutations(tables):
+            cos, sin = (cos_lid, _offsets(v, cos_lid)), (sin_lid, _offsets(v, sin_lid))
+            for mode in ROPE_MODES:
+                if d % rope_divisor(mode) == 0 and _polys_equal(v.polys, expected_dx(mode, d, dy, cos, sin)):
+                    return RopeMatch(mode, node, dy, cos, sin)
+    return None
+
+
+def match_table(ev: LaneEvaluator, node: fx.Node, site: RopeMatch, which: str) -> Optional[Role]:
+    """x's role when ``node`` is the site's dcos (``which="cos"``) or dsin, else None."""
+    v = ev.memo.get(node)
+    d = site_width(ev, site)
+    if v is None or v.inner != (d,) or any(len(p) != 1 for p in v.polys):
+        return None
+    mono = next(iter(v.polys[0]))
+    if len(mono) != 2:
+        return None
+    others = [var for var in mono if var != (site.dy[0], site.dy[1])]
+    if len(others) != 1:
+        return None
+    x_lid = others[0][0]
+    x = (x_lid, _offsets(v, x_lid))
+    if not _polys_equal(v.polys, expected_table(site.mode, d, which, site.dy, x)):
+        return None
+    table = ev.leaves[(site.cos if which == "cos" else site.sin)[0]]
+    if not _reduces_to(node, v, ev.leaves[site.dy[0]], table):
+        return None
+    return x
+
+
+def site_width(ev: LaneEvaluator, site: RopeMatch) -> int:
+    return ev.memo[site.dx].inner[0]
+
+
+def _reduces_to(node: fx.Node, v: Lanes, dy_node: fx.Node, table: fx.Node) -> bool:
+    """The node's shape is the table's, and it sums exactly over the axes the table was broadcast on."""
+    out, table_shape, dy_shape = shape(node), shape(table), shape(dy_node)
+    if not same_shape(out, table_shape):
+        return False
+    if v.reduction is None:
+        return same_shape(out, dy_shape)
+    summand, dims, keepdim = v.reduction
+    s = shape(summand)
+    if not same_shape(s, dy_shape):
+        return False
+    kept = [1 if i in dims else size for i, size in enumerate(s)]
+    padded = (1,) * (len(s) - len(table_shape)) + tuple(table_shape)
+    return same_shape(kept, padded)
+
+
+# -- the pass -----------------------------------------------------------------
+
+def _candidates(graph: fx.Graph):
+    for node in graph.nodes:
+        if node.op != "call_function":
+            continue
+        s, dt = shape(node), dtype(node)
+        if not s or dt is None or not dt.is_floating_point:
+            continue
+        d = static_int(s[-1])
+        if d is not None and 2 <= d <= MAX_LANES:
+            yield node
+
+
+def _outermost(matches: List[RopeMatch], same) -> List[RopeMatch]:
+    """Drop a match whose only user is another match of the same site (a cast, a view)."""
+    by_node = {m.dx: m for m in matches}
+    kept = []
+    for m in matches:
+        users = list(m.dx.users)
+        if len(users) == 1 and users[0] in by_node and same(by_node[users[0]], m):
+            continue
+        kept.append(m)
+    return kept
+
+
+def find_sites(graph: fx.Graph, provenance: Optional[Provenance], forced_leaves=()):
+    ev = LaneEvaluator(provenance, forced_leaves)
+    nodes = list(_candidates(graph))
+    for node in nodes:
+        ev.value(node)
+    matches = [m for m in (match_dx(ev, n) for n in nodes) if m is not None]
+    matches = _outermost(matches, lambda a, b: a.key == b.key)
+    for site in matches:
+        tables: Dict[str, List[Tuple[fx.Node, Role]]] = {"cos": [], "sin": []}
+        for node in nodes:
+            for which in ("cos", "sin"):
+                x = match_table(ev, node, site, which)
+                if x is not None:
+                    tables[which].append((node, x))
+        for which, found in tables.items():
+            found = [(n, x) for n, x in found
+                     if not (len(n.users) == 1 and next(iter(n.users)) in {f for f, _ in found})]
+            if len(found) == 1:
+                setattr(site, "d" + which, found[0][0])
+                if site.x is None:
+                    site.x = found[0][1]
+                elif site.x != found[0][1]:
+                    setattr(site, "d" + which, None)
+    return ev, matches
+
+
+def _role_node(graph, fake_mode, ev: LaneEvaluator, role: Role, width: int) -> fx.Node:
+    """The leaf, sliced to the role's positions when the site covers part of its last axis."""
+    leaf = ev.leaves[role[0]]
+    full = static_int(shape(leaf)[-1])
+    if role[1] == 0 and width == full:
+        return leaf
+    return call(graph, fake_mode, torch.ops.aten.slice.Tensor, (leaf, -1, role[1], role[1] + width))
+
+
+def rewrite(graph: fx.Graph, target: str, provenance: Optional[Provenance] = None):
+    """Rewrite every RoPE backward site in ``graph``; returns (sites, misses)."""
+    fake_mode = fake_mode_of(graph)
+    sites: List[Site] = []
+    misses: List[Miss] = []
+    ev, matches = find_sites(graph, provenance)
+    for site in matches:
+        outputs = {k: n for k, n in (("dx", site.dx), ("dcos", site.dcos), ("dsin", site.dsin)) if n is not None}
+        role_leaves = {ev.leaves[r[0]] for r in (site.dy, site.cos, site.sin, site.x) if r is not None}
+
+        def interior(n, ev=ev, role_leaves=role_leaves):
+            return n in ev.interpreted and n not in role_leaves
+
+        region = region_of(outputs.values(), interior)
+        shared = outside_users(region, outputs.values())
+        if shared:
+            # Look again with the shared intermediates as leaves: a cast shared with
+            # another consumer is harmless, a shared partial product is a near miss.
+            ev2, again = find_sites(graph, provenance, forced_leaves=shared)
+            again = [m for m in again if m.dx is site.dx and m.mode == site.mode]
+            if not again or not _same_tables(site, again[0]):
+                misses.append(Miss(OP, site.dx.name, f"intermediate {shared[0].name} has a user "
+                                                      f"outside the pattern ({next(iter(shared[0].users)).name})"))
+                continue
+            ev, site = ev2, again[0]
+            role_leaves = {ev.leaves[r[0]] for r in (site.dy, site.cos, site.sin, site.x) if r is not None}
+            region = region_of(outputs.values(), lambda n: n in ev.interpreted and n not in role_leaves)
+            if outside_users(region, outputs.values()):
+                misses.append(Miss(OP, site.dx.name, "intermediates have users outside the pattern"))
+                continue
+        done = _emit(graph, fake_mode, ev, site, outputs, region, target)
+        if isinstance(done, Miss):
+            misses.append(done)
+        else:
+            sites.append(done)
+    return sites, misses
+
+
+def _same_tables(a: RopeMatch, b: RopeMatch) -> bool:
+    return (a.dcos is b.dcos) and (a.dsin is b.dsin)
+
+
+def _emit(graph, fake_mode, ev, site: RopeMatch, outputs, region, target):
+    width = ev.memo[site.dx].inner[0]
+    dy_leaf, cos_leaf, sin_leaf = (ev.leaves[r[0]] for r in (site.dy, site.cos, site.sin))
+    x_leaf = ev.leaves[site.x[0]] if site.x is not None else None
+    role_dtypes = [dtype(n) for n in (dy_leaf, cos_leaf, sin_leaf, x_leaf) if n is not None]
+    compute = max(role_dtypes, key=lambda t: torch.finfo(t).bits)
+    if width != static_int(shape(dy_leaf)[-1]) or site.dy[1]:
+        dy_shape_ok = same_shape(shape(dy_leaf)[:-1], shape(site.dx)[:-1])
+    else:
+        dy_shape_ok = same_shape(shape(dy_leaf), shape(site.dx))
+    if not dy_shape_ok:
+        return Miss(OP, site.dx.name, f"dy {dy_leaf.name} is broadcast to dx's shape")
+    if not same_shape(shape(cos_leaf)[:-1], shape(sin_leaf)[:-1]):
+        return Miss(OP, site.dx.name, f"cos {list(shape(cos_leaf))} and sin {list(shape(sin_leaf))} "
+                                      f"have different shapes")
+    anchor = last_of(graph, [n for n in (dy_leaf, cos_leaf, sin_leaf, x_leaf) if n is not None])
+    before = set(graph.nodes)
+    with graph.inserting_before(anchor.next):
+        dy, cos, sin = (cast(graph, fake_mode, _role_node(graph, fake_mode, ev, r, width), compute)
+                        for r in (site.dy, site.cos, site.sin))
+        x = None
+        if site.x is not None:
+            x = cast(graph, fake_mode, _role_node(graph, fake_mode, ev, site.x, width), compute)
+        problem = target_problem(target, site.mode, dy, cos, x is not None, compute)
+        if problem is None and x is not None and not same_shape(shape(x), shape(dy)):
+            problem = f"x {list(shape(x))} and dy {list(shape(dy))} have different shapes"
+        if problem is not None:
+            erase_dead(graph, [n for n in graph.nodes if n not in before])
+            return Miss(OP, site.dx.name, problem)
+        fused = call(graph, fake_mode, torch.ops.npu_fusion.rotary_position_embedding_grad.default,
+                     (dy, cos, sin, x, site.mode))
+        replacements = {}
+        for index, name in enumerate(("dx", "dcos", "dsin")):
+            old = outputs.get(name)
+            if old is None:
+                continue
+            new = cast(graph, fake_mode, getitem(graph, fake_mode, fused, index), dtype(old))
+            if not same_shape(shape(new), shape(old)):
+                new = call(graph, fake_mode, torch.ops.aten.view.default, (new, list(shape(old))))
+            replacements[old] = new
+    counts: Dict[str, int] = {}
+    for n in region:
+        counts[target_name(n.target)] = counts.get(target_name(n.target), 0) + 1
+    names = [n.name for n in region]
+    for old, new in replacements.items():
+        old.replace_all_uses_with(new)
+    erase_dead(graph, region)
+    return Site(OP, ROPE_MODES[site.mode],
+                outputs={k: v.name for k, v in outputs.items()},
+                inputs={"dy": dy_leaf.name, "cos": cos_leaf.name, "sin": sin_leaf.name,
+                        **({"x": x_leaf.name} if x_leaf is not None else {})},
+                replaced_nodes=names, replaced_targets=counts)

@@ -1,0 +1,69 @@
+"""The ``npu_fusion`` torch.compile backend.
+
+``torch.compile(model, backend="npu_fusion", options={...})``. On an Ascend host
+with torchair it compiles through torchair with the pass installed; elsewhere it
+runs AOTAutograd with the pass on each backward graph, and the fused ops run on
+their reference kernels.
+"""
+from __future__ import annotations
+
+import importlib.util
+from typing import Any, Dict, Optional
+
+import torch
+from torch._dynamo.backends.common import aot_autograd
+from torch._functorch.aot_autograd import make_boxed_func
+
+from .options import FusionOptions
+from .pass_manager import fuse_backward
+
+
+def _on_npu_host() -> bool:
+    if importlib.util.find_spec("torch_npu") is None or importlib.util.find_spec("torchair") is None:
+        return False
+    try:
+        import torch_npu  # noqa: F401
+
+        return bool(torch.npu.is_available())
+    except Exception:
+        return False
+
+
+def _partition_fn(name: str):
+    from torch._functorch import partitioners
+
+    return {"default": partitioners.default_partition,
+            "min_cut": partitioners.min_cut_rematerialization_partition}[name]
+
+
+def _decompositions(name: str):
+    if name == "core":
+        from torch._decomp import core_aten_decompositions
+
+        return core_aten_decompositions()
+    return {}
+
+
+def npu_fusion_backend(gm: torch.fx.GraphModule, example_inputs, options: Optional[Dict[str, Any]] = None):
+    opts = FusionOptions.from_mapping(options)
+    if _on_npu_host():
+        import torchair
+
+        from .torchair import install
+
+        config = install(torchair.CompilerConfig(), **(options or {}))
+        return torchair.get_npu_backend(compiler_config=config)(gm, example_inputs)
+
+    forward_graphs = []
+
+    def fw_compiler(fw_gm, _inputs):
+        forward_graphs.append(fw_gm.graph)
+        return make_boxed_func(fw_gm.forward)
+
+    def bw_compiler(bw_gm, _inputs):
+        fuse_backward(bw_gm, opts, forward=forward_graphs[-1] if forward_graphs else None)
+        return make_boxed_func(bw_gm.forward)
+
+    return aot_autograd(fw_compiler=fw_compiler, bw_compiler=bw_compiler,
+                        partition_fn=_partition_fn(opts.partitioner),
+                        decompositions=_decompositions(opts.decompositions))(gm, example_inputs)

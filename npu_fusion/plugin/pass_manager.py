@@ -1,0 +1,139 @@
+"""The npu-fusion pass: run the pattern rewrites on a backward FX graph.
+
+:func:`fuse_backward` is the one entry point; the ``npu_fusion`` backend and the
+torchair hook both call it. It works on a copy of the graph and swaps the copy in
+only when every rewrite succeeded, so an internal error leaves the graph exactly
+as it was (or raises, with ``strict=True``).
+"""
+from __future__ import annotations
+
+import copy
+import dataclasses
+import time
+from typing import Any, Dict, List, Mapping, Optional, Union
+
+import torch
+import torch.fx as fx
+
+from ..patterns import rms_norm as rms_norm_patterns
+from ..patterns import rope as rope_patterns
+from ..patterns.graph_utils import Miss, Provenance, Site
+from .logs import log
+from .options import FusionOptions
+
+COUNTER = "npu_fusion"
+
+
+@dataclasses.dataclass
+class FusionResult:
+    """What one run of the pass did to one graph."""
+    target: str
+    sites: List[Site] = dataclasses.field(default_factory=list)
+    misses: List[Miss] = dataclasses.field(default_factory=list)
+    error: Optional[str] = None
+    seconds: float = 0.0
+    nodes_before: int = 0
+    nodes_after: int = 0
+
+    def fused(self, op: str) -> int:
+        return sum(1 for s in self.sites if s.op == op)
+
+    def as_dict(self) -> Dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+#: every result of this process, newest last (the report reads it)
+HISTORY: List[FusionResult] = []
+
+# Forward graphs seen by the torchair hook, by dynamo compile id, so the backward
+# pass of the same compilation can see what its saved tensors were.
+_FORWARD_BY_COMPILE: Dict[Any, fx.Graph] = {}
+
+
+def _compile_id():
+    try:
+        from torch._guards import CompileContext
+
+        return CompileContext.current_compile_id()
+    except Exception:
+        return None
+
+
+def is_backward_graph(gm: fx.GraphModule) -> bool:
+    return any(n.op == "placeholder" and n.name.startswith("tangents") for n in gm.graph.nodes)
+
+
+def remember_forward(gm: fx.GraphModule) -> None:
+    key = _compile_id()
+    if key is not None:
+        _FORWARD_BY_COMPILE[key] = gm.graph
+
+
+def forward_for(gm: fx.GraphModule) -> Optional[fx.Graph]:
+    key = _compile_id()
+    return _FORWARD_BY_COMPILE.get(key) if key is not None else None
+
+
+def fuse_backward(gm: fx.GraphModule, options: Union[FusionOptions, Mapping, None] = None,
+                  forward: Optional[fx.Graph] = None) -> FusionResult:
+    """Rewrite RoPE and RMSNorm backward subgraphs of ``gm`` in place.
+
+    ``forward``, the forward graph of the same partition, is optional; with it the
+    pass can see through saved tensors (``rotate_half(q)``, the normalized input)
+    and fuse their consumers too. Returns a :class:`FusionResult`.
+    """
+    if not isinstance(options, FusionOptions):
+        options = FusionOptions.from_mapping(options)
+    target = options.resolved_target()
+    result = FusionResult(target=target, nodes_before=len(gm.graph.nodes))
+    start = time.perf_counter()
+    if options.dump_graphs:
+        log.info("npu_fusion: backward graph before the pass:\n%s", gm.graph)
+    try:
+        graph = copy.deepcopy(gm.graph)
+        provenance = Provenance(forward, graph)
+        if options.rms_norm:
+            sites, misses = rms_norm_patterns.rewrite(graph, target, provenance)
+            result.sites += sites
+            result.misses += misses
+        if options.rope:
+            sites, misses = rope_patterns.rewrite(graph, target, provenance)
+            result.sites += sites
+            result.misses += misses
+        graph.lint()
+        if result.sites:
+            gm.graph = graph
+            gm.recompile()
+    except Exception as exc:  # the pass never makes a graph wrong: keep the original
+        if options.strict:
+            raise
+        result.error = f"{type(exc).__name__}: {exc}"
+        result.sites, result.misses = [], []
+        log.warning("npu_fusion: pass failed, graph left unchanged: %s", result.error, exc_info=True)
+    result.seconds = time.perf_counter() - start
+    result.nodes_after = len(gm.graph.nodes)
+    counters = torch._dynamo.utils.counters[COUNTER]
+    for site in result.sites:
+        counters[site.op] += 1
+        log.info("npu_fusion: fused %s (%s) replacing %d nodes %s", site.op, site.mode or "-",
+                 len(site.replaced_nodes), site.outputs)
+    for miss in result.misses:
+        counters[f"{miss.op}_missed"] += 1
+        log.info("npu_fusion: left %s at %s unfused: %s", miss.op, miss.node, miss.reason)
+    if options.dump_graphs:
+        log.info("npu_fusion: backward graph after the pass:\n%s", gm.graph)
+    HISTORY.append(result)
+    return result
+
+
+def make_torchair_pass(options: Union[FusionOptions, Mapping, None] = None):
+    """A ``post_grad_custom_pre_pass`` for torchair: ``fn(gm, example_inputs, config)``."""
+    options = options if isinstance(options, FusionOptions) else FusionOptions.from_mapping(options)
+
+    def npu_fusion_pass(gm, example_inputs=None, config=None):
+        if is_backward_graph(gm):
+            fuse_backward(gm, options, forward=forward_for(gm))
+        else:
+            remember_forward(gm)
+
+    return npu_fusion_pass
