@@ -34,6 +34,8 @@ from __future__ import annotations
 import importlib.util
 import logging
 import sys
+import types
+
 import torch
 
 from . import rms_norm, rope  # noqa: F401  (the ops must exist before their converters)
@@ -48,12 +50,18 @@ RMS_NORM_GRAD_IR = "RmsNormGrad"
 
 
 def _torchair_available() -> bool:
-    if "torchair" in sys.modules:
-        return True
+    """Whether a real torchair package is importable (a bare ``torchair/``
+    directory on sys.path, a namespace package, does not count)."""
+    module = sys.modules.get("torchair")
+    if module is not None:
+        if isinstance(module, types.ModuleType):
+            return getattr(module, "__file__", None) is not None
+        return True  # torch_npu's lazy proxy: importing from it loads torchair
     try:
-        return importlib.util.find_spec("torchair") is not None
+        spec = importlib.util.find_spec("torchair")
     except (ImportError, ValueError):
         return False
+    return spec is not None and spec.origin not in (None, "namespace")
 
 
 def _make_ir_builders():

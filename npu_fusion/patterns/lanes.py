@@ -105,6 +105,10 @@ def _scalar(x) -> Optional[float]:
     return None
 
 
+def _degree(v: Lanes) -> int:
+    return max((len(m) for p in v.polys for m in p), default=0)
+
+
 def _index_arg(x):
     """A slice bound; a symbolic one is fine only when it is known to be a constant."""
     if x is None or isinstance(x, int):
@@ -281,6 +285,9 @@ class LaneEvaluator:
         if t in (aten.add.Tensor, aten.sub.Tensor, aten.add.Scalar, aten.sub.Scalar):
             alpha = kw.get("alpha", 1)
             sign = (-1.0 if t in (aten.sub.Tensor, aten.sub.Scalar) else 1.0) * float(alpha)
+            if t in (aten.add.Tensor, aten.sub.Tensor) and all(
+                    isinstance(a, fx.Node) and _degree(self._checked(a)) <= 1 for a in args[:2]):
+                raise Unsupported("gradient accumulation: the sum is an input of the pattern")
             return self._elementwise(node, args[:2], lambda a, b: _add(a, b, sign))
         if t in (aten.mul.Tensor, aten.mul.Scalar):
             return self._elementwise(node, args[:2], _mul)

@@ -40,7 +40,7 @@ from .graph_utils import (Miss, Provenance, Site, Unsupported, aten, call, cast,
                           outside_users, region_of, same_shape, shape, static_int, target_name, val)
 
 OP = "rms_norm_grad"
-MAX_OPS = 80
+MAX_SYMBOLS = 8
 
 
 @dataclasses.dataclass
@@ -182,6 +182,8 @@ class NormEvaluator:
         if t in binary:
             alpha = node.kwargs.get("alpha", 1)
             a, b = self._arg(args[0]), self._arg(args[1])
+            if t in (aten.add.Tensor, aten.sub.Tensor) and not forward and self._is_accumulation(a, b):
+                raise Unsupported("gradient accumulation: the sum is an input of the pattern")
             if t in (aten.add.Tensor, aten.sub.Tensor):
                 b = b * _scalar(alpha)
             return self._bounded(binary[t](a, b))
@@ -210,8 +212,15 @@ class NormEvaluator:
             raise Unsupported("view")
         raise Unsupported(f"op {t}")
 
+    def _is_accumulation(self, a, b) -> bool:
+        """Two tensors added with no normalization statistic in either: upstream gradients."""
+        stats = lambda e: any(s not in self.varying for s in e.free_symbols)  # noqa: E731
+        return not isinstance(a, sympy.Number) and not isinstance(b, sympy.Number) and not (stats(a) or stats(b))
+
     def _bounded(self, expr) -> NormValue:
-        if sympy.count_ops(expr) > MAX_OPS:
+        # RMSNorm's backward involves dy, x, gamma, rstd and one sum: anything with many
+        # more leaves is some other computation, and expanding it would only cost time.
+        if len(expr.free_symbols) > MAX_SYMBOLS:
             raise Unsupported("expression too large")
         return NormValue(expr)
 
@@ -260,18 +269,33 @@ def _leaves_in(ev: NormEvaluator, expr) -> List[fx.Node]:
 
 
 def match_dx(ev: NormEvaluator, node: fx.Node) -> Optional[NormMatch]:
+    """Read the roles off the two terms of ``r*dy*g - r**3*x*S[dy*g*x]/N``, then check equality."""
     v = ev.memo.get(node)
     if v is None or v.lead_sum is not None or not ev.spans(shape(node)):
         return None
-    expr = v.expr
-    if not any(s in ev.sum_body for s in expr.free_symbols):
+    sums = {s for s in v.expr.free_symbols if s in ev.sum_body}
+    if len(sums) != 1:
         return None
-    leaves = _leaves_in(ev, expr)
-    full = [n for n in leaves if ev.symbol_of[n] in ev.varying and same_shape(shape(n), shape(node))]
-    gammas = [n for n in leaves if ev.symbol_of[n] in ev.varying and len(shape(n)) == ev.k]
-    stats = [n for n in leaves if ev.symbol_of[n] not in ev.varying]
-    expanded = sympy.expand(expr)
-    for r, g, (dy, x) in itertools.product(stats, gammas + [None], itertools.permutations(full, 2)):
+    expanded = sympy.expand(v.expr)
+    terms = sympy.Add.make_args(expanded)
+    plain = [t for t in terms if not (t.free_symbols & sums)]
+    summed = [t for t in terms if t.free_symbols & sums]
+    if len(plain) != 1 or len(summed) != 1:
+        return None
+
+    def leaves(term, varying, full_shape=None, rank=None):
+        nodes = [ev.node_of[s] for s in term.free_symbols if s in ev.node_of]
+        return [n for n in nodes if (ev.symbol_of[n] in ev.varying) == varying
+                and (full_shape is None or same_shape(shape(n), full_shape))
+                and (rank is None or len(shape(n)) == rank)]
+
+    full = shape(node)
+    candidates = itertools.product(
+        leaves(plain[0], False), leaves(plain[0], True, full_shape=full),
+        leaves(plain[0], True, rank=ev.k) + [None], leaves(summed[0], True, full_shape=full))
+    for r, dy, g, x in candidates:
+        if len({r, dy, g, x}) < 4:
+            continue
         gs = ev.symbol_of[g] if g is not None else sympy.Integer(1)
         want = expected_dx(ev, ev.symbol_of[dy], ev.symbol_of[x], ev.symbol_of[r], gs)
         if sympy.expand(expanded - want) == 0:

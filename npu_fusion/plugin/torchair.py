@@ -1,0 +1,78 @@
+"""Hook the npu-fusion pass into torchair.
+
+torchair runs a user FX pass on every graph it compiles, after AOTAutograd's
+forward/backward partition, through ``CompilerConfig.post_grad_custom_pre_pass``
+(``fn(gm, example_inputs, config) -> None``, mutating ``gm``). :func:`install`
+puts the npu-fusion pass there::
+
+    import torchair, npu_fusion
+    config = npu_fusion.install(torchair.CompilerConfig(), target="a2")
+    model = torch.compile(model, backend=torchair.get_npu_backend(compiler_config=config))
+
+A pass already set on the config keeps running, first; installing twice on the
+same config replaces the earlier npu-fusion pass rather than stacking it. The
+fused ops then reach GE through the converters in
+:mod:`npu_fusion.lowering.ge_converters`.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Optional
+
+from .options import FusionOptions
+
+#: the attribute that marks a pass function made by :func:`install`.
+_MARK = "_npu_fusion_options"
+
+
+def _current_pass(compiler_config) -> Optional[Callable]:
+    slot = compiler_config.post_grad_custom_pre_pass
+    return getattr(slot, "value", slot)
+
+
+def make_pass(options: FusionOptions, previous: Optional[Callable] = None) -> Callable:
+    """The ``post_grad_custom_pre_pass`` function: ``previous`` first, then npu-fusion."""
+    state = {}
+
+    def npu_fusion_pass(gm, example_inputs=None, config=None) -> None:
+        if previous is not None:
+            previous(gm, example_inputs, config)
+        if "run" not in state:
+            from . import pass_manager  # imported on first use: the pass pulls in the pattern modules
+
+            make = getattr(pass_manager, "make_torchair_pass", None)
+            if make is not None:  # backward graphs fused, forward graphs remembered for provenance
+                state["run"] = make(options)
+            else:
+                state["run"] = lambda g, _inputs=None, _config=None: pass_manager.fuse_backward(g, options)
+        state["run"](gm, example_inputs, config)
+
+    setattr(npu_fusion_pass, _MARK, options)
+    npu_fusion_pass.previous = previous
+    return npu_fusion_pass
+
+
+def install(compiler_config=None, **options: Any):
+    """Install the npu-fusion pass into a torchair ``CompilerConfig``; returns the config.
+
+    ``options`` are :class:`~npu_fusion.plugin.options.FusionOptions` fields
+    (``target``, ``rope``, ``rms_norm``, ``strict``, ``dump_graphs``), checked
+    here. ``compiler_config=None`` makes a fresh ``torchair.CompilerConfig()``.
+    """
+    opts = FusionOptions.from_mapping(options)
+    if compiler_config is None:
+        import torchair
+
+        compiler_config = torchair.CompilerConfig()
+    if not hasattr(compiler_config, "post_grad_custom_pre_pass"):
+        raise TypeError(f"npu_fusion.install needs a torchair CompilerConfig with post_grad_custom_pre_pass, "
+                        f"got {type(compiler_config).__name__}")
+    previous = _current_pass(compiler_config)
+    if previous is not None and hasattr(previous, _MARK):  # re-install: keep what ours had chained
+        previous = previous.previous
+    compiler_config.post_grad_custom_pre_pass = make_pass(opts, previous)
+    return compiler_config
+
+
+def installed_options(compiler_config) -> Optional[FusionOptions]:
+    """The options of the npu-fusion pass installed in ``compiler_config``, or None."""
+    return getattr(_current_pass(compiler_config), _MARK, None)

@@ -1,0 +1,109 @@
+"""Compile helpers for the pass tests: a backend that runs the real pass and keeps
+the backward graph before and after it, and gradient comparisons."""
+import collections
+import copy
+import functools
+
+import torch
+from torch._dynamo.backends.common import aot_autograd
+from torch._functorch.aot_autograd import make_boxed_func
+
+from npu_fusion.plugin.backend import _decompositions, _partition_fn
+from npu_fusion.plugin.options import FusionOptions
+from npu_fusion.plugin.pass_manager import fuse_backward
+from reference import assert_close_as_unfused
+
+VARIANTS = [  # (partitioner, decompositions)
+    ("default", "none"), ("min_cut", "none"), ("default", "core"), ("min_cut", "core"),
+]
+
+
+def op_counts(graph):
+    return collections.Counter(
+        getattr(n.target, "__name__", str(n.target)) for n in graph.nodes if n.op == "call_function")
+
+
+class Capture:
+    """A torch.compile backend running ``fuse_backward`` on each backward graph."""
+
+    def __init__(self, partitioner="default", decompositions="none", **options):
+        self.options = FusionOptions.from_mapping(dict(options, strict=True))
+        self.partitioner, self.decompositions = partitioner, decompositions
+        self.before, self.after, self.results = [], [], []
+
+    def __call__(self, gm, example_inputs):
+        forwards = []
+
+        def fw(fw_gm, _):
+            forwards.append(fw_gm.graph)
+            return make_boxed_func(fw_gm.forward)
+
+        def bw(bw_gm, _):
+            self.before.append(copy.deepcopy(bw_gm.graph))
+            self.results.append(fuse_backward(bw_gm, self.options, forward=forwards[-1]))
+            self.after.append(bw_gm.graph)
+            return make_boxed_func(bw_gm.forward)
+
+        return aot_autograd(fw_compiler=fw, bw_compiler=bw, partition_fn=_partition_fn(self.partitioner),
+                            decompositions=_decompositions(self.decompositions))(gm, example_inputs)
+
+    def fused(self, op):
+        return sum(r.fused(op) for r in self.results)
+
+    def after_counts(self):
+        total = collections.Counter()
+        for g in self.after:
+            total += op_counts(g)
+        return total
+
+    def misses(self):
+        return [m for r in self.results for m in r.misses]
+
+
+def run_grads(fn, inputs, params=(), grad_outputs=None):
+    """Forward + backward; returns the grads of the leaves that require grad, in order."""
+    leaves = [t for t in list(inputs) + list(params) if t.requires_grad]
+    for t in leaves:
+        t.grad = None
+    out = fn(*inputs)
+    outs = out if isinstance(out, (tuple, list)) else (out,)
+    if grad_outputs is None:
+        gen = torch.Generator().manual_seed(123)
+        grad_outputs = [torch.randn(o.shape, generator=gen).to(o.dtype) for o in outs]
+    torch.autograd.backward(outs, grad_outputs)
+    grads = [t.grad.clone() for t in leaves]
+    for t in leaves:
+        t.grad = None
+    return grads, grad_outputs
+
+
+def compile_and_compare(fn, inputs, params=(), dynamic_dims=None, **capture_options):
+    """Compile ``fn`` with the pass, and check every gradient against eager in the same
+    dtype and against float64: the fused result must be as close as the unfused one."""
+    capture = Capture(**capture_options)
+    torch._dynamo.reset()
+    compiled = torch.compile(fn, backend=capture)
+    for index, dims in (dynamic_dims or {}).items():
+        for d in dims:
+            torch._dynamo.mark_dynamic(inputs[index], d)
+    got, grad_outputs = run_grads(compiled, inputs, params)
+    eager, _ = run_grads(fn, inputs, params, grad_outputs)
+    exact = _float64_grads(fn, inputs, params, grad_outputs)
+    for g, e, x in zip(got, eager, exact):
+        assert g.dtype == e.dtype and g.shape == e.shape
+        assert_close_as_unfused(g, e, x, factor=4.0)
+    return capture
+
+
+def _float64_grads(fn, inputs, params, grad_outputs):
+    params = list(params)
+    saved = [p.data for p in params]
+    try:
+        for p in params:
+            p.data = p.data.double()
+        wide = [t.detach().double().requires_grad_(t.requires_grad) for t in inputs]
+        grads, _ = run_grads(fn, wide, params, [g.double() for g in grad_outputs])
+    finally:
+        for p, s in zip(params, saved):
+            p.data = s
+    return grads
