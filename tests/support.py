@@ -107,3 +107,22 @@ def _float64_grads(fn, inputs, params, grad_outputs):
         for p, s in zip(params, saved):
             p.data = s
     return grads
+
+
+def decomposed_leftovers(graph):
+    """Nodes of the kinds the RoPE and RMSNorm backwards decompose into: negations, powers,
+    rsqrt/mean, and slice_backward/slice_scatter along the last axis (rotate_half's transpose).
+    Slices of other axes (GQA's repeat_kv with dynamic shapes) are not RoPE's."""
+    left = []
+    for n in graph.nodes:
+        if n.op != "call_function":
+            continue
+        name = getattr(n.target, "__name__", str(n.target)).split(".")[0]
+        if name in ("neg", "pow", "rsqrt", "mean"):
+            left.append(n.name)
+        elif name in ("slice_backward", "slice_scatter"):
+            rank = len(n.meta["val"].shape)
+            dim = n.args[2] if len(n.args) > 2 else n.kwargs.get("dim", 0)
+            if dim % rank == rank - 1:
+                left.append(n.name)
+    return left

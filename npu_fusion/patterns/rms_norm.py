@@ -247,36 +247,32 @@ class NormEvaluator:
 
 @dataclasses.dataclass
 class NormMatch:
-    dx: fx.Node
+    dx: fx.Node                 # the node whose value is dx (plus ``rest``)
     dy: fx.Node
     x: fx.Node
     rstd: fx.Node
     gamma: Optional[fx.Node]
     ev: NormEvaluator
+    parts: List[fx.Node] = dataclasses.field(default_factory=list)  # summands that make up dx
+    rest: List[fx.Node] = dataclasses.field(default_factory=list)   # other gradients summed into dx's node
+    chain: List[fx.Node] = dataclasses.field(default_factory=list)  # the adds that sum parts and rest
     dgamma: Optional[fx.Node] = None
+
+    @property
+    def roles(self):
+        return (self.dy, self.x, self.rstd, self.gamma)
 
 
 def expected_dx(ev: NormEvaluator, dy, x, r, g) -> sympy.Expr:
     return r * dy * g - r ** 3 * x * ev.sum_over_normalized(dy * g * x) / ev.n
 
 
-def _leaves_in(ev: NormEvaluator, expr) -> List[fx.Node]:
-    symbols = set(expr.free_symbols)
-    for sym in list(symbols):
-        if sym in ev.sum_body:
-            symbols |= ev.sum_body[sym].free_symbols
-    return sorted((ev.node_of[s] for s in symbols if s in ev.node_of), key=lambda n: n.name)
-
-
-def match_dx(ev: NormEvaluator, node: fx.Node) -> Optional[NormMatch]:
+def match_dx(ev: NormEvaluator, node: fx.Node, expr: sympy.Expr) -> Optional[NormMatch]:
     """Read the roles off the two terms of ``r*dy*g - r**3*x*S[dy*g*x]/N``, then check equality."""
-    v = ev.memo.get(node)
-    if v is None or v.lead_sum is not None or not ev.spans(shape(node)):
-        return None
-    sums = {s for s in v.expr.free_symbols if s in ev.sum_body}
+    sums = {s for s in expr.free_symbols if s in ev.sum_body}
     if len(sums) != 1:
         return None
-    expanded = sympy.expand(v.expr)
+    expanded = sympy.expand(expr)
     terms = sympy.Add.make_args(expanded)
     plain = [t for t in terms if not (t.free_symbols & sums)]
     summed = [t for t in terms if t.free_symbols & sums]
@@ -300,6 +296,61 @@ def match_dx(ev: NormEvaluator, node: fx.Node) -> Optional[NormMatch]:
         want = expected_dx(ev, ev.symbol_of[dy], ev.symbol_of[x], ev.symbol_of[r], gs)
         if sympy.expand(expanded - want) == 0:
             return NormMatch(node, dy, x, r, g, ev)
+    return None
+
+
+def _accumulation(node: fx.Node, stop) -> tuple:
+    """(summands, adds) of the tree of single-use ``add`` nodes rooted at ``node``.
+
+    Autograd sums every contribution to a tensor's gradient: with no cast in
+    between, the two terms of RMSNorm's dx are added into the residual stream's
+    gradient one by one, and dx itself is never a node of its own.
+    """
+    def is_add(n):
+        return (isinstance(n, fx.Node) and n.op == "call_function" and n.target is aten.add.Tensor
+                and n.kwargs.get("alpha", 1) == 1 and all(isinstance(a, fx.Node) for a in n.args[:2]))
+
+    if not is_add(node):
+        return [node], []
+    summands, adds, stack = [], [node], list(node.args[:2])
+    while stack:
+        n = stack.pop()
+        if is_add(n) and len(n.users) == 1 and n not in stop:
+            adds.append(n)
+            stack.extend(n.args[:2])
+        else:
+            summands.append(n)
+    return summands, adds
+
+
+def _stat_leaves(ev: NormEvaluator, expr) -> frozenset:
+    return frozenset(s for s in expr.free_symbols if s in ev.node_of and s not in ev.varying)
+
+
+def _match_root(ev: NormEvaluator, root: fx.Node, stop) -> Optional[NormMatch]:
+    v = ev.memo.get(root)
+    if v is not None and v.lead_sum is None:
+        found = match_dx(ev, root, v.expr)
+        if found is not None:
+            found.parts = [root]
+            return found
+    summands, adds = _accumulation(root, stop)
+    if len(summands) < 3:
+        return None
+    groups: Dict[frozenset, List[fx.Node]] = {}
+    for n in summands:
+        value = ev.memo.get(n) if isinstance(n, fx.Node) else None
+        key = _stat_leaves(ev, value.expr) if value is not None and value.lead_sum is None else frozenset()
+        groups.setdefault(key, []).append(n)
+    for key, parts in groups.items():
+        if len(key) != 1 or len(parts) < 2:
+            continue
+        found = match_dx(ev, root, sum((ev.memo[n].expr for n in parts), sympy.Integer(0)))
+        if found is not None:
+            found.parts = parts
+            found.rest = [n for n in summands if n not in parts]
+            found.chain = adds
+            return found
     return None
 
 
@@ -343,17 +394,27 @@ def find_sites(graph: fx.Graph, provenance, forced_leaves=()) -> List[NormMatch]
                  and val(n).dtype.is_floating_point]
         for n in nodes:
             ev.value(n)
-        found = [m for m in (match_dx(ev, n) for n in nodes if ev.spans(shape(n))) if m is not None]
+        found, stop = [], set()
+        for n in nodes:
+            if ev.spans(shape(n)):
+                m = _match_root(ev, n, stop)
+                if m is not None:
+                    found.append(m)
+                    stop.add(n)
+        # keep the outermost of a chain of matches of one site (dx, then its cast)
         by_node = {m.dx: m for m in found}
-        same = lambda a, b: (a.dy, a.x, a.rstd, a.gamma) == (b.dy, b.x, b.rstd, b.gamma)  # noqa: E731
         found = [m for m in found if not (len(m.dx.users) == 1 and next(iter(m.dx.users)) in by_node
-                                          and same(by_node[next(iter(m.dx.users))], m))]
+                                          and by_node[next(iter(m.dx.users))].roles == m.roles)]
+        seen = set()
         for site in found:
+            if site.rstd in seen:  # one RMSNorm, one site: an accumulation root found twice
+                continue
+            seen.add(site.rstd)
             grads = [n for n in nodes if match_dgamma(ev, n, site)]
             grads = [n for n in grads if not (len(n.users) == 1 and next(iter(n.users)) in grads)]
             if len(grads) == 1:
                 site.dgamma = grads[0]
-        matches += found
+            matches.append(site)
     return matches
 
 
@@ -373,13 +434,30 @@ def target_problem(target: str, compute: torch.dtype, gamma_dtype: torch.dtype) 
     return None
 
 
+def _region(site: NormMatch, outputs) -> List[fx.Node]:
+    roles = {n for n in site.roles if n is not None}
+    interior = lambda n: n in site.ev.interpreted and n not in roles and n not in site.rest  # noqa: E731
+    region = region_of(list(site.parts) + [o for k, o in outputs.items() if k != "dx"], interior)
+    return list(dict.fromkeys(region + site.chain + [site.dx]))
+
+
 def rewrite(graph: fx.Graph, target: str, provenance: Optional[Provenance] = None):
     fake_mode = fake_mode_of(graph)
     sites, misses = [], []
+    replaced: Dict[fx.Node, fx.Node] = {}  # earlier rewrites: old node -> its replacement
+
+    def current(n):
+        while n in replaced:
+            n = replaced[n]
+        return n
+
     for site in find_sites(graph, provenance):
+        site.rest = [current(n) for n in site.rest]
+        site.dy, site.x, site.rstd = current(site.dy), current(site.x), current(site.rstd)
+        if site.gamma is not None:
+            site.gamma = current(site.gamma)
         outputs = {"dx": site.dx, **({"dgamma": site.dgamma} if site.dgamma is not None else {})}
-        roles = {site.dy, site.x, site.rstd} | ({site.gamma} if site.gamma is not None else set())
-        region = region_of(outputs.values(), lambda n: n in site.ev.interpreted and n not in roles)
+        region = _region(site, outputs)
         shared = outside_users(region, outputs.values())
         if shared:
             again = [m for m in find_sites(graph, provenance, forced_leaves=shared) if m.dx is site.dx]
@@ -388,14 +466,13 @@ def rewrite(graph: fx.Graph, target: str, provenance: Optional[Provenance] = Non
                                                       f"the pattern ({next(iter(shared[0].users)).name})"))
                 continue
             site = again[0]
-            roles = {site.dy, site.x, site.rstd} | ({site.gamma} if site.gamma is not None else set())
-            region = region_of(outputs.values(), lambda n: n in site.ev.interpreted and n not in roles)
-        done = _emit(graph, fake_mode, site, outputs, region, target, provenance)
+            region = _region(site, outputs)
+        done = _emit(graph, fake_mode, site, outputs, region, target, provenance, replaced)
         (misses if isinstance(done, Miss) else sites).append(done)
     return sites, misses
 
 
-def _emit(graph, fake_mode, site: NormMatch, outputs, region, target, provenance):
+def _emit(graph, fake_mode, site: NormMatch, outputs, region, target, provenance, replaced):
     dy_dtype, x_dtype = dtype(site.dy), dtype(site.x)
     wide = max(dy_dtype, x_dtype, key=lambda t: torch.finfo(t).bits)
     compute = dy_dtype if (x_dtype == wide and _widened_from(site.x, dy_dtype, provenance)) else wide
@@ -427,12 +504,19 @@ def _emit(graph, fake_mode, site: NormMatch, outputs, region, target, provenance
                 if not same_shape(shape(new), shape(old)):
                     new = call(graph, fake_mode, aten.view.default, (new, list(shape(old))))
                 replacements[old] = new
+    if site.rest:  # the other gradients accumulated with dx are added back, after all of them
+        with graph.inserting_before(site.dx):
+            total = replacements[site.dx]
+            for other in site.rest:
+                total = call(graph, fake_mode, aten.add.Tensor, (other, total))
+            replacements[site.dx] = total
     counts: Dict[str, int] = {}
     for n in region:
         counts[target_name(n.target)] = counts.get(target_name(n.target), 0) + 1
     names = [n.name for n in region]
     for old, new in replacements.items():
         old.replace_all_uses_with(new)
+        replaced[old] = new
     erase_dead(graph, region)
     return Site(OP, None, outputs={k: v.name for k, v in outputs.items()},
                 inputs={"dy": site.dy.name, "x": site.x.name, "rstd": site.rstd.name,
