@@ -2,7 +2,6 @@
 the backward graph before and after it, and gradient comparisons."""
 import collections
 import copy
-import functools
 
 import torch
 from torch._dynamo.backends.common import aot_autograd

@@ -146,6 +146,12 @@ class Site:
     inputs: Dict[str, str]
     replaced_nodes: List[str]
     replaced_targets: Dict[str, int]
+    #: modelled memory traffic in bytes (each non-view node reads its inputs and writes
+    #: its output): of the replaced subgraph, of what replaced it, and the fused op's
+    #: minimum (each input read once, each output written once)
+    bytes_before: int = 0
+    bytes_after: int = 0
+    bytes_minimum: int = 0
 
 
 def fake_mode_of(graph: fx.Graph):
@@ -217,3 +223,48 @@ def erase_dead(graph: fx.Graph, nodes: Iterable[fx.Node]) -> List[fx.Node]:
 
 def target_name(target: Any) -> str:
     return getattr(target, "__name__", str(target))
+
+
+VIEW_TARGETS = {
+    aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.expand.default,
+    aten.slice.Tensor, aten.select.int, aten.squeeze.dim, aten.squeeze.dims, aten.squeeze.default,
+    aten.unsqueeze.default, aten.t.default, aten.transpose.int, aten.permute.default, aten.alias.default,
+    aten.detach.default, aten.unbind.int, aten.split.Tensor, aten.split_with_sizes.default, operator.getitem,
+}
+
+
+def tensor_bytes(value) -> int:
+    """Bytes of a tensor (or a tuple of them), symbolic sizes at their example values."""
+    if isinstance(value, (tuple, list)):
+        return sum(tensor_bytes(v) for v in value)
+    if not isinstance(value, torch.Tensor):
+        return 0
+    numel = 1
+    for size in value.shape:
+        numel *= int(size.node.hint) if isinstance(size, torch.SymInt) and size.node.hint is not None else int(size)
+    return numel * value.element_size()
+
+
+def node_traffic(node: fx.Node) -> int:
+    if node.op != "call_function" or node.target in VIEW_TARGETS:
+        return 0
+    reads = sum(tensor_bytes(a.meta.get("val")) for a in node.all_input_nodes)
+    return reads + tensor_bytes(node.meta.get("val"))
+
+
+def commit(graph: fx.Graph, op: str, mode: Optional[str], region: List[fx.Node],
+           replacements: Dict[fx.Node, fx.Node], inputs: Dict[str, fx.Node], added: List[fx.Node],
+           fused: fx.Node) -> Site:
+    """Swap the replaced outputs for their new values, erase the dead region, describe it."""
+    counts: Dict[str, int] = {}
+    for n in region:
+        counts[target_name(n.target)] = counts.get(target_name(n.target), 0) + 1
+    site = Site(op, mode, outputs={}, inputs={k: v.name for k, v in inputs.items() if v is not None},
+                replaced_nodes=[n.name for n in region], replaced_targets=counts,
+                bytes_before=sum(node_traffic(n) for n in region),
+                bytes_after=sum(node_traffic(n) for n in added), bytes_minimum=node_traffic(fused))
+    for old, new in replacements.items():
+        site.outputs[old.name] = new.name
+        old.replace_all_uses_with(new)
+    erase_dead(graph, region)
+    return site

@@ -35,9 +35,9 @@ import torch
 import torch.fx as fx
 
 from ..lowering.constraints import FusedOpInputError, RMS_NORM_DTYPES, check_rms_norm_grad_inputs
-from .graph_utils import (Miss, Provenance, Site, Unsupported, aten, call, cast, dtype, erase_dead,
+from .graph_utils import (Miss, Provenance, Unsupported, aten, call, cast, commit, dtype, erase_dead,
                           fake_mode_of, getitem, is_value_preserving_cast, last_of, normalize_dim,
-                          outside_users, region_of, same_shape, shape, static_int, target_name, val)
+                          outside_users, region_of, same_shape, shape, static_int, val)
 
 OP = "rms_norm_grad"
 MAX_SYMBOLS = 8
@@ -510,18 +510,12 @@ def _emit(graph, fake_mode, site: NormMatch, outputs, region, target, provenance
             for other in site.rest:
                 total = call(graph, fake_mode, aten.add.Tensor, (other, total))
             replacements[site.dx] = total
-    counts: Dict[str, int] = {}
-    for n in region:
-        counts[target_name(n.target)] = counts.get(target_name(n.target), 0) + 1
-    names = [n.name for n in region]
-    for old, new in replacements.items():
-        old.replace_all_uses_with(new)
-        replaced[old] = new
-    erase_dead(graph, region)
-    return Site(OP, None, outputs={k: v.name for k, v in outputs.items()},
-                inputs={"dy": site.dy.name, "x": site.x.name, "rstd": site.rstd.name,
-                        **({"gamma": site.gamma.name} if site.gamma is not None else {})},
-                replaced_nodes=names, replaced_targets=counts)
+    added = [n for n in graph.nodes if n not in before]
+    record = commit(graph, OP, None, region, replacements,
+                    {"dy": site.dy, "x": site.x, "rstd": site.rstd, "gamma": site.gamma}, added, fused)
+    replaced.update(replacements)
+    record.outputs = {name: old.name for name, old in outputs.items()}
+    return record
 
 
 class _null:

@@ -32,9 +32,8 @@ import torch
 import torch.fx as fx
 
 from ..lowering.constraints import FLOAT_DTYPES, ROPE_MODES, rope_divisor
-from .graph_utils import (Miss, Provenance, Site, call, cast, dtype, erase_dead, fake_mode_of, getitem,
-                          last_of, outside_users, region_of, same_shape, same_size, shape, static_int,
-                          target_name)
+from .graph_utils import (Miss, Provenance, call, cast, commit, dtype, erase_dead, fake_mode_of, getitem,
+                          last_of, outside_users, region_of, same_shape, same_size, shape, static_int)
 from .lanes import Lanes, LaneEvaluator, MAX_LANES
 
 OP = "rotary_position_embedding_grad"
@@ -316,7 +315,7 @@ def _role_node(graph, fake_mode, ev: LaneEvaluator, role: Role, width: int) -> f
 def rewrite(graph: fx.Graph, target: str, provenance: Optional[Provenance] = None):
     """Rewrite every RoPE backward site in ``graph``; returns (sites, misses)."""
     fake_mode = fake_mode_of(graph)
-    sites: List[Site] = []
+    sites = []
     misses: List[Miss] = []
     ev, matches = find_sites(graph, provenance)
     for site in matches:
@@ -395,15 +394,8 @@ def _emit(graph, fake_mode, ev, site: RopeMatch, outputs, region, target):
             if not same_shape(shape(new), shape(old)):
                 new = call(graph, fake_mode, torch.ops.aten.view.default, (new, list(shape(old))))
             replacements[old] = new
-    counts: Dict[str, int] = {}
-    for n in region:
-        counts[target_name(n.target)] = counts.get(target_name(n.target), 0) + 1
-    names = [n.name for n in region]
-    for old, new in replacements.items():
-        old.replace_all_uses_with(new)
-    erase_dead(graph, region)
-    return Site(OP, ROPE_MODES[site.mode],
-                outputs={k: v.name for k, v in outputs.items()},
-                inputs={"dy": dy_leaf.name, "cos": cos_leaf.name, "sin": sin_leaf.name,
-                        **({"x": x_leaf.name} if x_leaf is not None else {})},
-                replaced_nodes=names, replaced_targets=counts)
+    added = [n for n in graph.nodes if n not in before]
+    site_record = commit(graph, OP, ROPE_MODES[site.mode], region, replacements,
+                         {"dy": dy_leaf, "cos": cos_leaf, "sin": sin_leaf, "x": x_leaf}, added, fused)
+    site_record.outputs = {name: old.name for name, old in outputs.items()}
+    return site_record
