@@ -126,6 +126,7 @@ class LaneEvaluator:
         self.provenance = provenance
         self.forced_leaves = set(forced_leaves)
         self.memo: Dict[fx.Node, Optional[Lanes]] = {}
+        self.reduction_leaves: Dict[fx.Node, Optional[Lanes]] = {}
         self.interpreted: set = set()
         self.leaf_ids: Dict[fx.Node, int] = {}
         self.leaves: List[fx.Node] = []
@@ -190,10 +191,7 @@ class LaneEvaluator:
             if d is None:
                 raise Unsupported("dynamic last axis")
             return Lanes((d,), [({(): s} if s else {}) for _ in range(d)])
-        v = self.value(arg)
-        if v is None or v.reduction is not None:
-            raise Unsupported("operand")
-        return v
+        return self._checked(arg)
 
     def _broadcast(self, v: Lanes, node_shape, inner) -> Lanes:
         """Bring v, the value of a tensor shaped ``node_shape``, to trailing sizes ``inner``."""
@@ -395,6 +393,28 @@ class LaneEvaluator:
             if v is None:
                 raise Unsupported("view of opaque")
             return self._reshape(node, v)
+        if t in (aten.transpose.int, aten.permute.default):
+            v = self._checked(args[0])
+            rank = len(shape(args[0]))
+            first = rank - len(v.inner)
+            if t is aten.transpose.int:
+                order = list(range(rank))
+                a, b = normalize_dim(args[1], rank), normalize_dim(args[2], rank)
+                order[a], order[b] = order[b], order[a]
+            else:
+                order = [normalize_dim(d, rank) for d in args[1]]
+            if order[:first] != list(range(first)):
+                raise Unsupported("permutes leading axes")
+            perm = [d - first for d in order[first:]]
+            new_inner = tuple(v.inner[p] for p in perm)
+            polys = []
+            for flat in range(math.prod(new_inner)):
+                idx = _index(new_inner, flat)
+                src = [0] * len(perm)
+                for out_axis, in_axis in enumerate(perm):
+                    src[in_axis] = idx[out_axis]
+                polys.append(v.polys[_flat(v.inner, src)])
+            return Lanes(new_inner, polys)
         if t is aten.expand.default:
             v = self._checked(args[0])
             return self._broadcast(v, shape(args[0]), tuple(
@@ -406,8 +426,14 @@ class LaneEvaluator:
         raise Unsupported(f"op {t}")
 
     def _checked(self, arg) -> Lanes:
+        """The value of a node used as an operand. A reduction over leading axes (GQA's
+        repeat_kv backward, a broadcast's sum) is an input here: it becomes a leaf."""
         v = self.value(arg) if isinstance(arg, fx.Node) else None
-        if v is None or v.reduction is not None:
+        if v is not None and v.reduction is not None:
+            if arg not in self.reduction_leaves:
+                self.reduction_leaves[arg] = self._leaf(arg)
+            v = self.reduction_leaves[arg]
+        if v is None:
             raise Unsupported("operand")
         return v
 

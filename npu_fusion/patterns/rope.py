@@ -284,6 +284,14 @@ def find_sites(graph: fx.Graph, provenance: Optional[Provenance], forced_leaves=
         ev.value(node)
     matches = [m for m in (match_dx(ev, n) for n in nodes) if m is not None]
     matches = _outermost(matches, lambda a, b: a.key == b.key)
+    # a match inside another's subgraph (mode 0 on DeepSeek's de-interleaved q, under
+    # the mode 3 match of the whole) is part of the larger rewrite
+    inside = set()
+    for m in matches:
+        roles = {ev.leaves[r[0]] for r in (m.dy, m.cos, m.sin)}
+        inside.update(n for n in region_of([m.dx], lambda n: n in ev.interpreted and n not in roles)
+                      if n is not m.dx)
+    matches = [m for m in matches if m.dx not in inside]
     for site in matches:
         tables: Dict[str, List[Tuple[fx.Node, Role]]] = {"cos": [], "sin": []}
         for node in nodes:
