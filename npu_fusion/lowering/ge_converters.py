@@ -155,6 +155,8 @@ def _declare(converter, cases):
 def _support_cases():
     from torchair._ge_concrete_graph.supported_declaration import BF16, F16, F32, Support
 
+    # Every case is valid on some target (SPEC section 1): modes 2 and 3 and the
+    # interleave case with B1SD cos/sin only on Ascend 950, the others on A2/A3 too.
     rope_cases = [
         # BSND dy with 1S1D cos/sin, every mode, with and without x.
         Support(F32(2, 16, 4, 64), F32(1, 16, 1, 64), F32(1, 16, 1, 64), F32(2, 16, 4, 64), mode=0),

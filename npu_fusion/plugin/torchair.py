@@ -63,6 +63,9 @@ def install(compiler_config=None, **options: Any):
         import torchair
 
         compiler_config = torchair.CompilerConfig()
+    from ..lowering import ge_converters
+
+    ge_converters.register()  # in case torchair became importable after npu_fusion was imported
     if not hasattr(compiler_config, "post_grad_custom_pre_pass"):
         raise TypeError(f"npu_fusion.install needs a torchair CompilerConfig with post_grad_custom_pre_pass, "
                         f"got {type(compiler_config).__name__}")

@@ -1,0 +1,100 @@
+"""``npu_fusion.install``: the pass in torchair's ``post_grad_custom_pre_pass``."""
+from __future__ import annotations
+
+import sys
+import types
+
+import pytest
+import torch
+
+import npu_fusion
+from npu_fusion.plugin import torchair as plugin
+from npu_fusion.plugin.options import FusionOptions
+
+
+@pytest.fixture
+def recorded_pass(monkeypatch):
+    """Replace pass_manager with a recorder so the hook is tested on its own."""
+    calls = []
+    fake = types.ModuleType("npu_fusion.plugin.pass_manager")
+
+    def make_torchair_pass(options):
+        def run(gm, example_inputs=None, config=None):
+            calls.append(("npu_fusion", options, gm))
+        return run
+
+    fake.make_torchair_pass = make_torchair_pass
+    fake.fuse_backward = lambda gm, options, forward=None: calls.append(("fuse_backward", options, gm))
+    monkeypatch.setitem(sys.modules, "npu_fusion.plugin.pass_manager", fake)
+    monkeypatch.setattr(npu_fusion.plugin, "pass_manager", fake, raising=False)
+    return calls
+
+
+def test_install_puts_pass_on_the_config(torchair, recorded_pass):
+    config = torchair.CompilerConfig()
+    assert npu_fusion.install(config, target="a3", rope=False) is config
+    fn = config.post_grad_custom_pre_pass.value
+    assert callable(fn)
+    assert plugin.installed_options(config) == FusionOptions(target="a3", rope=False)
+    gm = torch.fx.symbolic_trace(lambda x: x + 1)
+    assert fn(gm, [], config) is None
+    assert recorded_pass == [("npu_fusion", FusionOptions(target="a3", rope=False), gm)]
+
+
+def test_install_chains_an_existing_pass_first(torchair, recorded_pass):
+    config = torchair.CompilerConfig()
+
+    def user_pass(gm, example_inputs, cfg):
+        recorded_pass.append(("user", example_inputs, gm))
+
+    config.post_grad_custom_pre_pass = user_pass
+    npu_fusion.install(config)
+    gm = torch.fx.symbolic_trace(lambda x: x * 2)
+    config.post_grad_custom_pre_pass.value(gm, ["inputs"], config)
+    assert [c[0] for c in recorded_pass] == ["user", "npu_fusion"]
+    assert recorded_pass[0][1] == ["inputs"]
+
+
+def test_install_twice_replaces_not_stacks(torchair, recorded_pass):
+    config = torchair.CompilerConfig()
+    config.post_grad_custom_pre_pass = lambda gm, inputs, cfg: recorded_pass.append(("user", None, gm))
+    npu_fusion.install(config, target="a2")
+    npu_fusion.install(config, target="950")
+    assert plugin.installed_options(config).target == "950"
+    config.post_grad_custom_pre_pass.value(torch.fx.symbolic_trace(lambda x: x), [], config)
+    assert [(c[0], getattr(c[1], "target", None)) for c in recorded_pass] == [("user", None), ("npu_fusion", "950")]
+
+
+def test_install_falls_back_to_fuse_backward(torchair, recorded_pass):
+    del sys.modules["npu_fusion.plugin.pass_manager"].make_torchair_pass
+    config = npu_fusion.install(torchair.CompilerConfig())
+    gm = torch.fx.symbolic_trace(lambda x: x - 1)
+    config.post_grad_custom_pre_pass.value(gm, [], config)
+    assert [c[0] for c in recorded_pass] == ["fuse_backward"]
+
+
+def test_install_checks_options_and_config(torchair):
+    with pytest.raises(ValueError, match="unknown npu_fusion option"):
+        npu_fusion.install(torchair.CompilerConfig(), fuse_everything=True)
+    with pytest.raises(TypeError, match="CompilerConfig"):
+        npu_fusion.install(object())
+    made = npu_fusion.install(None, target="a2")
+    assert isinstance(made, torchair.CompilerConfig)
+    assert plugin.installed_options(made).target == "a2"
+
+
+def test_installed_pass_runs_on_every_torchair_graph(ge, recorded_pass):
+    """torchair calls the chained pass once per partitioned graph: forward, then backward."""
+    seen = []
+
+    def user_pass(gm, example_inputs, cfg):
+        seen.append(any(n.name.startswith("tangents") for n in gm.graph.nodes))
+
+    config = ge.config()
+    config.post_grad_custom_pre_pass = user_pass
+    npu_fusion.install(config)
+    w = torch.randn(8, requires_grad=True)
+    ge.compile(lambda x: (x * w).sin().sum(), config=config)(torch.randn(4, 8)).backward()
+    assert seen == [False, True]
+    assert len(recorded_pass) == 2
+    assert len(ge.graphs()) == 2

@@ -1,0 +1,202 @@
+"""End to end: a Llama-style block trained through torchair with ``npu_fusion.install``.
+
+The backward GE graph torchair builds must carry ``RmsNormGrad`` and
+``RotaryPositionEmbeddingGrad`` instead of the decomposed RMSNorm and RoPE
+backward ops; without ``install`` the decomposed ops are there. torchair's
+``debug.run_eagerly`` executes the FX graphs on CPU (the fused ops on their
+reference kernels), so the gradients are checked as well.
+"""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import npu_fusion
+from npu_fusion.plugin import pass_manager
+
+transformers_llama = pytest.importorskip("transformers.models.llama.modeling_llama")
+LlamaRMSNorm = transformers_llama.LlamaRMSNorm
+apply_rotary_pos_emb = transformers_llama.apply_rotary_pos_emb
+
+FUSED = {"RmsNormGrad", "RotaryPositionEmbeddingGrad"}
+#: what torchair lowers the decomposed backward to and the fused ops replace:
+#: rotate_half's transpose (slices, negation and concatenation) and RMSNorm's
+#: rsqrt/mean backward (a power).
+DECOMPOSED = {"Neg", "StridedSliceV2", "ConcatV2", "Pow"}
+
+
+class LlamaBlock(nn.Module):
+    """The head of Llama's attention: input RMSNorm, q/k projections, HF rotary embedding."""
+
+    def __init__(self, hidden=64, heads=4, kv_heads=2, dtype=torch.float32):
+        super().__init__()
+        self.heads, self.kv_heads, self.head_dim = heads, kv_heads, hidden // heads
+        self.input_layernorm = LlamaRMSNorm(hidden, eps=1e-6)
+        self.q_proj = nn.Linear(hidden, heads * self.head_dim, bias=False)
+        self.k_proj = nn.Linear(hidden, kv_heads * self.head_dim, bias=False)
+        with torch.no_grad():
+            self.input_layernorm.weight.normal_()
+        self.to(dtype)
+
+    def forward(self, hidden_states, cos, sin):
+        b, s, _ = hidden_states.shape
+        h = self.input_layernorm(hidden_states)
+        q = self.q_proj(h).view(b, s, self.heads, self.head_dim).transpose(1, 2)
+        k = self.k_proj(h).view(b, s, self.kv_heads, self.head_dim).transpose(1, 2)
+        return apply_rotary_pos_emb(q, k, cos, sin)
+
+
+def inputs(dtype, b=2, s=8, hidden=64, heads=4, cos_batch=None):
+    """hidden states [b, s, hidden]; cos/sin [b, s, d] as HF's rotary embedding
+    gives them (or [1, s, d]: positions shared by the batch)."""
+    torch.manual_seed(0)
+    x = torch.randn(b, s, hidden, dtype=dtype)
+    angles = torch.randn(cos_batch or b, s, hidden // heads)
+    return x, angles.cos().to(dtype), angles.sin().to(dtype)
+
+
+def grads(module, args, compiled=None, dynamic_dims=()):
+    """Gradients of the input and the parameters for fixed random output gradients."""
+    fn = compiled if compiled is not None else module
+    x = args[0].detach().requires_grad_()
+    for t in (x, *args[1:]):
+        for dim in dynamic_dims:
+            if t.shape[dim] > 1:
+                torch._dynamo.mark_dynamic(t, dim)
+    module.zero_grad(set_to_none=True)
+    outs = fn(x, *args[1:])
+    gen = torch.Generator().manual_seed(1)
+    torch.autograd.backward(outs, [torch.randn(o.shape, generator=gen).to(o.dtype) for o in outs])
+    return [x.grad.clone()] + [p.grad.clone() for p in module.parameters()]
+
+
+def train_step(ge, dtype=torch.float32, install=None, config=None, dynamic_dims=(), **shape):
+    """Compiled and eager gradients, and float64 ones as the exact reference."""
+    block = LlamaBlock(dtype=dtype)
+    config = config if config is not None else ge.config()
+    if install is not None:
+        npu_fusion.install(config, **install)
+    args = inputs(dtype, **shape)
+    got = grads(block, args, ge.compile(block, config=config, dynamic=None), dynamic_dims)
+    eager = grads(block, args)
+    exact = grads(copy.deepcopy(block).double(), [a.double() for a in args])
+    return got, eager, exact
+
+
+def assert_grads_close(got, eager, exact):
+    """As close to float64 as eager is (fused ops compute in fp32, eager in the input dtype)."""
+    for g, e, x in zip(got, eager, exact):
+        assert g.dtype == e.dtype and g.shape == e.shape
+        error, eager_error = (g.double() - x).abs().max(), (e.double() - x).abs().max()
+        assert error <= 2 * eager_error + 1e-5, (error, eager_error)
+
+
+def test_without_install_backward_is_decomposed(ge):
+    got, eager, exact = train_step(ge)
+    assert_grads_close(got, eager, exact)
+    backward = ge.backward()
+    types = set(backward.types())
+    assert not FUSED & types, backward
+    assert DECOMPOSED <= types, backward
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_install_fuses_the_backward_ge_graph(ge, dtype):
+    pass_manager.HISTORY.clear()
+    got, eager, exact = train_step(ge, dtype, install={"target": "a2"})
+    assert_grads_close(got, eager, exact)
+
+    backward, forward = ge.backward(), ge.forward()
+    counts = backward.types()
+    assert counts["RmsNormGrad"] == 1 and counts["RotaryPositionEmbeddingGrad"] == 2, backward
+    assert not DECOMPOSED & set(counts), backward
+    assert not FUSED & set(forward.types()), "the pass only rewrites backward graphs"
+
+    rms = backward.one("RmsNormGrad")
+    assert backward.input_names(rms) == ["dy", "x", "rstd", "gamma"]
+    assert backward.input_dtype(rms, "rstd") == torch.float32
+    assert backward.input_shape(rms, "gamma") == [64]
+    assert backward.output_dtype(rms, 1) == torch.float32
+    for rope in backward.of_type("RotaryPositionEmbeddingGrad"):
+        # cos/sin are constants of the step: no x, so no dcos/dsin (A2 half mode)
+        assert backward.input_names(rope) == ["dy", "cos", "sin"]
+        assert backward.attrs(rope).get("mode", 0) == 0
+        assert backward.output_dtype(rope, 0) == dtype
+    # dgamma, float32 from GE, reaches the bf16 parameter's gradient through a Cast
+    if dtype == torch.bfloat16:
+        assert any(op.type == "Cast" for op, _ in backward.consumers(rms, 1)), backward
+    ops = [(r.fused("rms_norm_grad"), r.fused("rotary_position_embedding_grad")) for r in pass_manager.HISTORY]
+    assert ops == [(1, 2)]
+
+
+@pytest.mark.parametrize("target,dims", [("a2", (1,)), ("generic", (0, 1))], ids=["a2-seq", "generic-batch-seq"])
+def test_install_with_dynamic_shapes(ge, target, dims):
+    """Symbolic sequence (and batch) lengths. A2's RoPE limits (B < 1000, B < S for
+    per-batch tables) cannot be proven for a symbolic batch, so the pass leaves
+    RoPE unfused there: the A2 case keeps the batch static and shares cos/sin
+    across it ([1, s, d])."""
+    got, eager, exact = train_step(ge, install={"target": target}, dynamic_dims=dims, b=3, s=6, cos_batch=1)
+    assert_grads_close(got, eager, exact)
+    backward = ge.backward()
+    counts = backward.types()
+    assert counts["RmsNormGrad"] == 1 and counts["RotaryPositionEmbeddingGrad"] == 2, backward
+    assert not DECOMPOSED & set(counts), backward
+    rms = backward.one("RmsNormGrad")
+    symbolic = [not d.isdigit() for d in backward.input_meta_dims(rms, "dy")]
+    assert symbolic == [0 in dims, True, False]  # [b, s, hidden]
+    for rope in backward.of_type("RotaryPositionEmbeddingGrad"):
+        dy = backward.input_meta_dims(rope, "dy")  # [b, n, s, d]
+        assert [not d.isdigit() for d in dy] == [0 in dims, False, True, False]
+        assert backward.input_meta_dims(rope, "cos")[:2] == ["1", "1"]
+
+
+def test_user_pass_still_runs_with_install(ge):
+    seen = []
+
+    def user_pass(gm, example_inputs, config):
+        seen.append(sorted({str(n.target) for n in gm.graph.nodes if "npu_fusion" in str(n.target)}))
+
+    config = ge.config()
+    config.post_grad_custom_pre_pass = user_pass
+    got, eager, exact = train_step(ge, install={"target": "a2"}, config=config)
+    assert_grads_close(got, eager, exact)
+    # it ran on the forward and the backward graph, before npu-fusion rewrote anything
+    assert seen == [[], []]
+    assert FUSED <= set(ge.backward().types())
+
+
+def test_tiny_llama_for_causal_lm(ge):
+    """transformers' LlamaForCausalLM (1 layer: 3 RMSNorms, RoPE on q and k) trained one step."""
+    from torch._decomp import get_decompositions
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=1,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    config._attn_implementation = "eager"
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config)
+    ids = torch.randint(0, 96, (2, 8), generator=torch.Generator().manual_seed(1))
+
+    def step(run):
+        model.zero_grad(set_to_none=True)
+        run(input_ids=ids, labels=ids).loss.backward()
+        return {name: p.grad.clone() for name, p in model.named_parameters()}
+
+    eager = step(model)
+    exact_model = copy.deepcopy(model).double()
+    exact_model.zero_grad(set_to_none=True)
+    exact_model(input_ids=ids, labels=ids).loss.backward()
+    exact = {name: p.grad for name, p in exact_model.named_parameters()}
+
+    # torch_npu would lower silu_backward for torchair; without it, decompose it
+    compiled = ge.compile(model, config=npu_fusion.install(ge.config(), target="a2"), fullgraph=False,
+                          decompositions=get_decompositions([torch.ops.aten.silu_backward]))
+    got = step(compiled)
+    assert_grads_close(list(got.values()), list(eager.values()), list(exact.values()))
+
+    counts = ge.backward().types()
+    assert counts["RmsNormGrad"] == 3 and counts["RotaryPositionEmbeddingGrad"] == 2, counts
+    assert not DECOMPOSED & set(counts), counts

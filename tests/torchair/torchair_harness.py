@@ -1,0 +1,225 @@
+"""Make torchair's real Python sources importable on a machine without CANN.
+
+torchair ships inside the torch_npu wheel (``torch_npu/dynamo/torchair``).
+Installing torch_npu is not an option here (it makes ``import torch`` fail
+without CANN), so :func:`load_torchair`:
+
+1. downloads the torch_npu wheel matching the installed torch with
+   ``pip download --no-deps`` (once; cached, see :func:`cache_root`);
+2. unpacks only ``torch_npu/dynamo/torchair/**`` (its Python files and data, not
+   its compiled extension modules) into ``<cache>/torchair-<version>/torchair``
+   and byte-compiles it;
+3. puts that directory on ``sys.path`` so the package imports as top-level
+   ``torchair`` (how its own sources refer to themselves), with an import hook
+   that serves torchair's four CANN-facing extension modules from
+   :mod:`cann_stub`;
+4. imports it.
+
+Environment:
+
+* ``NPU_FUSION_TORCH_NPU_VERSION``: the torch_npu version to use (default: the
+  installed torch's version without its local part, ``2.13.0+cpu`` -> ``2.13.0``).
+* ``NPU_FUSION_TORCH_NPU_WHEEL``: a local torch_npu wheel to unpack instead of
+  downloading one.
+* ``NPU_FUSION_CACHE_DIR``: the cache directory (default
+  ``$XDG_CACHE_HOME/npu_fusion`` or ``~/.cache/npu_fusion``).
+"""
+from __future__ import annotations
+
+import compileall
+import contextlib
+import importlib.abc
+import importlib.util
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import warnings
+import zipfile
+from pathlib import Path
+from typing import Optional
+
+import cann_stub
+
+WHEEL_PREFIX = "torch_npu/dynamo/torchair/"
+#: pip messages that mean the package index could not be reached at all.
+_NETWORK_ERRORS = (
+    "Could not fetch URL", "Max retries exceeded", "NewConnectionError", "Temporary failure in name resolution",
+    "Name or service not known", "Network is unreachable", "Connection refused", "ProxyError", "timed out",
+    "ConnectTimeoutError", "ReadTimeoutError", "SSLError", "No route to host",
+)
+
+
+class TorchairUnavailable(Exception):
+    """torchair could not be obtained; ``offline`` is True when the package index was unreachable."""
+
+    def __init__(self, message: str, *, offline: bool):
+        super().__init__(message)
+        self.offline = offline
+
+
+def torch_npu_version() -> str:
+    override = os.environ.get("NPU_FUSION_TORCH_NPU_VERSION")
+    if override:
+        return override
+    import torch
+
+    return torch.__version__.split("+")[0]
+
+
+def cache_root() -> Path:
+    override = os.environ.get("NPU_FUSION_CACHE_DIR")
+    if override:
+        return Path(override)
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "npu_fusion"
+
+
+@contextlib.contextmanager
+def _locked(path: Path):
+    import fcntl
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def _download_wheel(version: str, dest: Path) -> Path:
+    spec = f"torch-npu=={version}"
+    base = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
+            "--disable-pip-version-check", "--no-input", "--retries", "2", "--dest", str(dest)]
+    # The wheel's Python files are the same on every platform; when none is
+    # published for this interpreter and platform, take the manylinux x86_64 one.
+    attempts = [base + [spec],
+                base + ["--platform", "manylinux_2_28_x86_64", "--python-version",
+                        f"{sys.version_info.major}{sys.version_info.minor}", spec]]
+    output = ""
+    for command in attempts:
+        try:
+            done = subprocess.run(command, capture_output=True, text=True, timeout=900)
+        except subprocess.TimeoutExpired as error:
+            raise TorchairUnavailable(f"`pip download {spec}` timed out: {error}", offline=True) from error
+        output += done.stdout + done.stderr
+        wheels = sorted(dest.glob("torch_npu-*.whl"))
+        if done.returncode == 0 and wheels:
+            return wheels[0]
+        offline = any(marker in output for marker in _NETWORK_ERRORS)
+        if offline:
+            break
+    tail = "\n".join(output.strip().splitlines()[-15:])
+    raise TorchairUnavailable(
+        f"could not download {spec} (the wheel that carries torchair) with pip:\n{tail}", offline=offline)
+
+
+def _unpack(wheel: Path, target: Path) -> int:
+    """Unpack torchair's files but not its compiled extension modules."""
+    count = 0
+    with zipfile.ZipFile(wheel) as archive:
+        for info in archive.infolist():
+            name = info.filename
+            if not name.startswith(WHEEL_PREFIX) or info.is_dir() or name.endswith((".so", ".pyd", ".dll")):
+                continue
+            relative = name[len("torch_npu/dynamo/"):]
+            out = target / relative
+            out.parent.mkdir(parents=True, exist_ok=True)
+            with archive.open(info) as src, open(out, "wb") as dst:
+                shutil.copyfileobj(src, dst)
+            count += 1
+    if not (target / "torchair" / "__init__.py").exists():
+        raise TorchairUnavailable(f"{wheel.name} has no {WHEEL_PREFIX}__init__.py", offline=False)
+    return count
+
+
+def ensure_torchair_sources() -> Path:
+    """The directory to put on sys.path (it holds ``torchair/``), unpacking it if needed."""
+    version = torch_npu_version()
+    root = cache_root()
+    target = root / f"torchair-{version}"
+    marker = target / ".complete"
+    if marker.exists():
+        return target
+    with _locked(root / f".torchair-{version}.lock"):
+        if marker.exists():
+            return target
+        with tempfile.TemporaryDirectory(prefix="torch_npu-wheel-", dir=root) as tmp:
+            local = os.environ.get("NPU_FUSION_TORCH_NPU_WHEEL")
+            wheel = Path(local) if local else _download_wheel(version, Path(tmp))
+            staging = Path(tmp) / "unpacked"
+            count = _unpack(wheel, staging)
+            with warnings.catch_warnings():  # torchair's sources have invalid escape sequences
+                warnings.simplefilter("ignore")
+                compileall.compile_dir(str(staging), quiet=2)
+            (staging / ".complete").write_text(f"{wheel.name}\n{count} files\n")
+            if target.exists():
+                shutil.rmtree(target)
+            os.replace(staging, target)
+    return target
+
+
+class _CannStubFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """Serves ``torchair.core._torchair`` and its siblings from :mod:`cann_stub`."""
+
+    def __init__(self, package: str = "torchair"):
+        self.names = {f"{package}.{rel}": names for rel, names in cann_stub.MODULES.items()}
+
+    def find_spec(self, fullname, path=None, target=None):
+        if fullname in self.names:
+            return importlib.util.spec_from_loader(fullname, self)
+        return None
+
+    def create_module(self, spec):
+        return cann_stub.make_module(spec.name, self.names[spec.name])
+
+    def exec_module(self, module):
+        pass
+
+
+_TORCHAIR = None
+
+
+def load_torchair():
+    """Import torchair from the unpacked wheel with CANN stubbed (once per process)."""
+    global _TORCHAIR
+    if _TORCHAIR is not None:
+        return _TORCHAIR
+    existing = sys.modules.get("torchair")
+    if existing is not None and getattr(existing, "__file__", None):
+        raise TorchairUnavailable(f"a torchair is already imported from {existing.__file__}", offline=False)
+    if existing is not None:
+        # A namespace package: with tests/ on sys.path (pytest's rootdir
+        # insertion), this very directory, tests/torchair, looks like one.
+        for name in [n for n in sys.modules if n == "torchair" or n.startswith("torchair.")]:
+            del sys.modules[name]
+    if importlib.util.find_spec("google.protobuf") is None:
+        raise TorchairUnavailable("torchair needs the 'protobuf' package; install the test extras", offline=False)
+    sources = ensure_torchair_sources()
+    if not any(isinstance(f, _CannStubFinder) for f in sys.meta_path):
+        sys.meta_path.insert(0, _CannStubFinder())
+    if str(sources) not in sys.path:
+        sys.path.insert(0, str(sources))
+    # torchair installs SIGINT/SIGTERM handlers that finalize GE and re-raise;
+    # keep the test runner's own.
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        with warnings.catch_warnings():  # its sources' invalid escapes, torch.jit deprecations
+            warnings.simplefilter("ignore", DeprecationWarning)
+            warnings.simplefilter("ignore", SyntaxWarning)
+            import torchair
+    finally:
+        for sig, handler in handlers.items():
+            if handler is not None:
+                signal.signal(sig, handler)
+    if not str(getattr(torchair, "__file__", "")).startswith(str(sources)):
+        raise TorchairUnavailable(f"imported torchair from {torchair.__file__}, not {sources}", offline=False)
+    _TORCHAIR = torchair
+    return torchair
+
+
+def sources_dir() -> Optional[Path]:
+    return None if _TORCHAIR is None else Path(_TORCHAIR.__file__).parent
