@@ -144,6 +144,9 @@ def test_rope_near_misses_stay_unfused(fn, variant):
     capture = compile_and_compare(fn, rope_inputs(torch.float32), partitioner=variant[0],
                                   decompositions=variant[1])
     assert capture.fused(ROPE) == 0
+    # the diagnostics name both near-miss sites (q and k) and why
+    misses = [m for m in capture.misses() if m.op == ROPE]
+    assert len(misses) == 2 and all("no mode's formula" in m.reason for m in misses)
 
 
 class EpsOutsideSqrt(torch.nn.Module):
@@ -181,3 +184,6 @@ def test_rms_norm_near_misses_stay_unfused(cls, variant):
     capture = compile_and_compare(model, [x], params=list(model.parameters()), partitioner=variant[0],
                                   decompositions=variant[1])
     assert capture.fused(RMS) == 0
+    if cls is not NormOverWrongAxis:  # that one does not normalize the last axis at all
+        misses = [m for m in capture.misses() if m.op == RMS]
+        assert len(misses) == 1 and "terms differ" in misses[0].reason

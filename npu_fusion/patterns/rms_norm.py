@@ -386,8 +386,9 @@ def _norm_shapes(graph: fx.Graph):
     return found
 
 
-def find_sites(graph: fx.Graph, provenance, forced_leaves=()) -> List[NormMatch]:
-    matches = []
+def find_sites(graph: fx.Graph, provenance, forced_leaves=()):
+    """(matches, near misses) of the graph's RMSNorm backward sites."""
+    matches, misses = [], []
     for norm_shape in _norm_shapes(graph):
         ev = NormEvaluator(norm_shape, provenance, forced_leaves)
         nodes = [n for n in graph.nodes if n.op == "call_function" and val(n) is not None
@@ -415,7 +416,29 @@ def find_sites(graph: fx.Graph, provenance, forced_leaves=()) -> List[NormMatch]
             if len(grads) == 1:
                 site.dgamma = grads[0]
             matches.append(site)
-    return matches
+        misses += _near_misses(ev, nodes, [m for m in matches if m.ev is ev])
+    return matches, misses
+
+
+def _near_misses(ev: NormEvaluator, nodes, matched: List[NormMatch]) -> List[Miss]:
+    """Nodes that sum over the normalized axes once, as an RMSNorm dx does, yet matched nothing."""
+    done = set()
+    for site in matched:
+        g = ev.symbol_of[site.gamma] if site.gamma is not None else sympy.Integer(1)
+        done |= ev.sum_over_normalized(ev.symbol_of[site.dy] * g * ev.symbol_of[site.x]).free_symbols
+    suspects = []
+    for n in nodes:
+        v = ev.memo.get(n)
+        if v is None or v.lead_sum is not None or not ev.spans(shape(n)) or not same_shape(
+                shape(n)[len(shape(n)) - ev.k:], ev.norm_shape) or len(shape(n)) <= ev.k:
+            continue
+        sums = {s for s in v.expr.free_symbols if s in ev.sum_body}
+        if len(sums) == 1 and not sums & done and len(sympy.Add.make_args(sympy.expand(v.expr))) >= 2:
+            suspects.append(n)
+    outer = [n for n in suspects if not (len(n.users) == 1 and next(iter(n.users)) in suspects)]
+    return [Miss(OP, n.name, "normalizes over the last axes like an RMSNorm dx, but its terms differ from "
+                             "rstd*dy*g - rstd**3*x*sum(dy*g*x)/N (eps outside the root, another "
+                             "statistic or a missing term)") for n in outer]
 
 
 # -- the rewrite --------------------------------------------------------------
@@ -443,7 +466,7 @@ def _region(site: NormMatch, outputs) -> List[fx.Node]:
 
 def rewrite(graph: fx.Graph, target: str, provenance: Optional[Provenance] = None):
     fake_mode = fake_mode_of(graph)
-    sites, misses = [], []
+    sites = []
     replaced: Dict[fx.Node, fx.Node] = {}  # earlier rewrites: old node -> its replacement
 
     def current(n):
@@ -451,7 +474,8 @@ def rewrite(graph: fx.Graph, target: str, provenance: Optional[Provenance] = Non
             n = replaced[n]
         return n
 
-    for site in find_sites(graph, provenance):
+    found, misses = find_sites(graph, provenance)
+    for site in found:
         site.rest = [current(n) for n in site.rest]
         site.dy, site.x, site.rstd = current(site.dy), current(site.x), current(site.rstd)
         if site.gamma is not None:
@@ -460,7 +484,7 @@ def rewrite(graph: fx.Graph, target: str, provenance: Optional[Provenance] = Non
         region = _region(site, outputs)
         shared = outside_users(region, outputs.values())
         if shared:
-            again = [m for m in find_sites(graph, provenance, forced_leaves=shared) if m.dx is site.dx]
+            again = [m for m in find_sites(graph, provenance, forced_leaves=shared)[0] if m.dx is site.dx]
             if not again or again[0].dgamma is not site.dgamma:
                 misses.append(Miss(OP, site.dx.name, f"intermediate {shared[0].name} has a user outside "
                                                       f"the pattern ({next(iter(shared[0].users)).name})"))

@@ -277,12 +277,26 @@ def _outermost(matches: List[RopeMatch], same) -> List[RopeMatch]:
     return kept
 
 
+def _looks_like_dx(v: Optional[Lanes]) -> bool:
+    """Two products of two leaf elements per position: the shape of a RoPE dx."""
+    return (v is not None and v.reduction is None and len(v.inner) == 1 and v.inner[0] % 2 == 0
+            and all(len(p) == 2 and all(len(m) == 2 for m in p) for p in v.polys))
+
+
+def _looks_like_table(v: Optional[Lanes]) -> bool:
+    """One product of two leaf elements per position: a dcos/dsin summand."""
+    return (v is not None and len(v.inner) == 1
+            and all(len(p) == 1 and all(len(m) == 2 for m in p) for p in v.polys))
+
+
 def find_sites(graph: fx.Graph, provenance: Optional[Provenance], forced_leaves=()):
+    """(evaluator, matches, near misses) of the graph's RoPE backward sites."""
     ev = LaneEvaluator(provenance, forced_leaves)
     nodes = list(_candidates(graph))
     for node in nodes:
         ev.value(node)
-    matches = [m for m in (match_dx(ev, n) for n in nodes) if m is not None]
+    looks = [n for n in nodes if _looks_like_dx(ev.memo.get(n))]
+    matches = [m for m in (match_dx(ev, n) for n in looks) if m is not None]
     matches = _outermost(matches, lambda a, b: a.key == b.key)
     # a match inside another's subgraph (mode 0 on DeepSeek's de-interleaved q, under
     # the mode 3 match of the whole) is part of the larger rewrite
@@ -292,9 +306,20 @@ def find_sites(graph: fx.Graph, provenance: Optional[Provenance], forced_leaves=
         inside.update(n for n in region_of([m.dx], lambda n: n in ev.interpreted and n not in roles)
                       if n is not m.dx)
     matches = [m for m in matches if m.dx not in inside]
+    matched = {m.dx for m in matches} | inside
+    unmatched = [n for n in looks if n not in matched]
+    misses = [Miss(OP, n.name, "two products per element like a RoPE dx, but no mode's formula "
+                               "(signs, split points or tables differ)")
+              for n in unmatched if not (len(n.users) == 1 and next(iter(n.users)) in unmatched)]
+    tables_by_leaf: Dict[int, List[fx.Node]] = {}
+    for node in nodes:
+        v = ev.memo.get(node)
+        if _looks_like_table(v):
+            for lid in {var[0] for var in next(iter(v.polys[0]))}:
+                tables_by_leaf.setdefault(lid, []).append(node)
     for site in matches:
         tables: Dict[str, List[Tuple[fx.Node, Role]]] = {"cos": [], "sin": []}
-        for node in nodes:
+        for node in tables_by_leaf.get(site.dy[0], ()):
             for which in ("cos", "sin"):
                 x = match_table(ev, node, site, which)
                 if x is not None:
@@ -308,7 +333,7 @@ def find_sites(graph: fx.Graph, provenance: Optional[Provenance], forced_leaves=
                     site.x = found[0][1]
                 elif site.x != found[0][1]:
                     setattr(site, "d" + which, None)
-    return ev, matches
+    return ev, matches, misses
 
 
 def _role_node(graph, fake_mode, ev: LaneEvaluator, role: Role, width: int) -> fx.Node:
@@ -324,8 +349,7 @@ def rewrite(graph: fx.Graph, target: str, provenance: Optional[Provenance] = Non
     """Rewrite every RoPE backward site in ``graph``; returns (sites, misses)."""
     fake_mode = fake_mode_of(graph)
     sites = []
-    misses: List[Miss] = []
-    ev, matches = find_sites(graph, provenance)
+    ev, matches, misses = find_sites(graph, provenance)
     for site in matches:
         outputs = {k: n for k, n in (("dx", site.dx), ("dcos", site.dcos), ("dsin", site.dsin)) if n is not None}
         role_leaves = {ev.leaves[r[0]] for r in (site.dy, site.cos, site.sin, site.x) if r is not None}
@@ -338,7 +362,7 @@ def rewrite(graph: fx.Graph, target: str, provenance: Optional[Provenance] = Non
         if shared:
             # Look again with the shared intermediates as leaves: a cast shared with
             # another consumer is harmless, a shared partial product is a near miss.
-            ev2, again = find_sites(graph, provenance, forced_leaves=shared)
+            ev2, again, _ = find_sites(graph, provenance, forced_leaves=shared)
             again = [m for m in again if m.dx is site.dx and m.mode == site.mode]
             if not again or not _same_tables(site, again[0]):
                 misses.append(Miss(OP, site.dx.name, f"intermediate {shared[0].name} has a user "
