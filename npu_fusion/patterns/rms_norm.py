@@ -179,6 +179,9 @@ class NormEvaluator:
                   aten.sub.Tensor: lambda a, b: a - b, aten.sub.Scalar: lambda a, b: a - b,
                   aten.mul.Tensor: lambda a, b: a * b, aten.mul.Scalar: lambda a, b: a * b,
                   aten.div.Tensor: lambda a, b: a / b, aten.div.Scalar: lambda a, b: a / b}
+        if t in binary and all(len(shape(a)) <= self.k for a in args[:2] if isinstance(a, fx.Node)):
+            # parameter arithmetic such as Gemma's (1 + weight): the result is gamma, an input
+            raise Unsupported("gamma arithmetic")
         if t in binary:
             alpha = node.kwargs.get("alpha", 1)
             a, b = self._arg(args[0]), self._arg(args[1])

@@ -222,6 +222,8 @@ def match_table(ev: LaneEvaluator, node: fx.Node, site: RopeMatch, which: str) -
     if len(others) != 1:
         return None
     x_lid = others[0][0]
+    if x_lid in (site.cos[0], site.sin[0]):  # dy * cos is part of dx, not dcos
+        return None
     x = (x_lid, _offsets(v, x_lid))
     if not _polys_equal(v.polys, expected_table(site.mode, d, which, site.dy, x)):
         return None
@@ -306,11 +308,6 @@ def find_sites(graph: fx.Graph, provenance: Optional[Provenance], forced_leaves=
         inside.update(n for n in region_of([m.dx], lambda n: n in ev.interpreted and n not in roles)
                       if n is not m.dx)
     matches = [m for m in matches if m.dx not in inside]
-    matched = {m.dx for m in matches} | inside
-    unmatched = [n for n in looks if n not in matched]
-    misses = [Miss(OP, n.name, "two products per element like a RoPE dx, but no mode's formula "
-                               "(signs, split points or tables differ)")
-              for n in unmatched if not (len(n.users) == 1 and next(iter(n.users)) in unmatched)]
     tables_by_leaf: Dict[int, List[fx.Node]] = {}
     for node in nodes:
         v = ev.memo.get(node)
@@ -333,6 +330,18 @@ def find_sites(graph: fx.Graph, provenance: Optional[Provenance], forced_leaves=
                     site.x = found[0][1]
                 elif site.x != found[0][1]:
                     setattr(site, "d" + which, None)
+    # near misses: dx-shaped nodes that are neither a match, inside one, nor built on one
+    matched = {m.dx for m in matches} | inside
+    outputs = {n for m in matches for n in (m.dx, m.dcos, m.dsin) if n is not None}
+
+    def built_on_match(n):  # e.g. q's dsin plus k's dsin: two products per element, legitimately
+        region = region_of([n], lambda r: r is n or (r in ev.interpreted and r not in outputs))
+        return any(a in outputs for r in region for a in r.all_input_nodes)
+
+    unmatched = [n for n in looks if n not in matched and not built_on_match(n)]
+    misses = [Miss(OP, n.name, "two products per element like a RoPE dx, but no mode's formula "
+                               "(signs, split points or tables differ)")
+              for n in unmatched if not (len(n.users) == 1 and next(iter(n.users)) in unmatched)]
     return ev, matches, misses
 
 

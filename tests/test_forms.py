@@ -1,0 +1,252 @@
+"""The RoPE and RMSNorm spellings real models use beyond Llama's (issue 3): every mode,
+partial rotary, every layout and table shape, Gemma/T5/weightless/per-head/multi-axis
+RMSNorm, and per-target gating. Each is compiled through the real pass and checked for
+fusion, leftovers and gradients against eager and float64."""
+import pytest
+import torch
+
+from npu_fusion.models import rotate_every_two, rotate_half
+from support import compile_and_compare, decomposed_leftovers
+
+ROPE = "rotary_position_embedding_grad"
+RMS = "rms_norm_grad"
+
+
+def quarter_rotate(x):
+    a, b, c, d = x.chunk(4, dim=-1)
+    return torch.cat((-b, a, -d, c), dim=-1)
+
+
+def deinterleave(x):
+    *lead, d = x.shape
+    return x.view(*lead, d // 2, 2).transpose(-1, -2).reshape(*lead, d)
+
+
+def deepseek_v3_interleave(x):  # transformers' apply_rotary_pos_emb_interleave spelling
+    return torch.cat((x[..., 0::2], x[..., 1::2]), dim=-1)
+
+
+ROTATIONS = {  # name: (mode, forward of one tensor given broadcastable cos/sin)
+    "half": (0, lambda x, c, s: x * c + rotate_half(x) * s),
+    "interleave_gptj": (1, lambda x, c, s: x * c + rotate_every_two(x) * s),
+    "interleave_cohere": (1, lambda x, c, s: x * c + torch.stack(
+        (-x[..., 1::2], x[..., ::2]), dim=-1).flatten(-2) * s),
+    "quarter": (2, lambda x, c, s: x * c + quarter_rotate(x) * s),
+    "interleave_half_view": (3, lambda x, c, s: deinterleave(x) * c + rotate_half(deinterleave(x)) * s),
+    "interleave_half_slices": (3, lambda x, c, s: deepseek_v3_interleave(x) * c
+                               + rotate_half(deepseek_v3_interleave(x)) * s),
+}
+
+LAYOUTS = {  # name: (q shape, k shape, cos/sin shape)
+    "BNSD_B1SD": ((2, 4, 6, 16), (2, 2, 6, 16), (2, 1, 6, 16)),
+    "BNSD_11SD": ((2, 4, 6, 16), (2, 2, 6, 16), (1, 1, 6, 16)),
+    "BNSD_BNSD": ((2, 4, 6, 16), (2, 4, 6, 16), (2, 4, 6, 16)),
+    "BSND_1S1D": ((2, 6, 4, 16), (2, 6, 2, 16), (1, 6, 1, 16)),
+    "BSND_BS1D": ((2, 6, 4, 16), (2, 6, 2, 16), (2, 6, 1, 16)),
+    "SBND_S11D": ((6, 2, 4, 16), (6, 2, 2, 16), (6, 1, 1, 16)),
+    "SBND_SB1D": ((6, 2, 4, 16), (6, 2, 2, 16), (6, 2, 1, 16)),
+    "TND_T1D": ((12, 4, 16), (12, 2, 16), (12, 1, 16)),
+    "plain_SD": ((2, 4, 6, 16), (2, 2, 6, 16), (6, 16)),
+}
+
+
+def rope_case(rotation, layout, dtype=torch.float32, cos_grad=False):
+    mode, forward = ROTATIONS[rotation]
+    q_shape, k_shape, table = LAYOUTS[layout]
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(q_shape, generator=gen).to(dtype).requires_grad_()
+    k = torch.randn(k_shape, generator=gen).to(dtype).requires_grad_()
+    cos = torch.randn(table, generator=gen).to(dtype).requires_grad_(cos_grad)
+    sin = torch.randn(table, generator=gen).to(dtype).requires_grad_(cos_grad)
+
+    def fn(q, k, cos, sin):
+        return forward(q, cos, sin), forward(k, cos, sin)
+
+    return mode, fn, [q, k, cos, sin]
+
+
+@pytest.mark.parametrize("rotation", list(ROTATIONS))
+@pytest.mark.parametrize("layout", ["BNSD_B1SD", "BSND_1S1D", "TND_T1D", "plain_SD"])
+def test_every_mode_and_layout_fuses(rotation, layout):
+    mode, fn, inputs = rope_case(rotation, layout)
+    capture = compile_and_compare(fn, inputs)
+    sites = [s for r in capture.results for s in r.sites if s.op == ROPE]
+    assert len(sites) == 2, capture.misses()
+    assert {s.mode for s in sites} == {["half", "interleave", "quarter", "interleave-half"][mode]}
+    assert not decomposed_leftovers(capture.after[0])
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_cos_sin_layouts_with_grad_tables(layout, dtype):
+    _, fn, inputs = rope_case("half", layout, dtype=dtype, cos_grad=True)
+    capture = compile_and_compare(fn, inputs, decompositions="core")
+    sites = [s for r in capture.results for s in r.sites if s.op == ROPE]
+    assert len(sites) == 2
+    assert all(set(s.outputs) == {"dx", "dcos", "dsin"} for s in sites)
+    assert not decomposed_leftovers(capture.after[0])
+
+
+@pytest.mark.parametrize("rotation", ["half", "interleave_gptj"])
+def test_partial_rotary_fuses_the_rotated_slice(rotation):
+    """GPT-NeoX rotary_pct / GPT-J rotary_dim: only the first rotary_dim features rotate."""
+    _, forward = ROTATIONS[rotation]
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 4, 6, 32, generator=gen).requires_grad_()
+    k = torch.randn(2, 4, 6, 32, generator=gen).requires_grad_()
+    cos, sin = torch.randn(2, 1, 6, 8, generator=gen), torch.randn(2, 1, 6, 8, generator=gen)
+
+    def fn(q, k, cos, sin):
+        out = []
+        for t in (q, k):
+            rot, rest = t[..., :8], t[..., 8:]
+            out.append(torch.cat((forward(rot, cos, sin), rest), dim=-1))
+        return tuple(out)
+
+    capture = compile_and_compare(fn, [q, k, cos, sin])
+    assert capture.fused(ROPE) == 2, capture.misses()
+
+
+TARGET_CASES = [  # (rotation, layout, target, fused?, reason fragment)
+    ("quarter", "BNSD_B1SD", "950", True, None),
+    ("quarter", "BNSD_B1SD", "a2", False, "runs only on Ascend 950"),
+    ("interleave_half_view", "BNSD_B1SD", "a3", False, "runs only on Ascend 950"),
+    ("half", "BNSD_B1SD", "a2", True, None),
+    ("half", "BNSD_BNSD", "a2", True, None),
+    ("interleave_gptj", "BNSD_11SD", "a2", True, None),
+    ("interleave_gptj", "BNSD_B1SD", "a2", False, "11SD/1S1D/S11D"),
+    ("half", "TND_T1D", "a2", False, "4-D"),
+    ("half", "TND_T1D", "950", True, None),
+    ("half", "plain_SD", "a2", False, "4-D"),
+]
+
+
+@pytest.mark.parametrize("rotation, layout, target, fused, reason", TARGET_CASES)
+def test_per_target_gating(rotation, layout, target, fused, reason):
+    _, fn, inputs = rope_case(rotation, layout)
+    capture = compile_and_compare(fn, inputs, target=target)
+    assert capture.fused(ROPE) == (2 if fused else 0)
+    if not fused:
+        misses = [m for m in capture.misses() if m.op == ROPE]
+        assert len(misses) == 2 and all(reason in m.reason for m in misses), misses
+
+
+def test_a2_head_dim_limit():
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(1, 2, 4, 896, generator=gen).requires_grad_()
+    cos, sin = torch.randn(1, 1, 4, 896, generator=gen), torch.randn(1, 1, 4, 896, generator=gen)
+    fn = lambda q, cos, sin: q * cos + rotate_half(q) * sin  # noqa: E731
+    a2 = compile_and_compare(fn, [q, cos, sin], target="a2")
+    assert a2.fused(ROPE) == 0 and "D < 896" in a2.misses()[0].reason
+    assert compile_and_compare(fn, [q, cos, sin], target="950").fused(ROPE) == 1
+
+
+# -- RMSNorm forms ------------------------------------------------------------------
+
+class Gemma(torch.nn.Module):
+    """Gemma: normalize in fp32, multiply by (1 + weight) in fp32, cast back."""
+
+    def __init__(self, size):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.randn(size) * 0.1)
+
+    def forward(self, x):
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6)
+        return (h * (1.0 + self.weight.float())).type_as(x)
+
+
+class T5(torch.nn.Module):
+    """T5: variance in fp32, the normalized input cast to the weight's dtype."""
+
+    def __init__(self, size, dtype):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.randn(size).to(dtype))
+
+    def forward(self, x):
+        variance = x.to(torch.float32).pow(2).mean(-1, keepdim=True)
+        x = x * torch.rsqrt(variance + 1e-6)
+        if self.weight.dtype in (torch.float16, torch.bfloat16):
+            x = x.to(self.weight.dtype)
+        return self.weight * x
+
+
+class Weightless(torch.nn.Module):
+    def forward(self, x):
+        return torch.nn.functional.rms_norm(x, (x.shape[-1],), eps=1e-5)
+
+
+class PerHead(torch.nn.Module):
+    """Qwen3's q/k norm: RMSNorm over head_dim of a [B, S, H, D] tensor."""
+
+    def __init__(self, head_dim):
+        super().__init__()
+        self.norm = torch.nn.RMSNorm(head_dim, eps=1e-6)
+        with torch.no_grad():
+            self.norm.weight.normal_()
+
+    def forward(self, x):
+        return self.norm(x.view(*x.shape[:2], -1, 8)).flatten(2)
+
+
+class TwoAxes(torch.nn.Module):
+    """gamma over the last two axes: gamma.shape == x.shape[n:], n = dim - 2."""
+
+    def __init__(self):
+        super().__init__()
+        self.norm = torch.nn.RMSNorm((4, 8), eps=1e-6)
+        with torch.no_grad():
+            self.norm.weight.normal_()
+
+    def forward(self, x):
+        return self.norm(x)
+
+
+RMS_FORMS = {
+    "gemma": lambda dt: Gemma(32).to(dt) if dt == torch.float32 else Gemma(32),
+    "t5": lambda dt: T5(32, dt),
+    "weightless": lambda dt: Weightless(),
+    "per_head": lambda dt: PerHead(8).to(dt),
+    "two_axes": lambda dt: TwoAxes().to(dt),
+}
+
+
+@pytest.mark.parametrize("form", list(RMS_FORMS))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("partitioner", ["default", "min_cut"])
+def test_rms_norm_forms(form, dtype, partitioner):
+    model = RMS_FORMS[form](dtype)
+    shape = (2, 5, 4, 8) if form == "two_axes" else (2, 5, 32)
+    x = torch.randn(shape, generator=torch.Generator().manual_seed(0)).to(dtype).requires_grad_()
+    capture = compile_and_compare(model, [x], params=list(model.parameters()), partitioner=partitioner)
+    assert capture.fused(RMS) == 1, capture.misses()
+    assert not decomposed_leftovers(capture.after[0])
+
+
+@pytest.mark.parametrize("eps", [1e-5, 1e-6, 1e-12])
+def test_rms_norm_eps_values(eps):
+    model = torch.nn.RMSNorm(32, eps=eps)
+    x = torch.randn(2, 5, 32, requires_grad=True)
+    assert compile_and_compare(model, [x], params=list(model.parameters())).fused(RMS) == 1
+
+
+def test_rms_norm_dtype_outside_the_table_stays_unfused():
+    """fp16 activations with a bf16 weight: not a combination RmsNormGrad accepts."""
+    weight = torch.nn.Parameter(torch.randn(32, dtype=torch.bfloat16))
+
+    def fn(x):
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6)
+        return weight * h.to(torch.float16)
+
+    x = torch.randn(2, 5, 32, dtype=torch.float16, requires_grad=True)
+    capture = compile_and_compare(fn, [x], params=[weight])
+    assert capture.fused(RMS) == 0
+    assert any("not in SPEC's table" in m.reason for m in capture.misses())
+
+
+def test_rms_norm_not_on_950():
+    model = torch.nn.RMSNorm(32)
+    x = torch.randn(2, 5, 32, requires_grad=True)
+    capture = compile_and_compare(model, [x], params=list(model.parameters()), target="950")
+    assert capture.fused(RMS) == 0 and "Ascend 950" in capture.misses()[0].reason
