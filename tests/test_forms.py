@@ -250,3 +250,39 @@ def test_rms_norm_not_on_950():
     x = torch.randn(2, 5, 32, requires_grad=True)
     capture = compile_and_compare(model, [x], params=list(model.parameters()), target="950")
     assert capture.fused(RMS) == 0 and "Ascend 950" in capture.misses()[0].reason
+
+
+def test_complex_rope_llama4_and_deepseek_v2():
+    """view_as_complex(x) * freqs_cis as transformers writes Llama 4 and DeepSeek-V2: the fused
+    op gets full-width cos/sin rebuilt from the complex table (mode 1, interleave)."""
+    import transformers.models.deepseek_v2.modeling_deepseek_v2 as deepseek_v2
+    import transformers.models.llama4.modeling_llama4 as llama4
+
+    gen = torch.Generator().manual_seed(0)
+    for apply, layout in ((llama4.apply_rotary_emb, (2, 6, 4, 16)), (deepseek_v2.apply_rotary_emb, (2, 4, 6, 16))):
+        q = torch.randn(layout, generator=gen).requires_grad_()
+        k = torch.randn(layout, generator=gen).requires_grad_()
+        angles = torch.randn(2, 6, 8, generator=gen)
+
+        def fn(q, k, angles, apply=apply):
+            return apply(q, k, torch.polar(torch.ones_like(angles), angles))
+
+        capture = compile_and_compare(fn, [q, k, angles])
+        sites = [s for r in capture.results for s in r.sites]
+        assert [s.mode for s in sites] == ["interleave", "interleave"], capture.misses()
+        assert not any(n.target == torch.ops.aten.view_as_complex.default for g in capture.after for n in g.nodes)
+
+
+def test_half_width_tables():
+    """cos/sin kept at D/2 and applied to both halves (x1*cos - x2*sin, x2*cos + x1*sin)."""
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 4, 6, 16, generator=gen).requires_grad_()
+    cos, sin = torch.randn(6, 8, generator=gen), torch.randn(6, 8, generator=gen)
+
+    def fn(q, cos, sin):
+        x1, x2 = q[..., :8], q[..., 8:]
+        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+    capture = compile_and_compare(fn, [q, cos, sin])
+    assert capture.fused(ROPE) == 1, capture.misses()
+    assert not decomposed_leftovers(capture.after[0])

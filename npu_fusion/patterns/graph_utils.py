@@ -84,6 +84,8 @@ def is_value_preserving_cast(node: fx.Node) -> bool:
         extra = set(node.kwargs) - {"dtype", "layout", "device", "memory_format", "non_blocking"}
         if extra or (val(src).device != val(out).device):
             return False
+    if dtype(src).is_complex or dtype(out).is_complex:
+        return dtype(src) == dtype(out)
     return dtype(src).is_floating_point and dtype(out).is_floating_point
 
 

@@ -23,8 +23,26 @@ from typing import Dict, List, Optional, Tuple
 import torch
 import torch.fx as fx
 
+from . import graph_utils
 from .graph_utils import (Provenance, Unsupported, aten, is_value_preserving_cast, meta_value,
-                          normalize_dim, same_shape, shape, static_int, val)
+                          normalize_dim, same_shape, static_int, val)
+
+
+def shape(node):
+    """A node's shape, complex tensors seen as their real view ``[..., n, 2]``."""
+    s = graph_utils.shape(node)
+    if s is not None and val(node).dtype.is_complex:
+        return tuple(s) + (2,)
+    return s
+
+
+def _is_complex(node) -> bool:
+    return isinstance(node, fx.Node) and val(node) is not None and val(node).dtype.is_complex
+
+
+CONJ_TARGETS = {aten._conj.default, aten.conj.default, aten.conj_physical.default}
+COMPLEX_VIEWS = {aten.view_as_complex.default, aten.view_as_real.default, aten.resolve_conj.default,
+                 aten.resolve_neg.default}
 
 Var = Tuple[int, int]            # (leaf id, flattened position in the leaf's trailing axes)
 Mono = Tuple[Var, ...]           # sorted product of vars; () is the constant monomial
@@ -42,6 +60,8 @@ class Lanes:
     polys: List[Poly]
     #: for a sum over leading axes: (summand node, reduced dims, keepdim), else None
     reduction: Optional[tuple] = None
+    #: a complex tensor: the last tracked axis holds (real, imaginary)
+    complex: bool = False
 
     def is_constant(self) -> bool:
         return all(all(m == () for m in p) for p in self.polys)
@@ -142,13 +162,14 @@ class LaneEvaluator:
         if self.provenance is not None and self.provenance.is_forward(node):
             raise Unsupported("forward node not saved for backward")
         s, v = shape(node), val(node)
-        if s is None or not s or not v.dtype.is_floating_point:
+        if s is None or not s or not (v.dtype.is_floating_point or v.dtype.is_complex):
             return None
-        d = static_int(s[-1])
-        if d is None or d > MAX_LANES:
+        inner = tuple(static_int(x) for x in s[len(s) - (2 if v.dtype.is_complex else 1):])
+        if None in inner or math.prod(inner) > MAX_LANES:
             return None
         lid = self.leaf_id(node)
-        return Lanes((d,), [{((lid, i),): 1.0} for i in range(d)])
+        return Lanes(inner, [{((lid, i),): 1.0} for i in range(math.prod(inner))],
+                     complex=v.dtype.is_complex)
 
     # -- evaluation ---------------------------------------------------------
     def value(self, node) -> Optional[Lanes]:
@@ -287,6 +308,8 @@ class LaneEvaluator:
                     isinstance(a, fx.Node) and _degree(self._checked(a)) <= 1 for a in args[:2]):
                 raise Unsupported("gradient accumulation: the sum is an input of the pattern")
             return self._elementwise(node, args[:2], lambda a, b: _add(a, b, sign))
+        if _is_complex(node) or any(_is_complex(a) for a in args[:1]):
+            return self._complex(node, args)
         if t in (aten.mul.Tensor, aten.mul.Scalar):
             return self._elementwise(node, args[:2], _mul)
         if t in (aten.div.Tensor, aten.div.Scalar) and _scalar(args[1]) not in (None, 0.0):
@@ -424,6 +447,30 @@ class LaneEvaluator:
         if t in (aten.sum.dim_IntList, aten.sum.default):
             return self._sum(node)
         raise Unsupported(f"op {t}")
+
+    def _complex(self, node, args) -> Lanes:
+        """view_as_complex/real, conjugation and products of complex tensors, on (re, im) pairs."""
+        t = node.target
+        if t in COMPLEX_VIEWS or is_value_preserving_cast(node):
+            v = self._checked(args[0])
+            return Lanes(v.inner, v.polys, complex=_is_complex(node))
+        if t in CONJ_TARGETS:
+            v = self._checked(args[0])
+            return Lanes(v.inner, [p if i % 2 == 0 else _add({}, p, -1.0) for i, p in enumerate(v.polys)],
+                         complex=True)
+        if t is aten.mul.Tensor and all(_is_complex(a) for a in args[:2]):
+            inner = tuple(static_int(x) for x in shape(node)[-2:])
+            a, b = (self._broadcast(self._checked(x), shape(x), inner) for x in args[:2])
+            polys = []
+            for j in range(0, len(a.polys), 2):
+                (ar, ai), (br, bi) = a.polys[j:j + 2], b.polys[j:j + 2]
+                polys.append(_add(_mul(ar, br), _mul(ai, bi), -1.0))
+                polys.append(_add(_mul(ar, bi), _mul(ai, br)))
+            return Lanes(inner, polys, complex=True)
+        if t in (aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.flatten.using_ints):
+            v = self._checked(args[0])
+            return Lanes(self._reshape(node, v).inner, v.polys, complex=_is_complex(node))
+        raise Unsupported(f"complex op {t}")
 
     def _checked(self, arg) -> Lanes:
         """The value of a node used as an operand. A reduction over leading axes (GQA's

@@ -25,7 +25,6 @@ wrong split point, a swapped table) simply do not match.
 from __future__ import annotations
 
 import dataclasses
-import itertools
 from typing import Dict, List, Optional, Tuple
 
 import torch
@@ -37,7 +36,12 @@ from .graph_utils import (Miss, Provenance, call, cast, commit, dtype, erase_dea
 from .lanes import Lanes, LaneEvaluator, MAX_LANES
 
 OP = "rotary_position_embedding_grad"
-Role = Tuple[int, int]  # (leaf id, offset of the role's first position in the leaf's last axis)
+#: (leaf id, the leaf position that plays each position of the fused op's operand)
+Role = Tuple[int, Tuple[int, ...]]
+
+
+def contiguous(lid: int, offset: int, d: int) -> Role:
+    return lid, tuple(range(offset, offset + d))
 
 
 # -- SPEC section 1, position by position -------------------------------------
@@ -88,12 +92,12 @@ def _mono(a, b):
 
 def expected_dx(mode: int, d: int, dy: Role, cos: Role, sin: Role):
     roles = {"cos": cos, "sin": sin}
-    return [{_mono((dy[0], dy[1] + yp), (roles[t][0], roles[t][1] + tp)): c for c, yp, t, tp in lane}
+    return [{_mono((dy[0], dy[1][yp]), (roles[t][0], roles[t][1][tp])): c for c, yp, t, tp in lane}
             for lane in dx_terms(mode, d)]
 
 
 def expected_table(mode: int, d: int, which: str, dy: Role, x: Role):
-    return [{_mono((dy[0], dy[1] + i), (x[0], x[1] + xp)): c}
+    return [{_mono((dy[0], dy[1][i]), (x[0], x[1][xp])): c}
             for i, (c, xp) in enumerate(table_terms(mode, d, which))]
 
 
@@ -185,6 +189,32 @@ def _offsets(v: Lanes, lid: int) -> int:
     return min(p for poly in v.polys for mono in poly for (l, p) in mono if l == lid)
 
 
+def _read_tables(v: Lanes, mode: int, dy: Role) -> Optional[Tuple[Role, Role]]:
+    """Which leaf position plays cos[i] and sin[i], read off the observed products with dy.
+
+    Tables may be any leaf positions: half-width tables repeated, or the real and
+    imaginary parts of a complex ``freqs_cis`` (Llama 4) both come out of one leaf.
+    The caller still compares the whole polynomial, so this only proposes.
+    """
+    d = len(v.polys)
+    found = {"cos": [None] * d, "sin": [None] * d}
+    lids = {"cos": set(), "sin": set()}
+    for poly, lane in zip(v.polys, dx_terms(mode, d)):
+        for coef, yp, table, tp in lane:
+            y = (dy[0], dy[1][yp])
+            others = [m for m in poly if y in m]
+            if len(others) != 1:
+                return None
+            (other,) = [var for var in others[0] if var != y] or [y]
+            if found[table][tp] not in (None, other):
+                return None
+            found[table][tp] = other
+            lids[table].add(other[0])
+    if any(len(l) != 1 for l in lids.values()) or any(p is None for t in found.values() for p in t):
+        return None
+    return tuple((next(iter(lids[t])), tuple(p for _, p in found[t])) for t in ("cos", "sin"))
+
+
 def match_dx(ev: LaneEvaluator, node: fx.Node) -> Optional[RopeMatch]:
     v = ev.memo.get(node)
     if v is None or v.reduction is not None or len(v.inner) != 1:
@@ -194,18 +224,18 @@ def match_dx(ev: LaneEvaluator, node: fx.Node) -> Optional[RopeMatch]:
         return None
     if any(len(p) != 2 or any(len(m) != 2 for m in p) for p in v.polys):
         return None
-    first = v.polys[0]
     common = set.intersection(*({l for l, _ in m} for poly in v.polys[:1] + v.polys[-1:] for m in poly))
     for dy_lid in sorted(common):
-        tables = sorted({l for m in first for l, _ in m if l != dy_lid})
-        if len(tables) != 2:
-            continue
-        dy = (dy_lid, _offsets(v, dy_lid))
-        for cos_lid, sin_lid in itertools.permutations(tables):
-            cos, sin = (cos_lid, _offsets(v, cos_lid)), (sin_lid, _offsets(v, sin_lid))
-            for mode in ROPE_MODES:
-                if d % rope_divisor(mode) == 0 and _polys_equal(v.polys, expected_dx(mode, d, dy, cos, sin)):
-                    return RopeMatch(mode, node, dy, cos, sin)
+        dy = contiguous(dy_lid, _offsets(v, dy_lid), d)
+        for mode in ROPE_MODES:
+            if d % rope_divisor(mode):
+                continue
+            tables = _read_tables(v, mode, dy)
+            if tables is None or dy_lid in (tables[0][0], tables[1][0]):
+                continue
+            cos, sin = tables
+            if _polys_equal(v.polys, expected_dx(mode, d, dy, cos, sin)):
+                return RopeMatch(mode, node, dy, cos, sin)
     return None
 
 
@@ -218,13 +248,13 @@ def match_table(ev: LaneEvaluator, node: fx.Node, site: RopeMatch, which: str) -
     mono = next(iter(v.polys[0]))
     if len(mono) != 2:
         return None
-    others = [var for var in mono if var != (site.dy[0], site.dy[1])]
+    others = [var for var in mono if var != (site.dy[0], site.dy[1][0])]
     if len(others) != 1:
         return None
     x_lid = others[0][0]
     if x_lid in (site.cos[0], site.sin[0]):  # dy * cos is part of dx, not dcos
         return None
-    x = (x_lid, _offsets(v, x_lid))
+    x = contiguous(x_lid, _offsets(v, x_lid), d)
     if not _polys_equal(v.polys, expected_table(site.mode, d, which, site.dy, x)):
         return None
     table = ev.leaves[(site.cos if which == "cos" else site.sin)[0]]
@@ -315,6 +345,8 @@ def find_sites(graph: fx.Graph, provenance: Optional[Provenance], forced_leaves=
             for lid in {var[0] for var in next(iter(v.polys[0]))}:
                 tables_by_leaf.setdefault(lid, []).append(node)
     for site in matches:
+        if not all(r[1] == tuple(range(static_int(shape(ev.leaves[r[0]])[-1]))) for r in (site.cos, site.sin)):
+            continue  # dcos/dsin are grads of whole tables; rebuilt tables have none in the graph
         tables: Dict[str, List[Tuple[fx.Node, Role]]] = {"cos": [], "sin": []}
         for node in tables_by_leaf.get(site.dy[0], ()):
             for which in ("cos", "sin"):
@@ -345,13 +377,37 @@ def find_sites(graph: fx.Graph, provenance: Optional[Provenance], forced_leaves=
     return ev, matches, misses
 
 
-def _role_node(graph, fake_mode, ev: LaneEvaluator, role: Role, width: int) -> fx.Node:
-    """The leaf, sliced to the role's positions when the site covers part of its last axis."""
-    leaf = ev.leaves[role[0]]
-    full = static_int(shape(leaf)[-1])
-    if role[1] == 0 and width == full:
-        return leaf
-    return call(graph, fake_mode, torch.ops.aten.slice.Tensor, (leaf, -1, role[1], role[1] + width))
+def _role_node(graph, fake_mode, ev: LaneEvaluator, role: Role) -> fx.Node:
+    """A tensor holding the role's positions, built from its leaf.
+
+    Contiguous positions are a slice (partial rotary); ``a + s*(i//2)`` is a strided
+    slice repeated element-wise (the real or imaginary parts of a complex table);
+    ``a + i % (D/2)`` is a half-width table concatenated with itself.
+    """
+    aten = torch.ops.aten
+    leaf, positions = ev.leaves[role[0]], role[1]
+    base = leaf
+    if dtype(leaf).is_complex:  # positions index the real view, (re, im) interleaved
+        base = call(graph, fake_mode, aten.view_as_real.default, (leaf,))
+        base = call(graph, fake_mode, aten.flatten.using_ints, (base, -2, -1))
+    full, width, first = static_int(shape(base)[-1]), len(positions), positions[0]
+    half = width // 2
+    if positions == tuple(range(first, first + width)):
+        if first == 0 and width == full:
+            return base
+        return call(graph, fake_mode, aten.slice.Tensor, (base, -1, first, first + width))
+    for step in (1, 2):
+        if positions == tuple(first + step * (i // 2) for i in range(width)):
+            part = call(graph, fake_mode, aten.slice.Tensor, (base, -1, first, first + step * half, step))
+            return call(graph, fake_mode, aten.repeat_interleave.self_int, (part, 2, -1))
+    if positions == tuple(first + i % half for i in range(width)):
+        part = call(graph, fake_mode, aten.slice.Tensor, (base, -1, first, first + half))
+        return call(graph, fake_mode, aten.cat.default, ([part, part], -1))
+    raise TableLayoutError(f"table {leaf.name} is read in an order the pass cannot rebuild")
+
+
+class TableLayoutError(Exception):
+    pass
 
 
 def rewrite(graph: fx.Graph, target: str, provenance: Optional[Provenance] = None):
@@ -396,16 +452,9 @@ def _same_tables(a: RopeMatch, b: RopeMatch) -> bool:
 
 
 def _emit(graph, fake_mode, ev, site: RopeMatch, outputs, region, target):
-    width = ev.memo[site.dx].inner[0]
     dy_leaf, cos_leaf, sin_leaf = (ev.leaves[r[0]] for r in (site.dy, site.cos, site.sin))
     x_leaf = ev.leaves[site.x[0]] if site.x is not None else None
-    role_dtypes = [dtype(n) for n in (dy_leaf, cos_leaf, sin_leaf, x_leaf) if n is not None]
-    compute = max(role_dtypes, key=lambda t: torch.finfo(t).bits)
-    if width != static_int(shape(dy_leaf)[-1]) or site.dy[1]:
-        dy_shape_ok = same_shape(shape(dy_leaf)[:-1], shape(site.dx)[:-1])
-    else:
-        dy_shape_ok = same_shape(shape(dy_leaf), shape(site.dx))
-    if not dy_shape_ok:
+    if not same_shape(shape(dy_leaf)[:-1], shape(site.dx)[:-1]):
         return Miss(OP, site.dx.name, f"dy {dy_leaf.name} is broadcast to dx's shape")
     if not same_shape(shape(cos_leaf)[:-1], shape(sin_leaf)[:-1]):
         return Miss(OP, site.dx.name, f"cos {list(shape(cos_leaf))} and sin {list(shape(sin_leaf))} "
@@ -413,11 +462,14 @@ def _emit(graph, fake_mode, ev, site: RopeMatch, outputs, region, target):
     anchor = last_of(graph, [n for n in (dy_leaf, cos_leaf, sin_leaf, x_leaf) if n is not None])
     before = set(graph.nodes)
     with graph.inserting_before(anchor.next):
-        dy, cos, sin = (cast(graph, fake_mode, _role_node(graph, fake_mode, ev, r, width), compute)
-                        for r in (site.dy, site.cos, site.sin))
-        x = None
-        if site.x is not None:
-            x = cast(graph, fake_mode, _role_node(graph, fake_mode, ev, site.x, width), compute)
+        try:
+            operands = [_role_node(graph, fake_mode, ev, r) if r is not None else None
+                        for r in (site.dy, site.cos, site.sin, site.x)]
+        except TableLayoutError as exc:
+            erase_dead(graph, [n for n in graph.nodes if n not in before])
+            return Miss(OP, site.dx.name, str(exc))
+        compute = max((dtype(n) for n in operands if n is not None), key=lambda t: torch.finfo(t).bits)
+        dy, cos, sin, x = (cast(graph, fake_mode, n, compute) if n is not None else None for n in operands)
         problem = target_problem(target, site.mode, dy, cos, x is not None, compute)
         if problem is None and x is not None and not same_shape(shape(x), shape(dy)):
             problem = f"x {list(shape(x))} and dy {list(shape(dy))} have different shapes"
