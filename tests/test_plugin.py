@@ -1,0 +1,97 @@
+"""The pass as a plain function on any FX GraphModule, its fail-safe and strict modes,
+options and target detection."""
+import logging
+
+import pytest
+import torch
+from torch.fx.experimental.proxy_tensor import make_fx
+
+import npu_fusion.patterns.rope as rope_patterns
+from npu_fusion.plugin.options import FusionOptions
+from npu_fusion.plugin.pass_manager import fuse_backward
+from npu_fusion.plugin.targets import target_from_device_name
+
+aten = torch.ops.aten
+
+
+def rope_backward_by_hand(dy, cos, sin, extra_user):
+    """The backward of q*cos + rotate_half(q)*sin, written as AOTAutograd writes it."""
+    t = aten.mul.Tensor(dy, sin)
+    a, b = aten.slice.Tensor(t, 3, 0, 8), aten.slice.Tensor(t, 3, 8, 16)
+    r = aten.add.Tensor(aten.slice_backward.default(aten.neg.default(a), list(dy.shape), 3, 8, 16, 1),
+                        aten.slice_backward.default(b, list(dy.shape), 3, 0, 8, 1))
+    dx = aten.add.Tensor(r, aten.mul.Tensor(dy, cos))
+    if extra_user:
+        return dx, aten.mul.Tensor(t, 2.0)  # the partial product t feeds something else too
+    return (dx,)
+
+
+def traced(extra_user):
+    args = (torch.randn(2, 4, 6, 16), torch.randn(2, 1, 6, 16), torch.randn(2, 1, 6, 16))
+    gm = make_fx(lambda *a: rope_backward_by_hand(*a, extra_user), tracing_mode="fake")(*args)
+    return gm, args
+
+
+def test_plain_graph_module_is_rewritten_and_still_right():
+    gm, args = traced(extra_user=False)
+    expected = gm(*args)
+    result = fuse_backward(gm, {"target": "generic"})
+    assert result.fused("rotary_position_embedding_grad") == 1 and not result.misses
+    assert result.nodes_after < result.nodes_before
+    assert any(n.target == torch.ops.npu_fusion.rotary_position_embedding_grad.default for n in gm.graph.nodes)
+    torch.testing.assert_close(gm(*args), expected)
+
+
+def test_intermediate_with_another_user_stays_unfused():
+    gm, args = traced(extra_user=True)
+    expected = gm(*args)
+    before = gm.code
+    result = fuse_backward(gm, {"target": "generic"})
+    assert result.fused("rotary_position_embedding_grad") == 0
+    assert any("user outside the pattern" in m.reason for m in result.misses)
+    assert gm.code == before
+    torch.testing.assert_close(gm(*args), expected)
+
+
+def test_internal_failure_leaves_the_graph_and_logs(monkeypatch, caplog):
+    gm, args = traced(extra_user=False)
+    before = gm.code
+
+    def broken(*_args, **_kwargs):
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(rope_patterns, "rewrite", broken)
+    with caplog.at_level(logging.WARNING, logger="npu_fusion"):
+        result = fuse_backward(gm, {"target": "generic"})
+    assert result.error == "RuntimeError: boom" and not result.sites
+    assert gm.code == before
+    assert "graph left unchanged" in caplog.text
+    with pytest.raises(RuntimeError, match="boom"):
+        fuse_backward(gm, {"target": "generic", "strict": True})
+
+
+def test_options_are_checked():
+    with pytest.raises(ValueError, match="unknown npu_fusion option"):
+        FusionOptions.from_mapping({"tagret": "a2"})
+    with pytest.raises(ValueError, match="target must be"):
+        FusionOptions.from_mapping({"target": "910"})
+    assert FusionOptions.from_mapping(None).resolved_target() == "generic"  # no NPU here
+
+
+def test_dump_graphs_from_environment(monkeypatch):
+    monkeypatch.setenv("NPU_FUSION_DUMP_GRAPHS", "1")
+    assert FusionOptions.from_mapping({}).dump_graphs
+
+
+def test_disabled_fusions_leave_the_graph():
+    gm, _ = traced(extra_user=False)
+    result = fuse_backward(gm, {"rope": False})
+    assert not result.sites
+
+
+@pytest.mark.parametrize("name, target", [
+    ("Ascend910B1", "a2"), ("Ascend910B4", "a2"), ("Ascend910_9391", "a3"), ("Ascend910_9382", "a3"),
+    ("Ascend950PR", "950"), ("Ascend950DT", "950"), ("Ascend310P3", "a2"),
+])
+def test_target_from_device_name(name, target):
+    assert target_from_device_name(name) == target
