@@ -95,3 +95,13 @@ def test_disabled_fusions_leave_the_graph():
 ])
 def test_target_from_device_name(name, target):
     assert target_from_device_name(name) == target
+
+
+def test_readme_forms_table_is_rendered_from_the_registry():
+    import pathlib
+
+    from npu_fusion.patterns import render_forms
+
+    readme = (pathlib.Path(__file__).parent.parent / "README.md").read_text()
+    table = readme.split("<!-- forms -->")[1].split("<!-- /forms -->")[0].strip()
+    assert table == render_forms()

@@ -50,7 +50,8 @@ Poly = Dict[Mono, float]
 
 MAX_DEGREE = 2
 MAX_TERMS = 8
-MAX_LANES = 4096
+#: the widest trailing extent worth tracking: no target accepts a RoPE head dim D > 1024
+MAX_LANES = 1024
 
 
 @dataclasses.dataclass
