@@ -287,3 +287,19 @@ def test_half_width_tables():
     capture = compile_and_compare(fn, [q, cos, sin])
     assert capture.fused(ROPE) == 1, capture.misses()
     assert not decomposed_leftovers(capture.after[0])
+
+
+@pytest.mark.parametrize("rotation", list(ROTATIONS))
+def test_modes_with_dynamic_batch_and_sequence(rotation):
+    _, fn, inputs = rope_case(rotation, "BNSD_B1SD")
+    capture = compile_and_compare(fn, inputs, dynamic_dims={i: (0, 2) for i in range(4)})
+    assert any(isinstance(n.meta.get("val"), torch.SymInt) for n in capture.after[0].nodes)
+    assert capture.fused(ROPE) == 2, capture.misses()
+
+
+@pytest.mark.parametrize("form", ["gemma", "t5", "weightless", "per_head"])
+def test_rms_norm_forms_with_dynamic_shapes(form):
+    model = RMS_FORMS[form](torch.bfloat16)
+    x = torch.randn(3, 5, 32, generator=torch.Generator().manual_seed(0)).bfloat16().requires_grad_()
+    capture = compile_and_compare(model, [x], params=list(model.parameters()), dynamic_dims={0: (0, 1)})
+    assert capture.fused(RMS) == 1, capture.misses()
