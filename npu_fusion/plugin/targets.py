@@ -9,13 +9,13 @@ def target_from_device_name(name: str) -> str:
     """Map torch_npu's device name (``torch.npu.get_device_name()``) to a target.
 
     Ascend 910B* are Atlas A2, Ascend 910_93* are Atlas A3, Ascend 950* the 950PR/DT.
-    Anything else gets ``"generic"``'s neighbour with the narrowest support, ``"a2"``,
-    so nothing is emitted that an unknown chip may reject.
+    Anything else gets the narrowest supported target, ``"a2"``, so nothing is
+    emitted that an unknown chip may reject.
     """
     upper = name.upper().replace(" ", "")
     if "950" in upper:
         return "950"
-    if "910_93" in upper or "910_9391" in upper or "A3" in upper:
+    if "910_93" in upper:
         return "a3"
     return "a2"
 
