@@ -131,6 +131,60 @@ class Provenance:
         return self.forward is not None and node.graph is self.forward
 
 
+class MemoEvaluator:
+    """Memoized abstract interpretation of graph nodes; what cannot be interpreted is a leaf.
+
+    Subclasses give ``_interpret(node, forward)`` (raise :class:`Unsupported` to make the
+    node a leaf) and ``_leaf(node)``. A backward placeholder whose forward definition is
+    known (``provenance``) is interpreted through that definition, where forward nodes
+    saved for the backward stand for their backward placeholders; ``forward`` tells
+    ``_interpret`` that it is looking at a forward node.
+    """
+
+    def __init__(self, provenance: Optional[Provenance] = None, forced_leaves=()):
+        self.provenance = provenance
+        self.forced_leaves = set(forced_leaves)
+        self.memo: Dict[fx.Node, Any] = {}
+        self.interpreted: set = set()
+
+    def _is_forward(self, node) -> bool:
+        return self.provenance is not None and self.provenance.is_forward(node)
+
+    def value(self, node):
+        if node in self.memo:
+            return self.memo[node]
+        self.memo[node] = None  # cycle guard; graphs are DAGs
+        result = None
+        if self._is_forward(node):
+            saved = self.provenance.saved_in_backward(node)
+            if saved is not None:
+                self.memo[node] = result = self.value(saved)
+                return result
+        if node not in self.forced_leaves:
+            definition = node
+            if node.op == "placeholder" and self.provenance is not None:
+                definition = self.provenance.forward_definition(node)
+            if definition is not None and definition.op == "call_function":
+                try:
+                    result = self._interpret(definition, forward=definition is not node or self._is_forward(node))
+                    if definition is node:
+                        self.interpreted.add(node)
+                except Unsupported:
+                    result = None
+                    if self._is_forward(node):
+                        raise
+        if result is None:
+            result = self._leaf(node)
+        self.memo[node] = result
+        return result
+
+    def _interpret(self, node: fx.Node, forward: bool):
+        raise NotImplementedError
+
+    def _leaf(self, node: fx.Node):
+        raise NotImplementedError
+
+
 @dataclasses.dataclass
 class Miss:
     """A subgraph that looked like a fusable backward but was left as it was."""

@@ -24,7 +24,7 @@ import torch
 import torch.fx as fx
 
 from . import graph_utils
-from .graph_utils import (Provenance, Unsupported, aten, is_value_preserving_cast, meta_value,
+from .graph_utils import (MemoEvaluator, Provenance, Unsupported, aten, is_value_preserving_cast, meta_value,
                           normalize_dim, same_shape, static_int, val)
 
 
@@ -68,17 +68,25 @@ class Lanes:
         return all(all(m == () for m in p) for p in self.polys)
 
 
+def _accumulate(out: Poly, mono: Mono, coef: float) -> None:
+    total = out.get(mono, 0.0) + coef
+    if total == 0.0:
+        out.pop(mono, None)
+    else:
+        out[mono] = total
+
+
+def _bounded(p: Poly) -> Poly:
+    if len(p) > MAX_TERMS:
+        raise Unsupported("too many terms")
+    return p
+
+
 def _add(a: Poly, b: Poly, scale: float = 1.0) -> Poly:
     out = dict(a)
     for m, c in b.items():
-        v = out.get(m, 0.0) + scale * c
-        if v == 0.0:
-            out.pop(m, None)
-        else:
-            out[m] = v
-    if len(out) > MAX_TERMS:
-        raise Unsupported("too many terms")
-    return out
+        _accumulate(out, m, scale * c)
+    return _bounded(out)
 
 
 def _mul(a: Poly, b: Poly) -> Poly:
@@ -88,14 +96,8 @@ def _mul(a: Poly, b: Poly) -> Poly:
             m = tuple(sorted(ma + mb))
             if len(m) > MAX_DEGREE:
                 raise Unsupported("degree")
-            v = out.get(m, 0.0) + ca * cb
-            if v == 0.0:
-                out.pop(m, None)
-            else:
-                out[m] = v
-    if len(out) > MAX_TERMS:
-        raise Unsupported("too many terms")
-    return out
+            _accumulate(out, m, ca * cb)
+    return _bounded(out)
 
 
 def _strides(inner):
@@ -140,15 +142,12 @@ def _index_arg(x):
     return s
 
 
-class LaneEvaluator:
+class LaneEvaluator(MemoEvaluator):
     """Memoized evaluation of nodes into :class:`Lanes`; unknown nodes become leaves."""
 
     def __init__(self, provenance: Optional[Provenance] = None, forced_leaves=()):
-        self.provenance = provenance
-        self.forced_leaves = set(forced_leaves)
-        self.memo: Dict[fx.Node, Optional[Lanes]] = {}
+        super().__init__(provenance, forced_leaves)
         self.reduction_leaves: Dict[fx.Node, Optional[Lanes]] = {}
-        self.interpreted: set = set()
         self.leaf_ids: Dict[fx.Node, int] = {}
         self.leaves: List[fx.Node] = []
 
@@ -171,38 +170,6 @@ class LaneEvaluator:
         lid = self.leaf_id(node)
         return Lanes(inner, [{((lid, i),): 1.0} for i in range(math.prod(inner))],
                      complex=v.dtype.is_complex)
-
-    # -- evaluation ---------------------------------------------------------
-    def value(self, node) -> Optional[Lanes]:
-        if not isinstance(node, fx.Node):
-            raise Unsupported("not a node")
-        if node in self.memo:
-            return self.memo[node]
-        self.memo[node] = None  # cycle guard; graphs are DAGs
-        result = None
-        if self.provenance is not None and self.provenance.is_forward(node):
-            saved = self.provenance.saved_in_backward(node)
-            if saved is not None:
-                result = self.value(saved)
-                self.memo[node] = result
-                return result
-        if node not in self.forced_leaves:
-            definition = node
-            if node.op == "placeholder" and self.provenance is not None:
-                definition = self.provenance.forward_definition(node)
-            if definition is not None and definition.op == "call_function":
-                try:
-                    result = self._interpret(definition)
-                    if definition is node:
-                        self.interpreted.add(node)
-                except Unsupported:
-                    result = None
-                    if self.provenance is not None and self.provenance.is_forward(node):
-                        raise
-        if result is None:
-            result = self._leaf(node)
-        self.memo[node] = result
-        return result
 
     def _operand(self, arg, out_node) -> Lanes:
         """An element-wise operand, broadcast to ``out_node``'s trailing sizes."""
@@ -290,7 +257,7 @@ class LaneEvaluator:
                 break
         raise Unsupported("reshape crosses leading axes")
 
-    def _interpret(self, node: fx.Node) -> Lanes:
+    def _interpret(self, node: fx.Node, forward: bool = False) -> Lanes:
         t, kw = node.target, node.kwargs
         # tensors stay nodes; symbolic sizes and indices become their SymInt values
         args = tuple(a if isinstance(a, fx.Node) and isinstance(val(a), torch.Tensor) else meta_value(a)

@@ -35,7 +35,7 @@ import torch
 import torch.fx as fx
 
 from ..lowering.constraints import FusedOpInputError, RMS_NORM_DTYPES, check_rms_norm_grad_inputs
-from .graph_utils import (Miss, Provenance, Unsupported, aten, call, cast, commit, dtype, erase_dead,
+from .graph_utils import (MemoEvaluator, Miss, Provenance, Unsupported, aten, call, cast, commit, dtype, erase_dead,
                           fake_mode_of, getitem, is_value_preserving_cast, last_of, normalize_dim,
                           outside_users, region_of, same_shape, shape, static_int, val)
 
@@ -56,7 +56,7 @@ def _scalar(x):
     return sympy.nsimplify(x, rational=True) if isinstance(x, float) else sympy.Integer(x)
 
 
-class NormEvaluator:
+class NormEvaluator(MemoEvaluator):
     """Memoized symbolic evaluation with the trailing ``len(norm_shape)`` axes abstracted."""
 
     POLICY_LEAVES = {aten.rsqrt.default}  # rstd is an input of the fused op: keep it a leaf
@@ -65,10 +65,7 @@ class NormEvaluator:
         self.norm_shape = tuple(norm_shape)
         self.k = len(norm_shape)
         self.n = math.prod(norm_shape)
-        self.provenance = provenance
-        self.forced_leaves = set(forced_leaves)
-        self.memo: Dict[fx.Node, Optional[NormValue]] = {}
-        self.interpreted = set()
+        super().__init__(provenance, forced_leaves)
         self.symbol_of: Dict[fx.Node, sympy.Symbol] = {}
         self.node_of: Dict[sympy.Symbol, fx.Node] = {}
         self.varying = set()  # symbols of leaves that span the normalized axes
@@ -96,35 +93,6 @@ class NormEvaluator:
         if self.spans(v.shape):
             self.varying.add(sym)
         return NormValue(sym)
-
-    def value(self, node) -> Optional[NormValue]:
-        if node in self.memo:
-            return self.memo[node]
-        self.memo[node] = None
-        result = None
-        if self.provenance is not None and self.provenance.is_forward(node):
-            saved = self.provenance.saved_in_backward(node)
-            if saved is not None:
-                self.memo[node] = result = self.value(saved)
-                return result
-        if node not in self.forced_leaves:
-            definition = node
-            if node.op == "placeholder" and self.provenance is not None:
-                definition = self.provenance.forward_definition(node)
-            if definition is not None and definition.op == "call_function":
-                try:
-                    result = self._interpret(definition, forward=definition is not node or
-                                             (self.provenance is not None and self.provenance.is_forward(node)))
-                    if definition is node:
-                        self.interpreted.add(node)
-                except Unsupported:
-                    result = None
-                    if self.provenance is not None and self.provenance.is_forward(node):
-                        raise
-        if result is None:
-            result = self._leaf(node)
-        self.memo[node] = result
-        return result
 
     def _arg(self, arg) -> sympy.Expr:
         s = _scalar(arg)
