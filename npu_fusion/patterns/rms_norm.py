@@ -404,7 +404,12 @@ def _near_misses(ev: NormEvaluator, nodes, matched: List[NormMatch]) -> List[Mis
                 shape(n)[len(shape(n)) - ev.k:], ev.norm_shape) or len(shape(n)) <= ev.k:
             continue
         sums = {s for s in v.expr.free_symbols if s in ev.sum_body}
-        if len(sums) == 1 and not sums & done and len(sympy.Add.make_args(sympy.expand(v.expr))) >= 2:
+        # a norm's dx scales by a saved statistic and sums a product such as dy*g*x;
+        # (log-)softmax's backward sums the gradient alone
+        if len(sums) != 1 or not _stat_leaves(ev, v.expr) or sympy.total_degree(
+                ev.sum_body[next(iter(sums))]) < 2:
+            continue
+        if not sums & done and len(sympy.Add.make_args(sympy.expand(v.expr))) >= 2:
             suspects.append(n)
     outer = [n for n in suspects if not (len(n.users) == 1 and next(iter(n.users)) in suspects)]
     return [Miss(OP, n.name, "normalizes over the last axes like an RMSNorm dx, but its terms differ from "

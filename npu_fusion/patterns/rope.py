@@ -310,9 +310,14 @@ def _outermost(matches: List[RopeMatch], same) -> List[RopeMatch]:
 
 
 def _looks_like_dx(v: Optional[Lanes]) -> bool:
-    """Two products of two leaf elements per position: the shape of a RoPE dx."""
-    return (v is not None and v.reduction is None and len(v.inner) == 1 and v.inner[0] % 2 == 0
-            and all(len(p) == 2 and all(len(m) == 2 for m in p) for p in v.polys))
+    """Two products of two leaf elements per position, one leaf read at two positions
+    (a rotation): the shape of a RoPE dx. Softmax's backward has two products but no
+    rotation."""
+    if not (v is not None and v.reduction is None and len(v.inner) == 1 and v.inner[0] % 2 == 0
+            and all(len(p) == 2 and all(len(m) == 2 for m in p) for p in v.polys)):
+        return False
+    a, b = v.polys[0]
+    return any(l1 == l2 and p1 != p2 for l1, p1 in a for l2, p2 in b)
 
 
 def _looks_like_table(v: Optional[Lanes]) -> bool:
