@@ -243,9 +243,43 @@ def cast(graph, fake_mode, node: fx.Node, to: torch.dtype) -> fx.Node:
     return call(graph, fake_mode, aten._to_copy.default, (node,), {"dtype": to})
 
 
+class Insertion:
+    """Insert nodes right after ``anchor``, remembering which ones were inserted."""
+
+    def __init__(self, graph: fx.Graph, anchor: fx.Node):
+        self.graph, self.anchor, self.stop = graph, anchor, anchor.next
+        self._context = graph.inserting_before(self.stop)
+
+    def __enter__(self):
+        self._context.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        return self._context.__exit__(*exc)
+
+    def nodes(self) -> List[fx.Node]:
+        out, node = [], self.anchor.next
+        while node is not self.stop:
+            out.append(node)
+            node = node.next
+        return out
+
+    def undo(self) -> None:
+        erase_dead(self.graph, self.nodes())
+
+
 def last_of(graph: fx.Graph, nodes: Iterable[fx.Node]) -> fx.Node:
-    order = {n: i for i, n in enumerate(graph.nodes)}
-    return max(nodes, key=order.__getitem__)
+    return max(nodes)  # fx nodes compare by their position in the graph
+
+
+def downstream(graph: fx.Graph, seeds: Iterable[fx.Node], depth: int) -> List[fx.Node]:
+    """Nodes at most ``depth`` uses away from the seeds (seeds included), in graph order."""
+    seen = set(seeds)
+    frontier = list(seen)
+    for _ in range(depth):
+        frontier = [u for n in frontier for u in n.users if u not in seen]
+        seen.update(frontier)
+    return sorted(seen)
 
 
 def region_of(outputs: Iterable[fx.Node], interior) -> List[fx.Node]:
@@ -268,9 +302,8 @@ def outside_users(region: List[fx.Node], outputs: Iterable[fx.Node]) -> List[fx.
 
 def erase_dead(graph: fx.Graph, nodes: Iterable[fx.Node]) -> List[fx.Node]:
     """Erase the given nodes that no longer have users, users first."""
-    order = {n: i for i, n in enumerate(graph.nodes)}
     erased = []
-    for node in sorted(set(nodes), key=order.__getitem__, reverse=True):
+    for node in sorted(set(nodes), reverse=True):  # users before what they use
         if not node.users and node.op == "call_function":
             graph.erase_node(node)
             erased.append(node)

@@ -26,6 +26,7 @@ do not match.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import math
 from typing import Dict, List, Optional
@@ -35,7 +36,8 @@ import torch
 import torch.fx as fx
 
 from ..lowering.constraints import FusedOpInputError, RMS_NORM_DTYPES, check_rms_norm_grad_inputs
-from .graph_utils import (MemoEvaluator, Miss, Provenance, Unsupported, aten, call, cast, commit, dtype, erase_dead,
+from .graph_utils import (Insertion, MemoEvaluator, Miss, Provenance, Unsupported, aten, call, cast, commit, downstream, dtype,
+                         
                           fake_mode_of, getitem, is_value_preserving_cast, last_of, normalize_dim,
                           outside_users, region_of, same_shape, shape, static_int, val)
 
@@ -53,6 +55,11 @@ class NormValue:
 def _scalar(x):
     if isinstance(x, bool) or not isinstance(x, (int, float)):
         return None
+    return _rational(x)
+
+
+@functools.lru_cache(maxsize=1024)
+def _rational(x):
     return sympy.nsimplify(x, rational=True) if isinstance(x, float) else sympy.Integer(x)
 
 
@@ -326,20 +333,26 @@ def _match_root(ev: NormEvaluator, root: fx.Node, stop) -> Optional[NormMatch]:
 
 
 def match_dgamma(ev: NormEvaluator, node: fx.Node, site: NormMatch) -> bool:
+    """``node`` sums ``dy * x * rstd`` over exactly the leading axes, to gamma's shape."""
     v = ev.memo.get(node)
     if v is None or v.lead_sum is None or site.gamma is None:
         return False
     summand, dims = v.lead_sum
     rank = len(shape(summand))
     want = ev.symbol_of[site.dy] * ev.symbol_of[site.x] * ev.symbol_of[site.rstd]
-    return (same_shape(shape(node), shape(site.gamma)) and same_shape(shape(summand), shape(site.dx))
+    return (v.expr.free_symbols == want.free_symbols
+            and same_shape(shape(node), shape(site.gamma)) and same_shape(shape(summand), shape(site.dx))
             and all(d in dims or static_int(shape(summand)[d]) == 1 for d in range(rank - ev.k))
             and sympy.expand(v.expr - want) == 0)
 
 
-def _norm_shapes(graph: fx.Graph):
-    """The normalized trailing shapes of the graph's keep-dim reductions."""
-    found = []
+#: uses between a sum over the normalized axes and the root of dx (with its accumulation)
+DX_DEPTH = 9
+
+
+def _norm_reductions(graph: fx.Graph):
+    """{normalized trailing shape: [keep-dim sum/mean nodes over exactly those axes]}."""
+    found: Dict[tuple, List[fx.Node]] = {}
     for node in graph.nodes:
         if node.op != "call_function" or node.target not in (aten.sum.dim_IntList, aten.mean.dim):
             continue
@@ -352,19 +365,34 @@ def _norm_shapes(graph: fx.Graph):
         if dims != list(range(len(s) - len(dims), len(s))):
             continue
         tail = tuple(static_int(x) for x in s[len(s) - len(dims):])
-        if None not in tail and tail not in found:
-            found.append(tail)
+        if None not in tail:
+            found.setdefault(tail, []).append(node)
     return found
+
+
+def _lead_sums(graph: fx.Graph, rank: int) -> List[fx.Node]:
+    """Sums over leading axes (dgamma) and the views and casts right after them."""
+    seeds = []
+    for node in graph.nodes:
+        if node.op == "call_function" and node.target is aten.sum.dim_IntList and isinstance(node.args[0], fx.Node):
+            s = shape(node.args[0])
+            if s and all(normalize_dim(d, len(s)) < len(s) - rank for d in node.args[1] or ()):
+                seeds.append(node)
+    return downstream(graph, seeds, 3)
 
 
 def find_sites(graph: fx.Graph, provenance, forced_leaves=()):
     """(matches, near misses) of the graph's RMSNorm backward sites."""
     matches, misses = [], []
-    for norm_shape in _norm_shapes(graph):
+    for norm_shape, reductions in _norm_reductions(graph).items():
         ev = NormEvaluator(norm_shape, provenance, forced_leaves)
-        nodes = [n for n in graph.nodes if n.op == "call_function" and val(n) is not None
-                 and val(n).dtype.is_floating_point]
+        # dx is a few uses after a sum over the normalized axes; evaluation is lazy from there
+        nodes = [n for n in downstream(graph, reductions, DX_DEPTH) if n.op == "call_function"
+                 and val(n) is not None and val(n).dtype.is_floating_point]
         for n in nodes:
+            ev.value(n)
+        lead_sums = [n for n in _lead_sums(graph, len(norm_shape)) if val(n) is not None]
+        for n in lead_sums:
             ev.value(n)
         found, stop = [], set()
         for n in nodes:
@@ -382,7 +410,7 @@ def find_sites(graph: fx.Graph, provenance, forced_leaves=()):
             if site.rstd in seen:  # one RMSNorm, one site: an accumulation root found twice
                 continue
             seen.add(site.rstd)
-            grads = [n for n in nodes if match_dgamma(ev, n, site)]
+            grads = [n for n in lead_sums if match_dgamma(ev, n, site)]
             grads = [n for n in grads if not (len(n.users) == 1 and next(iter(n.users)) in grads)]
             if len(grads) == 1:
                 site.dgamma = grads[0]
@@ -481,8 +509,7 @@ def _emit(graph, fake_mode, site: NormMatch, outputs, region, target, provenance
     if problem is not None:
         return Miss(OP, site.dx.name, problem)
     anchor = last_of(graph, [n for n in (site.dy, site.x, site.rstd, site.gamma) if n is not None])
-    before = set(graph.nodes)
-    with graph.inserting_before(anchor.next):
+    with Insertion(graph, anchor) as inserted:
         dy, x = cast(graph, fake_mode, site.dy, compute), cast(graph, fake_mode, site.x, compute)
         rstd = cast(graph, fake_mode, site.rstd, torch.float32)
         gamma = site.gamma
@@ -493,7 +520,7 @@ def _emit(graph, fake_mode, site: NormMatch, outputs, region, target, provenance
             with fake_mode if fake_mode is not None else _null():
                 check_rms_norm_grad_inputs(val(dy), val(x), val(rstd), val(gamma))
         except FusedOpInputError as exc:
-            erase_dead(graph, [n for n in graph.nodes if n not in before])
+            inserted.undo()
             return Miss(OP, site.dx.name, str(exc))
         fused = call(graph, fake_mode, torch.ops.npu_fusion.rms_norm_grad.default, (dy, x, rstd, gamma))
         replacements = {}
@@ -504,13 +531,14 @@ def _emit(graph, fake_mode, site: NormMatch, outputs, region, target, provenance
                 if not same_shape(shape(new), shape(old)):
                     new = call(graph, fake_mode, aten.view.default, (new, list(shape(old))))
                 replacements[old] = new
+    added = inserted.nodes()
     if site.rest:  # the other gradients accumulated with dx are added back, after all of them
         with graph.inserting_before(site.dx):
             total = replacements[site.dx]
             for other in site.rest:
                 total = call(graph, fake_mode, aten.add.Tensor, (other, total))
+                added.append(total)
             replacements[site.dx] = total
-    added = [n for n in graph.nodes if n not in before]
     record = commit(graph, OP, None, region, replacements,
                     {"dy": site.dy, "x": site.x, "rstd": site.rstd, "gamma": site.gamma}, added, fused)
     replaced.update(replacements)

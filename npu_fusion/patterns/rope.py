@@ -31,7 +31,7 @@ import torch
 import torch.fx as fx
 
 from ..lowering.constraints import FLOAT_DTYPES, ROPE_MODES, rope_divisor
-from .graph_utils import (Miss, Provenance, call, cast, commit, dtype, erase_dead, fake_mode_of, getitem,
+from .graph_utils import (Insertion, Miss, Provenance, call, cast, commit, downstream, dtype, fake_mode_of, getitem,
                           last_of, outside_users, region_of, same_shape, same_size, shape, static_int)
 from .lanes import Lanes, LaneEvaluator, MAX_LANES
 
@@ -326,10 +326,24 @@ def _looks_like_table(v: Optional[Lanes]) -> bool:
             and all(len(p) == 1 and all(len(m) == 2 for m in p) for p in v.polys))
 
 
+_aten = torch.ops.aten
+#: ops that move elements along trailing axes: every RoPE dx is a few uses after one
+MOVES_ELEMENTS = {
+    _aten.slice.Tensor, _aten.slice_backward.default, _aten.slice_scatter.default, _aten.cat.default,
+    _aten.stack.default, _aten.select.int, _aten.unbind.int, _aten.split.Tensor,
+    _aten.split_with_sizes.default, _aten.view_as_complex.default, _aten.view_as_real.default,
+    _aten.transpose.int, _aten.permute.default,
+}
+#: uses between such an op and the outermost node of a dx (add, cast, view, ...)
+DX_DEPTH = 6
+
+
 def find_sites(graph: fx.Graph, provenance: Optional[Provenance], forced_leaves=()):
     """(evaluator, matches, near misses) of the graph's RoPE backward sites."""
     ev = LaneEvaluator(provenance, forced_leaves)
-    nodes = list(_candidates(graph))
+    seeds = [n for n in graph.nodes if n.op == "call_function" and n.target in MOVES_ELEMENTS]
+    near = set(downstream(graph, seeds, DX_DEPTH))
+    nodes = [n for n in _candidates(graph) if n in near]
     for node in nodes:
         ev.value(node)
     looks = [n for n in nodes if _looks_like_dx(ev.memo.get(n))]
@@ -343,8 +357,12 @@ def find_sites(graph: fx.Graph, provenance: Optional[Provenance], forced_leaves=
         inside.update(n for n in region_of([m.dx], lambda n: n in ev.interpreted and n not in roles)
                       if n is not m.dx)
     matches = [m for m in matches if m.dx not in inside]
+    # dcos/dsin are products with dy, reduced: look a few uses after each site's dy
+    dys = [ev.leaves[m.dy[0]] for m in matches]
+    table_nodes = [n for n in downstream(graph, dys, 4) if n.op == "call_function"] if dys else []
     tables_by_leaf: Dict[int, List[fx.Node]] = {}
-    for node in nodes:
+    for node in table_nodes:
+        ev.value(node)
         v = ev.memo.get(node)
         if _looks_like_table(v):
             for lid in {var[0] for var in next(iter(v.polys[0]))}:
@@ -465,13 +483,12 @@ def _emit(graph, fake_mode, ev, site: RopeMatch, outputs, region, target):
         return Miss(OP, site.dx.name, f"cos {list(shape(cos_leaf))} and sin {list(shape(sin_leaf))} "
                                       f"have different shapes")
     anchor = last_of(graph, [n for n in (dy_leaf, cos_leaf, sin_leaf, x_leaf) if n is not None])
-    before = set(graph.nodes)
-    with graph.inserting_before(anchor.next):
+    with Insertion(graph, anchor) as inserted:
         try:
             operands = [_role_node(graph, fake_mode, ev, r) if r is not None else None
                         for r in (site.dy, site.cos, site.sin, site.x)]
         except TableLayoutError as exc:
-            erase_dead(graph, [n for n in graph.nodes if n not in before])
+            inserted.undo()
             return Miss(OP, site.dx.name, str(exc))
         compute = max((dtype(n) for n in operands if n is not None), key=lambda t: torch.finfo(t).bits)
         dy, cos, sin, x = (cast(graph, fake_mode, n, compute) if n is not None else None for n in operands)
@@ -479,7 +496,7 @@ def _emit(graph, fake_mode, ev, site: RopeMatch, outputs, region, target):
         if problem is None and x is not None and not same_shape(shape(x), shape(dy)):
             problem = f"x {list(shape(x))} and dy {list(shape(dy))} have different shapes"
         if problem is not None:
-            erase_dead(graph, [n for n in graph.nodes if n not in before])
+            inserted.undo()
             return Miss(OP, site.dx.name, problem)
         fused = call(graph, fake_mode, torch.ops.npu_fusion.rotary_position_embedding_grad.default,
                      (dy, cos, sin, x, site.mode))
@@ -492,7 +509,7 @@ def _emit(graph, fake_mode, ev, site: RopeMatch, outputs, region, target):
             if not same_shape(shape(new), shape(old)):
                 new = call(graph, fake_mode, torch.ops.aten.view.default, (new, list(shape(old))))
             replacements[old] = new
-    added = [n for n in graph.nodes if n not in before]
+    added = inserted.nodes()
     site_record = commit(graph, OP, ROPE_MODES[site.mode], region, replacements,
                          {"dy": dy_leaf, "cos": cos_leaf, "sin": sin_leaf, "x": x_leaf}, added, fused)
     site_record.outputs = {name: old.name for name, old in outputs.items()}

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import gc
+import logging
 import time
 from typing import Any, Dict, List, Mapping, Optional, Union
 
@@ -18,7 +20,7 @@ import torch.fx as fx
 from ..patterns import rms_norm as rms_norm_patterns
 from ..patterns import rope as rope_patterns
 from ..patterns.graph_utils import Miss, Provenance, Site
-from .logs import log
+from .logs import dump_graph, log
 from .options import FusionOptions
 
 COUNTER = "npu_fusion"
@@ -86,9 +88,13 @@ def fuse_backward(gm: fx.GraphModule, options: Union[FusionOptions, Mapping, Non
         options = FusionOptions.from_mapping(options)
     target = options.resolved_target()
     result = FusionResult(target=target, nodes_before=len(gm.graph.nodes))
-    start = time.perf_counter()
     if options.dump_graphs:
-        log.info("npu_fusion: backward graph before the pass:\n%s", gm.graph)
+        dump_graph(f"npu_fusion: backward graph before the pass ({result.nodes_before} nodes, target {target}):", gm)
+    start = time.perf_counter()  # after the dump: result.seconds is the pass's own time
+    # The pass allocates many small objects; full collections over everything Dynamo
+    # keeps alive would cost more than the pass itself.
+    gc_was_enabled = gc.isenabled()
+    gc.disable()
     try:
         graph = copy.deepcopy(gm.graph)
         provenance = Provenance(forward, graph)
@@ -110,6 +116,9 @@ def fuse_backward(gm: fx.GraphModule, options: Union[FusionOptions, Mapping, Non
         result.error = f"{type(exc).__name__}: {exc}"
         result.sites, result.misses = [], []
         log.warning("npu_fusion: pass failed, graph left unchanged: %s", result.error, exc_info=True)
+    finally:
+        if gc_was_enabled:
+            gc.enable()
     result.seconds = time.perf_counter() - start
     result.nodes_after = len(gm.graph.nodes)
     counters = torch._dynamo.utils.counters[COUNTER]
@@ -117,11 +126,19 @@ def fuse_backward(gm: fx.GraphModule, options: Union[FusionOptions, Mapping, Non
         counters[site.op] += 1
         log.info("npu_fusion: fused %s (%s) replacing %d nodes %s", site.op, site.mode or "-",
                  len(site.replaced_nodes), site.outputs)
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug("npu_fusion:   inputs %s; replaced %s (%s); modelled bytes %d -> %d, fused-op minimum %d",
+                      site.inputs, site.replaced_targets, ", ".join(site.replaced_nodes),
+                      site.bytes_before, site.bytes_after, site.bytes_minimum)
     for miss in result.misses:
         counters[f"{miss.op}_missed"] += 1
         log.info("npu_fusion: left %s at %s unfused: %s", miss.op, miss.node, miss.reason)
+    log.info("npu_fusion: backward graph %d -> %d nodes (target %s): %d fused %s, %d left unfused, %.1f ms",
+             result.nodes_before, result.nodes_after, target, len(result.sites),
+             {op: result.fused(op) for op in sorted({s.op for s in result.sites})}, len(result.misses),
+             result.seconds * 1e3)
     if options.dump_graphs:
-        log.info("npu_fusion: backward graph after the pass:\n%s", gm.graph)
+        dump_graph(f"npu_fusion: backward graph after the pass ({result.nodes_after} nodes):", gm)
     HISTORY.append(result)
     return result
 
