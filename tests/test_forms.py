@@ -303,3 +303,24 @@ def test_rms_norm_forms_with_dynamic_shapes(form):
     x = torch.randn(3, 5, 32, generator=torch.Generator().manual_seed(0)).bfloat16().requires_grad_()
     capture = compile_and_compare(model, [x], params=list(model.parameters()), dynamic_dims={0: (0, 1)})
     assert capture.fused(RMS) == 1, capture.misses()
+
+
+def test_rope_output_scaled_before_use():
+    """q * scale after RoPE (and SDPA's math path scaling q): the scaled gradient is dy."""
+    weight = torch.nn.Parameter(torch.randn(16, 16, generator=torch.Generator().manual_seed(1)))
+
+    def fn(q, cos, sin):
+        return ((q * cos + rotate_half(q) * sin) * 0.125) @ weight
+
+    _, _, (q, _, cos, sin) = rope_case("half", "BNSD_B1SD")
+    capture = compile_and_compare(fn, [q, cos, sin], params=[weight])
+    assert capture.fused(ROPE) == 1, capture.misses()
+
+
+def test_a2_batch_not_below_sequence_names_the_rule():
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(8, 2, 6, 16, generator=gen).requires_grad_()
+    cos, sin = torch.randn(8, 1, 6, 16, generator=gen), torch.randn(8, 1, 6, 16, generator=gen)
+    fn = lambda q, cos, sin: q * cos + rotate_half(q) * sin  # noqa: E731
+    capture = compile_and_compare(fn, [q, cos, sin], target="a2")
+    assert capture.fused(ROPE) == 0 and "B < S for B1SD" in capture.misses()[0].reason

@@ -217,3 +217,13 @@ def test_inductor_decompositions_and_no_false_diagnostics():
     assert {"convert_element_type.default", "slice_scatter.default"} <= seen
     assert results[0].fused(RMS) == 5 and results[0].fused(ROPE) == 4
     assert results[0].misses == []
+
+
+def test_routing_weight_normalization_is_not_a_near_miss():
+    """DeepSeek-V3's MoE router divides top-k weights by their sum: no RMSNorm, no diagnostic."""
+    def route(w):
+        top = w.softmax(-1).topk(2, -1).values
+        return top / (top.sum(-1, keepdim=True) + 1e-20)
+
+    capture = compile_and_compare(route, [torch.randn(32, 8, requires_grad=True)])
+    assert capture.fused(RMS) == 0 and capture.misses() == []

@@ -278,6 +278,13 @@ class LaneEvaluator(MemoEvaluator):
             return self._elementwise(node, args[:2], lambda a, b: _add(a, b, sign))
         if _is_complex(node) or any(_is_complex(a) for a in args[:1]):
             return self._complex(node, args)
+        scaling = t in (aten.mul.Tensor, aten.mul.Scalar, aten.div.Tensor, aten.div.Scalar) and (
+            _scalar(args[1]) is not None or _scalar(args[0]) is not None)
+        if scaling and not forward:
+            tensor = args[0] if _scalar(args[1]) is not None else args[1]
+            if isinstance(tensor, fx.Node) and _degree(self._checked(tensor)) <= 1:
+                # a scaled gradient (q * scale after RoPE, SDPA's scaled q) is the pattern's dy
+                raise Unsupported("scaled input: a leaf")
         if t in (aten.mul.Tensor, aten.mul.Scalar):
             return self._elementwise(node, args[:2], _mul)
         if t in (aten.div.Tensor, aten.div.Scalar) and _scalar(args[1]) not in (None, 0.0):

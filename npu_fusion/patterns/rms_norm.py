@@ -432,10 +432,14 @@ def _near_misses(ev: NormEvaluator, nodes, matched: List[NormMatch]) -> List[Mis
                 shape(n)[len(shape(n)) - ev.k:], ev.norm_shape) or len(shape(n)) <= ev.k:
             continue
         sums = {s for s in v.expr.free_symbols if s in ev.sum_body}
-        # a norm's dx scales by a saved statistic and sums a product such as dy*g*x;
-        # (log-)softmax's backward sums the gradient alone
+        # a norm's dx scales by a saved statistic and has a term x * sum(product) with the
+        # product of degree >= 2 (dy*g*x): (log-)softmax's backward has no statistic or sums
+        # the gradient alone, normalizing by a plain sum (MoE routing weights) has no x there
         if len(sums) != 1 or not _stat_leaves(ev, v.expr) or sympy.total_degree(
                 ev.sum_body[next(iter(sums))]) < 2:
+            continue
+        summed_terms = [t for t in sympy.Add.make_args(sympy.expand(v.expr)) if t.free_symbols & sums]
+        if not any(t.free_symbols & ev.varying for t in summed_terms):
             continue
         if not sums & done and len(sympy.Add.make_args(sympy.expand(v.expr))) >= 2:
             suspects.append(n)

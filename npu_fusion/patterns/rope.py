@@ -120,25 +120,26 @@ def _lt(a, b) -> bool:
 def _a2_layout_ok(mode: int, dy_shape, cos_shape, with_x: bool) -> Optional[str]:
     d0, d1, d2 = dy_shape[:3]
     layouts = {  # name: (B, N, S, allowed cos leading shapes and their extra condition)
-        "BNSD": (d0, d1, d2, [((1, 1, d2), True), ((d0, 1, d2), "B<S"), ((d0, d1, d2), True)]),
-        "BSND": (d0, d2, d1, [((1, d1, 1), True), ((d0, d1, 1), "B<S"), ((d0, d1, d2), True)]),
-        "SBND": (d1, d2, d0, [((d0, 1, 1), True), ((d0, d1, 1), True), ((d0, d1, d2), True)]),
+        "BNSD": (d0, d1, d2, [("11SD", (1, 1, d2), None), ("B1SD", (d0, 1, d2), "B<S"), ("BNSD", (d0, d1, d2), None)]),
+        "BSND": (d0, d2, d1, [("1S1D", (1, d1, 1), None), ("BS1D", (d0, d1, 1), "B<S"), ("BSND", (d0, d1, d2), None)]),
+        "SBND": (d1, d2, d0, [("S11D", (d0, 1, 1), None), ("SB1D", (d0, d1, 1), None), ("SBND", (d0, d1, d2), None)]),
     }
+    problem = None
     for name, (b, n, s, allowed) in layouts.items():
-        if mode == 1:
-            allowed = allowed[:1]
-        for lead, cond in allowed:
+        for table, lead, cond in (allowed[:1] if mode == 1 else allowed):
             if not same_shape(tuple(cos_shape[:3]), lead):
                 continue
             if cond == "B<S" and not _lt(b, s):
+                problem = f"A2/A3 need B < S for {table} cos/sin with {name} dy (B={b}, S={s}; not provable)"
                 continue
             if mode == 0 and not (_lt(b, 1000) and _lt(n, 1000) and (not with_x or _lt(b * n, 1025))):
-                return f"A2/A3 half mode needs B < 1000, N < 1000 and (with x) B*N <= 1024 ({name})"
+                return f"A2/A3 half mode needs B < 1000, N < 1000 and (with x) B*N <= 1024 ({name}, B={b}, N={n})"
             if mode == 1 and not _lt(b * n, 1000):
-                return f"A2/A3 interleave mode needs B*N < 1000 ({name})"
+                return f"A2/A3 interleave mode needs B*N < 1000 ({name}, B={b}, N={n})"
             return None
-    return (f"A2/A3 support cos/sin shapes 11SD/B1SD/BNSD, 1S1D/BS1D/BSND, S11D/SB1D/SBND (half) or "
-            f"11SD/1S1D/S11D (interleave); got dy {list(dy_shape)}, cos {list(cos_shape)}")
+    return problem or (
+        f"A2/A3 support cos/sin shapes 11SD/B1SD/BNSD, 1S1D/BS1D/BSND, S11D/SB1D/SBND (half) or "
+        f"11SD/1S1D/S11D (interleave); got dy {list(dy_shape)}, cos {list(cos_shape)}")
 
 
 def target_problem(target: str, mode: int, dy_node, cos_node, with_x: bool, compute_dtype) -> Optional[str]:
