@@ -1,0 +1,135 @@
+"""What the pass does to the backward graph of a Llama-7B-shaped decoder layer.
+
+The bundled decoder with Llama-2-7B's sizes (hidden 4096, 32 heads of 128, MLP
+11008, vocabulary 32000), one layer by default, batch 1 and sequence 4096 in
+bfloat16, is built from fake tensors (``FakeTensorMode``, CPU semantics): nothing is
+allocated and nothing computed. torch.compile traces one training step (loss and
+backward) through AOTAutograd and the pass runs on the backward graph.
+Printed as markdown:
+
+* backward graph nodes before and after the pass;
+* per fused op: sites, and the modelled memory traffic of the replaced subgraphs
+  before and after (``Site.bytes_before`` / ``bytes_after``) against the fused op's
+  minimum (``Site.bytes_minimum``: each input read once, each output written once);
+* the same traffic model over the whole backward graph, before and after.
+
+The traffic model (``npu_fusion.patterns.graph_utils.node_traffic``): every non-view
+node reads all its tensor inputs and writes its output once; no fusion by a later
+compiler is assumed, so "before" is what an op-by-op (eager-like) backend moves.
+
+    python benchmarks/graph_effect.py [--layers 1] [--seq 4096] [--batch 1] [--dtype bfloat16] [--target generic]
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import copy
+import sys
+import time
+
+import torch
+from torch._dynamo.backends.common import aot_autograd
+from torch._functorch.aot_autograd import make_boxed_func
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+import npu_fusion  # noqa: F401  (registers the ops)
+from npu_fusion.models import RMSNorm, TinyConfig, TinyDecoder
+from npu_fusion.patterns.graph_utils import node_traffic
+from npu_fusion.plugin.backend import _partition_fn
+from npu_fusion.plugin.options import FusionOptions
+from npu_fusion.plugin.pass_manager import fuse_backward
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+LLAMA_7B = dict(vocab_size=32000, hidden_size=4096, intermediate_size=11008, num_heads=32, num_kv_heads=32,
+                rope="half", eps=1e-5)
+
+
+def gib(n: float) -> str:
+    return f"{n / 2**30:.3f} GiB" if n >= 2**27 else f"{n / 2**20:.1f} MiB"
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--layers", type=int, default=1)
+    parser.add_argument("--seq", type=int, default=4096)
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--dtype", choices=tuple(DTYPES), default="bfloat16")
+    parser.add_argument("--rope", choices=("half", "interleave", "interleave_half"), default="half")
+    parser.add_argument("--target", choices=("generic", "a2", "a3", "950"), default="generic")
+    parser.add_argument("--partitioner", choices=("default", "min_cut"), default="default")
+    args = parser.parse_args(argv)
+
+    config = TinyConfig(**dict(LLAMA_7B, num_layers=args.layers, rope=args.rope))
+    fake_mode = FakeTensorMode()
+    default_dtype = torch.get_default_dtype()
+    torch.set_default_dtype(DTYPES[args.dtype])  # .to(dtype) cannot swap fake parameters
+    try:
+        with fake_mode:  # CPU tensors with shapes and dtypes only: nothing allocated, nothing computed
+            model = TinyDecoder(config)
+            ids = torch.zeros(args.batch, args.seq, dtype=torch.long)
+    finally:
+        torch.set_default_dtype(default_dtype)
+    assert all(p.dtype == DTYPES[args.dtype] for p in model.parameters())
+    norms = sum(isinstance(m, RMSNorm) for m in model.modules())
+    options = FusionOptions.from_mapping({"target": args.target, "partitioner": args.partitioner})
+
+    captured = {}
+
+    def fw_compiler(gm, _inputs):
+        captured["forward"] = gm.graph
+        return make_boxed_func(gm.forward)
+
+    def bw_compiler(gm, _inputs):
+        captured["before"] = copy.deepcopy(gm.graph)
+        captured["result"] = fuse_backward(gm, options, forward=captured["forward"])
+        captured["after"] = gm.graph
+        return make_boxed_func(gm.forward)
+
+    backend = aot_autograd(fw_compiler=fw_compiler, bw_compiler=bw_compiler,
+                           partition_fn=_partition_fn(args.partitioner))
+    print(f"tracing {args.layers} layer(s) on fake tensors...", file=sys.stderr)
+    start = time.perf_counter()
+    with fake_mode:  # the compiled step, forward and backward, runs on fake tensors too
+        step = torch.compile(lambda i: model.loss(i), backend=backend, fullgraph=True)
+        step(ids).backward()
+    traced = time.perf_counter() - start
+    result = captured["result"]
+    assert not result.error, result.error
+
+    before, after = captured["before"], captured["after"]
+    print(f"## Llama-7B-shaped decoder: {args.layers} layer(s), hidden {config.hidden_size}, "
+          f"{config.num_heads} heads x {config.head_dim}, MLP {config.intermediate_size}, vocab {config.vocab_size}, "
+          f"batch {args.batch} x seq {args.seq}, {args.dtype}, target {args.target}, partitioner {args.partitioner}\n")
+    print(f"traced and compiled in {traced:.1f} s; the pass took {result.seconds * 1e3:.0f} ms\n")
+    print("| | backward graph nodes | modelled traffic of the whole backward graph |")
+    print("|---|---:|---:|")
+    whole_before = sum(node_traffic(n) for n in before.nodes)
+    whole_after = sum(node_traffic(n) for n in after.nodes)
+    print(f"| before the pass | {len(before.nodes)} | {gib(whole_before)} |")
+    print(f"| after the pass | {len(after.nodes)} | {gib(whole_after)} |")
+    print(f"| change | {len(after.nodes) - len(before.nodes):+d} | "
+          f"{100 * (whole_after - whole_before) / whole_before:+.1f}% |\n")
+
+    expected = {"rms_norm_grad": norms, "rotary_position_embedding_grad": 2 * args.layers}
+    by_op = collections.defaultdict(list)
+    for site in result.sites:
+        by_op[site.op].append(site)
+    print("| fused op | sites (expected) | replaced nodes | traffic before | after | fused-op minimum | "
+          "after / before | saved |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|")
+    for op in ("rms_norm_grad", "rotary_position_embedding_grad"):
+        sites = by_op.get(op, [])
+        b = sum(s.bytes_before for s in sites)
+        a = sum(s.bytes_after for s in sites)
+        m = sum(s.bytes_minimum for s in sites)
+        nodes = sum(len(s.replaced_nodes) for s in sites)
+        ratio = f"{a / b:.2f}" if b else "-"
+        print(f"| {op} | {len(sites)} ({expected[op]}) | {nodes} | {gib(b)} | {gib(a)} | {gib(m)} | {ratio} | "
+              f"{gib(b - a)} |")
+    for miss in result.misses:
+        print(f"\nunfused: {miss.op} at {miss.node}: {miss.reason}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

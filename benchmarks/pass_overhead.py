@@ -1,0 +1,401 @@
+"""How much of torch.compile's time the npu-fusion pass takes, and how the pass's
+time grows with the backward graph.
+
+For bundled Llama-style decoders of 1..32 layers (small hidden size, so that the
+graph, not the arithmetic, is what grows), one process measures side by side:
+
+* the first forward + backward call of ``torch.compile(backend="npu_fusion")``
+  (Dynamo, AOTAutograd, the pass, and running it once);
+* the pass's own time on the backward graph (``FusionResult.seconds``, and the
+  process's CPU time over the same call, which a busy machine disturbs less);
+* the backward graph's node count before and after the pass.
+
+It prints a markdown table, then a least-squares fit of pass time against nodes.
+Off an Ascend host the backend does no code generation, so the compile time here is
+small and the percentage an upper bound of what it is under torchair.
+
+``--torchair`` measures the same ratio compiling the way Ascend users do, through
+torchair's real Python backend: ``torchair.get_npu_backend(compiler_config=config)``
+with ``npu_fusion.install(config, target=...)`` (target ``a2`` unless ``--target``).
+There is no CANN here, so this mode depends on the test harness in
+``tests/torchair`` (put on ``sys.path``): ``torchair_harness.load_torchair()``
+unpacks torchair from the torch_npu wheel (downloaded once into a cache; needs the
+package index the first time) and stubs its four compiled CANN modules
+(``tests/torchair/cann_stub.py``). The config sets ``debug.run_eagerly``, as the
+torchair tests do: torchair converts every FX graph to a GE graph and runs its GE
+graph passes, then runs the FX graph eagerly on CPU, so forward and backward run
+for real. The "compile time" is then the first forward + backward call of the
+torchair-compiled model: Dynamo, AOTAutograd, torchair's FX passes (the npu-fusion
+pass among them), its FX -> GE conversion and GE graph construction and passes.
+GE's own compile is not part of it: with ``run_eagerly`` torchair never hands the
+graph to GE (loading, serialising and compiling it, which the stub would only
+record). On an NPU host GE's compile only adds time, so the percentage here is an
+upper bound. The pass time is the sum of ``FusionResult.seconds`` over the graphs
+of that compilation (the new entries of ``npu_fusion.plugin.pass_manager.HISTORY``);
+its CPU time is taken around torchair's whole ``post_grad_custom_pre_pass`` call
+(forward graphs included, where the pass only records the graph).
+
+Two things differ from the default mode so that torchair can convert the graphs
+(torch_npu would provide converters for both on an NPU host):
+``aten.silu_backward`` is decomposed, and attention runs on PyTorch's math SDPA
+backend, since CPU's fused flash-attention op has no GE converter. Attention is
+therefore decomposed into matmul/softmax in the graphs, which have more nodes than
+in the default mode (where it stays one op, as ``npu_fusion_attention`` would on an
+NPU).
+
+    python benchmarks/pass_overhead.py [--layers 1 2 4 8 16 32] [--repeat 1] [--profile 32]
+    python benchmarks/pass_overhead.py --torchair [--target a2] [--layers 1 2 4 8 16 32]
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import cProfile
+import gc
+import io
+import os
+import pstats
+import statistics
+import sys
+import time
+import warnings
+
+import torch
+
+from torch._dynamo.backends.common import aot_autograd
+from torch._functorch.aot_autograd import make_boxed_func
+
+import npu_fusion  # noqa: F401  (registers the ops)
+from npu_fusion.models import bundled
+from npu_fusion.plugin.backend import _partition_fn
+from npu_fusion.plugin.options import FusionOptions
+from npu_fusion.plugin.pass_manager import fuse_backward
+
+
+class GcTimer:
+    """Time spent in Python's cyclic garbage collector while active (``gc.callbacks``)."""
+
+    def __init__(self):
+        self.seconds, self.full, self._start = 0.0, 0, None
+
+    def _callback(self, phase, info):
+        if phase == "start":
+            self._start = time.perf_counter()
+        elif self._start is not None:
+            self.seconds += time.perf_counter() - self._start
+            self.full += info.get("generation") == 2
+            self._start = None
+
+    def __enter__(self):
+        gc.callbacks.append(self._callback)
+        return self
+
+    def __exit__(self, *exc):
+        gc.callbacks.remove(self._callback)
+
+
+class Clocked:
+    """The ``npu_fusion`` backend's off-NPU path (AOTAutograd, the pass on the backward
+    graph), with the pass call timed on the wall clock and on this process's CPU clock."""
+
+    def __init__(self, options):
+        self.options = FusionOptions.from_mapping(options)
+        self.results, self.wall, self.cpu, self.gc, self.gc_full = [], 0.0, 0.0, 0.0, 0
+
+    def __call__(self, gm, example_inputs):
+        forwards = []
+
+        def fw(fw_gm, _):
+            forwards.append(fw_gm.graph)
+            return make_boxed_func(fw_gm.forward)
+
+        def bw(bw_gm, _):
+            with GcTimer() as gc_time:
+                wall, cpu = time.perf_counter(), time.process_time()
+                self.results.append(fuse_backward(bw_gm, self.options, forward=forwards[-1]))
+                self.wall += time.perf_counter() - wall
+                self.cpu += time.process_time() - cpu
+            self.gc += gc_time.seconds
+            self.gc_full += gc_time.full
+            return make_boxed_func(bw_gm.forward)
+
+        return aot_autograd(fw_compiler=fw, bw_compiler=bw,
+                            partition_fn=_partition_fn(self.options.partitioner))(gm, example_inputs)
+
+
+def measure(layers: int, dtype=torch.float32, seq: int = 16, batch: int = 2, target: str = "generic") -> dict:
+    model = bundled("llama", num_layers=layers, dtype=dtype)
+    ids = torch.randint(0, model.config.vocab_size, (batch, seq), generator=torch.Generator().manual_seed(0))
+    torch._dynamo.reset()
+    gc.collect()
+    backend = Clocked({"target": target})
+    step = torch.compile(lambda i: model.loss(i), backend=backend)
+    wall, cpu = time.perf_counter(), time.process_time()
+    step(ids).backward()
+    first, first_cpu = time.perf_counter() - wall, time.process_time() - cpu
+    start = time.perf_counter()
+    step(ids).backward()  # compiled already: what running alone costs
+    second = time.perf_counter() - start
+    assert len(backend.results) == 1, f"expected one backward graph, got {len(backend.results)}"
+    r = backend.results[0]
+    assert not r.error, r.error
+    assert {op: r.fused(op) for op in model.expected_sites} == model.expected_sites
+    return {"layers": layers, "first_call": first, "first_call_cpu": first_cpu, "second_call": second,
+            "pass": r.seconds, "pass_cpu": backend.cpu, "pass_gc": backend.gc, "gc_full": backend.gc_full,
+            "objects": len(gc.get_objects()), "nodes_before": r.nodes_before,
+            "nodes_after": r.nodes_after, "sites": len(r.sites)}
+
+
+TORCHAIR_HARNESS = os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, "tests", "torchair")
+
+
+def load_torchair():
+    """torchair from the torch_npu wheel with CANN stubbed, through the test harness."""
+    path = os.path.normpath(TORCHAIR_HARNESS)
+    if path not in sys.path:
+        sys.path.insert(0, path)
+    import torchair_harness
+
+    torchair = torchair_harness.load_torchair()
+    from npu_fusion.lowering import ge_converters
+
+    if not ge_converters.register():
+        raise RuntimeError("npu_fusion's GE converters did not register with torchair")
+    return torchair
+
+
+class HookClock:
+    """Wraps torchair's ``post_grad_custom_pre_pass`` (the one ``npu_fusion.install`` set):
+    wall and CPU time of every call, and the collector's pauses inside them."""
+
+    def __init__(self, hook):
+        self.hook = hook
+        self.wall, self.cpu, self.gc, self.gc_full, self.calls = 0.0, 0.0, 0.0, 0, 0
+
+    def __call__(self, gm, example_inputs=None, config=None):
+        with GcTimer() as gc_time:
+            wall, cpu = time.perf_counter(), time.process_time()
+            try:
+                self.hook(gm, example_inputs, config)
+            finally:
+                self.wall += time.perf_counter() - wall
+                self.cpu += time.process_time() - cpu
+                self.calls += 1
+        self.gc += gc_time.seconds
+        self.gc_full += gc_time.full
+
+
+@contextlib.contextmanager
+def torchair_probes(stats: dict):
+    """Time torchair's per-graph compile (``_NpuFxCompiler._gen_compiled_gm``: its FX passes,
+    the npu-fusion pass among them, FX -> GE conversion and GE graph passes) and count the
+    ops of every GE graph it builds. Patches the two torchair methods while active."""
+    from torchair._ge_concrete_graph.fx2ge_converter import GeConcreteGraph
+    from torchair.npu_fx_compiler import _NpuFxCompiler
+
+    gen, optimize = _NpuFxCompiler._gen_compiled_gm, GeConcreteGraph.optimize_graph_without_runtime
+
+    def timed_gen(self, *args, **kwargs):
+        start = time.perf_counter()
+        try:
+            return gen(self, *args, **kwargs)
+        finally:
+            stats["torchair_graph_compile"] = stats.get("torchair_graph_compile", 0.0) + time.perf_counter() - start
+
+    def counted_optimize(self, *args, **kwargs):
+        out = optimize(self, *args, **kwargs)
+        stats.setdefault("ge_ops", []).append(len(self.graph.op))
+        return out
+
+    _NpuFxCompiler._gen_compiled_gm, GeConcreteGraph.optimize_graph_without_runtime = timed_gen, counted_optimize
+    try:
+        yield stats
+    finally:
+        _NpuFxCompiler._gen_compiled_gm, GeConcreteGraph.optimize_graph_without_runtime = gen, optimize
+
+
+def measure_torchair(torchair, layers: int, target: str = "a2", dtype=torch.float32, seq: int = 16,
+                     batch: int = 2) -> dict:
+    """``measure`` through ``torchair.get_npu_backend`` with ``npu_fusion.install`` (see the module doc)."""
+    from torch._decomp import get_decompositions
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from npu_fusion.plugin import pass_manager
+
+    model = bundled("llama", num_layers=layers, dtype=dtype)
+    ids = torch.randint(0, model.config.vocab_size, (batch, seq), generator=torch.Generator().manual_seed(0))
+    torch._dynamo.reset()
+    gc.collect()
+    config = torchair.CompilerConfig()
+    config.debug.run_eagerly = True  # build the GE graph, then run the FX graph on CPU
+    npu_fusion.install(config, target=target)
+    clock = HookClock(config.post_grad_custom_pre_pass.value)
+    config.post_grad_custom_pre_pass = clock
+    backend = torchair.get_npu_backend(compiler_config=config,
+                                       custom_decompositions=get_decompositions([torch.ops.aten.silu_backward]))
+    # get_npu_backend put a "once" filter for every UserWarning first in line; with
+    # debug.run_eagerly AOTAutograd warns about the unboxed FX graph it gets back.
+    warnings.filterwarnings("ignore", message="Your compiler for AOTAutograd", category=UserWarning)
+    step = torch.compile(lambda i: model.loss(i), backend=backend)
+    history = len(pass_manager.HISTORY)
+    stats = {}
+    with sdpa_kernel(SDPBackend.MATH), torchair_probes(stats):
+        wall, cpu = time.perf_counter(), time.process_time()
+        step(ids).backward()
+        first, first_cpu = time.perf_counter() - wall, time.process_time() - cpu
+        start = time.perf_counter()
+        step(ids).backward()  # compiled already: what running alone costs (here, eagerly on CPU)
+        second = time.perf_counter() - start
+    results = pass_manager.HISTORY[history:]
+    assert len(results) == 1, f"expected one backward graph, got {len(results)}"
+    assert clock.calls == 2, f"expected the pass hook on one forward and one backward graph, got {clock.calls} calls"
+    assert len(stats.get("ge_ops", ())) == 2, f"expected two GE graphs, torchair built {stats.get('ge_ops')}"
+    r = results[0]
+    assert not r.error, r.error
+    assert {op: r.fused(op) for op in model.expected_sites} == model.expected_sites, \
+        ({op: r.fused(op) for op in model.expected_sites}, model.expected_sites)
+    return {"layers": layers, "first_call": first, "first_call_cpu": first_cpu, "second_call": second,
+            "pass": sum(x.seconds for x in results), "pass_cpu": clock.cpu, "pass_gc": clock.gc,
+            "gc_full": clock.gc_full, "torchair_graph_compile": stats["torchair_graph_compile"],
+            "ge_ops": stats["ge_ops"], "objects": len(gc.get_objects()), "nodes_before": r.nodes_before,
+            "nodes_after": r.nodes_after, "sites": len(r.sites)}
+
+
+def fit(xs, ys):
+    """Least squares y = a + b x, and R^2."""
+    mx, my = statistics.fmean(xs), statistics.fmean(ys)
+    sxx = sum((x - mx) ** 2 for x in xs)
+    b = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx
+    a = my - b * mx
+    ss_res = sum((y - a - b * x) ** 2 for x, y in zip(xs, ys))
+    ss_tot = sum((y - my) ** 2 for y in ys)
+    return a, b, 1 - ss_res / ss_tot if ss_tot else 1.0
+
+
+def profile_pass(layers: int, top: int = 25) -> str:
+    """cProfile of the pass alone on the backward graph of a ``layers``-layer model."""
+    import copy
+
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._functorch.aot_autograd import make_boxed_func
+
+    from npu_fusion.plugin.pass_manager import fuse_backward
+
+    captured = {}
+
+    def fw(gm, _):
+        captured["fw"] = gm.graph
+        return make_boxed_func(gm.forward)
+
+    def bw(gm, _):
+        captured["bw"] = copy.deepcopy(gm)
+        return make_boxed_func(gm.forward)
+
+    model = bundled("llama", num_layers=layers)
+    ids = torch.randint(0, model.config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
+    torch._dynamo.reset()
+    torch.compile(lambda i: model.loss(i), backend=aot_autograd(fw_compiler=fw, bw_compiler=bw))(ids).backward()
+    gm = captured["bw"]
+    gc.collect()
+    gc.disable()  # collector pauses would land on whichever function allocates: measured above
+    try:
+        profiler = cProfile.Profile()
+        profiler.enable()
+        result = fuse_backward(gm, {"target": "generic"}, forward=captured["fw"])
+        profiler.disable()
+    finally:
+        gc.enable()
+    out = io.StringIO()
+    out.write(f"pass on {result.nodes_before} nodes: {result.seconds * 1e3:.0f} ms (under cProfile, GC off)\n")
+    pstats.Stats(profiler, stream=out).sort_stats("cumulative").print_stats(top)
+    out.write("\n")
+    pstats.Stats(profiler, stream=out).sort_stats("tottime").print_stats(top)
+    return out.getvalue()
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--layers", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32])
+    parser.add_argument("--repeat", type=int, default=1, help="runs per size; the table shows the medians")
+    parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads (default 1)")
+    parser.add_argument("--profile", type=int, default=0, metavar="LAYERS",
+                        help="also print a cProfile of the pass on a model of this many layers")
+    parser.add_argument("--torchair", action="store_true",
+                        help="compile through torchair.get_npu_backend with npu_fusion.install (torchair "
+                             "from the torch_npu wheel, CANN stubbed, via tests/torchair; see the module doc)")
+    parser.add_argument("--target", default=None,
+                        help="npu-fusion target (default: generic, or a2 with --torchair)")
+    args = parser.parse_args(argv)
+
+    torch.set_num_threads(args.threads)
+    if args.torchair:
+        torchair = load_torchair()
+        target = args.target or "a2"
+        run = lambda layers: measure_torchair(torchair, layers, target=target)  # noqa: E731
+        mode = f"torchair {os.path.dirname(torchair.__file__)}, target {target}"
+    else:
+        target = args.target or "generic"
+        run = lambda layers: measure(layers, target=target)  # noqa: E731
+        mode = f"aot_autograd CPU backend, target {target}"
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} thread(s); {mode}; warming up...", file=sys.stderr)
+    run(1)
+    rows = []
+    keys = ["first_call", "first_call_cpu", "second_call", "pass", "pass_cpu", "pass_gc"]
+    if args.torchair:
+        keys.append("torchair_graph_compile")
+    for layers in args.layers:
+        start = time.perf_counter()
+        runs = [run(layers) for _ in range(args.repeat)]
+        row = dict(runs[0])
+        for key in keys:
+            row[key] = statistics.median(r[key] for r in runs)
+        rows.append(row)
+        print(f"{layers} layers: first call {row['first_call']:.2f} s, pass {row['pass'] * 1e3:.0f} ms "
+              f"({time.perf_counter() - start:.0f} s for {args.repeat} run(s))", file=sys.stderr, flush=True)
+
+    if args.torchair:
+        print("| layers | backward nodes before -> after | sites fused | GE ops fw + bw | "
+              "first fwd+bw call: wall (CPU) | of which torchair graph compile fw + bw | second call | "
+              "pass: wall (CPU) | of which GC (full collections) | pass / first call: wall (CPU time) | "
+              "pass CPU time per node |")
+        print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+        for r in rows:
+            fw_ops, bw_ops = r["ge_ops"]
+            print(f"| {r['layers']} | {r['nodes_before']} -> {r['nodes_after']} | {r['sites']} | "
+                  f"{fw_ops} + {bw_ops} | {r['first_call']:.2f} s ({r['first_call_cpu']:.2f} s) | "
+                  f"{r['torchair_graph_compile']:.2f} s | {r['second_call'] * 1e3:.0f} ms | "
+                  f"{r['pass'] * 1e3:.0f} ms ({r['pass_cpu'] * 1e3:.0f} ms) | "
+                  f"{r['pass_gc'] * 1e3:.0f} ms ({r['gc_full']}) | "
+                  f"{100 * r['pass'] / r['first_call']:.1f}% ({100 * r['pass_cpu'] / r['first_call_cpu']:.1f}%) | "
+                  f"{1e6 * r['pass_cpu'] / r['nodes_before']:.0f} us |")
+    else:
+        print("| layers | backward nodes before -> after | sites fused | first fwd+bw call: wall (CPU) | "
+              "second call | pass: wall (CPU) | of which GC (full collections) | pass / first call, CPU time | "
+              "pass CPU time per node |")
+        print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+        for r in rows:
+            print(f"| {r['layers']} | {r['nodes_before']} -> {r['nodes_after']} | {r['sites']} | "
+                  f"{r['first_call']:.2f} s ({r['first_call_cpu']:.2f} s) | {r['second_call'] * 1e3:.0f} ms | "
+                  f"{r['pass'] * 1e3:.0f} ms ({r['pass_cpu'] * 1e3:.0f} ms) | "
+                  f"{r['pass_gc'] * 1e3:.0f} ms ({r['gc_full']}) | "
+                  f"{100 * r['pass_cpu'] / r['first_call_cpu']:.1f}% | {1e6 * r['pass_cpu'] / r['nodes_before']:.0f} us |")
+    if len(rows) >= 2:
+        xs = [r["nodes_before"] for r in rows]
+        ys = [r["pass_cpu"] for r in rows]
+        a, b, r2 = fit(xs, ys)
+        print(f"\nlinear fit: pass CPU time ~= {a * 1e3:.1f} ms + {b * 1e6:.0f} us x nodes (R^2 = {r2:.4f})")
+        import math
+
+        la, lb, lr2 = fit([math.log(x) for x in xs], [math.log(y) for y in ys])
+        print(f"power fit: pass CPU time ~ nodes^{lb:.2f} (R^2 = {lr2:.4f}; 1.00 = linear)")
+        small, large = rows[0], rows[-1]
+        growth = (large["pass_cpu"] / small["pass_cpu"]) / (large["nodes_before"] / small["nodes_before"])
+        print(f"from {small['nodes_before']} to {large['nodes_before']} nodes the CPU time per node changes "
+              f"x{growth:.2f} (1.00 = linear)")
+    if args.profile:
+        print(f"\n```\n{profile_pass(args.profile)}```")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

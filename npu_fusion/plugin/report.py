@@ -1,0 +1,514 @@
+"""``npu-fusion report``: compile a model with the pass, train one step, and show
+what was fused, what was left unfused and why, what it did to the backward graph
+and to its modelled memory traffic, and whether the gradients are still right.
+
+Everything reported is read from the graphs and from the pass's own
+:class:`~npu_fusion.plugin.pass_manager.FusionResult` s; nothing is assumed. The
+step runs on the CPU with the fused ops' reference kernels (as the ``npu_fusion``
+backend does off an Ascend host); ``--target`` selects which forms the pass may
+emit, so the report shows what a given chip would get.
+
+Exit status: 0 when the gradient check passes, 1 when it fails, 3 when the pass
+hit an internal error (it then leaves the graph unchanged), 2 for usage errors.
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import copy
+import dataclasses
+import json
+import math
+import sys
+import time
+from typing import Any, Callable, Dict, List, Optional
+
+import torch
+from torch._dynamo.backends.common import aot_autograd
+from torch._functorch.aot_autograd import make_boxed_func
+
+from .backend import _decompositions, _partition_fn
+from .options import TARGETS, FusionOptions
+from .pass_manager import FusionResult, fuse_backward
+
+FUSED_OPS = ("rms_norm_grad", "rotary_position_embedding_grad")
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+#: largest ``max |compiled - eager|`` of a parameter gradient, relative to ``max(1, max |eager|)``
+EAGER_TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 5e-2, torch.float16: 1e-2}
+#: absolute floor of the float64 comparison, scaled by ``max(1, max |float64 grad|)`` / 2
+FP64_FLOOR = {torch.float32: 1e-5, torch.bfloat16: 1.6e-2, torch.float16: 2e-3}
+#: the compiled gradient may be this many times further from float64 than eager's is
+FP64_FACTOR = 4.0
+
+EXIT_OK, EXIT_GRADIENTS, EXIT_USAGE, EXIT_PASS_ERROR = 0, 1, 2, 3
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.description = __doc__.split("\n\n")[0].replace("``", "")
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter
+    model = parser.add_mutually_exclusive_group()
+    model.add_argument("--model", choices=("llama", "gptj", "deepseek"), default="llama",
+                       help="bundled decoder (RoPE mode 0, 1 or 3 respectively); default llama")
+    model.add_argument("--hf", metavar="MODEL_TYPE",
+                       help="a transformers architecture (e.g. llama, qwen2, mistral, gptj) with a tiny "
+                            "random config; needs transformers, downloads nothing")
+    parser.add_argument("--layers", type=int, default=2, help="decoder layers (default 2)")
+    parser.add_argument("--dtype", choices=tuple(DTYPES), default="float32")
+    parser.add_argument("--batch", type=int, default=2, help="batch size (default 2)")
+    parser.add_argument("--seq", type=int, default=16, help="sequence length (default 16)")
+    parser.add_argument("--dynamic", action="store_true", help="mark batch and sequence dynamic")
+    parser.add_argument("--target", choices=("auto",) + TARGETS, default="auto",
+                        help="which chip's forms the pass may emit (auto: detect, generic off an NPU host)")
+    parser.add_argument("--partitioner", choices=("default", "min_cut"), default="default",
+                        help="AOTAutograd partitioner")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--json", action="store_true",
+                        help="print everything as one JSON object on stdout (progress stays on stderr)")
+    parser.epilog = ("exit status: 0 gradients within tolerance, 1 gradient check failed, "
+                     "3 the pass hit an internal error, 2 usage error")
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        report = collect(args)
+    except UsageError as exc:
+        print(f"npu-fusion report: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    if args.json:
+        json.dump(_finite(report), sys.stdout, indent=2, allow_nan=False)
+        sys.stdout.write("\n")
+    else:
+        sys.stdout.write(format_text(report))
+    sys.stdout.flush()
+    if report["pass_errors"]:
+        return EXIT_PASS_ERROR
+    return EXIT_OK if report["gradients"]["passed"] else EXIT_GRADIENTS
+
+
+def _finite(value):
+    """Strict JSON: non-finite floats (a NaN gradient) become strings."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(v) for v in value]
+    return value
+
+
+class UsageError(Exception):
+    pass
+
+
+def progress(message: str) -> None:
+    print(f"[npu-fusion report] {message}", file=sys.stderr, flush=True)
+
+
+# --------------------------------------------------------------------------- the model
+
+@dataclasses.dataclass
+class Subject:
+    """A model and how to run one training step of it."""
+    name: str
+    model: torch.nn.Module
+    loss: Callable[[torch.nn.Module, torch.Tensor], torch.Tensor]
+    vocab_size: int
+    #: fused-op sites one forward contains, when known independently of the pass
+    expected: Optional[Dict[str, int]] = None
+    #: counts the sites in an eager run instead (HF models): a context manager factory
+    counter: Optional[Callable] = None
+
+
+def _bundled_subject(args) -> Subject:
+    from ..models import bundled
+
+    model = bundled(args.model, num_layers=args.layers, dtype=DTYPES[args.dtype], seed=args.seed)
+    return Subject(name=f"{args.model} (bundled)", model=model, loss=lambda m, ids: m.loss(ids),
+                   vocab_size=model.config.vocab_size, expected=dict(model.expected_sites))
+
+
+#: per-architecture settings on top of :data:`_HF_SMALL` (a tiny config must stay consistent)
+_HF_OVERRIDES = {
+    "gptj": {"rotary_dim": 16, "n_inner": 128},
+    "deepseek_v3": {"num_key_value_heads": 4, "kv_lora_rank": 32, "q_lora_rank": 32, "qk_rope_head_dim": 16, "qk_nope_head_dim": 16,
+                    "v_head_dim": 16, "n_routed_experts": 4, "n_shared_experts": 1, "num_experts_per_tok": 2,
+                    "moe_intermediate_size": 32, "first_k_dense_replace": 1, "n_group": 1, "topk_group": 1},
+}
+_HF_SMALL = {"vocab_size": 128, "hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4,
+             "num_key_value_heads": 2, "head_dim": 16, "max_position_embeddings": 256,
+             "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}
+
+
+def tiny_hf_config(model_type: str, layers: int):
+    """A small random config of a transformers architecture, built offline."""
+    import inspect
+
+    from transformers import AutoConfig
+
+    try:
+        config_class = type(AutoConfig.for_model(model_type))
+    except (ValueError, KeyError) as exc:
+        raise UsageError(f"transformers does not know the model type {model_type!r}: {exc}") from None
+    accepted = set(inspect.signature(config_class.__init__).parameters) | set(getattr(config_class, "attribute_map", {}))
+    wanted = dict(_HF_SMALL, num_hidden_layers=layers, **_HF_OVERRIDES.get(model_type, {}))
+    return AutoConfig.for_model(model_type, **{k: v for k, v in wanted.items() if k in accepted})
+
+
+def _hf_subject(args) -> Subject:
+    try:
+        import transformers
+        from transformers import AutoModelForCausalLM
+    except ImportError:
+        raise UsageError("--hf needs transformers (pip install transformers)") from None
+    config = tiny_hf_config(args.hf, args.layers)
+    torch.manual_seed(args.seed)
+    try:
+        # eager attention and experts: plain PyTorch the pass can see, and a float64 reference
+        # (grouped_mm has no float64 kernel)
+        model = AutoModelForCausalLM.from_config(config, attn_implementation="eager", experts_implementation="eager")
+    except TypeError:
+        model = AutoModelForCausalLM.from_config(config, attn_implementation="eager")
+    except ValueError as exc:
+        raise UsageError(f"{args.hf} has no causal-LM model in transformers {transformers.__version__}: {exc}") from None
+    # eval(): no dropout, so that eager and compiled see the same function (autograd is unaffected)
+    model = model.to(DTYPES[args.dtype]).eval()
+
+    def loss(m, ids):
+        return m(input_ids=ids, labels=ids, use_cache=False).loss
+
+    return Subject(name=f"{args.hf} (transformers {transformers.__version__}, {type(model).__name__})",
+                   model=model, loss=loss, vocab_size=config.vocab_size, counter=_count_hf_sites)
+
+
+class _count_hf_sites:
+    """Count RMSNorm calls (modules named ``*RMSNorm``) and RoPE applications (tensors
+    returned by the modeling module's ``apply_rotary_pos_emb*``: Llama's rotates q and k
+    in one call, GPT-J's one tensor per call) in an eager run."""
+
+    def __init__(self, model):
+        self.model, self.counts = model, {"rms_norm_grad": 0, "rotary_position_embedding_grad": 0}
+        self.hooks, self.patched = [], []
+
+    def __enter__(self):
+        def norm_hook(*_):
+            self.counts["rms_norm_grad"] += 1
+
+        modules = set()
+        for m in self.model.modules():
+            if type(m).__name__.lower().endswith("rmsnorm"):
+                self.hooks.append(m.register_forward_hook(norm_hook))
+            modules.add(sys.modules.get(type(m).__module__))
+        for module in modules:
+            for name in dir(module) if module is not None else ():
+                if name.startswith("apply_rotary_pos_emb") and callable(getattr(module, name)):
+                    original = getattr(module, name)
+
+                    def counting(*a, __original=original, **k):
+                        out = __original(*a, **k)
+                        self.counts["rotary_position_embedding_grad"] += len(out) if isinstance(out, tuple) else 1
+                        return out
+
+                    setattr(module, name, counting)
+                    self.patched.append((module, name, original))
+        return self.counts
+
+    def __exit__(self, *exc):
+        for hook in self.hooks:
+            hook.remove()
+        for module, name, original in self.patched:
+            setattr(module, name, original)
+
+
+# --------------------------------------------------------------------------- the backend
+
+def _target_name(target) -> str:
+    if isinstance(target, torch._ops.OpOverload):
+        return str(target)
+    return getattr(target, "__name__", str(target))
+
+
+def op_counts(graph: torch.fx.Graph) -> collections.Counter:
+    return collections.Counter(_target_name(n.target) for n in graph.nodes if n.op == "call_function")
+
+
+class Recorder:
+    """A torch.compile backend: AOTAutograd with the pass on each backward graph,
+    keeping each backward graph's op counts from before and after the pass."""
+
+    def __init__(self, options: FusionOptions):
+        self.options = options
+        self.before: List[collections.Counter] = []
+        self.after: List[collections.Counter] = []
+        self.results: List[FusionResult] = []
+
+    def __call__(self, gm, example_inputs):
+        forwards = []
+
+        def fw_compiler(fw_gm, _inputs):
+            forwards.append(fw_gm.graph)
+            return make_boxed_func(fw_gm.forward)
+
+        def bw_compiler(bw_gm, _inputs):
+            self.before.append(op_counts(bw_gm.graph))
+            progress(f"running the pass on a backward graph of {len(bw_gm.graph.nodes)} nodes...")
+            result = fuse_backward(bw_gm, self.options, forward=forwards[-1] if forwards else None)
+            self.results.append(result)
+            self.after.append(op_counts(bw_gm.graph))
+            return make_boxed_func(bw_gm.forward)
+
+        return aot_autograd(fw_compiler=fw_compiler, bw_compiler=bw_compiler,
+                            partition_fn=_partition_fn(self.options.partitioner),
+                            decompositions=_decompositions(self.options.decompositions))(gm, example_inputs)
+
+
+# --------------------------------------------------------------------------- the run
+
+def _param_grads(model) -> Dict[str, torch.Tensor]:
+    return {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def _step(subject: Subject, model, ids, fn=None) -> tuple:
+    model.zero_grad(set_to_none=True)
+    loss = (fn or (lambda i: subject.loss(model, i)))(ids)
+    loss.backward()
+    grads = _param_grads(model)
+    model.zero_grad(set_to_none=True)
+    return float(loss.detach()), grads
+
+
+def collect(args: argparse.Namespace) -> Dict[str, Any]:
+    """Run the report and return everything it found as plain data (what ``--json`` prints)."""
+    if args.layers < 1 or args.batch < 1 or args.seq < 2:
+        raise UsageError("--layers and --batch must be at least 1, --seq at least 2")
+    options = FusionOptions.from_mapping({"target": args.target, "partitioner": args.partitioner})
+    progress("building the model...")
+    subject = _hf_subject(args) if args.hf else _bundled_subject(args)
+    model = subject.model
+    ids = torch.randint(0, subject.vocab_size, (args.batch, args.seq),
+                        generator=torch.Generator().manual_seed(args.seed + 1))
+
+    progress("eager step in float64 (reference)...")
+    wide = copy.deepcopy(model).double()
+    _, exact = _step(subject, wide, ids)
+    del wide
+
+    progress(f"eager step in {args.dtype}...")
+    if subject.counter is not None:
+        with subject.counter(model) as counts:
+            eager_loss, eager = _step(subject, model, ids)
+        expected = dict(counts)
+    else:
+        eager_loss, eager = _step(subject, model, ids)
+        expected = subject.expected
+
+    torch._dynamo.reset()
+    recorder = Recorder(options)
+    compiled = torch.compile(lambda i: subject.loss(model, i), backend=recorder)
+    step_ids = ids.clone()
+    if args.dynamic:
+        torch._dynamo.mark_dynamic(step_ids, 0)
+        torch._dynamo.mark_dynamic(step_ids, 1)
+    progress("compiling and running the forward...")
+    model.zero_grad(set_to_none=True)
+    start = time.perf_counter()
+    loss = compiled(step_ids)
+    forward_seconds = time.perf_counter() - start
+    progress("backward...")
+    start = time.perf_counter()
+    loss.backward()
+    backward_seconds = time.perf_counter() - start
+    fused_grads = _param_grads(model)
+    model.zero_grad(set_to_none=True)
+    compiled_loss = float(loss.detach())
+
+    progress("comparing gradients...")
+    gradients = compare_gradients(fused_grads, eager, exact)
+    gradients["loss"] = {"compiled": compiled_loss, "eager": eager_loss}
+    results = recorder.results
+    report = {
+        "model": subject.name,
+        "settings": {"model": args.hf or args.model, "source": "transformers" if args.hf else "bundled",
+                     "layers": args.layers, "dtype": args.dtype, "batch": args.batch, "seq": args.seq,
+                     "dynamic": args.dynamic, "target": args.target,
+                     "resolved_target": options.resolved_target(), "partitioner": args.partitioner,
+                     "seed": args.seed},
+        "backward_graphs": len(results),
+        "ops": summarize_sites(results, expected),
+        "misses": [dataclasses.asdict(m) for r in results for m in r.misses],
+        "sites": [dataclasses.asdict(s) for r in results for s in r.sites],
+        "op_counts": _op_count_table(recorder),
+        "memory_traffic": summarize_bytes(results),
+        "gradients": gradients,
+        "seconds": {"forward_first_call": forward_seconds, "backward_first_call": backward_seconds,
+                    "pass": sum(r.seconds for r in results)},
+        "pass_errors": [r.error for r in results if r.error],
+    }
+    if not results:
+        report["pass_errors"].append("no backward graph reached the pass (nothing was compiled?)")
+    return report
+
+
+def summarize_sites(results: List[FusionResult], expected: Optional[Dict[str, int]]) -> Dict[str, Dict]:
+    ops = {}
+    names = list(FUSED_OPS) + sorted({s.op for r in results for s in r.sites} - set(FUSED_OPS))
+    for op in names:
+        fused = sum(r.fused(op) for r in results)
+        unfused = sum(1 for r in results for m in r.misses if m.op == op)
+        ops[op] = {"found": fused + unfused, "fused": fused, "unfused": unfused,
+                   "expected": expected.get(op) if expected else None,
+                   "modes": dict(collections.Counter(s.mode or "-" for r in results for s in r.sites if s.op == op))}
+    return ops
+
+
+def _op_count_table(recorder: Recorder) -> Dict[str, Any]:
+    before, after = collections.Counter(), collections.Counter()
+    for c in recorder.before:
+        before.update(c)
+    for c in recorder.after:
+        after.update(c)
+    return {"before": dict(sorted(before.items())), "after": dict(sorted(after.items())),
+            "nodes_before": sum(r.nodes_before for r in recorder.results),
+            "nodes_after": sum(r.nodes_after for r in recorder.results)}
+
+
+def summarize_bytes(results: List[FusionResult]) -> Dict[str, Dict[str, int]]:
+    table: Dict[str, Dict[str, int]] = {}
+    for r in results:
+        for s in r.sites:
+            row = table.setdefault(s.op, {"sites": 0, "bytes_before": 0, "bytes_after": 0, "bytes_minimum": 0})
+            row["sites"] += 1
+            row["bytes_before"] += s.bytes_before
+            row["bytes_after"] += s.bytes_after
+            row["bytes_minimum"] += s.bytes_minimum
+    return table
+
+
+def compare_gradients(fused: Dict[str, torch.Tensor], eager: Dict[str, torch.Tensor],
+                      exact: Dict[str, torch.Tensor]) -> Dict[str, Any]:
+    """Per parameter: ``max |fused - eager|`` against a per-dtype tolerance, and the
+    float64 statement ``err(fused) <= 4 * err(eager) + floor`` with ``err`` the max abs
+    difference to the float64 gradient. Both must hold for every parameter."""
+    per_dtype: Dict[str, Dict[str, Any]] = {}
+    failures = []
+    missing = sorted(set(eager) ^ set(fused))
+    for name in sorted(set(eager) & set(fused)):
+        g, e, x = fused[name], eager[name], exact[name].double()
+        key = str(g.dtype).replace("torch.", "")
+        scale_e = max(1.0, e.double().abs().max().item()) if e.numel() else 1.0
+        scale_x = max(1.0, x.abs().max().item()) if x.numel() else 1.0
+        diff = (g.double() - e.double()).abs().max().item() if g.numel() else 0.0
+        err_fused = (g.double() - x).abs().max().item() if g.numel() else 0.0
+        err_eager = (e.double() - x).abs().max().item() if e.numel() else 0.0
+        tol = EAGER_TOLERANCE.get(g.dtype, 1e-4) * scale_e
+        bound = FP64_FACTOR * err_eager + FP64_FLOOR.get(g.dtype, 1e-5) * scale_x * 0.5
+        ok_eager, ok_fp64 = diff <= tol and g.shape == e.shape, err_fused <= bound
+        row = per_dtype.setdefault(key, {"params": 0, "max_abs_diff_vs_eager": 0.0, "worst_param": None,
+                                         "relative_tolerance": EAGER_TOLERANCE.get(g.dtype, 1e-4),
+                                         "within_tolerance": True, "max_err_compiled_vs_fp64": 0.0,
+                                         "max_err_eager_vs_fp64": 0.0, "as_close_to_fp64_as_eager": True})
+        row["params"] += 1
+        if diff >= row["max_abs_diff_vs_eager"]:
+            row["max_abs_diff_vs_eager"], row["worst_param"] = diff, name
+        row["max_err_compiled_vs_fp64"] = max(row["max_err_compiled_vs_fp64"], err_fused)
+        row["max_err_eager_vs_fp64"] = max(row["max_err_eager_vs_fp64"], err_eager)
+        row["within_tolerance"] &= ok_eager
+        row["as_close_to_fp64_as_eager"] &= ok_fp64
+        if not (ok_eager and ok_fp64):
+            failures.append({"param": name, "max_abs_diff_vs_eager": diff, "tolerance": tol,
+                             "err_compiled_vs_fp64": err_fused, "bound": bound})
+        if not math.isfinite(diff):
+            failures.append({"param": name, "error": "non-finite gradient"})
+    return {"per_dtype": per_dtype, "failures": failures, "params_without_grad_in_one_run": missing,
+            "passed": not failures and not missing and bool(per_dtype)}
+
+
+# --------------------------------------------------------------------------- text output
+
+def _bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return str(n)
+
+
+def _table(header: List[str], rows: List[List[Any]]) -> str:
+    cells = [header] + [[str(c) for c in r] for r in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(header))]
+    lines = ["| " + " | ".join(c.ljust(w) for c, w in zip(r, widths)) + " |" for r in cells]
+    lines.insert(1, "|" + "|".join("-" * (w + 2) for w in widths) + "|")
+    return "\n".join(lines) + "\n"
+
+
+def format_text(report: Dict[str, Any]) -> str:
+    s = report["settings"]
+    out = []
+    shapes = "dynamic batch and sequence" if s["dynamic"] else "static shapes"
+    out.append(f"npu-fusion report: {report['model']}, {s['layers']} layer(s), {s['dtype']}, "
+               f"batch {s['batch']} x seq {s['seq']}, {shapes}\n"
+               f"target {s['resolved_target']} (asked: {s['target']}), partitioner {s['partitioner']}, "
+               f"{report['backward_graphs']} backward graph(s)\n")
+    sec = report["seconds"]
+    total = sec["forward_first_call"] + sec["backward_first_call"]
+    out.append(f"first forward + backward (compile and run) {total:.2f} s; the pass itself "
+               f"{sec['pass'] * 1000:.1f} ms ({100 * sec['pass'] / total if total else 0:.1f}%)\n")
+    for err in report["pass_errors"]:
+        out.append(f"PASS ERROR (graph left unchanged): {err}\n")
+
+    out.append("\n## Fused ops\n\n")
+    rows = []
+    for op, r in report["ops"].items():
+        modes = ", ".join(f"{m}: {n}" if m != "-" else str(n) for m, n in r["modes"].items()) or "-"
+        rows.append([op, r["expected"] if r["expected"] is not None else "?", r["found"], r["fused"],
+                     r["unfused"], modes])
+    out.append(_table(["op", "expected", "found", "fused", "unfused", "modes fused"], rows))
+    for op, r in report["ops"].items():
+        if r["expected"] is not None and r["fused"] == r["expected"]:
+            out.append(f"{op}: all {r['expected']} sites fused\n")
+        elif r["expected"] is not None:
+            out.append(f"{op}: {r['fused']} of {r['expected']} sites fused\n")
+
+    out.append("\n## Left unfused\n\n")
+    if report["misses"]:
+        out.append(_table(["op", "node", "reason"], [[m["op"], m["node"], m["reason"]] for m in report["misses"]]))
+    else:
+        out.append("nothing: no near miss was recorded\n")
+
+    counts = report["op_counts"]
+    out.append("\n## Backward graph ops, before and after the pass (changed ones)\n\n")
+    names = sorted(set(counts["before"]) | set(counts["after"]))
+    rows = [[n, counts["before"].get(n, 0), counts["after"].get(n, 0)] for n in names
+            if counts["before"].get(n, 0) != counts["after"].get(n, 0)]
+    rows.sort(key=lambda r: (-(r[1] - r[2]), r[0]))
+    rows.append(["all nodes (placeholders and output too)", counts["nodes_before"], counts["nodes_after"]])
+    out.append(_table(["op", "before", "after"], rows))
+
+    out.append("\n## Modelled memory traffic of the replaced subgraphs\n\n"
+               "(each non-view node reads its inputs and writes its output; minimum: the fused op "
+               "reads each input once and writes each output once)\n\n")
+    rows = []
+    for op, b in report["memory_traffic"].items():
+        ratio = b["bytes_after"] / b["bytes_before"] if b["bytes_before"] else float("nan")
+        rows.append([op, b["sites"], _bytes(b["bytes_before"]), _bytes(b["bytes_after"]),
+                     _bytes(b["bytes_minimum"]), f"{ratio:.2f}"])
+    out.append(_table(["op", "sites", "before", "after", "fused-op minimum", "after / before"], rows)
+               if rows else "no site was fused\n")
+
+    g = report["gradients"]
+    out.append("\n## Parameter gradients: compiled with the pass vs eager, both vs float64\n\n")
+    rows = []
+    for dt, r in g["per_dtype"].items():
+        rows.append([dt, r["params"], f"{r['max_abs_diff_vs_eager']:.3g}", f"{r['relative_tolerance']:g}",
+                     "yes" if r["within_tolerance"] else "NO", f"{r['max_err_compiled_vs_fp64']:.3g}",
+                     f"{r['max_err_eager_vs_fp64']:.3g}", "yes" if r["as_close_to_fp64_as_eager"] else "NO"])
+    out.append(_table(["dtype", "params", "max abs diff compiled vs eager", "tolerance (x max(1, max abs grad))",
+                       "within", "max err compiled vs fp64", "max err eager vs fp64",
+                       f"compiled <= {FP64_FACTOR:g} x eager + floor"], rows))
+    out.append(f"loss: compiled {g['loss']['compiled']:.6g}, eager {g['loss']['eager']:.6g}\n")
+    for f in g["failures"]:
+        out.append(f"gradient check failed for {f['param']}: {f}\n")
+    if g["params_without_grad_in_one_run"]:
+        out.append(f"parameters with a gradient in only one run: {g['params_without_grad_in_one_run']}\n")
+    out.append(f"\ngradient check: {'PASSED' if g['passed'] else 'FAILED'}\n")
+    return "".join(out)

@@ -1,0 +1,168 @@
+"""``npu-fusion report``: every figure it prints comes from the compiled graphs and the
+pass's results, for the bundled models, a transformers model, and on the command line."""
+import argparse
+import collections
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from npu_fusion import cli
+from npu_fusion.models import bundled
+from npu_fusion.plugin import report
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROPE, RMS = "rotary_position_embedding_grad", "rms_norm_grad"
+
+
+def parse(*argv):
+    parser = argparse.ArgumentParser()
+    report.add_arguments(parser)
+    return parser.parse_args(list(argv))
+
+
+def run_json(capsys, *argv):
+    """``report.run`` in this process with ``--json``: (exit status, parsed output, stderr)."""
+    status = report.run(parse("--json", *argv))
+    out, err = capsys.readouterr()
+    return status, json.loads(out), err
+
+
+@pytest.fixture(scope="module")
+def llama_one_layer():
+    return report.collect(parse("--layers", "1"))
+
+
+def test_llama_every_site_fused_and_gradients_close(llama_one_layer):
+    r = llama_one_layer
+    expected = bundled("llama", 1).expected_sites
+    for op, count in expected.items():
+        assert r["ops"][op] == {"found": count, "fused": count, "unfused": 0, "expected": count,
+                                "modes": {"half": count} if op == ROPE else {"-": count}}
+    assert r["misses"] == [] and r["pass_errors"] == []
+    assert r["backward_graphs"] == 1
+
+    # op counts are the graph's: the decomposed backward before, the fused ops after
+    before, after = r["op_counts"]["before"], r["op_counts"]["after"]
+    for name in ("aten.slice_backward.default", "aten.neg.default", "aten.pow.Tensor_Scalar"):
+        assert before.get(name, 0) > 0, name
+    assert after.get("aten.neg.default", 0) == 0 and after.get("aten.pow.Tensor_Scalar", 0) == 0
+    assert after["npu_fusion.rms_norm_grad.default"] == expected[RMS]
+    assert after[f"npu_fusion.{ROPE}.default"] == expected[ROPE]
+    assert "npu_fusion.rms_norm_grad.default" not in before
+    assert r["op_counts"]["nodes_after"] < r["op_counts"]["nodes_before"]
+
+    # memory traffic is the sum over the pass's sites
+    for op in expected:
+        sites = [s for s in r["sites"] if s["op"] == op]
+        traffic = r["memory_traffic"][op]
+        assert traffic["sites"] == len(sites) == expected[op]
+        for key in ("bytes_before", "bytes_after", "bytes_minimum"):
+            assert traffic[key] == sum(s[key] for s in sites) > 0
+        assert traffic["bytes_minimum"] <= traffic["bytes_after"] < traffic["bytes_before"]
+
+    g = r["gradients"]
+    assert g["passed"] and not g["failures"]
+    row = g["per_dtype"]["float32"]
+    assert row["params"] == len(list(bundled("llama", 1).parameters()))
+    assert row["within_tolerance"] and row["as_close_to_fp64_as_eager"]
+    assert row["max_abs_diff_vs_eager"] <= 1e-4
+    assert abs(g["loss"]["compiled"] - g["loss"]["eager"]) < 1e-5
+
+
+def test_text_output_shows_the_tables(llama_one_layer):
+    text = report.format_text(llama_one_layer)
+    for heading in ("## Fused ops", "## Left unfused", "## Backward graph ops", "## Modelled memory traffic",
+                    "## Parameter gradients"):
+        assert heading in text
+    assert "rms_norm_grad: all 3 sites fused" in text
+    assert f"{ROPE}: all 2 sites fused" in text
+    assert "gradient check: PASSED" in text
+    assert "| npu_fusion.rms_norm_grad.default" in text
+
+
+def test_deepseek_on_a2_leaves_rope_unfused_with_the_reason(capsys):
+    status, r, err = run_json(capsys, "--model", "deepseek", "--target", "a2", "--layers", "1")
+    assert status == 0
+    assert r["settings"]["resolved_target"] == "a2"
+    assert r["ops"][ROPE]["fused"] == 0
+    assert r["ops"][ROPE]["unfused"] == r["ops"][ROPE]["expected"] == 2
+    assert r["ops"][RMS]["fused"] == 3
+    rope_misses = [m for m in r["misses"] if m["op"] == ROPE]
+    assert len(rope_misses) == 2
+    for miss in rope_misses:
+        assert "950" in miss["reason"] and miss["node"]
+    assert r["op_counts"]["after"].get(f"npu_fusion.{ROPE}.default", 0) == 0
+    assert "compiling" in err and "backward" in err
+    text = report.format_text(r)
+    assert "0 of 2 sites fused" in text
+    assert rope_misses[0]["node"] in text and "Ascend 950" in text
+
+
+def test_bfloat16_dynamic_min_cut(capsys):
+    status, r, _ = run_json(capsys, "--dtype", "bfloat16", "--dynamic", "--partitioner", "min_cut",
+                            "--layers", "1", "--target", "generic")
+    assert status == 0
+    assert r["settings"]["dynamic"] and r["settings"]["partitioner"] == "min_cut"
+    for op, count in bundled("llama", 1).expected_sites.items():
+        assert r["ops"][op]["fused"] == count
+    row = r["gradients"]["per_dtype"]["bfloat16"]
+    assert row["within_tolerance"] and row["as_close_to_fp64_as_eager"]
+
+
+def test_transformers_model_counted_independently(capsys):
+    pytest.importorskip("transformers")
+    status, r, _ = run_json(capsys, "--hf", "llama", "--layers", "1")
+    assert status == 0
+    assert r["settings"]["source"] == "transformers"
+    # expected counts come from hooks on the eager run, not from the pass
+    assert r["ops"][RMS]["expected"] == 3 and r["ops"][ROPE]["expected"] == 2
+    assert r["ops"][RMS]["fused"] == 3 and r["ops"][ROPE]["fused"] == 2
+    assert r["gradients"]["passed"]
+
+
+def test_unknown_transformers_model_is_a_usage_error(capsys):
+    pytest.importorskip("transformers")
+    assert report.run(parse("--hf", "no_such_model_type")) == report.EXIT_USAGE
+    assert "does not know the model type" in capsys.readouterr().err
+
+
+def test_gradient_check_detects_a_wrong_gradient():
+    torch.manual_seed(0)
+    exact = {"w": torch.randn(8, 8, dtype=torch.float64)}
+    eager = {"w": exact["w"].float()}
+    good = report.compare_gradients({"w": eager["w"].clone()}, eager, exact)
+    assert good["passed"] and good["per_dtype"]["float32"]["max_abs_diff_vs_eager"] == 0.0
+    wrong = eager["w"].clone()
+    wrong[3, 4] += 0.01
+    bad = report.compare_gradients({"w": wrong}, eager, exact)
+    assert not bad["passed"] and bad["failures"][0]["param"] == "w"
+    assert not bad["per_dtype"]["float32"]["within_tolerance"]
+    assert not report.compare_gradients({}, eager, exact)["passed"]  # a missing gradient fails too
+
+
+def test_exit_status_follows_the_gradient_check(monkeypatch, capsys, llama_one_layer):
+    failed = json.loads(json.dumps(llama_one_layer))
+    failed["gradients"]["passed"] = False
+    monkeypatch.setattr(report, "collect", lambda args: failed)
+    assert cli.main(["report"]) == report.EXIT_GRADIENTS
+    assert "gradient check: FAILED" in capsys.readouterr().out
+    failed["pass_errors"] = ["RuntimeError: boom"]
+    assert cli.main(["report", "--json"]) == report.EXIT_PASS_ERROR
+
+
+def test_command_line_json():
+    env = {k: v for k, v in os.environ.items() if k not in ("TORCH_LOGS", "NPU_FUSION_DUMP_GRAPHS")}
+    proc = subprocess.run([sys.executable, "-m", "npu_fusion", "report", "--json", "--layers", "1"],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    r = json.loads(proc.stdout)  # stdout is only the JSON: progress is on stderr
+    assert "[npu-fusion report] compiling" in proc.stderr
+    expected = bundled("llama", 1).expected_sites
+    assert {op: r["ops"][op]["fused"] for op in expected} == expected
+    assert r["gradients"]["passed"]
+    counted = collections.Counter(s["op"] for s in r["sites"])
+    assert dict(counted) == expected
