@@ -26,15 +26,18 @@ def deepseek_v3_interleave(x):  # transformers' apply_rotary_pos_emb_interleave 
     return torch.cat((x[..., 0::2], x[..., 1::2]), dim=-1)
 
 
+def half_rope(x, cos, sin):
+    return x * cos + rotate_half(x) * sin
+
+
 ROTATIONS = {  # name: (mode, forward of one tensor given broadcastable cos/sin)
     "half": (0, lambda x, c, s: x * c + rotate_half(x) * s),
     "interleave_gptj": (1, lambda x, c, s: x * c + rotate_every_two(x) * s),
     "interleave_cohere": (1, lambda x, c, s: x * c + torch.stack(
         (-x[..., 1::2], x[..., ::2]), dim=-1).flatten(-2) * s),
     "quarter": (2, lambda x, c, s: x * c + quarter_rotate(x) * s),
-    "interleave_half_view": (3, lambda x, c, s: deinterleave(x) * c + rotate_half(deinterleave(x)) * s),
-    "interleave_half_slices": (3, lambda x, c, s: deepseek_v3_interleave(x) * c
-                               + rotate_half(deepseek_v3_interleave(x)) * s),
+    "interleave_half_view": (3, lambda x, c, s: half_rope(deinterleave(x), c, s)),
+    "interleave_half_slices": (3, lambda x, c, s: half_rope(deepseek_v3_interleave(x), c, s)),
 }
 
 LAYOUTS = {  # name: (q shape, k shape, cos/sin shape)
@@ -324,3 +327,12 @@ def test_a2_batch_not_below_sequence_names_the_rule():
     fn = lambda q, cos, sin: q * cos + rotate_half(q) * sin  # noqa: E731
     capture = compile_and_compare(fn, [q, cos, sin], target="a2")
     assert capture.fused(ROPE) == 0 and "B < S for B1SD" in capture.misses()[0].reason
+
+
+@pytest.mark.parametrize("rotation", list(ROTATIONS))
+def test_every_mode_with_grad_tables(rotation):
+    _, fn, inputs = rope_case(rotation, "BNSD_B1SD", cos_grad=True)
+    capture = compile_and_compare(fn, inputs)
+    sites = [s for r in capture.results for s in r.sites]
+    assert len(sites) == 2 and all(set(s.outputs) == {"dx", "dcos", "dsin"} for s in sites), \
+        ([s.outputs for s in sites], capture.misses())

@@ -255,7 +255,18 @@ def match_table(ev: LaneEvaluator, node: fx.Node, site: RopeMatch, which: str) -
     x_lid = others[0][0]
     if x_lid in (site.cos[0], site.sin[0]):  # dy * cos is part of dx, not dcos
         return None
-    x = contiguous(x_lid, _offsets(v, x_lid), d)
+    # which x position each lane reads (mode 3's tables read x de-interleaved, and a
+    # partitioner may save that de-interleaved copy instead of x)
+    positions = [None] * d
+    for poly, (_, xp), i in zip(v.polys, table_terms(site.mode, d, which), range(d)):
+        (mono,) = poly
+        other = [var for var in mono if var != (site.dy[0], site.dy[1][i])]
+        if len(other) != 1 or other[0][0] != x_lid or positions[xp] not in (None, other[0][1]):
+            return None
+        positions[xp] = other[0][1]
+    if None in positions:
+        return None
+    x = (x_lid, tuple(positions))
     if not _polys_equal(v.polys, expected_table(site.mode, d, which, site.dy, x)):
         return None
     table = ev.leaves[(site.cos if which == "cos" else site.sin)[0]]
@@ -378,14 +389,16 @@ def find_sites(graph: fx.Graph, provenance: Optional[Provenance], forced_leaves=
                 if x is not None:
                     tables[which].append((node, x))
         for which, found in tables.items():
-            found = [(n, x) for n, x in found
-                     if not (len(n.users) == 1 and next(iter(n.users)) in {f for f, _ in found})]
-            if len(found) == 1:
-                setattr(site, "d" + which, found[0][0])
-                if site.x is None:
-                    site.x = found[0][1]
-                elif site.x != found[0][1]:
-                    setattr(site, "d" + which, None)
+            tables[which] = [(n, x) for n, x in found
+                             if not (len(n.users) == 1 and next(iter(n.users)) in {f for f, _ in found})]
+        # Any product dy * T matches dcos for *some* x (all signs are +1), so dcos and dsin
+        # are chosen together: the pair that reads the same x.
+        pairs = [(c, s) for c in tables["cos"] for s in tables["sin"] if c[1] == s[1]]
+        if len(pairs) == 1:
+            (site.dcos, site.x), (site.dsin, _) = pairs[0]
+        elif not pairs and len(tables["cos"]) + len(tables["sin"]) == 1:
+            (node, site.x), which = (tables["cos"] or tables["sin"])[0], "cos" if tables["cos"] else "sin"
+            setattr(site, "d" + which, node)
     # near misses: dx-shaped nodes that are neither a match, inside one, nor built on one
     matched = {m.dx for m in matches} | inside
     outputs = {n for m in matches for n in (m.dx, m.dcos, m.dsin) if n is not None}
@@ -424,6 +437,14 @@ def _role_node(graph, fake_mode, ev: LaneEvaluator, role: Role) -> fx.Node:
         if positions == tuple(first + step * (i // 2) for i in range(width)):
             part = call(graph, fake_mode, aten.slice.Tensor, (base, -1, first, first + step * half, step))
             return call(graph, fake_mode, aten.repeat_interleave.self_int, (part, 2, -1))
+    if sorted(positions) == list(range(min(positions), min(positions) + width)) and positions == tuple(
+            min(positions) + i // 2 + (i % 2) * half for i in range(width)):
+        # x re-interleaved from a de-interleaved copy: pairs (xd[j], xd[j + D/2])
+        lo = min(positions)
+        first_half = call(graph, fake_mode, aten.slice.Tensor, (base, -1, lo, lo + half))
+        second_half = call(graph, fake_mode, aten.slice.Tensor, (base, -1, lo + half, lo + width))
+        pairs = call(graph, fake_mode, aten.stack.default, ([first_half, second_half], -1))
+        return call(graph, fake_mode, aten.flatten.using_ints, (pairs, -2, -1))
     if positions == tuple(first + i % half for i in range(width)):
         part = call(graph, fake_mode, aten.slice.Tensor, (base, -1, first, first + half))
         return call(graph, fake_mode, aten.cat.default, ([part, part], -1))
