@@ -92,18 +92,20 @@ def test_cos_sin_layouts_with_grad_tables(layout, dtype):
 
 
 @pytest.mark.parametrize("rotation", ["half", "interleave_gptj"])
-def test_partial_rotary_fuses_the_rotated_slice(rotation):
+@pytest.mark.parametrize("rotary_dim", [8, 32], ids=["quarter_of_head", "whole_head"])
+def test_partial_rotary_fuses_the_rotated_slice(rotation, rotary_dim):
     """GPT-NeoX rotary_pct / GPT-J rotary_dim: only the first rotary_dim features rotate."""
     _, forward = ROTATIONS[rotation]
     gen = torch.Generator().manual_seed(0)
     q = torch.randn(2, 4, 6, 32, generator=gen).requires_grad_()
     k = torch.randn(2, 4, 6, 32, generator=gen).requires_grad_()
-    cos, sin = torch.randn(2, 1, 6, 8, generator=gen), torch.randn(2, 1, 6, 8, generator=gen)
+    cos = torch.randn(2, 1, 6, rotary_dim, generator=gen)
+    sin = torch.randn(2, 1, 6, rotary_dim, generator=gen)
 
     def fn(q, k, cos, sin):
         out = []
-        for t in (q, k):
-            rot, rest = t[..., :8], t[..., 8:]
+        for t in (q, k):  # Phi-3 splits even when rotary_dim is the whole head: a zero-width rest
+            rot, rest = t[..., :rotary_dim], t[..., rotary_dim:]
             out.append(torch.cat((forward(rot, cos, sin), rest), dim=-1))
         return tuple(out)
 

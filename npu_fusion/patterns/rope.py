@@ -325,8 +325,8 @@ def _looks_like_dx(v: Optional[Lanes]) -> bool:
     """Two products of two leaf elements per position, one leaf read at two positions
     (a rotation): the shape of a RoPE dx. Softmax's backward has two products but no
     rotation."""
-    if not (v is not None and v.reduction is None and len(v.inner) == 1 and v.inner[0] % 2 == 0
-            and all(len(p) == 2 and all(len(m) == 2 for m in p) for p in v.polys)):
+    if not (v is not None and v.reduction is None and len(v.inner) == 1 and v.inner[0] >= 2
+            and v.inner[0] % 2 == 0 and all(len(p) == 2 and all(len(m) == 2 for m in p) for p in v.polys)):
         return False
     a, b = v.polys[0]
     return any(l1 == l2 and p1 != p2 for l1, p1 in a for l2, p2 in b)
@@ -334,7 +334,7 @@ def _looks_like_dx(v: Optional[Lanes]) -> bool:
 
 def _looks_like_table(v: Optional[Lanes]) -> bool:
     """One product of two leaf elements per position: a dcos/dsin summand."""
-    return (v is not None and len(v.inner) == 1
+    return (v is not None and len(v.inner) == 1 and v.inner[0] >= 2
             and all(len(p) == 1 and all(len(m) == 2 for m in p) for p in v.polys))
 
 
