@@ -160,6 +160,11 @@ class NormEvaluator(MemoEvaluator):
         if t in binary:
             alpha = node.kwargs.get("alpha", 1)
             a, b = self._arg(args[0]), self._arg(args[1])
+            if forward and t in (aten.add.Tensor, aten.sub.Tensor):
+                # a saved residual sum is x itself, not something to see through
+                raise Unsupported("saved sum: an input")
+            if self._is_input_arithmetic(t, args, a, b):
+                raise Unsupported("scaled input: the product is an input of the pattern")
             if t in (aten.add.Tensor, aten.sub.Tensor) and not forward and self._is_accumulation(a, b):
                 raise Unsupported("gradient accumulation: the sum is an input of the pattern")
             if t in (aten.add.Tensor, aten.sub.Tensor):
@@ -189,6 +194,23 @@ class NormEvaluator(MemoEvaluator):
                 return v
             raise Unsupported("view")
         raise Unsupported(f"op {t}")
+
+    def _is_input_arithmetic(self, t, args, a, b) -> bool:
+        """c * grad (a logits scale before the LM head, a residual scale): a leaf scaled by a
+        constant is the pattern's dy or x, not part of it. (A product of two leaves is not
+        cut here: without gamma, dy * x is the norm's own product.)"""
+        if t not in (aten.mul.Tensor, aten.mul.Scalar, aten.div.Tensor, aten.div.Scalar):
+            return False
+
+        def bare(expr, arg):  # the operand is itself a leaf (not, say, pow(x, 1.0))
+            return (isinstance(arg, fx.Node) and self.symbol_of.get(arg) == expr and expr in self.varying
+                    and len(shape(arg)) > self.k)
+
+        if isinstance(b, sympy.Number):
+            return bare(a, args[0])
+        if isinstance(a, sympy.Number):
+            return bare(b, args[1])
+        return False
 
     def _is_accumulation(self, a, b) -> bool:
         """Two tensors added with no normalization statistic in either: upstream gradients."""
