@@ -16,6 +16,7 @@ FORMS = [
     ("rotary_position_embedding_grad", "half-width or complex tables rebuilt to full width", "`x1*cos - x2*sin` spellings, `freqs_cis`"),
     ("rotary_position_embedding_grad", "layouts BNSD, BSND, SBND, TND; cos/sin 11SD, B1SD, BNSD, 1S1D, BS1D, BSND, S11D, SB1D, T1D, TND, [S, D]", "`unsqueeze_dim=1/2`, packed sequences"),
     ("rotary_position_embedding_grad", "cos/sin requiring grad: x passed, dcos/dsin wired", "learned or scaled tables; q and k sharing them"),
+    ("rotary_position_embedding_grad", "output scaled by a constant before use", "`q * scale`, SDPA's math path"),
     ("rms_norm_grad", "fp32 statistics, `weight * x.to(dtype)`", "HF `LlamaRMSNorm` and its copies"),
     ("rms_norm_grad", "`torch.nn.RMSNorm`, `F.rms_norm`, with or without weight", "PyTorch"),
     ("rms_norm_grad", "`x * (1 + weight)` in fp32", "Gemma"),
@@ -23,6 +24,7 @@ FORMS = [
     ("rms_norm_grad", "per-head norms on 4-D tensors; gamma over several trailing axes", "Qwen3 q/k norms"),
     ("rms_norm_grad", "dx summed into the residual gradient (no cast in between)", "fp32 models"),
     ("rms_norm_grad", "rstd saved by the partitioner or recomputed in the backward", "default and min-cut partitioners"),
+    ("rms_norm_grad", "output scaled by a constant before use", "MiniCPM3's logits scaling"),
 ]
 
 
