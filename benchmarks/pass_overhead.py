@@ -62,14 +62,11 @@ import warnings
 
 import torch
 
-from torch._dynamo.backends.common import aot_autograd
-from torch._functorch.aot_autograd import make_boxed_func
 
 import npu_fusion  # noqa: F401  (registers the ops)
 from npu_fusion.models import bundled
-from npu_fusion.plugin.backend import _partition_fn
+from npu_fusion.plugin.backend import aot_backend
 from npu_fusion.plugin.options import FusionOptions
-from npu_fusion.plugin.pass_manager import fuse_backward
 
 
 class GcTimer:
@@ -103,24 +100,16 @@ class Clocked:
         self.results, self.wall, self.cpu, self.gc, self.gc_full = [], 0.0, 0.0, 0.0, 0
 
     def __call__(self, gm, example_inputs):
-        forwards = []
+        return aot_backend(self.options, self._around_pass)(gm, example_inputs)
 
-        def fw(fw_gm, _):
-            forwards.append(fw_gm.graph)
-            return make_boxed_func(fw_gm.forward)
-
-        def bw(bw_gm, _):
-            with GcTimer() as gc_time:
-                wall, cpu = time.perf_counter(), time.process_time()
-                self.results.append(fuse_backward(bw_gm, self.options, forward=forwards[-1]))
-                self.wall += time.perf_counter() - wall
-                self.cpu += time.process_time() - cpu
-            self.gc += gc_time.seconds
-            self.gc_full += gc_time.full
-            return make_boxed_func(bw_gm.forward)
-
-        return aot_autograd(fw_compiler=fw, bw_compiler=bw,
-                            partition_fn=_partition_fn(self.options.partitioner))(gm, example_inputs)
+    def _around_pass(self, bw_gm, run):
+        with GcTimer() as gc_time:
+            wall, cpu = time.perf_counter(), time.process_time()
+            self.results.append(run())
+            self.wall += time.perf_counter() - wall
+            self.cpu += time.process_time() - cpu
+        self.gc += gc_time.seconds
+        self.gc_full += gc_time.full
 
 
 def measure(layers: int, dtype=torch.float32, seq: int = 16, batch: int = 2, target: str = "generic") -> dict:

@@ -273,10 +273,12 @@ def discover(model_types: Optional[List[str]] = None, layers: int = 2) -> List[E
             entry.skip = f"config: {type(exc).__name__}: {str(exc)[:160]}"
             continue
         entry.rope_functions = rope_function_names(entry.module)
-        entry.norm_classes = norm_class_names(entry.module)
+        own_norms = norm_class_names(entry.module)
+        # torch.nn.RMSNorm too, wherever a model uses it (DiffLlama's per-head groupnorm)
+        entry.norm_classes = own_norms + ([] if "RMSNorm" in own_norms else ["RMSNorm"])
         entry.uses_rope = bool(entry.rope_functions) or any(
             inspect.isclass(c) and ROPE_CLASS.search(n) for n, c in vars(entry.module).items())
-        if not entry.uses_rope and not entry.norm_classes:
+        if not entry.uses_rope and not own_norms:
             entry.skip = "uses neither RoPE nor RMSNorm"
             continue
         try:

@@ -4,12 +4,8 @@ import collections
 import copy
 
 import torch
-from torch._dynamo.backends.common import aot_autograd
-from torch._functorch.aot_autograd import make_boxed_func
-
-from npu_fusion.plugin.backend import _decompositions, _partition_fn
+from npu_fusion.plugin.backend import aot_backend
 from npu_fusion.plugin.options import FusionOptions
-from npu_fusion.plugin.pass_manager import fuse_backward
 from reference import assert_close_as_unfused
 
 VARIANTS = [  # (partitioner, decompositions)
@@ -26,25 +22,17 @@ class Capture:
     """A torch.compile backend running ``fuse_backward`` on each backward graph."""
 
     def __init__(self, partitioner="default", decompositions="none", **options):
-        self.options = FusionOptions.from_mapping(dict(options, strict=True))
-        self.partitioner, self.decompositions = partitioner, decompositions
+        self.options = FusionOptions.from_mapping(dict(options, strict=True, partitioner=partitioner,
+                                                       decompositions=decompositions))
         self.before, self.after, self.results = [], [], []
 
     def __call__(self, gm, example_inputs):
-        forwards = []
+        return aot_backend(self.options, self._around_pass)(gm, example_inputs)
 
-        def fw(fw_gm, _):
-            forwards.append(fw_gm.graph)
-            return make_boxed_func(fw_gm.forward)
-
-        def bw(bw_gm, _):
-            self.before.append(copy.deepcopy(bw_gm.graph))
-            self.results.append(fuse_backward(bw_gm, self.options, forward=forwards[-1]))
-            self.after.append(bw_gm.graph)
-            return make_boxed_func(bw_gm.forward)
-
-        return aot_autograd(fw_compiler=fw, bw_compiler=bw, partition_fn=_partition_fn(self.partitioner),
-                            decompositions=_decompositions(self.decompositions))(gm, example_inputs)
+    def _around_pass(self, bw_gm, run):
+        self.before.append(copy.deepcopy(bw_gm.graph))
+        self.results.append(run())
+        self.after.append(bw_gm.graph)
 
     def fused(self, op):
         return sum(r.fused(op) for r in self.results)

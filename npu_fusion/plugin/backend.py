@@ -8,7 +8,7 @@ their reference kernels.
 from __future__ import annotations
 
 import importlib.util
-from typing import Any, Dict, Optional
+from typing import Any, Callable, Dict, Optional
 
 import torch
 from torch._dynamo.backends.common import aot_autograd
@@ -44,6 +44,35 @@ def _decompositions(name: str):
     return {}
 
 
+def aot_backend(options: FusionOptions, around_pass: Optional[Callable] = None):
+    """AOTAutograd with the pass on each backward graph, the forward graph of the same
+    partition passed along for provenance.
+
+    ``around_pass(bw_gm, run)``, if given, wraps the pass call (the report, the tests and
+    the benchmarks record graphs or time it); ``run()`` runs the pass and returns its
+    :class:`~npu_fusion.plugin.pass_manager.FusionResult`.
+    """
+    forward_graphs = []
+
+    def fw_compiler(fw_gm, _inputs):
+        forward_graphs.append(fw_gm.graph)
+        return make_boxed_func(fw_gm.forward)
+
+    def bw_compiler(bw_gm, _inputs):
+        def run():
+            return fuse_backward(bw_gm, options, forward=forward_graphs[-1] if forward_graphs else None)
+
+        if around_pass is None:
+            run()
+        else:
+            around_pass(bw_gm, run)
+        return make_boxed_func(bw_gm.forward)
+
+    return aot_autograd(fw_compiler=fw_compiler, bw_compiler=bw_compiler,
+                        partition_fn=_partition_fn(options.partitioner),
+                        decompositions=_decompositions(options.decompositions))
+
+
 def npu_fusion_backend(gm: torch.fx.GraphModule, example_inputs, options: Optional[Dict[str, Any]] = None):
     opts = FusionOptions.from_mapping(options)
     if _on_npu_host():
@@ -53,17 +82,4 @@ def npu_fusion_backend(gm: torch.fx.GraphModule, example_inputs, options: Option
 
         config = install(torchair.CompilerConfig(), **(options or {}))
         return torchair.get_npu_backend(compiler_config=config)(gm, example_inputs)
-
-    forward_graphs = []
-
-    def fw_compiler(fw_gm, _inputs):
-        forward_graphs.append(fw_gm.graph)
-        return make_boxed_func(fw_gm.forward)
-
-    def bw_compiler(bw_gm, _inputs):
-        fuse_backward(bw_gm, opts, forward=forward_graphs[-1] if forward_graphs else None)
-        return make_boxed_func(bw_gm.forward)
-
-    return aot_autograd(fw_compiler=fw_compiler, bw_compiler=bw_compiler,
-                        partition_fn=_partition_fn(opts.partitioner),
-                        decompositions=_decompositions(opts.decompositions))(gm, example_inputs)
+    return aot_backend(opts)(gm, example_inputs)

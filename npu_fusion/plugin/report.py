@@ -24,12 +24,10 @@ import time
 from typing import Any, Callable, Dict, List, Optional
 
 import torch
-from torch._dynamo.backends.common import aot_autograd
-from torch._functorch.aot_autograd import make_boxed_func
 
-from .backend import _decompositions, _partition_fn
+from .backend import aot_backend
 from .options import TARGETS, FusionOptions
-from .pass_manager import FusionResult, fuse_backward
+from .pass_manager import FusionResult
 
 FUSED_OPS = ("rms_norm_grad", "rotary_position_embedding_grad")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -243,23 +241,13 @@ class Recorder:
         self.results: List[FusionResult] = []
 
     def __call__(self, gm, example_inputs):
-        forwards = []
+        return aot_backend(self.options, self._around_pass)(gm, example_inputs)
 
-        def fw_compiler(fw_gm, _inputs):
-            forwards.append(fw_gm.graph)
-            return make_boxed_func(fw_gm.forward)
-
-        def bw_compiler(bw_gm, _inputs):
-            self.before.append(op_counts(bw_gm.graph))
-            progress(f"running the pass on a backward graph of {len(bw_gm.graph.nodes)} nodes...")
-            result = fuse_backward(bw_gm, self.options, forward=forwards[-1] if forwards else None)
-            self.results.append(result)
-            self.after.append(op_counts(bw_gm.graph))
-            return make_boxed_func(bw_gm.forward)
-
-        return aot_autograd(fw_compiler=fw_compiler, bw_compiler=bw_compiler,
-                            partition_fn=_partition_fn(self.options.partitioner),
-                            decompositions=_decompositions(self.options.decompositions))(gm, example_inputs)
+    def _around_pass(self, bw_gm, run):
+        self.before.append(op_counts(bw_gm.graph))
+        progress(f"running the pass on a backward graph of {len(bw_gm.graph.nodes)} nodes...")
+        self.results.append(run())
+        self.after.append(op_counts(bw_gm.graph))
 
 
 # --------------------------------------------------------------------------- the run
