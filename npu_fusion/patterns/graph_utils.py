@@ -282,6 +282,19 @@ def downstream(graph: fx.Graph, seeds: Iterable[fx.Node], depth: int) -> List[fx
     return sorted(seen)
 
 
+def outermost(items, node=lambda item: item, same=lambda outer, inner: True) -> list:
+    """Drop an item whose node's only user is another item's node (a cast or a view of the
+    same value), keeping the outermost of each such chain."""
+    by_node = {node(item): item for item in items}
+
+    def is_inner(item):
+        users = node(item).users
+        outer = by_node.get(next(iter(users))) if len(users) == 1 else None
+        return outer is not None and same(outer, item)
+
+    return [item for item in items if not is_inner(item)]
+
+
 def region_of(outputs: Iterable[fx.Node], interior) -> List[fx.Node]:
     """The interpreted nodes the outputs are computed from, outputs included."""
     seen, stack = [], list(outputs)

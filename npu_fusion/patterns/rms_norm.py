@@ -36,10 +36,10 @@ import torch
 import torch.fx as fx
 
 from ..lowering.constraints import FusedOpInputError, RMS_NORM_DTYPES, check_rms_norm_grad_inputs
-from .graph_utils import (Insertion, MemoEvaluator, Miss, Provenance, Unsupported, aten, call, cast, commit, downstream, dtype,
-                         
-                          fake_mode_of, getitem, is_value_preserving_cast, last_of, normalize_dim,
-                          outside_users, region_of, same_shape, shape, static_int, val)
+from .graph_utils import (Insertion, MemoEvaluator, Miss, Provenance, Unsupported, aten, call, cast, commit,
+                          downstream, dtype, fake_mode_of, getitem, is_value_preserving_cast, last_of,
+                          normalize_dim, outermost, outside_users, region_of, same_shape, shape,
+                          static_int, val)
 
 OP = "rms_norm_grad"
 MAX_SYMBOLS = 8
@@ -424,16 +424,14 @@ def find_sites(graph: fx.Graph, provenance, forced_leaves=()):
                     found.append(m)
                     stop.add(n)
         # keep the outermost of a chain of matches of one site (dx, then its cast)
-        by_node = {m.dx: m for m in found}
-        found = [m for m in found if not (len(m.dx.users) == 1 and next(iter(m.dx.users)) in by_node
-                                          and by_node[next(iter(m.dx.users))].roles == m.roles)]
+        found = outermost(found, node=lambda m: m.dx, same=lambda a, b: a.roles == b.roles)
         seen = set()
         for site in found:
             if site.rstd in seen:  # one RMSNorm, one site: an accumulation root found twice
                 continue
             seen.add(site.rstd)
             grads = [n for n in lead_sums if match_dgamma(ev, n, site)]
-            grads = [n for n in grads if not (len(n.users) == 1 and next(iter(n.users)) in grads)]
+            grads = outermost(grads)
             if len(grads) == 1:
                 site.dgamma = grads[0]
             matches.append(site)
@@ -465,7 +463,7 @@ def _near_misses(ev: NormEvaluator, nodes, matched: List[NormMatch]) -> List[Mis
             continue
         if not sums & done and len(sympy.Add.make_args(sympy.expand(v.expr))) >= 2:
             suspects.append(n)
-    outer = [n for n in suspects if not (len(n.users) == 1 and next(iter(n.users)) in suspects)]
+    outer = outermost(suspects)
     return [Miss(OP, n.name, "normalizes over the last axes like an RMSNorm dx, but its terms differ from "
                              "rstd*dy*g - rstd**3*x*sum(dy*g*x)/N (eps outside the root, another "
                              "statistic or a missing term)") for n in outer]

@@ -31,8 +31,9 @@ import torch
 import torch.fx as fx
 
 from ..lowering.constraints import FLOAT_DTYPES, ROPE_MODES, rope_divisor
-from .graph_utils import (Insertion, Miss, Provenance, call, cast, commit, downstream, dtype, fake_mode_of, getitem,
-                          last_of, outside_users, region_of, same_shape, same_size, shape, static_int)
+from .graph_utils import (Insertion, Miss, Provenance, call, cast, commit, downstream, dtype, fake_mode_of,
+                          getitem, last_of, outermost, outside_users, region_of, same_shape, same_size,
+                          shape, static_int)
 from .lanes import Lanes, LaneEvaluator, MAX_LANES
 
 OP = "rotary_position_embedding_grad"
@@ -309,18 +310,6 @@ def _candidates(graph: fx.Graph):
             yield node
 
 
-def _outermost(matches: List[RopeMatch], same) -> List[RopeMatch]:
-    """Drop a match whose only user is another match of the same site (a cast, a view)."""
-    by_node = {m.dx: m for m in matches}
-    kept = []
-    for m in matches:
-        users = list(m.dx.users)
-        if len(users) == 1 and users[0] in by_node and same(by_node[users[0]], m):
-            continue
-        kept.append(m)
-    return kept
-
-
 def _looks_like_dx(v: Optional[Lanes]) -> bool:
     """Two products of two leaf elements per position, one leaf read at two positions
     (a rotation): the shape of a RoPE dx. Softmax's backward has two products but no
@@ -360,7 +349,7 @@ def find_sites(graph: fx.Graph, provenance: Optional[Provenance], forced_leaves=
         ev.value(node)
     looks = [n for n in nodes if _looks_like_dx(ev.memo.get(n))]
     matches = [m for m in (match_dx(ev, n) for n in looks) if m is not None]
-    matches = _outermost(matches, lambda a, b: a.key == b.key)
+    matches = outermost(matches, node=lambda m: m.dx, same=lambda a, b: a.key == b.key)
     # a match inside another's subgraph (mode 0 on DeepSeek's de-interleaved q, under
     # the mode 3 match of the whole) is part of the larger rewrite
     inside = set()
@@ -389,8 +378,7 @@ def find_sites(graph: fx.Graph, provenance: Optional[Provenance], forced_leaves=
                 if x is not None:
                     tables[which].append((node, x))
         for which, found in tables.items():
-            tables[which] = [(n, x) for n, x in found
-                             if not (len(n.users) == 1 and next(iter(n.users)) in {f for f, _ in found})]
+            tables[which] = outermost(found, node=lambda f: f[0])
         # Any product dy * T matches dcos for *some* x (all signs are +1), so dcos and dsin
         # are chosen together: the pair that reads the same x.
         pairs = [(c, s) for c in tables["cos"] for s in tables["sin"] if c[1] == s[1]]
@@ -410,7 +398,7 @@ def find_sites(graph: fx.Graph, provenance: Optional[Provenance], forced_leaves=
     unmatched = [n for n in looks if n not in matched and not built_on_match(n)]
     misses = [Miss(OP, n.name, "two products per element like a RoPE dx, but no mode's formula "
                                "(signs, split points or tables differ)")
-              for n in unmatched if not (len(n.users) == 1 and next(iter(n.users)) in unmatched)]
+              for n in outermost(unmatched)]
     return ev, matches, misses
 
 
@@ -462,12 +450,7 @@ def rewrite(graph: fx.Graph, target: str, provenance: Optional[Provenance] = Non
     ev, matches, misses = find_sites(graph, provenance)
     for site in matches:
         outputs = {k: n for k, n in (("dx", site.dx), ("dcos", site.dcos), ("dsin", site.dsin)) if n is not None}
-        role_leaves = {ev.leaves[r[0]] for r in (site.dy, site.cos, site.sin, site.x) if r is not None}
-
-        def interior(n, ev=ev, role_leaves=role_leaves):
-            return n in ev.interpreted and n not in role_leaves
-
-        region = region_of(outputs.values(), interior)
+        region = _region(ev, site, outputs)
         shared = outside_users(region, outputs.values())
         if shared:
             # Look again with the shared intermediates as leaves: a cast shared with
@@ -479,8 +462,7 @@ def rewrite(graph: fx.Graph, target: str, provenance: Optional[Provenance] = Non
                                                       f"outside the pattern ({next(iter(shared[0].users)).name})"))
                 continue
             ev, site = ev2, again[0]
-            role_leaves = {ev.leaves[r[0]] for r in (site.dy, site.cos, site.sin, site.x) if r is not None}
-            region = region_of(outputs.values(), lambda n: n in ev.interpreted and n not in role_leaves)
+            region = _region(ev, site, outputs)
             if outside_users(region, outputs.values()):
                 misses.append(Miss(OP, site.dx.name, "intermediates have users outside the pattern"))
                 continue
@@ -490,6 +472,12 @@ def rewrite(graph: fx.Graph, target: str, provenance: Optional[Provenance] = Non
         else:
             sites.append(done)
     return sites, misses
+
+
+def _region(ev: LaneEvaluator, site: RopeMatch, outputs) -> List[fx.Node]:
+    """The interpreted nodes between the site's outputs and its role leaves."""
+    roles = {ev.leaves[r[0]] for r in (site.dy, site.cos, site.sin, site.x) if r is not None}
+    return region_of(outputs.values(), lambda n: n in ev.interpreted and n not in roles)
 
 
 def _same_tables(a: RopeMatch, b: RopeMatch) -> bool:
