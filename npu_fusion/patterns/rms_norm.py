@@ -13,8 +13,8 @@ Fused::
 
     dx, dgamma = npu_fusion.rms_norm_grad(dy, x, rstd, gamma)
 
-How a match is found: nodes are evaluated symbolically (sympy) with the
-normalized axes as an abstract index: a leaf is a symbol, ``x_i`` when it spans
+How a match is found: nodes are evaluated symbolically (exact Laurent
+polynomials, :mod:`.algebra`) with the normalized axes as an abstract index: a leaf is a symbol, ``x_i`` when it spans
 the normalized axes and ``r`` when it is constant along them (``rstd``), and a
 sum over the normalized axes becomes a symbol ``S[monomial]`` after expanding
 its summand. A node is dx when its expression equals, for some leaves,
@@ -29,13 +29,14 @@ import dataclasses
 import functools
 import itertools
 import math
+from fractions import Fraction
 from typing import Dict, List, Optional
 
-import sympy
 import torch
 import torch.fx as fx
 
 from ..lowering.constraints import FusedOpInputError, RMS_NORM_DTYPES, check_rms_norm_grad_inputs
+from .algebra import Expr
 from .graph_utils import (Insertion, MemoEvaluator, Miss, Provenance, Unsupported, aten, call, cast, commit,
                           downstream, dtype, fake_mode_of, getitem, is_value_preserving_cast, last_of,
                           normalize_dim, outermost, outside_users, region_of, same_shape, shape,
@@ -47,7 +48,7 @@ MAX_SYMBOLS = 8
 
 @dataclasses.dataclass
 class NormValue:
-    expr: sympy.Expr
+    expr: Expr
     #: for a sum over leading axes: (summand node, reduced dims), else None
     lead_sum: Optional[tuple] = None
 
@@ -59,8 +60,9 @@ def _scalar(x):
 
 
 @functools.lru_cache(maxsize=1024)
-def _rational(x):
-    return sympy.nsimplify(x, rational=True) if isinstance(x, float) else sympy.Integer(x)
+def _rational(x) -> Fraction:
+    # the nearest simple fraction: a float 1/N written into the graph is the rational 1/N
+    return Fraction(x).limit_denominator(1 << 40) if isinstance(x, float) else Fraction(x)
 
 
 class NormEvaluator(MemoEvaluator):
@@ -73,11 +75,19 @@ class NormEvaluator(MemoEvaluator):
         self.k = len(norm_shape)
         self.n = math.prod(norm_shape)
         super().__init__(provenance, forced_leaves)
-        self.symbol_of: Dict[fx.Node, sympy.Symbol] = {}
-        self.node_of: Dict[sympy.Symbol, fx.Node] = {}
+        self.symbol_of: Dict[fx.Node, int] = {}
+        self.node_of: Dict[int, fx.Node] = {}
         self.varying = set()  # symbols of leaves that span the normalized axes
-        self.sum_keys: Dict[str, sympy.Symbol] = {}
-        self.sum_body: Dict[sympy.Symbol, sympy.Expr] = {}
+        self.sum_keys: Dict[tuple, int] = {}   # summand monomial -> its sum's symbol
+        self.sum_body: Dict[int, tuple] = {}   # a sum's symbol -> its summand monomial
+        self._symbols = 0
+
+    def _new_symbol(self) -> int:
+        self._symbols += 1
+        return self._symbols
+
+    def symbol(self, node) -> Expr:
+        return Expr.symbol(self.symbol_of[node])
 
     def spans(self, s) -> Optional[bool]:
         """True: the shape spans the normalized axes; False: it is 1 along them; None: neither."""
@@ -95,16 +105,16 @@ class NormEvaluator(MemoEvaluator):
         v = val(node)
         if v is None or not v.dtype.is_floating_point or self.spans(v.shape) is None:
             return None
-        sym = sympy.Symbol(f"{node.name}#{len(self.symbol_of)}", real=True)
+        sym = self._new_symbol()
         self.symbol_of[node], self.node_of[sym] = sym, node
         if self.spans(v.shape):
             self.varying.add(sym)
-        return NormValue(sym)
+        return NormValue(Expr.symbol(sym))
 
-    def _arg(self, arg) -> sympy.Expr:
+    def _arg(self, arg) -> Expr:
         s = _scalar(arg)
         if s is not None:
-            return s
+            return Expr.number(s)
         if not isinstance(arg, fx.Node) or val(arg) is None or self.spans(val(arg).shape) is None:
             raise Unsupported("operand")
         v = self.value(arg)
@@ -112,28 +122,22 @@ class NormEvaluator(MemoEvaluator):
             raise Unsupported("operand")
         return v.expr
 
-    def sum_over_normalized(self, expr) -> sympy.Expr:
-        """Sum of ``expr`` over the normalized index, in canonical form."""
-        total = sympy.Integer(0)
-        for term in sympy.Add.make_args(sympy.expand(expr)):
-            const, body = sympy.Integer(1), sympy.Integer(1)
-            for factor in sympy.Mul.make_args(term):
-                if factor.free_symbols & self.varying:
-                    base, _ = factor.as_base_exp()
-                    if base not in self.varying:
-                        raise Unsupported("non-polynomial in a varying leaf")
-                    body *= factor
-                else:
-                    const *= factor
-            if body == 1:
-                total += const * self.n
-                continue
-            key = sympy.srepr(body)
-            if key not in self.sum_keys:
-                sym = sympy.Symbol(f"S[{body}]", real=True)
-                self.sum_keys[key], self.sum_body[sym] = sym, body
-            total += const * self.sum_keys[key]
-        return total
+    def sum_over_normalized(self, expr: Expr) -> Expr:
+        """Sum of ``expr`` over the normalized index: each term's factors that vary along
+        the normalized axes (its body) become one symbol ``S[body]``, the rest stay."""
+        terms = {}
+        for mono, coef in expr.split_terms():
+            body = tuple((s, e) for s, e in mono if s in self.varying)
+            const = tuple((s, e) for s, e in mono if s not in self.varying)
+            if not body:
+                coef = coef * self.n
+            else:
+                if body not in self.sum_keys:
+                    sym = self._new_symbol()
+                    self.sum_keys[body], self.sum_body[sym] = sym, body
+                const = tuple(sorted(const + ((self.sum_keys[body], Fraction(1)),)))
+            terms[const] = terms.get(const, 0) + coef
+        return Expr({m: c for m, c in terms.items() if c})
 
     def _interpret(self, node: fx.Node, forward: bool) -> NormValue:
         t, args = node.target, node.args
@@ -177,7 +181,7 @@ class NormEvaluator(MemoEvaluator):
         if t is aten.pow.Tensor_Scalar and _scalar(args[1]) is not None:
             return self._bounded(self._arg(args[0]) ** _scalar(args[1]))
         if t is aten.sqrt.default:
-            return self._bounded(sympy.sqrt(self._arg(args[0])))
+            return self._bounded(self._arg(args[0]).sqrt())
         if t is aten.reciprocal.default:
             return self._bounded(1 / self._arg(args[0]))
         if t is aten.expand.default:
@@ -203,19 +207,20 @@ class NormEvaluator(MemoEvaluator):
             return False
 
         def bare(expr, arg):  # the operand is itself a leaf (not, say, pow(x, 1.0))
-            return (isinstance(arg, fx.Node) and self.symbol_of.get(arg) == expr and expr in self.varying
-                    and len(shape(arg)) > self.k)
+            sym = expr.as_symbol()
+            return (isinstance(arg, fx.Node) and sym is not None and self.symbol_of.get(arg) == sym
+                    and sym in self.varying and len(shape(arg)) > self.k)
 
-        if isinstance(b, sympy.Number):
+        if b.is_number():
             return bare(a, args[0])
-        if isinstance(a, sympy.Number):
+        if a.is_number():
             return bare(b, args[1])
         return False
 
     def _is_accumulation(self, a, b) -> bool:
         """Two tensors added with no normalization statistic in either: upstream gradients."""
         stats = lambda e: any(s not in self.varying for s in e.free_symbols)  # noqa: E731
-        return not isinstance(a, sympy.Number) and not isinstance(b, sympy.Number) and not (stats(a) or stats(b))
+        return not a.is_number() and not b.is_number() and not (stats(a) or stats(b))
 
     def _bounded(self, expr) -> NormValue:
         # RMSNorm's backward involves dy, x, gamma, rstd and one sum: anything with many
@@ -263,24 +268,27 @@ class NormMatch:
         return (self.dy, self.x, self.rstd, self.gamma)
 
 
-def expected_dx(ev: NormEvaluator, dy, x, r, g) -> sympy.Expr:
+def expected_dx(ev: NormEvaluator, dy: Expr, x: Expr, r: Expr, g: Expr) -> Expr:
     return r * dy * g - r ** 3 * x * ev.sum_over_normalized(dy * g * x) / ev.n
 
 
-def match_dx(ev: NormEvaluator, node: fx.Node, expr: sympy.Expr) -> Optional[NormMatch]:
+def _symbols(mono) -> set:
+    return {s for s, _ in mono}
+
+
+def match_dx(ev: NormEvaluator, node: fx.Node, expr: Expr) -> Optional[NormMatch]:
     """Read the roles off the two terms of ``r*dy*g - r**3*x*S[dy*g*x]/N``, then check equality."""
     sums = {s for s in expr.free_symbols if s in ev.sum_body}
     if len(sums) != 1:
         return None
-    expanded = sympy.expand(expr)
-    terms = sympy.Add.make_args(expanded)
-    plain = [t for t in terms if not (t.free_symbols & sums)]
-    summed = [t for t in terms if t.free_symbols & sums]
+    terms = [mono for mono, _ in expr.split_terms()]
+    plain = [m for m in terms if not (_symbols(m) & sums)]
+    summed = [m for m in terms if _symbols(m) & sums]
     if len(plain) != 1 or len(summed) != 1:
         return None
 
     def leaves(term, varying, full_shape=None, rank=None):
-        nodes = [ev.node_of[s] for s in term.free_symbols if s in ev.node_of]
+        nodes = [ev.node_of[s] for s in _symbols(term) if s in ev.node_of]
         return [n for n in nodes if (ev.symbol_of[n] in ev.varying) == varying
                 and (full_shape is None or same_shape(shape(n), full_shape))
                 and (rank is None or len(shape(n)) == rank)]
@@ -292,9 +300,8 @@ def match_dx(ev: NormEvaluator, node: fx.Node, expr: sympy.Expr) -> Optional[Nor
     for r, dy, g, x in candidates:
         if len({r, dy, g, x}) < 4:
             continue
-        gs = ev.symbol_of[g] if g is not None else sympy.Integer(1)
-        want = expected_dx(ev, ev.symbol_of[dy], ev.symbol_of[x], ev.symbol_of[r], gs)
-        if sympy.expand(expanded - want) == 0:
+        gs = ev.symbol(g) if g is not None else Expr.number(1)
+        if expr == expected_dx(ev, ev.symbol(dy), ev.symbol(x), ev.symbol(r), gs):
             return NormMatch(node, dy, x, r, g, ev)
     return None
 
@@ -345,7 +352,7 @@ def _match_root(ev: NormEvaluator, root: fx.Node, stop) -> Optional[NormMatch]:
     for key, parts in groups.items():
         if len(key) != 1 or len(parts) < 2:
             continue
-        found = match_dx(ev, root, sum((ev.memo[n].expr for n in parts), sympy.Integer(0)))
+        found = match_dx(ev, root, sum((ev.memo[n].expr for n in parts), Expr.number(0)))
         if found is not None:
             found.parts = parts
             found.rest = [n for n in summands if n not in parts]
@@ -361,11 +368,9 @@ def match_dgamma(ev: NormEvaluator, node: fx.Node, site: NormMatch) -> bool:
         return False
     summand, dims = v.lead_sum
     rank = len(shape(summand))
-    want = ev.symbol_of[site.dy] * ev.symbol_of[site.x] * ev.symbol_of[site.rstd]
-    return (v.expr.free_symbols == want.free_symbols
-            and same_shape(shape(node), shape(site.gamma)) and same_shape(shape(summand), shape(site.dx))
+    return (same_shape(shape(node), shape(site.gamma)) and same_shape(shape(summand), shape(site.dx))
             and all(d in dims or static_int(shape(summand)[d]) == 1 for d in range(rank - ev.k))
-            and sympy.expand(v.expr - want) == 0)
+            and v.expr == ev.symbol(site.dy) * ev.symbol(site.x) * ev.symbol(site.rstd))
 
 
 #: uses between a sum over the normalized axes and the root of dx (with its accumulation)
@@ -413,9 +418,12 @@ def find_sites(graph: fx.Graph, provenance, forced_leaves=()):
                  and val(n) is not None and val(n).dtype.is_floating_point]
         for n in nodes:
             ev.value(n)
-        lead_sums = [n for n in _lead_sums(graph, len(norm_shape)) if val(n) is not None]
-        for n in lead_sums:
-            ev.value(n)
+        # dgamma candidates by the leaves they sum (dy, x, rstd): one lookup per site
+        lead_sums: Dict[frozenset, List[fx.Node]] = {}
+        for n in _lead_sums(graph, len(norm_shape)):
+            v = ev.value(n) if val(n) is not None else None
+            if v is not None and v.lead_sum is not None:
+                lead_sums.setdefault(frozenset(v.expr.free_symbols), []).append(n)
         found, stop = [], set()
         for n in nodes:
             if ev.spans(shape(n)):
@@ -430,7 +438,8 @@ def find_sites(graph: fx.Graph, provenance, forced_leaves=()):
             if site.rstd in seen:  # one RMSNorm, one site: an accumulation root found twice
                 continue
             seen.add(site.rstd)
-            grads = [n for n in lead_sums if match_dgamma(ev, n, site)]
+            leaves = frozenset(ev.symbol_of[n] for n in (site.dy, site.x, site.rstd))
+            grads = [n for n in lead_sums.get(leaves, ()) if match_dgamma(ev, n, site)]
             grads = outermost(grads)
             if len(grads) == 1:
                 site.dgamma = grads[0]
@@ -443,8 +452,8 @@ def _near_misses(ev: NormEvaluator, nodes, matched: List[NormMatch]) -> List[Mis
     """Nodes that sum over the normalized axes once, as an RMSNorm dx does, yet matched nothing."""
     done = set()
     for site in matched:
-        g = ev.symbol_of[site.gamma] if site.gamma is not None else sympy.Integer(1)
-        done |= ev.sum_over_normalized(ev.symbol_of[site.dy] * g * ev.symbol_of[site.x]).free_symbols
+        g = ev.symbol(site.gamma) if site.gamma is not None else Expr.number(1)
+        done |= ev.sum_over_normalized(ev.symbol(site.dy) * g * ev.symbol(site.x)).free_symbols
     suspects = []
     for n in nodes:
         v = ev.memo.get(n)
@@ -455,13 +464,13 @@ def _near_misses(ev: NormEvaluator, nodes, matched: List[NormMatch]) -> List[Mis
         # a norm's dx scales by a saved statistic and has a term x * sum(product) with the
         # product of degree >= 2 (dy*g*x): (log-)softmax's backward has no statistic or sums
         # the gradient alone, normalizing by a plain sum (MoE routing weights) has no x there
-        if len(sums) != 1 or not _stat_leaves(ev, v.expr) or sympy.total_degree(
-                ev.sum_body[next(iter(sums))]) < 2:
+        if len(sums) != 1 or not _stat_leaves(ev, v.expr) or sum(
+                abs(e) for _, e in ev.sum_body[next(iter(sums))]) < 2:
             continue
-        summed_terms = [t for t in sympy.Add.make_args(sympy.expand(v.expr)) if t.free_symbols & sums]
-        if not any(t.free_symbols & ev.varying for t in summed_terms):
+        summed_terms = [_symbols(m) for m, _ in v.expr.split_terms() if _symbols(m) & sums]
+        if not any(t & ev.varying for t in summed_terms):
             continue
-        if not sums & done and len(sympy.Add.make_args(sympy.expand(v.expr))) >= 2:
+        if not sums & done and len(v.expr.terms) >= 2:
             suspects.append(n)
     outer = outermost(suspects)
     return [Miss(OP, n.name, "normalizes over the last axes like an RMSNorm dx, but its terms differ from "

@@ -1,0 +1,171 @@
+"""Exact Laurent polynomials over numbered symbols, kept expanded.
+
+The RMSNorm matcher needs just this much algebra: sums and products of leaves
+with rational coefficients, integer and half-integer powers of a single term
+(``rstd**3``, ``sqrt``, ``1/x``), and equality. Values are kept in expanded,
+canonical form, so equality is dictionary equality and no ``expand`` step is
+needed. A general computer algebra system does the same symbolically at many
+times the cost, and the pass evaluates thousands of nodes per graph.
+
+What falls outside (a power of a sum other than a small positive integer, a
+division by a sum, an irrational coefficient) raises :class:`Unsupported`; the
+evaluator then treats the node as an opaque leaf, which is always sound.
+"""
+from __future__ import annotations
+
+from fractions import Fraction
+from typing import Dict, FrozenSet, Iterator, Optional, Tuple
+
+from .graph_utils import Unsupported
+
+Monomial = Tuple[Tuple[int, Fraction], ...]  # sorted (symbol, nonzero exponent) pairs; () is 1
+
+#: expanded forms larger than this are not RMSNorm algebra: give up rather than grow
+MAX_TERMS = 64
+MAX_INTEGER_POWER = 4
+
+
+def _mono_mul(a: Monomial, b: Monomial) -> Monomial:
+    if not a:
+        return b
+    if not b:
+        return a
+    exps = dict(a)
+    for s, e in b:
+        total = exps.get(s, 0) + e
+        if total:
+            exps[s] = total
+        else:
+            del exps[s]
+    return tuple(sorted(exps.items()))
+
+
+class Expr:
+    """An expanded Laurent polynomial: ``{monomial: coefficient}`` with no zero coefficients."""
+
+    __slots__ = ("terms", "_hash")
+
+    def __init__(self, terms: Dict[Monomial, Fraction]):
+        if len(terms) > MAX_TERMS:
+            raise Unsupported("expression too large")
+        self.terms = terms
+        self._hash = None
+
+    @staticmethod
+    def number(c) -> "Expr":
+        c = Fraction(c)
+        return Expr({(): c} if c else {})
+
+    @staticmethod
+    def symbol(s: int) -> "Expr":
+        return Expr({((s, Fraction(1)),): Fraction(1)})
+
+    # -- inspection --------------------------------------------------------
+    @property
+    def free_symbols(self) -> FrozenSet[int]:
+        return frozenset(s for mono in self.terms for s, _ in mono)
+
+    def is_number(self) -> bool:
+        return all(not mono for mono in self.terms)
+
+    def as_symbol(self) -> Optional[int]:
+        """The symbol, when the expression is exactly one symbol."""
+        if len(self.terms) == 1:
+            (mono, coef), = self.terms.items()
+            if coef == 1 and len(mono) == 1 and mono[0][1] == 1:
+                return mono[0][0]
+        return None
+
+    def split_terms(self) -> Iterator[Tuple[Fraction, Monomial]]:
+        return iter(self.terms.items())
+
+    # -- arithmetic --------------------------------------------------------
+    @staticmethod
+    def _coerce(other) -> "Expr":
+        return other if isinstance(other, Expr) else Expr.number(other)
+
+    def __add__(self, other) -> "Expr":
+        other = Expr._coerce(other)
+        out = dict(self.terms)
+        for mono, c in other.terms.items():
+            total = out.get(mono, 0) + c
+            if total:
+                out[mono] = total
+            else:
+                out.pop(mono, None)
+        return Expr(out)
+
+    __radd__ = __add__
+
+    def __neg__(self) -> "Expr":
+        return Expr({m: -c for m, c in self.terms.items()})
+
+    def __sub__(self, other) -> "Expr":
+        return self + (-Expr._coerce(other))
+
+    def __rsub__(self, other) -> "Expr":
+        return Expr._coerce(other) + (-self)
+
+    def __mul__(self, other) -> "Expr":
+        other = Expr._coerce(other)
+        out: Dict[Monomial, Fraction] = {}
+        for ma, ca in self.terms.items():
+            for mb, cb in other.terms.items():
+                mono = _mono_mul(ma, mb)
+                total = out.get(mono, 0) + ca * cb
+                if total:
+                    out[mono] = total
+                else:
+                    out.pop(mono, None)
+        return Expr(out)
+
+    __rmul__ = __mul__
+
+    def __truediv__(self, other) -> "Expr":
+        return self * (Expr._coerce(other) ** -1)
+
+    def __rtruediv__(self, other) -> "Expr":
+        return Expr._coerce(other) * (self ** -1)
+
+    def __pow__(self, q) -> "Expr":
+        q = Fraction(q)
+        if q == 0:
+            return Expr.number(1)
+        if len(self.terms) == 1:  # c * m  ->  c**q * m**q, when c**q is rational
+            (mono, coef), = self.terms.items()
+            if q.denominator != 1 and coef != 1:
+                raise Unsupported("irrational coefficient")
+            return Expr({tuple((s, e * q) for s, e in mono): coef ** int(q) if q.denominator == 1 else coef})
+        if not self.terms:
+            if q < 0:
+                raise Unsupported("division by zero")
+            return Expr({})
+        if q.denominator != 1 or not 0 < q <= MAX_INTEGER_POWER:
+            raise Unsupported("power of a sum")
+        out = self
+        for _ in range(int(q) - 1):
+            out = out * self
+        return out
+
+    def sqrt(self) -> "Expr":
+        return self ** Fraction(1, 2)
+
+    # -- comparison --------------------------------------------------------
+    def __eq__(self, other) -> bool:
+        if not isinstance(other, Expr):
+            other = Expr._coerce(other) if isinstance(other, (int, Fraction)) else None
+        return other is not None and self.terms == other.terms
+
+    def __hash__(self) -> int:
+        if self._hash is None:
+            self._hash = hash(frozenset(self.terms.items()))
+        return self._hash
+
+    def __repr__(self) -> str:
+        if not self.terms:
+            return "0"
+        parts = []
+        for mono, c in self.terms.items():
+            factors = [f"s{s}" + (f"**{e}" if e != 1 else "") for s, e in mono]
+            parts.append("*".join(([str(c)] if c != 1 or not factors else []) + factors))
+        return " + ".join(parts)

@@ -1,0 +1,48 @@
+"""The exact algebra the RMSNorm matcher evaluates nodes in (patterns/algebra.py)."""
+from fractions import Fraction
+
+import pytest
+
+from npu_fusion.patterns.algebra import Expr
+from npu_fusion.patterns.graph_utils import Unsupported
+
+x, y, r = (Expr.symbol(i) for i in (1, 2, 3))
+
+
+def test_expanded_form_is_canonical():
+    assert (x + y) * (x - y) == x ** 2 - y ** 2
+    assert (x + y) ** 2 == x * x + 2 * x * y + y * y
+    assert x * y - y * x == 0
+    assert (x + y) - y == x
+    assert x / 2 == Fraction(1, 2) * x
+    assert x != x + 1
+
+
+def test_laurent_monomials():
+    assert r ** 3 * r ** -2 == r
+    assert (r ** 2).sqrt() == r
+    assert 1 / (2 * r) == Fraction(1, 2) * r ** -1
+    assert (x * r).sqrt() * (x * r).sqrt() == x * r
+
+
+def test_inspection():
+    assert (x * y + r).free_symbols == {1, 2, 3}
+    assert x.as_symbol() == 1 and (2 * x).as_symbol() is None and (x ** 2).as_symbol() is None
+    assert Expr.number(3).is_number() and not x.is_number()
+
+
+@pytest.mark.parametrize("build", [
+    lambda: 1 / (x + y),           # division by a sum
+    lambda: (x + y).sqrt(),        # root of a sum
+    lambda: (2 * x).sqrt(),        # irrational coefficient
+    lambda: (x + y) ** 5,          # large power of a sum
+], ids=["div-sum", "sqrt-sum", "sqrt-2", "pow-5"])
+def test_outside_the_algebra_is_unsupported(build):
+    with pytest.raises(Unsupported):
+        build()
+
+
+def test_growth_is_bounded():
+    many = sum((Expr.symbol(i) for i in range(10, 20)), Expr.number(0))
+    with pytest.raises(Unsupported):
+        many * many * many
