@@ -1,0 +1,64 @@
+"""Helpers the rewrites rely on: fake values of inserted nodes."""
+import pytest
+import torch
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+import npu_fusion  # noqa: F401  (registers the fused ops)
+from npu_fusion.patterns.graph_utils import _static_fake_value
+
+aten = torch.ops.aten
+
+CASES = {
+    "to_copy": (aten._to_copy.default, lambda t: ((t["x"],), {"dtype": torch.bfloat16})),
+    "view": (aten.view.default, lambda t: ((t["x"], [8, 64]), {})),
+    "slice-step": (aten.slice.Tensor, lambda t: ((t["x"], -1, 1, 64, 2), {})),
+    "cat": (aten.cat.default, lambda t: (([t["x"], t["x"]], -1), {})),
+    "stack": (aten.stack.default, lambda t: (([t["x"], t["x"]], -1), {})),
+    "repeat_interleave": (aten.repeat_interleave.self_int, lambda t: ((t["x"], 2, -1), {})),
+    "view_as_real": (aten.view_as_real.default, lambda t: ((t["c"],), {})),
+    "transpose": (aten.transpose.int, lambda t: ((t["x"], 0, 1), {})),
+    "rms_norm_grad": (torch.ops.npu_fusion.rms_norm_grad.default,
+                      lambda t: ((t["x"], t["x"], t["rstd"], t["w"]), {})),
+    "rope_grad": (torch.ops.npu_fusion.rotary_position_embedding_grad.default,
+                  lambda t: ((t["x"], t["x"], t["x"], t["x"], 0), {})),
+}
+
+
+def _tensors(mode):
+    with mode:
+        return {"x": torch.empty(2, 4, 64), "c": torch.empty(2, 4, 32, dtype=torch.complex64),
+                "rstd": torch.empty(2, 4, 1), "w": torch.empty(64)}
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_static_fake_value_equals_fake_dispatch(name):
+    target, make = CASES[name]
+    mode = FakeTensorMode()
+    args, kwargs = make(_tensors(mode))
+    fast = _static_fake_value(mode, target, args, kwargs)
+    with mode:
+        slow = target(*args, **kwargs)
+    assert fast is not None
+    fast, slow = (fast, slow) if isinstance(slow, tuple) else ((fast,), (slow,))
+    assert len(fast) == len(slow)
+    for f, s in zip(fast, slow):
+        assert isinstance(f, FakeTensor) and f.fake_mode is mode
+        assert (f.shape, f.stride(), f.dtype, f.device) == (s.shape, s.stride(), s.dtype, s.device)
+
+
+def test_symbolic_shapes_go_through_the_fake_mode():
+    from torch._dynamo.source import ConstantSource
+    from torch.fx.experimental.symbolic_shapes import DimDynamic, StatelessSymbolicContext
+
+    mode = FakeTensorMode(shape_env=ShapeEnv())
+    ctx = StatelessSymbolicContext(dynamic_sizes=[DimDynamic.DYNAMIC, DimDynamic.STATIC, DimDynamic.STATIC])
+    x = mode.from_tensor(torch.empty(2, 4, 64), source=ConstantSource("x"), symbolic_context=ctx)
+    assert not isinstance(x.shape[0], int)
+    assert _static_fake_value(mode, aten._to_copy.default, (x,), {"dtype": torch.bfloat16}) is None
+
+
+def test_explicit_device_goes_through_the_fake_mode():
+    mode = FakeTensorMode()
+    x = _tensors(mode)["x"]
+    assert _static_fake_value(mode, aten._to_copy.default, (x,), {"device": "cpu"}) is None
