@@ -105,3 +105,47 @@ def test_readme_forms_table_is_rendered_from_the_registry():
     readme = (pathlib.Path(__file__).parent.parent / "README.md").read_text()
     table = readme.split("<!-- forms -->")[1].split("<!-- /forms -->")[0].strip()
     assert table == render_forms()
+
+
+def _graph_record(gm):
+    return [(n.name, n.op, str(n.target), str(n.args), str(n.kwargs), n.meta.get("val") is not None)
+            for n in gm.graph.nodes]
+
+
+def test_failure_after_rewrites_rebuilds_the_graph_as_it_was(monkeypatch):
+    """A failure after some sites were already rewritten in place (RMSNorm's, then
+    RoPE's, then an error) still leaves the graph, its code and its results as they were."""
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._functorch.aot_autograd import make_boxed_func
+
+    from npu_fusion.models import bundled
+
+    graphs = {}
+
+    def keep(kind):
+        def compiler(gm, _):
+            graphs[kind] = gm
+            return make_boxed_func(gm.forward)
+        return compiler
+
+    model = bundled("llama", num_layers=1)
+    ids = torch.randint(0, model.config.vocab_size, (2, 8), generator=torch.Generator().manual_seed(0))
+    torch._dynamo.reset()
+    backend = aot_autograd(fw_compiler=keep("forward"), bw_compiler=keep("backward"))
+    torch.compile(lambda i: model.loss(i), backend=backend)(ids).backward()
+    gm, forward = graphs["backward"], graphs["forward"].graph
+    before_code, before_nodes = gm.code, _graph_record(gm)
+    values = {n.name: n.meta.get("val") for n in gm.graph.nodes}
+    real_rewrite = rope_patterns.rewrite
+
+    def rewrite_then_fail(graph, *args, **kwargs):
+        sites, _ = real_rewrite(graph, *args, **kwargs)
+        assert sites, "the failure should come after real rewrites"
+        raise RuntimeError("late boom")
+
+    monkeypatch.setattr(rope_patterns, "rewrite", rewrite_then_fail)
+    result = fuse_backward(gm, {"target": "generic"}, forward=forward)
+    assert result.error == "RuntimeError: late boom" and not result.sites
+    assert gm.code == before_code and _graph_record(gm) == before_nodes
+    assert all(n.meta.get("val") is values[n.name] for n in gm.graph.nodes)
+    gm.graph.lint()

@@ -1,13 +1,13 @@
 """The npu-fusion pass: run the pattern rewrites on a backward FX graph.
 
 :func:`fuse_backward` is the one entry point; the ``npu_fusion`` backend and the
-torchair hook both call it. It works on a copy of the graph and swaps the copy in
-only when every rewrite succeeded, so an internal error leaves the graph exactly
-as it was (or raises, with ``strict=True``).
+torchair hook both call it. It rewrites the graph in place after taking a
+:class:`Snapshot`; if any rewrite fails, the graph is rebuilt from the snapshot,
+so an internal error leaves the graph as it was (and then raises, with
+``strict=True``).
 """
 from __future__ import annotations
 
-import copy
 import dataclasses
 import gc
 import logging
@@ -50,6 +50,33 @@ HISTORY: List[FusionResult] = []
 # Forward graphs seen by the torchair hook, by dynamo compile id, so the backward
 # pass of the same compilation can see what its saved tensors were.
 _FORWARD_BY_COMPILE: Dict[Any, fx.Graph] = {}
+
+
+class Snapshot:
+    """A graph's nodes as they were, to rebuild the graph if a rewrite fails midway.
+
+    The rewrites add nodes, rewire arguments and erase dead nodes, but never change a
+    node's argument tuples, name or metadata dict in place, so holding those per node
+    is a full record. It costs a tenth of copying the graph up front; the rebuild,
+    on failure only, gives a graph with the same nodes, names, arguments, metadata
+    and code (new node objects: erased ones cannot be put back).
+    """
+
+    def __init__(self, graph: fx.Graph):
+        self.graph = graph
+        self.nodes = [(n, n.op, n.target, n.args, n.kwargs, n.name, n.type, n.meta) for n in graph.nodes]
+
+    def rebuild(self) -> fx.Graph:
+        old = self.graph
+        new = fx.Graph(owning_module=old.owning_module, tracer_cls=old._tracer_cls,
+                       tracer_extras=old._tracer_extras)
+        new.set_codegen(old._codegen)
+        env: Dict[fx.Node, fx.Node] = {}
+        for node, op, target, args, kwargs, name, type_expr, meta in self.nodes:
+            args, kwargs = fx.node.map_arg((args, kwargs), env.__getitem__)
+            env[node] = rebuilt = new.create_node(op, target, args, kwargs, name=name, type_expr=type_expr)
+            rebuilt.meta = meta
+        return new
 
 
 def _compile_id():
@@ -95,8 +122,9 @@ def fuse_backward(gm: fx.GraphModule, options: Union[FusionOptions, Mapping, Non
     # keeps alive would cost more than the pass itself.
     gc_was_enabled = gc.isenabled()
     gc.disable()
+    graph, snapshot = gm.graph, None
     try:
-        graph = copy.deepcopy(gm.graph)
+        snapshot = Snapshot(graph)
         provenance = Provenance(forward, graph)
         if options.rms_norm:
             sites, misses = rms_norm_patterns.rewrite(graph, target, provenance)
@@ -108,9 +136,10 @@ def fuse_backward(gm: fx.GraphModule, options: Union[FusionOptions, Mapping, Non
             result.misses += misses
         graph.lint()
         if result.sites:
-            gm.graph = graph
             gm.recompile()
-    except Exception as exc:  # the pass never makes a graph wrong: keep the original
+    except Exception as exc:  # the pass never makes a graph wrong: put the original back
+        if snapshot is not None:
+            gm.graph = snapshot.rebuild()  # the failure may have come after some rewrites (recompiles)
         if options.strict:
             raise
         result.error = f"{type(exc).__name__}: {exc}"
