@@ -33,7 +33,7 @@ import torch.fx as fx
 from ..lowering.constraints import FLOAT_DTYPES, ROPE_MODES, rope_divisor
 from .graph_utils import (Insertion, Miss, Provenance, call, cast, commit, downstream, dtype, fake_mode_of,
                           getitem, last_of, outermost, outside_users, region_of, same_shape, same_size,
-                          shape, static_int)
+                          normalize_dim, shape, static_int)
 from .lanes import Lanes, LaneEvaluator, MAX_LANES
 
 OP = "rotary_position_embedding_grad"
@@ -333,8 +333,26 @@ MOVES_ELEMENTS = {
     _aten.slice.Tensor, _aten.slice_backward.default, _aten.slice_scatter.default, _aten.cat.default,
     _aten.stack.default, _aten.select.int, _aten.unbind.int, _aten.split.Tensor,
     _aten.split_with_sizes.default, _aten.view_as_complex.default, _aten.view_as_real.default,
-    _aten.transpose.int, _aten.permute.default,
 }
+#: ops that move elements along trailing axes when they reorder the last axis
+#: (DeepSeek's ``view(..., D/2, 2).transpose(-1, -2)``), not when they swap heads
+#: and sequence, as attention does on every q, k and v
+REORDERS_AXES = {_aten.transpose.int, _aten.permute.default}
+
+
+def _moves_elements(node: fx.Node) -> bool:
+    if node.op != "call_function":
+        return False
+    if node.target in MOVES_ELEMENTS:
+        return True
+    if node.target not in REORDERS_AXES or shape(node) is None:
+        return False
+    rank = len(shape(node))
+    if node.target is _aten.transpose.int:
+        moved = {normalize_dim(d, rank) for d in node.args[1:3]}
+    else:
+        moved = {i for i, d in enumerate(node.args[1]) if normalize_dim(d, rank) != i}
+    return rank - 1 in moved
 #: uses between such an op and the outermost node of a dx (add, cast, view, ...)
 DX_DEPTH = 6
 
@@ -342,7 +360,7 @@ DX_DEPTH = 6
 def find_sites(graph: fx.Graph, provenance: Optional[Provenance], forced_leaves=()):
     """(evaluator, matches, near misses) of the graph's RoPE backward sites."""
     ev = LaneEvaluator(provenance, forced_leaves)
-    seeds = [n for n in graph.nodes if n.op == "call_function" and n.target in MOVES_ELEMENTS]
+    seeds = [n for n in graph.nodes if _moves_elements(n)]
     near = set(downstream(graph, seeds, DX_DEPTH))
     nodes = [n for n in _candidates(graph) if n in near]
     for node in nodes:
