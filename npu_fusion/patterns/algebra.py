@@ -14,15 +14,21 @@ evaluator then treats the node as an opaque leaf, which is always sound.
 from __future__ import annotations
 
 from fractions import Fraction
-from typing import Dict, FrozenSet, Iterator, Optional, Tuple
+from typing import Dict, FrozenSet, Iterator, Optional, Tuple, Union
 
 from .graph_utils import Unsupported
 
-Monomial = Tuple[Tuple[int, Fraction], ...]  # sorted (symbol, nonzero exponent) pairs; () is 1
+Number = Union[int, Fraction]  # integral values are ints: they hash and multiply faster
+Monomial = Tuple[Tuple[int, Number], ...]  # sorted (symbol, nonzero exponent) pairs; () is 1
 
 #: expanded forms larger than this are not RMSNorm algebra: give up rather than grow
 MAX_TERMS = 64
 MAX_INTEGER_POWER = 4
+
+
+def _number(q) -> Number:
+    q = Fraction(q)
+    return q.numerator if q.denominator == 1 else q
 
 
 def _mono_mul(a: Monomial, b: Monomial) -> Monomial:
@@ -45,7 +51,7 @@ class Expr:
 
     __slots__ = ("terms", "_hash")
 
-    def __init__(self, terms: Dict[Monomial, Fraction]):
+    def __init__(self, terms: Dict[Monomial, Number]):
         if len(terms) > MAX_TERMS:
             raise Unsupported("expression too large")
         self.terms = terms
@@ -53,12 +59,12 @@ class Expr:
 
     @staticmethod
     def number(c) -> "Expr":
-        c = Fraction(c)
+        c = _number(c)
         return Expr({(): c} if c else {})
 
     @staticmethod
     def symbol(s: int) -> "Expr":
-        return Expr({((s, Fraction(1)),): Fraction(1)})
+        return Expr({((s, 1),): 1})
 
     # -- inspection --------------------------------------------------------
     @property
@@ -76,7 +82,7 @@ class Expr:
                 return mono[0][0]
         return None
 
-    def split_terms(self) -> Iterator[Tuple[Fraction, Monomial]]:
+    def split_terms(self) -> Iterator[Tuple[Monomial, Number]]:
         return iter(self.terms.items())
 
     # -- arithmetic --------------------------------------------------------
@@ -108,7 +114,7 @@ class Expr:
 
     def __mul__(self, other) -> "Expr":
         other = Expr._coerce(other)
-        out: Dict[Monomial, Fraction] = {}
+        out: Dict[Monomial, Number] = {}
         for ma, ca in self.terms.items():
             for mb, cb in other.terms.items():
                 mono = _mono_mul(ma, mb)
@@ -128,19 +134,21 @@ class Expr:
         return Expr._coerce(other) * (self ** -1)
 
     def __pow__(self, q) -> "Expr":
-        q = Fraction(q)
+        q = _number(q)
         if q == 0:
             return Expr.number(1)
+        integral = isinstance(q, int)
         if len(self.terms) == 1:  # c * m  ->  c**q * m**q, when c**q is rational
             (mono, coef), = self.terms.items()
-            if q.denominator != 1 and coef != 1:
+            if not integral and coef != 1:
                 raise Unsupported("irrational coefficient")
-            return Expr({tuple((s, e * q) for s, e in mono): coef ** int(q) if q.denominator == 1 else coef})
+            coef = _number(Fraction(coef) ** q) if integral else coef
+            return Expr({tuple((s, _number(e * q)) for s, e in mono): coef})
         if not self.terms:
             if q < 0:
                 raise Unsupported("division by zero")
             return Expr({})
-        if q.denominator != 1 or not 0 < q <= MAX_INTEGER_POWER:
+        if not integral or not 0 < q <= MAX_INTEGER_POWER:
             raise Unsupported("power of a sum")
         out = self
         for _ in range(int(q) - 1):

@@ -60,9 +60,10 @@ def _scalar(x):
 
 
 @functools.lru_cache(maxsize=1024)
-def _rational(x) -> Fraction:
+def _rational(x):
     # the nearest simple fraction: a float 1/N written into the graph is the rational 1/N
-    return Fraction(x).limit_denominator(1 << 40) if isinstance(x, float) else Fraction(x)
+    q = Fraction(x).limit_denominator(1 << 40) if isinstance(x, float) else Fraction(x)
+    return q.numerator if q.denominator == 1 else q
 
 
 class NormEvaluator(MemoEvaluator):
@@ -81,6 +82,7 @@ class NormEvaluator(MemoEvaluator):
         self.sum_keys: Dict[tuple, int] = {}   # summand monomial -> its sum's symbol
         self.sum_body: Dict[int, tuple] = {}   # a sum's symbol -> its summand monomial
         self._symbols = 0
+        self._spans: Dict[tuple, Optional[bool]] = {}
 
     def _new_symbol(self) -> int:
         self._symbols += 1
@@ -91,8 +93,14 @@ class NormEvaluator(MemoEvaluator):
 
     def spans(self, s) -> Optional[bool]:
         """True: the shape spans the normalized axes; False: it is 1 along them; None: neither."""
-        s = tuple(s)
-        tail = s[max(0, len(s) - self.k):]
+        tail = tuple(s[max(0, len(s) - self.k):])
+        if not all(type(x) is int for x in tail):  # symbolic sizes: no cache (== would guard)
+            return self._tail_spans(tail)
+        if tail not in self._spans:
+            self._spans[tail] = self._tail_spans(tail)
+        return self._spans[tail]
+
+    def _tail_spans(self, tail) -> Optional[bool]:
         if len(tail) == self.k and tuple(static_int(x) for x in tail) == self.norm_shape:
             return True
         if all(static_int(x) == 1 for x in tail):
@@ -135,7 +143,7 @@ class NormEvaluator(MemoEvaluator):
                 if body not in self.sum_keys:
                     sym = self._new_symbol()
                     self.sum_keys[body], self.sum_body[sym] = sym, body
-                const = tuple(sorted(const + ((self.sum_keys[body], Fraction(1)),)))
+                const = tuple(sorted(const + ((self.sum_keys[body], 1),)))
             terms[const] = terms.get(const, 0) + coef
         return Expr({m: c for m, c in terms.items() if c})
 
