@@ -3,6 +3,7 @@ node metadata, forward-graph provenance of saved tensors, and the rewrite."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import operator
 from typing import Any, Dict, Iterable, List, Optional, Sequence
 
@@ -25,7 +26,7 @@ def val(node) -> Optional[torch.Tensor]:
 
 def shape(node) -> Optional[tuple]:
     v = val(node)
-    return tuple(v.shape) if v is not None else None
+    return v.shape if v is not None else None  # a torch.Size: a tuple
 
 
 def dtype(node) -> Optional[torch.dtype]:
@@ -218,10 +219,14 @@ def fake_mode_of(graph: fx.Graph):
     return None
 
 
-def call(graph: fx.Graph, fake_mode, target, args, kwargs=None) -> fx.Node:
-    """Insert a call (at the graph's current insertion point) with its fake value."""
+def call(graph: fx.Graph, fake_mode, target, args, kwargs=None, value=None) -> fx.Node:
+    """Insert a call (at the graph's current insertion point) with its fake value:
+    ``value`` when the caller knows it (the node replaces one it equals), else computed."""
     kwargs = kwargs or {}
     node = graph.call_function(target, tuple(args), kwargs)
+    if value is not None:
+        node.meta["val"] = value
+        return node
     meta_args, meta_kwargs = fx.node.map_arg((tuple(args), kwargs), lambda n: n.meta.get("val"))
     value = _static_fake_value(fake_mode, target, meta_args, meta_kwargs) if fake_mode is not None else None
     if value is None and fake_mode is not None:
@@ -257,8 +262,12 @@ def _static_fake_value(fake_mode, target, args, kwargs):
         devices.append(v.device)
         return torch.empty_strided(v.shape, v.stride(), dtype=v.dtype, device="meta")
 
+    def convert(v):  # op arguments nest tensors in lists at most (cat, stack)
+        return type(v)(to_meta(x) for x in v) if isinstance(v, (list, tuple)) else to_meta(v)
+
     try:
-        meta_args, meta_kwargs = torch.utils._pytree.tree_map(to_meta, (args, kwargs))
+        meta_args = tuple(convert(a) for a in args)
+        meta_kwargs = {k: convert(v) for k, v in kwargs.items()}
         if not devices:
             return None
         out = target(*meta_args, **meta_kwargs)
@@ -363,6 +372,7 @@ def erase_dead(graph: fx.Graph, nodes: Iterable[fx.Node]) -> List[fx.Node]:
     return erased
 
 
+@functools.lru_cache(maxsize=None)
 def target_name(target: Any) -> str:
     return getattr(target, "__name__", str(target))
 
@@ -381,6 +391,9 @@ def tensor_bytes(value) -> int:
         return sum(tensor_bytes(v) for v in value)
     if not isinstance(value, torch.Tensor):
         return 0
+    numel = value.numel()
+    if type(numel) is int:
+        return numel * value.element_size()
     numel = 1
     for size in value.shape:
         numel *= int(size.node.hint) if isinstance(size, torch.SymInt) and size.node.hint is not None else int(size)

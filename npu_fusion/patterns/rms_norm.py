@@ -576,8 +576,10 @@ def _emit(graph, fake_mode, site: NormMatch, outputs, region, target, provenance
     if site.rest:  # the other gradients accumulated with dx are added back, after all of them
         with graph.inserting_before(site.dx):
             total = replacements[site.dx]
-            for other in site.rest:
-                total = call(graph, fake_mode, aten.add.Tensor, (other, total))
+            for i, other in enumerate(site.rest):
+                last = i == len(site.rest) - 1  # it computes the replaced node's value
+                total = call(graph, fake_mode, aten.add.Tensor, (other, total),
+                             value=site.dx.meta["val"] if last else None)
                 added.append(total)
             replacements[site.dx] = total
     record = commit(graph, OP, None, region, replacements,
