@@ -46,6 +46,14 @@ def _mono_mul(a: Monomial, b: Monomial) -> Monomial:
     return tuple(sorted(exps.items()))
 
 
+def _accumulate(terms: Dict[Monomial, Number], mono: Monomial, coef: Number) -> None:
+    total = terms.get(mono, 0) + coef
+    if total:
+        terms[mono] = total
+    else:
+        terms.pop(mono, None)
+
+
 class Expr:
     """An expanded Laurent polynomial: ``{monomial: coefficient}`` with no zero coefficients."""
 
@@ -94,11 +102,7 @@ class Expr:
         other = Expr._coerce(other)
         out = dict(self.terms)
         for mono, c in other.terms.items():
-            total = out.get(mono, 0) + c
-            if total:
-                out[mono] = total
-            else:
-                out.pop(mono, None)
+            _accumulate(out, mono, c)
         return Expr(out)
 
     __radd__ = __add__
@@ -117,12 +121,7 @@ class Expr:
         out: Dict[Monomial, Number] = {}
         for ma, ca in self.terms.items():
             for mb, cb in other.terms.items():
-                mono = _mono_mul(ma, mb)
-                total = out.get(mono, 0) + ca * cb
-                if total:
-                    out[mono] = total
-                else:
-                    out.pop(mono, None)
+                _accumulate(out, _mono_mul(ma, mb), ca * cb)
         return Expr(out)
 
     __rmul__ = __mul__
