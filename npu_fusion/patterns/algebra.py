@@ -26,9 +26,19 @@ MAX_TERMS = 64
 MAX_INTEGER_POWER = 4
 
 
-def _number(q) -> Number:
+def exact_number(q) -> Number:
+    """A rational as a :data:`Number` (an int when integral)."""
     q = Fraction(q)
     return q.numerator if q.denominator == 1 else q
+
+
+def accumulate(totals: dict, key, amount: Number) -> None:
+    """``totals[key] += amount``, dropping the key when the total is zero."""
+    total = totals.get(key, 0) + amount
+    if total:
+        totals[key] = total
+    else:
+        totals.pop(key, None)
 
 
 def _mono_mul(a: Monomial, b: Monomial) -> Monomial:
@@ -38,20 +48,8 @@ def _mono_mul(a: Monomial, b: Monomial) -> Monomial:
         return a
     exps = dict(a)
     for s, e in b:
-        total = exps.get(s, 0) + e
-        if total:
-            exps[s] = total
-        else:
-            del exps[s]
+        accumulate(exps, s, e)
     return tuple(sorted(exps.items()))
-
-
-def _accumulate(terms: Dict[Monomial, Number], mono: Monomial, coef: Number) -> None:
-    total = terms.get(mono, 0) + coef
-    if total:
-        terms[mono] = total
-    else:
-        terms.pop(mono, None)
 
 
 class Expr:
@@ -67,7 +65,7 @@ class Expr:
 
     @staticmethod
     def number(c) -> "Expr":
-        c = _number(c)
+        c = exact_number(c)
         return Expr({(): c} if c else {})
 
     @staticmethod
@@ -102,7 +100,7 @@ class Expr:
         other = Expr._coerce(other)
         out = dict(self.terms)
         for mono, c in other.terms.items():
-            _accumulate(out, mono, c)
+            accumulate(out, mono, c)
         return Expr(out)
 
     __radd__ = __add__
@@ -121,7 +119,7 @@ class Expr:
         out: Dict[Monomial, Number] = {}
         for ma, ca in self.terms.items():
             for mb, cb in other.terms.items():
-                _accumulate(out, _mono_mul(ma, mb), ca * cb)
+                accumulate(out, _mono_mul(ma, mb), ca * cb)
         return Expr(out)
 
     __rmul__ = __mul__
@@ -133,7 +131,7 @@ class Expr:
         return Expr._coerce(other) * (self ** -1)
 
     def __pow__(self, q) -> "Expr":
-        q = _number(q)
+        q = exact_number(q)
         if q == 0:
             return Expr.number(1)
         integral = isinstance(q, int)
@@ -141,8 +139,8 @@ class Expr:
             (mono, coef), = self.terms.items()
             if not integral and coef != 1:
                 raise Unsupported("irrational coefficient")
-            coef = _number(Fraction(coef) ** q) if integral else coef
-            return Expr({tuple((s, _number(e * q)) for s, e in mono): coef})
+            coef = exact_number(Fraction(coef) ** q) if integral else coef
+            return Expr({tuple((s, exact_number(e * q)) for s, e in mono): coef})
         if not self.terms:
             if q < 0:
                 raise Unsupported("division by zero")

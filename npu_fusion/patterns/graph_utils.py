@@ -67,6 +67,17 @@ def normalize_dim(dim: int, rank: int) -> int:
     return dim + rank if dim < 0 else dim
 
 
+def axis_order(target, args, rank: int) -> List[int]:
+    """For ``transpose(x, a, b)`` or ``permute(x, dims)``: the input axis each output axis
+    comes from (``args`` are the op's arguments after ``x``)."""
+    if target is aten.transpose.int:
+        order = list(range(rank))
+        a, b = normalize_dim(args[0], rank), normalize_dim(args[1], rank)
+        order[a], order[b] = order[b], order[a]
+        return order
+    return [normalize_dim(d, rank) for d in args[0]]
+
+
 CAST_TARGETS = {
     aten._to_copy.default, prims.convert_element_type.default, aten.to.dtype,
     aten.clone.default, aten.alias.default, aten.detach.default, aten.contiguous.default,
@@ -228,12 +239,13 @@ def call(graph: fx.Graph, fake_mode, target, args, kwargs=None, value=None) -> f
         node.meta["val"] = value
         return node
     meta_args, meta_kwargs = fx.node.map_arg((tuple(args), kwargs), lambda n: n.meta.get("val"))
-    value = _static_fake_value(fake_mode, target, meta_args, meta_kwargs) if fake_mode is not None else None
-    if value is None and fake_mode is not None:
-        with fake_mode:
-            value = target(*meta_args, **meta_kwargs)
-    elif value is None:
+    if fake_mode is None:
         value = target(*meta_args, **meta_kwargs)
+    else:
+        value = _static_fake_value(fake_mode, target, meta_args, meta_kwargs)
+        if value is None:
+            with fake_mode:
+                value = target(*meta_args, **meta_kwargs)
     node.meta["val"] = value
     return node
 
@@ -407,19 +419,20 @@ def node_traffic(node: fx.Node) -> int:
     return reads + tensor_bytes(node.meta.get("val"))
 
 
-def commit(graph: fx.Graph, op: str, mode: Optional[str], region: List[fx.Node],
+def commit(graph: fx.Graph, op: str, mode: Optional[str], region: List[fx.Node], outputs: Dict[str, fx.Node],
            replacements: Dict[fx.Node, fx.Node], inputs: Dict[str, fx.Node], added: List[fx.Node],
            fused: fx.Node) -> Site:
-    """Swap the replaced outputs for their new values, erase the dead region, describe it."""
+    """Swap the replaced outputs for their new values, erase the dead region, describe it
+    (``outputs``: the fused op's output names and the nodes they replace)."""
     counts: Dict[str, int] = {}
     for n in region:
         counts[target_name(n.target)] = counts.get(target_name(n.target), 0) + 1
-    site = Site(op, mode, outputs={}, inputs={k: v.name for k, v in inputs.items() if v is not None},
+    site = Site(op, mode, outputs={name: old.name for name, old in outputs.items()},
+                inputs={k: v.name for k, v in inputs.items() if v is not None},
                 replaced_nodes=[n.name for n in region], replaced_targets=counts,
                 bytes_before=sum(node_traffic(n) for n in region),
                 bytes_after=sum(node_traffic(n) for n in added), bytes_minimum=node_traffic(fused))
     for old, new in replacements.items():
-        site.outputs[old.name] = new.name
         old.replace_all_uses_with(new)
     erase_dead(graph, region)
     return site

@@ -24,8 +24,9 @@ import torch
 import torch.fx as fx
 
 from . import graph_utils
-from .graph_utils import (MemoEvaluator, Provenance, Unsupported, aten, is_value_preserving_cast, meta_value,
-                          normalize_dim, same_shape, static_int, val)
+from .algebra import accumulate
+from .graph_utils import (MemoEvaluator, Provenance, Unsupported, aten, axis_order, is_value_preserving_cast,
+                          meta_value, normalize_dim, same_shape, static_int, val)
 
 
 def shape(node):
@@ -68,14 +69,6 @@ class Lanes:
         return all(all(m == () for m in p) for p in self.polys)
 
 
-def _accumulate(out: Poly, mono: Mono, coef: float) -> None:
-    total = out.get(mono, 0.0) + coef
-    if total == 0.0:
-        out.pop(mono, None)
-    else:
-        out[mono] = total
-
-
 def _bounded(p: Poly) -> Poly:
     if len(p) > MAX_TERMS:
         raise Unsupported("too many terms")
@@ -85,7 +78,7 @@ def _bounded(p: Poly) -> Poly:
 def _add(a: Poly, b: Poly, scale: float = 1.0) -> Poly:
     out = dict(a)
     for m, c in b.items():
-        _accumulate(out, m, scale * c)
+        accumulate(out, m, scale * c)
     return _bounded(out)
 
 
@@ -96,7 +89,7 @@ def _mul(a: Poly, b: Poly) -> Poly:
             m = tuple(sorted(ma + mb))
             if len(m) > MAX_DEGREE:
                 raise Unsupported("degree")
-            _accumulate(out, m, ca * cb)
+            accumulate(out, m, ca * cb)
     return _bounded(out)
 
 
@@ -395,12 +388,7 @@ class LaneEvaluator(MemoEvaluator):
             v = self._checked(args[0])
             rank = len(shape(args[0]))
             first = rank - len(v.inner)
-            if t is aten.transpose.int:
-                order = list(range(rank))
-                a, b = normalize_dim(args[1], rank), normalize_dim(args[2], rank)
-                order[a], order[b] = order[b], order[a]
-            else:
-                order = [normalize_dim(d, rank) for d in args[1]]
+            order = axis_order(t, args[1:], rank)
             if order[:first] != list(range(first)):
                 raise Unsupported("permutes leading axes")
             perm = [d - first for d in order[first:]]

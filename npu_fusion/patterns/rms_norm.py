@@ -14,10 +14,10 @@ Fused::
     dx, dgamma = npu_fusion.rms_norm_grad(dy, x, rstd, gamma)
 
 How a match is found: nodes are evaluated symbolically (exact Laurent
-polynomials, :mod:`.algebra`) with the normalized axes as an abstract index: a leaf is a symbol, ``x_i`` when it spans
-the normalized axes and ``r`` when it is constant along them (``rstd``), and a
-sum over the normalized axes becomes a symbol ``S[monomial]`` after expanding
-its summand. A node is dx when its expression equals, for some leaves,
+polynomials, :mod:`.algebra`) with the normalized axes as an abstract index: a
+leaf is a symbol, ``x_i`` when it spans the normalized axes and ``r`` when it is
+constant along them (``rstd``), and a sum over the normalized axes becomes a
+symbol ``S[monomial]`` after expanding its summand. A node is dx when its expression equals, for some leaves,
 ``r*dy*g - r**3 * x * S[dy*g*x] / N`` (SPEC section 2), and dgamma when it is
 ``dy * x * r`` summed over exactly the leading axes to gamma's shape. Equality is
 algebraic, so eps outside the square root, a wrong exponent or a missing term
@@ -29,6 +29,7 @@ import dataclasses
 import functools
 import itertools
 import math
+import operator
 from fractions import Fraction
 from typing import Dict, List, Optional
 
@@ -36,7 +37,7 @@ import torch
 import torch.fx as fx
 
 from ..lowering.constraints import FusedOpInputError, RMS_NORM_DTYPES, check_rms_norm_grad_inputs
-from .algebra import Expr
+from .algebra import Expr, accumulate, exact_number
 from .graph_utils import (Insertion, MemoEvaluator, Miss, Provenance, Unsupported, aten, call, cast, commit,
                           downstream, dtype, fake_mode_of, getitem, is_value_preserving_cast, last_of,
                           normalize_dim, outermost, outside_users, region_of, same_shape, shape,
@@ -62,8 +63,13 @@ def _scalar(x):
 @functools.lru_cache(maxsize=1024)
 def _rational(x):
     # the nearest simple fraction: a float 1/N written into the graph is the rational 1/N
-    q = Fraction(x).limit_denominator(1 << 40) if isinstance(x, float) else Fraction(x)
-    return q.numerator if q.denominator == 1 else q
+    return exact_number(Fraction(x).limit_denominator(1 << 40) if isinstance(x, float) else x)
+
+
+BINARY_OPS = {aten.add.Tensor: operator.add, aten.add.Scalar: operator.add,
+              aten.sub.Tensor: operator.sub, aten.sub.Scalar: operator.sub,
+              aten.mul.Tensor: operator.mul, aten.mul.Scalar: operator.mul,
+              aten.div.Tensor: operator.truediv, aten.div.Scalar: operator.truediv}
 
 
 class NormEvaluator(MemoEvaluator):
@@ -133,7 +139,7 @@ class NormEvaluator(MemoEvaluator):
     def sum_over_normalized(self, expr: Expr) -> Expr:
         """Sum of ``expr`` over the normalized index: each term's factors that vary along
         the normalized axes (its body) become one symbol ``S[body]``, the rest stay."""
-        terms = {}
+        terms: Dict[tuple, object] = {}
         for mono, coef in expr.split_terms():
             body = tuple((s, e) for s, e in mono if s in self.varying)
             const = tuple((s, e) for s, e in mono if s not in self.varying)
@@ -144,8 +150,8 @@ class NormEvaluator(MemoEvaluator):
                     sym = self._new_symbol()
                     self.sum_keys[body], self.sum_body[sym] = sym, body
                 const = tuple(sorted(const + ((self.sum_keys[body], 1),)))
-            terms[const] = terms.get(const, 0) + coef
-        return Expr({m: c for m, c in terms.items() if c})
+            accumulate(terms, const, coef)
+        return Expr(terms)
 
     def _interpret(self, node: fx.Node, forward: bool) -> NormValue:
         t, args = node.target, node.args
@@ -162,14 +168,10 @@ class NormEvaluator(MemoEvaluator):
         if self.spans(out.shape) is None and t not in (aten.sum.dim_IntList, aten.view.default,
                                                        aten.reshape.default, aten._unsafe_view.default):
             raise Unsupported("shape")
-        binary = {aten.add.Tensor: lambda a, b: a + b, aten.add.Scalar: lambda a, b: a + b,
-                  aten.sub.Tensor: lambda a, b: a - b, aten.sub.Scalar: lambda a, b: a - b,
-                  aten.mul.Tensor: lambda a, b: a * b, aten.mul.Scalar: lambda a, b: a * b,
-                  aten.div.Tensor: lambda a, b: a / b, aten.div.Scalar: lambda a, b: a / b}
-        if t in binary and all(len(shape(a)) <= self.k for a in args[:2] if isinstance(a, fx.Node)):
+        if t in BINARY_OPS and all(len(shape(a)) <= self.k for a in args[:2] if isinstance(a, fx.Node)):
             # parameter arithmetic such as Gemma's (1 + weight): the result is gamma, an input
             raise Unsupported("gamma arithmetic")
-        if t in binary:
+        if t in BINARY_OPS:
             alpha = node.kwargs.get("alpha", 1)
             a, b = self._arg(args[0]), self._arg(args[1])
             if forward and t in (aten.add.Tensor, aten.sub.Tensor):
@@ -181,7 +183,7 @@ class NormEvaluator(MemoEvaluator):
                 raise Unsupported("gradient accumulation: the sum is an input of the pattern")
             if t in (aten.add.Tensor, aten.sub.Tensor):
                 b = b * _scalar(alpha)
-            return self._bounded(binary[t](a, b))
+            return self._bounded(BINARY_OPS[t](a, b))
         if forward:  # saved-tensor provenance: only value-preserving arithmetic, no reductions
             raise Unsupported("forward op")
         if t is aten.neg.default:
@@ -582,10 +584,9 @@ def _emit(graph, fake_mode, site: NormMatch, outputs, region, target, provenance
                              value=site.dx.meta["val"] if last else None)
                 added.append(total)
             replacements[site.dx] = total
-    record = commit(graph, OP, None, region, replacements,
+    record = commit(graph, OP, None, region, outputs, replacements,
                     {"dy": site.dy, "x": site.x, "rstd": site.rstd, "gamma": site.gamma}, added, fused)
     replaced.update(replacements)
-    record.outputs = {name: old.name for name, old in outputs.items()}
     return record
 
 

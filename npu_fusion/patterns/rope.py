@@ -31,9 +31,9 @@ import torch
 import torch.fx as fx
 
 from ..lowering.constraints import FLOAT_DTYPES, ROPE_MODES, rope_divisor
-from .graph_utils import (Insertion, Miss, Provenance, call, cast, commit, downstream, dtype, fake_mode_of,
-                          getitem, last_of, outermost, outside_users, region_of, same_shape, same_size,
-                          normalize_dim, shape, static_int)
+from .graph_utils import (Insertion, Miss, Provenance, aten, axis_order, call, cast, commit, downstream, dtype,
+                          fake_mode_of, getitem, last_of, outermost, outside_users, region_of, same_shape,
+                          same_size, shape, static_int)
 from .lanes import Lanes, LaneEvaluator, MAX_LANES
 
 OP = "rotary_position_embedding_grad"
@@ -327,17 +327,16 @@ def _looks_like_table(v: Optional[Lanes]) -> bool:
             and all(len(p) == 1 and all(len(m) == 2 for m in p) for p in v.polys))
 
 
-_aten = torch.ops.aten
 #: ops that move elements along trailing axes: every RoPE dx is a few uses after one
 MOVES_ELEMENTS = {
-    _aten.slice.Tensor, _aten.slice_backward.default, _aten.slice_scatter.default, _aten.cat.default,
-    _aten.stack.default, _aten.select.int, _aten.unbind.int, _aten.split.Tensor,
-    _aten.split_with_sizes.default, _aten.view_as_complex.default, _aten.view_as_real.default,
+    aten.slice.Tensor, aten.slice_backward.default, aten.slice_scatter.default, aten.cat.default,
+    aten.stack.default, aten.select.int, aten.unbind.int, aten.split.Tensor,
+    aten.split_with_sizes.default, aten.view_as_complex.default, aten.view_as_real.default,
 }
 #: ops that move elements along trailing axes when they reorder the last axis
 #: (DeepSeek's ``view(..., D/2, 2).transpose(-1, -2)``), not when they swap heads
 #: and sequence, as attention does on every q, k and v
-REORDERS_AXES = {_aten.transpose.int, _aten.permute.default}
+REORDERS_AXES = {aten.transpose.int, aten.permute.default}
 
 
 def _moves_elements(node: fx.Node) -> bool:
@@ -348,11 +347,9 @@ def _moves_elements(node: fx.Node) -> bool:
     if node.target not in REORDERS_AXES or shape(node) is None:
         return False
     rank = len(shape(node))
-    if node.target is _aten.transpose.int:
-        moved = {normalize_dim(d, rank) for d in node.args[1:3]}
-    else:
-        moved = {i for i, d in enumerate(node.args[1]) if normalize_dim(d, rank) != i}
-    return rank - 1 in moved
+    return axis_order(node.target, node.args[1:], rank)[rank - 1] != rank - 1
+
+
 #: uses between such an op and the outermost node of a dx (add, cast, view, ...)
 DX_DEPTH = 6
 
@@ -427,7 +424,6 @@ def _role_node(graph, fake_mode, ev: LaneEvaluator, role: Role) -> fx.Node:
     slice repeated element-wise (the real or imaginary parts of a complex table);
     ``a + i % (D/2)`` is a half-width table concatenated with itself.
     """
-    aten = torch.ops.aten
     leaf, positions = ev.leaves[role[0]], role[1]
     base = leaf
     if dtype(leaf).is_complex:  # positions index the real view, (re, im) interleaved
@@ -535,10 +531,8 @@ def _emit(graph, fake_mode, ev, site: RopeMatch, outputs, region, target):
                 continue
             new = cast(graph, fake_mode, getitem(graph, fake_mode, fused, index), dtype(old))
             if not same_shape(shape(new), shape(old)):
-                new = call(graph, fake_mode, torch.ops.aten.view.default, (new, list(shape(old))))
+                new = call(graph, fake_mode, aten.view.default, (new, list(shape(old))))
             replacements[old] = new
     added = inserted.nodes()
-    site_record = commit(graph, OP, ROPE_MODES[site.mode], region, replacements,
-                         {"dy": dy_leaf, "cos": cos_leaf, "sin": sin_leaf, "x": x_leaf}, added, fused)
-    site_record.outputs = {name: old.name for name, old in outputs.items()}
-    return site_record
+    return commit(graph, OP, ROPE_MODES[site.mode], region, outputs, replacements,
+                  {"dy": dy_leaf, "cos": cos_leaf, "sin": sin_leaf, "x": x_leaf}, added, fused)
