@@ -20,9 +20,29 @@ def test_expanded_form_is_canonical():
 
 def test_laurent_monomials():
     assert r ** 3 * r ** -2 == r
-    assert (r ** 2).sqrt() == r
     assert 1 / (2 * r) == Fraction(1, 2) * r ** -1
-    assert (x * r).sqrt() * (x * r).sqrt() == x * r
+    assert (r ** 2).sqrt(nonnegative={3}) == r
+    assert (x * r).sqrt(nonnegative={1, 3}) * (x * r).sqrt(nonnegative={1, 3}) == x * r
+
+
+@pytest.mark.parametrize("build", [
+    lambda: (x * x).sqrt(),                   # |x|, not x
+    lambda: (x * y).sqrt(nonnegative={1}),    # sqrt(x)*sqrt(y) needs both non-negative
+    lambda: x.power(Fraction(1, 2)),          # (x**0.5)**2 is undefined for x < 0
+    lambda: (x * x).power(Fraction(-1, 2)),   # 1/|x|
+], ids=["sqrt-square", "sqrt-product", "root", "rsqrt-square"])
+def test_fractional_powers_need_non_negative_symbols(build):
+    with pytest.raises(Unsupported):
+        build()
+
+
+def test_graph_constants_are_exact():
+    from npu_fusion.patterns.algebra import graph_constant
+
+    assert graph_constant(0.5) == Fraction(1, 2) and graph_constant(1 / 3) == Fraction(1, 3)
+    assert graph_constant(3) == 3 and graph_constant(True) is None and graph_constant(float("inf")) is None
+    near = 1 / 3 + 1e-12  # not the nearest double of any simple fraction: its own exact value
+    assert graph_constant(near) == Fraction(near) != Fraction(1, 3)
 
 
 def test_inspection():

@@ -1,20 +1,30 @@
 """Exact Laurent polynomials over numbered symbols, kept expanded.
 
 The RMSNorm matcher needs just this much algebra: sums and products of leaves
-with rational coefficients, integer and half-integer powers of a single term
-(``rstd**3``, ``sqrt``, ``1/x``), and equality. Values are kept in expanded,
+with rational coefficients, integer powers (``rstd**3``, ``1/x``), fractional
+powers of a single term whose symbols are known non-negative (``sqrt(rstd)``),
+and equality. Values are kept in expanded,
 canonical form, so equality is dictionary equality and no ``expand`` step is
 needed. A general computer algebra system does the same symbolically at many
 times the cost, and the pass evaluates thousands of nodes per graph.
 
+Every rewrite rule holds for all real values where the original expression is
+defined: ``(a*b)**n == a**n * b**n`` and ``(a**m)**n == a**(m*n)`` for integers,
+but for a fractional ``q`` only when every factor is non-negative (``(x*x)**0.5``
+is ``|x|``, not ``x``; ``(x**0.5)**2`` is undefined for negative ``x``). So a
+fractional power is taken only of a term whose symbols the caller vouches for.
+
 What falls outside (a power of a sum other than a small positive integer, a
-division by a sum, an irrational coefficient) raises :class:`Unsupported`; the
-evaluator then treats the node as an opaque leaf, which is always sound.
+division by a sum, an irrational coefficient, a fractional power of a symbol
+not known to be non-negative) raises :class:`Unsupported`; the evaluator then
+treats the node as an opaque leaf, which is always sound.
 """
 from __future__ import annotations
 
+import functools
+import math
 from fractions import Fraction
-from typing import Dict, FrozenSet, Iterator, Optional, Tuple, Union
+from typing import AbstractSet, Dict, FrozenSet, Iterator, Optional, Tuple, Union
 
 from .graph_utils import Unsupported
 
@@ -30,6 +40,27 @@ def exact_number(q) -> Number:
     """A rational as a :data:`Number` (an int when integral)."""
     q = Fraction(q)
     return q.numerator if q.denominator == 1 else q
+
+
+#: a float constant stands for a fraction with a denominator up to this when it is that
+#: fraction correctly rounded (``1/3`` written as ``0.333...``); else for its exact value
+SIMPLE_DENOMINATOR = 1 << 20
+
+
+@functools.lru_cache(maxsize=4096, typed=True)  # True is not 1
+def graph_constant(x) -> Optional[Number]:
+    """A scalar argument of a graph node as an exact rational, or None if it is not a
+    real number. A float is read as the simple fraction it is the nearest double of,
+    which is exactly what the program means by ``1/N``; any other float as its own exact
+    binary value, so no tolerance is ever involved in an equality."""
+    if isinstance(x, bool) or not isinstance(x, (int, float)):
+        return None
+    if isinstance(x, int):
+        return x
+    if not math.isfinite(x):
+        return None
+    simple = Fraction(x).limit_denominator(SIMPLE_DENOMINATOR)
+    return exact_number(simple if float(simple) == x else Fraction(x))
 
 
 def accumulate(totals: dict, key, amount: Number) -> None:
@@ -131,6 +162,11 @@ class Expr:
         return Expr._coerce(other) * (self ** -1)
 
     def __pow__(self, q) -> "Expr":
+        return self.power(q)
+
+    def power(self, q, nonnegative: AbstractSet[int] = frozenset()) -> "Expr":
+        """``self ** q``; a fractional ``q`` needs every symbol of the (single) term in
+        ``nonnegative``, the symbols known to be >= 0 (or NaN) for every input."""
         q = exact_number(q)
         if q == 0:
             return Expr.number(1)
@@ -139,6 +175,8 @@ class Expr:
             (mono, coef), = self.terms.items()
             if not integral and coef != 1:
                 raise Unsupported("irrational coefficient")
+            if not integral and any(s not in nonnegative for s, _ in mono):
+                raise Unsupported("fractional power of a value that may be negative")
             coef = exact_number(Fraction(coef) ** q) if integral else coef
             return Expr({tuple((s, exact_number(e * q)) for s, e in mono): coef})
         if not self.terms:
@@ -152,8 +190,8 @@ class Expr:
             out = out * self
         return out
 
-    def sqrt(self) -> "Expr":
-        return self ** Fraction(1, 2)
+    def sqrt(self, nonnegative: AbstractSet[int] = frozenset()) -> "Expr":
+        return self.power(Fraction(1, 2), nonnegative)
 
     # -- comparison --------------------------------------------------------
     def __eq__(self, other) -> bool:

@@ -10,21 +10,24 @@ leaves, whatever the (possibly symbolic) leading sizes are. That is what makes
 a match a proof rather than a resemblance: signs, split points, which table
 feeds which term and the broadcast axes are all part of the compared value.
 
-Casts between float dtypes count as the identity; the rewrite computes in the
-widest dtype of the operands and casts to the replaced node's dtype.
+Coefficients are exact rationals (:func:`~.algebra.graph_constant`), so equal
+means equal, never "within a tolerance". Casts between float dtypes count as the
+identity; the rewrite computes in a dtype that holds every operand exactly and
+casts to the replaced node's dtype.
 """
 from __future__ import annotations
 
 import dataclasses
 import math
 import operator
+from fractions import Fraction
 from typing import Dict, List, Optional, Tuple
 
 import torch
 import torch.fx as fx
 
 from . import graph_utils
-from .algebra import accumulate
+from .algebra import Number, accumulate, exact_number, graph_constant
 from .graph_utils import (MemoEvaluator, Provenance, Unsupported, aten, axis_order, is_value_preserving_cast,
                           meta_value, normalize_dim, same_shape, static_int, val)
 
@@ -47,7 +50,7 @@ COMPLEX_VIEWS = {aten.view_as_complex.default, aten.view_as_real.default, aten.r
 
 Var = Tuple[int, int]            # (leaf id, flattened position in the leaf's trailing axes)
 Mono = Tuple[Var, ...]           # sorted product of vars; () is the constant monomial
-Poly = Dict[Mono, float]
+Poly = Dict[Mono, Number]
 
 MAX_DEGREE = 2
 MAX_TERMS = 8
@@ -75,7 +78,7 @@ def _bounded(p: Poly) -> Poly:
     return p
 
 
-def _add(a: Poly, b: Poly, scale: float = 1.0) -> Poly:
+def _add(a: Poly, b: Poly, scale: Number = 1) -> Poly:
     out = dict(a)
     for m, c in b.items():
         accumulate(out, m, scale * c)
@@ -111,14 +114,6 @@ def _index(inner, flat):
 
 def _flat(inner, idx):
     return sum(i * s for i, s in zip(idx, _strides(inner)))
-
-
-def _scalar(x) -> Optional[float]:
-    if isinstance(x, bool):
-        return None
-    if isinstance(x, (int, float)):
-        return float(x)
-    return None
 
 
 def _degree(v: Lanes) -> int:
@@ -161,15 +156,15 @@ class LaneEvaluator(MemoEvaluator):
         if None in inner or math.prod(inner) > MAX_LANES:
             return None
         lid = self.leaf_id(node)
-        return Lanes(inner, [{((lid, i),): 1.0} for i in range(math.prod(inner))],
+        return Lanes(inner, [{((lid, i),): 1} for i in range(math.prod(inner))],
                      complex=v.dtype.is_complex)
 
     def _operand(self, arg, out_node) -> Lanes:
         """An element-wise operand, broadcast to ``out_node``'s trailing sizes."""
-        s = _scalar(arg)
+        s = graph_constant(arg)
         out_shape = shape(out_node)
         if s is not None:
-            d = static_int(out_shape[-1])
+            d = static_int(out_shape[-1]) if out_shape else None
             if d is None:
                 raise Unsupported("dynamic last axis")
             return Lanes((d,), [({(): s} if s else {}) for _ in range(d)])
@@ -264,7 +259,10 @@ class LaneEvaluator(MemoEvaluator):
             return v
         if t in (aten.add.Tensor, aten.sub.Tensor, aten.add.Scalar, aten.sub.Scalar):
             alpha = kw.get("alpha", 1)
-            sign = (-1.0 if t in (aten.sub.Tensor, aten.sub.Scalar) else 1.0) * float(alpha)
+            alpha = graph_constant(alpha)
+            if alpha is None:
+                raise Unsupported("alpha")
+            sign = (-1 if t in (aten.sub.Tensor, aten.sub.Scalar) else 1) * alpha
             if t in (aten.add.Tensor, aten.sub.Tensor) and all(
                     isinstance(a, fx.Node) and _degree(self._checked(a)) <= 1 for a in args[:2]):
                 raise Unsupported("gradient accumulation: the sum is an input of the pattern")
@@ -272,19 +270,19 @@ class LaneEvaluator(MemoEvaluator):
         if _is_complex(node) or any(_is_complex(a) for a in args[:1]):
             return self._complex(node, args)
         scaling = t in (aten.mul.Tensor, aten.mul.Scalar, aten.div.Tensor, aten.div.Scalar) and (
-            _scalar(args[1]) is not None or _scalar(args[0]) is not None)
+            graph_constant(args[1]) is not None or graph_constant(args[0]) is not None)
         if scaling and not forward:
-            tensor = args[0] if _scalar(args[1]) is not None else args[1]
+            tensor = args[0] if graph_constant(args[1]) is not None else args[1]
             if isinstance(tensor, fx.Node) and _degree(self._checked(tensor)) <= 1:
                 # a scaled gradient (q * scale after RoPE, SDPA's scaled q) is the pattern's dy
                 raise Unsupported("scaled input: a leaf")
         if t in (aten.mul.Tensor, aten.mul.Scalar):
             return self._elementwise(node, args[:2], _mul)
-        if t in (aten.div.Tensor, aten.div.Scalar) and _scalar(args[1]) not in (None, 0.0):
-            inv = 1.0 / _scalar(args[1])
+        if t in (aten.div.Tensor, aten.div.Scalar) and graph_constant(args[1]) not in (None, 0):
+            inv = exact_number(1 / Fraction(graph_constant(args[1])))
             return self._elementwise(node, args[:1], lambda a: _add({}, a, inv))
         if t is aten.neg.default:
-            return self._elementwise(node, args[:1], lambda a: _add({}, a, -1.0))
+            return self._elementwise(node, args[:1], lambda a: _add({}, a, -1))
         if t is aten.slice.Tensor:
             v = self._checked(args[0])
             axis = self._inner_dim(args[0], v, args[1] if len(args) > 1 else 0)
@@ -295,7 +293,7 @@ class LaneEvaluator(MemoEvaluator):
         if t is aten.select.int:
             v = self._checked(args[0])
             axis = self._inner_dim(args[0], v, args[1])
-            picked = self._select_positions(v, axis, [args[2] % v.inner[axis]])
+            picked = self._select_positions(v, axis, [_index_arg(args[2]) % v.inner[axis]])
             inner = picked.inner[:axis] + picked.inner[axis + 1:]
             if not inner:
                 raise Unsupported("select removes the last tracked axis")
@@ -328,12 +326,12 @@ class LaneEvaluator(MemoEvaluator):
             return self._scatter(base, src, axis, picks)
         if t in (aten.full.default, aten.zeros.default, aten.full_like.default, aten.zeros_like.default,
                  aten.new_zeros.default):
-            fill = 0.0 if "zeros" in str(t) else _scalar(args[1])
+            fill = 0 if "zeros" in str(t) else graph_constant(args[1])
             if fill is None:
                 raise Unsupported("fill")
-            d = static_int(shape(node)[-1])
+            d = static_int(shape(node)[-1]) if shape(node) else None
             if d is None:
-                raise Unsupported("dynamic last axis")
+                raise Unsupported("a 0-dim or dynamic last axis")
             return Lanes((d,), [({(): fill} if fill else {}) for _ in range(d)])
         if t is aten.cat.default:
             tensors = args[0]
@@ -419,7 +417,7 @@ class LaneEvaluator(MemoEvaluator):
             return Lanes(v.inner, v.polys, complex=_is_complex(node))
         if t in CONJ_TARGETS:
             v = self._checked(args[0])
-            return Lanes(v.inner, [p if i % 2 == 0 else _add({}, p, -1.0) for i, p in enumerate(v.polys)],
+            return Lanes(v.inner, [p if i % 2 == 0 else _add({}, p, -1) for i, p in enumerate(v.polys)],
                          complex=True)
         if t is aten.mul.Tensor and all(_is_complex(a) for a in args[:2]):
             inner = tuple(static_int(x) for x in shape(node)[-2:])
@@ -427,7 +425,7 @@ class LaneEvaluator(MemoEvaluator):
             polys = []
             for j in range(0, len(a.polys), 2):
                 (ar, ai), (br, bi) = a.polys[j:j + 2], b.polys[j:j + 2]
-                polys.append(_add(_mul(ar, br), _mul(ai, bi), -1.0))
+                polys.append(_add(_mul(ar, br), _mul(ai, bi), -1))
                 polys.append(_add(_mul(ar, bi), _mul(ai, br)))
             return Lanes(inner, polys, complex=True)
         if t in (aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.flatten.using_ints):
@@ -465,12 +463,13 @@ class LaneEvaluator(MemoEvaluator):
             axis = self._inner_dim(pargs[0], v, dim)
             size = v.inner[axis]
             if t is aten.split_with_sizes.default:
-                sizes = list(pargs[1])
+                sizes = [_index_arg(meta_value(x)) for x in pargs[1]]
             elif t is aten.chunk.default:
                 step = -(-size // pargs[1])
                 sizes = [min(step, size - s) for s in range(0, size, step)]
             else:
-                sizes = [min(pargs[1], size - s) for s in range(0, size, pargs[1])]
+                step = _index_arg(meta_value(pargs[1]))
+                sizes = [min(step, size - s) for s in range(0, size, step)]
             start = sum(sizes[:index])
             return self._select_positions(v, axis, list(range(start, start + sizes[index])))
         raise Unsupported("getitem")

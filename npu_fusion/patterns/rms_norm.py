@@ -25,21 +25,20 @@ do not match.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-import functools
 import itertools
 import math
 import operator
-from fractions import Fraction
 from typing import Dict, List, Optional
 
 import torch
 import torch.fx as fx
 
 from ..lowering.constraints import FusedOpInputError, RMS_NORM_DTYPES, check_rms_norm_grad_inputs
-from .algebra import Expr, accumulate, exact_number
-from .graph_utils import (Insertion, MemoEvaluator, Miss, Provenance, Unsupported, aten, call, cast, commit,
-                          downstream, dtype, fake_mode_of, getitem, is_value_preserving_cast, last_of,
+from .algebra import Expr, accumulate, graph_constant
+from .graph_utils import (Insertion, MemoEvaluator, Miss, Provenance, Rewrites, Unsupported, aten, call, cast, commit,
+                          downstream, dtype, exact_common_dtype, getitem, is_value_preserving_cast, last_of,
                           normalize_dim, outermost, outside_users, region_of, same_shape, shape,
                           static_int, val)
 
@@ -54,18 +53,6 @@ class NormValue:
     lead_sum: Optional[tuple] = None
 
 
-def _scalar(x):
-    if isinstance(x, bool) or not isinstance(x, (int, float)):
-        return None
-    return _rational(x)
-
-
-@functools.lru_cache(maxsize=1024)
-def _rational(x):
-    # the nearest simple fraction: a float 1/N written into the graph is the rational 1/N
-    return exact_number(Fraction(x).limit_denominator(1 << 40) if isinstance(x, float) else x)
-
-
 BINARY_OPS = {aten.add.Tensor: operator.add, aten.add.Scalar: operator.add,
               aten.sub.Tensor: operator.sub, aten.sub.Scalar: operator.sub,
               aten.mul.Tensor: operator.mul, aten.mul.Scalar: operator.mul,
@@ -76,6 +63,8 @@ class NormEvaluator(MemoEvaluator):
     """Memoized symbolic evaluation with the trailing ``len(norm_shape)`` axes abstracted."""
 
     POLICY_LEAVES = {aten.rsqrt.default}  # rstd is an input of the fused op: keep it a leaf
+    #: ops whose every output element is >= 0 or NaN: only their leaves may take a fractional power
+    NONNEGATIVE = {aten.rsqrt.default, aten.sqrt.default, aten.exp.default, aten.abs.default}
 
     def __init__(self, norm_shape, provenance: Optional[Provenance] = None, forced_leaves=()):
         self.norm_shape = tuple(norm_shape)
@@ -85,6 +74,7 @@ class NormEvaluator(MemoEvaluator):
         self.symbol_of: Dict[fx.Node, int] = {}
         self.node_of: Dict[int, fx.Node] = {}
         self.varying = set()  # symbols of leaves that span the normalized axes
+        self.nonnegative = set()  # symbols of leaves known to be >= 0 (or NaN) everywhere
         self.sum_keys: Dict[tuple, int] = {}   # summand monomial -> its sum's symbol
         self.sum_body: Dict[int, tuple] = {}   # a sum's symbol -> its summand monomial
         self._symbols = 0
@@ -123,10 +113,15 @@ class NormEvaluator(MemoEvaluator):
         self.symbol_of[node], self.node_of[sym] = sym, node
         if self.spans(v.shape):
             self.varying.add(sym)
+        definition = node
+        if node.op == "placeholder" and self.provenance is not None:
+            definition = self.provenance.forward_definition(node) or node
+        if definition.op == "call_function" and definition.target in self.NONNEGATIVE:
+            self.nonnegative.add(sym)
         return NormValue(Expr.symbol(sym))
 
     def _arg(self, arg) -> Expr:
-        s = _scalar(arg)
+        s = graph_constant(arg)
         if s is not None:
             return Expr.number(s)
         if not isinstance(arg, fx.Node) or val(arg) is None or self.spans(val(arg).shape) is None:
@@ -182,16 +177,16 @@ class NormEvaluator(MemoEvaluator):
             if t in (aten.add.Tensor, aten.sub.Tensor) and not forward and self._is_accumulation(a, b):
                 raise Unsupported("gradient accumulation: the sum is an input of the pattern")
             if t in (aten.add.Tensor, aten.sub.Tensor):
-                b = b * _scalar(alpha)
+                b = b * graph_constant(alpha)
             return self._bounded(BINARY_OPS[t](a, b))
         if forward:  # saved-tensor provenance: only value-preserving arithmetic, no reductions
             raise Unsupported("forward op")
         if t is aten.neg.default:
             return NormValue(-self._arg(args[0]))
-        if t is aten.pow.Tensor_Scalar and _scalar(args[1]) is not None:
-            return self._bounded(self._arg(args[0]) ** _scalar(args[1]))
+        if t is aten.pow.Tensor_Scalar and graph_constant(args[1]) is not None:
+            return self._bounded(self._arg(args[0]).power(graph_constant(args[1]), self.nonnegative))
         if t is aten.sqrt.default:
-            return self._bounded(self._arg(args[0]).sqrt())
+            return self._bounded(self._arg(args[0]).sqrt(self.nonnegative))
         if t is aten.reciprocal.default:
             return self._bounded(1 / self._arg(args[0]))
         if t is aten.expand.default:
@@ -418,8 +413,10 @@ def _lead_sums(graph: fx.Graph, rank: int) -> List[fx.Node]:
     return downstream(graph, seeds, 3)
 
 
-def find_sites(graph: fx.Graph, provenance, forced_leaves=()):
-    """(matches, near misses) of the graph's RMSNorm backward sites."""
+def find_sites(graph: fx.Graph, provenance, forced_leaves=(), rewrites: Optional[Rewrites] = None):
+    """(matches, near misses) of the graph's RMSNorm backward sites; an internal error while
+    examining one candidate is recorded in ``rewrites`` (raised without it)."""
+    rewrites = rewrites if rewrites is not None else Rewrites(graph, OP, strict=True)
     matches, misses = [], []
     for norm_shape, reductions in _norm_reductions(graph).items():
         ev = NormEvaluator(norm_shape, provenance, forced_leaves)
@@ -437,7 +434,7 @@ def find_sites(graph: fx.Graph, provenance, forced_leaves=()):
         found, stop = [], set()
         for n in nodes:
             if ev.spans(shape(n)):
-                m = _match_root(ev, n, stop)
+                m = rewrites.examine(n, _match_root, ev, n, stop)
                 if m is not None:
                     found.append(m)
                     stop.add(n)
@@ -449,12 +446,13 @@ def find_sites(graph: fx.Graph, provenance, forced_leaves=()):
                 continue
             seen.add(site.rstd)
             leaves = frozenset(ev.symbol_of[n] for n in (site.dy, site.x, site.rstd))
-            grads = [n for n in lead_sums.get(leaves, ()) if match_dgamma(ev, n, site)]
+            grads = [n for n in lead_sums.get(leaves, ()) if rewrites.examine(n, match_dgamma, ev, n, site)]
             grads = outermost(grads)
             if len(grads) == 1:
                 site.dgamma = grads[0]
             matches.append(site)
-        misses += _near_misses(ev, nodes, [m for m in matches if m.ev is ev])
+        misses += rewrites.examine(graph, _near_misses, ev, nodes, [m for m in matches if m.ev is ev]) or []
+        rewrites.evaluated(ev)
     return matches, misses
 
 
@@ -496,6 +494,15 @@ def _widened_from(node: fx.Node, to: torch.dtype, provenance: Optional[Provenanc
     return fw is not None and is_value_preserving_cast(fw) and dtype(fw.args[0]) == to
 
 
+def _gamma_dtype(compute: torch.dtype, gamma: torch.dtype) -> torch.dtype:
+    """gamma's dtype for the fused op: its own, or float32 when SPEC's table has no
+    (compute, gamma) row but has (compute, float32); the widening cast is exact."""
+    if (compute, gamma) not in RMS_NORM_DTYPES and (compute, torch.float32) in RMS_NORM_DTYPES \
+            and exact_common_dtype((gamma, torch.float32)) == torch.float32:
+        return torch.float32
+    return gamma
+
+
 def target_problem(target: str, compute: torch.dtype, gamma_dtype: torch.dtype) -> Optional[str]:
     if target == "950":
         return "RmsNormGrad is not documented for Ascend 950 (SPEC section 2 products)"
@@ -511,43 +518,40 @@ def _region(site: NormMatch, outputs) -> List[fx.Node]:
     return list(dict.fromkeys(region + site.chain + [site.dx]))
 
 
-def rewrite(graph: fx.Graph, target: str, provenance: Optional[Provenance] = None):
-    fake_mode = fake_mode_of(graph)
-    sites = []
-    replaced: Dict[fx.Node, fx.Node] = {}  # earlier rewrites: old node -> its replacement
-
-    def current(n):
-        while n in replaced:
-            n = replaced[n]
-        return n
-
-    found, misses = find_sites(graph, provenance)
+def rewrite(graph: fx.Graph, target: str, provenance: Optional[Provenance] = None, strict: bool = False):
+    """Rewrite every RMSNorm backward site in ``graph``; returns (sites, misses)."""
+    rewrites = Rewrites(graph, OP, strict)
+    found, misses = find_sites(graph, provenance, rewrites=rewrites)
+    rewrites.misses += misses
     for site in found:
-        site.rest = [current(n) for n in site.rest]
-        site.dy, site.x, site.rstd = current(site.dy), current(site.x), current(site.rstd)
-        if site.gamma is not None:
-            site.gamma = current(site.gamma)
-        outputs = {"dx": site.dx, **({"dgamma": site.dgamma} if site.dgamma is not None else {})}
+        rewrites.rewrite(site.dx, _rewrite_site, rewrites, site, provenance, target)
+    return rewrites.sites, rewrites.misses
+
+
+def _rewrite_site(rewrites: Rewrites, site: NormMatch, provenance, target):
+    current = rewrites.current
+    site.rest = [current(n) for n in site.rest]
+    site.dy, site.x, site.rstd, site.gamma = (current(n) for n in site.roles)
+    outputs = {"dx": site.dx, **({"dgamma": site.dgamma} if site.dgamma is not None else {})}
+    region = _region(site, outputs)
+    shared = outside_users(region, outputs.values())
+    if shared:
+        again = [m for m in find_sites(rewrites.graph, provenance, forced_leaves=shared, rewrites=rewrites)[0]
+                 if m.dx is site.dx]
+        if not again or again[0].dgamma is not site.dgamma:
+            return Miss(OP, site.dx.name, f"intermediate {shared[0].name} has a user outside "
+                                          f"the pattern ({next(iter(shared[0].users)).name})")
+        site = again[0]
         region = _region(site, outputs)
-        shared = outside_users(region, outputs.values())
-        if shared:
-            again = [m for m in find_sites(graph, provenance, forced_leaves=shared)[0] if m.dx is site.dx]
-            if not again or again[0].dgamma is not site.dgamma:
-                misses.append(Miss(OP, site.dx.name, f"intermediate {shared[0].name} has a user outside "
-                                                      f"the pattern ({next(iter(shared[0].users)).name})"))
-                continue
-            site = again[0]
-            region = _region(site, outputs)
-        done = _emit(graph, fake_mode, site, outputs, region, target, provenance, replaced)
-        (misses if isinstance(done, Miss) else sites).append(done)
-    return sites, misses
+    return _emit(rewrites, site, outputs, region, target, provenance)
 
 
-def _emit(graph, fake_mode, site: NormMatch, outputs, region, target, provenance, replaced):
+def _emit(rewrites: Rewrites, site: NormMatch, outputs, region, target, provenance):
+    graph, fake_mode = rewrites.graph, rewrites.fake_mode
     dy_dtype, x_dtype = dtype(site.dy), dtype(site.x)
-    wide = max(dy_dtype, x_dtype, key=lambda t: torch.finfo(t).bits)
+    wide = exact_common_dtype((dy_dtype, x_dtype))
     compute = dy_dtype if (x_dtype == wide and _widened_from(site.x, dy_dtype, provenance)) else wide
-    gamma_dtype = dtype(site.gamma) if site.gamma is not None else compute
+    gamma_dtype = _gamma_dtype(compute, dtype(site.gamma) if site.gamma is not None else compute)
     problem = target_problem(target, compute, gamma_dtype)
     if problem is not None:
         return Miss(OP, site.dx.name, problem)
@@ -555,15 +559,14 @@ def _emit(graph, fake_mode, site: NormMatch, outputs, region, target, provenance
     with Insertion(graph, anchor) as inserted:
         dy, x = cast(graph, fake_mode, site.dy, compute), cast(graph, fake_mode, site.x, compute)
         rstd = cast(graph, fake_mode, site.rstd, torch.float32)
-        gamma = site.gamma
+        gamma = cast(graph, fake_mode, site.gamma, gamma_dtype) if site.gamma is not None else None
         if gamma is None:
             gamma = call(graph, fake_mode, aten.full.default, (list(site.ev.norm_shape), 1.0),
                          {"dtype": compute, "device": val(site.dy).device})
         try:
-            with fake_mode if fake_mode is not None else _null():
+            with fake_mode if fake_mode is not None else contextlib.nullcontext():
                 check_rms_norm_grad_inputs(val(dy), val(x), val(rstd), val(gamma))
         except FusedOpInputError as exc:
-            inserted.undo()
             return Miss(OP, site.dx.name, str(exc))
         fused = call(graph, fake_mode, torch.ops.npu_fusion.rms_norm_grad.default, (dy, x, rstd, gamma))
         replacements = {}
@@ -584,15 +587,5 @@ def _emit(graph, fake_mode, site: NormMatch, outputs, region, target, provenance
                              value=site.dx.meta["val"] if last else None)
                 added.append(total)
             replacements[site.dx] = total
-    record = commit(graph, OP, None, region, outputs, replacements,
-                    {"dy": site.dy, "x": site.x, "rstd": site.rstd, "gamma": site.gamma}, added, fused)
-    replaced.update(replacements)
-    return record
-
-
-class _null:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
+    return commit(graph, OP, None, region, outputs, replacements,
+                  {"dy": site.dy, "x": site.x, "rstd": site.rstd, "gamma": site.gamma}, added, fused)
