@@ -226,7 +226,7 @@ def measure_torchair(torchair, layers: int, target: str = "a2", dtype=torch.floa
     # debug.run_eagerly AOTAutograd warns about the unboxed FX graph it gets back.
     warnings.filterwarnings("ignore", message="Your compiler for AOTAutograd", category=UserWarning)
     step = torch.compile(lambda i: model.loss(i), backend=backend)
-    history = len(pass_manager.HISTORY)
+    history = pass_manager.HISTORY.mark()
     stats = {}
     with sdpa_kernel(SDPBackend.MATH), torchair_probes(stats):
         wall, cpu = time.perf_counter(), time.process_time()
@@ -235,7 +235,7 @@ def measure_torchair(torchair, layers: int, target: str = "a2", dtype=torch.floa
         start = time.perf_counter()
         step(ids).backward()  # compiled already: what running alone costs (here, eagerly on CPU)
         second = time.perf_counter() - start
-    results = pass_manager.HISTORY[history:]
+    results = pass_manager.HISTORY.since(history)
     assert len(results) == 1, f"expected one backward graph, got {len(results)}"
     assert clock.calls == 2, f"expected the pass hook on one forward and one backward graph, got {clock.calls} calls"
     assert len(stats.get("ge_ops", ())) == 2, f"expected two GE graphs, torchair built {stats.get('ge_ops')}"

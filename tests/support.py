@@ -22,7 +22,7 @@ class Capture:
     """A torch.compile backend running ``fuse_backward`` on each backward graph."""
 
     def __init__(self, partitioner="default", decompositions="none", **options):
-        self.options = FusionOptions.from_mapping(dict(options, strict=True, partitioner=partitioner,
+        self.options = FusionOptions.from_mapping(dict({"strict": True}, **options, partitioner=partitioner,
                                                        decompositions=decompositions))
         self.before, self.after, self.results = [], [], []
 

@@ -241,8 +241,9 @@ def test_rms_norm_eps_values(eps):
     assert compile_and_compare(model, [x], params=list(model.parameters())).fused(RMS) == 1
 
 
-def test_rms_norm_dtype_outside_the_table_stays_unfused():
-    """fp16 activations with a bf16 weight: not a combination RmsNormGrad accepts."""
+def test_rms_norm_gamma_widened_to_float32_when_the_table_needs_it():
+    """fp16 activations with a bf16 weight: (fp16, bf16) is not in RmsNormGrad's table but
+    (fp16, fp32) is, and float32 holds every bf16 value, so gamma is cast up exactly."""
     weight = torch.nn.Parameter(torch.randn(32, dtype=torch.bfloat16))
 
     def fn(x):
@@ -252,6 +253,17 @@ def test_rms_norm_dtype_outside_the_table_stays_unfused():
 
     x = torch.randn(2, 5, 32, dtype=torch.float16, requires_grad=True)
     capture = compile_and_compare(fn, [x], params=[weight])
+    assert capture.fused(RMS) == 1
+    fused = [n for n in capture.after[0].nodes if n.target == torch.ops.npu_fusion.rms_norm_grad.default]
+    dy, x, rstd, gamma = (a.meta["val"].dtype for a in fused[0].args)
+    assert (dy, gamma) == (x, torch.float32) and rstd == torch.float32
+
+
+def test_rms_norm_dtype_outside_the_table_stays_unfused():
+    """float64 is in no row of RmsNormGrad's table."""
+    model = torch.nn.RMSNorm(32, dtype=torch.float64)
+    x = torch.randn(2, 5, 32, dtype=torch.float64, requires_grad=True)
+    capture = compile_and_compare(model, [x], params=list(model.parameters()))
     assert capture.fused(RMS) == 0
     assert any("not in SPEC's table" in m.reason for m in capture.misses())
 

@@ -1,9 +1,11 @@
-"""Small helpers shared by the pattern modules: shapes that may be symbolic,
-node metadata, forward-graph provenance of saved tensors, and the rewrite."""
+"""What the pattern modules share: shapes that may be symbolic, node metadata,
+forward-graph provenance of saved tensors, the memoized evaluator both matchers
+build on, and the rewrite, one transaction per candidate (:class:`Rewrites`)."""
 from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
 import operator
 from typing import Any, Dict, Iterable, List, Optional, Sequence
 
@@ -13,6 +15,7 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 aten = torch.ops.aten
 prims = torch.ops.prims
+log = logging.getLogger("npu_fusion")
 
 
 class Unsupported(Exception):
@@ -101,6 +104,23 @@ def is_value_preserving_cast(node: fx.Node) -> bool:
     return dtype(src).is_floating_point and dtype(out).is_floating_point
 
 
+def _holds(wide: torch.dtype, narrow: torch.dtype) -> bool:
+    """Every value of float dtype ``narrow`` is a value of ``wide``."""
+    w, n = torch.finfo(wide), torch.finfo(narrow)
+    return wide == narrow or (w.bits >= n.bits and w.eps <= n.eps and w.max >= n.max and w.tiny <= n.tiny)
+
+
+def exact_common_dtype(dtypes: Iterable[torch.dtype]) -> torch.dtype:
+    """The narrowest float dtype that holds every operand exactly: one of them when it holds
+    the others, else float32 (float16 and bfloat16 each hold only part of the other), so a
+    fused op never rounds data through a dtype the program did not use for it."""
+    dtypes = set(dtypes)
+    for candidate in sorted(dtypes | {torch.float32, torch.float64}, key=lambda t: torch.finfo(t).bits):
+        if all(_holds(candidate, d) for d in dtypes):
+            return candidate
+    raise Unsupported(f"no float dtype holds {sorted(map(str, dtypes))}")
+
+
 class Provenance:
     """What a backward graph's saved-tensor placeholders were in the forward graph.
 
@@ -158,6 +178,9 @@ class MemoEvaluator:
         self.forced_leaves = set(forced_leaves)
         self.memo: Dict[fx.Node, Any] = {}
         self.interpreted: set = set()
+        #: (node, exception) of evaluator failures other than Unsupported: each costs only
+        #: its node, which stays opaque (a leaf), and is reported as a miss by the caller
+        self.errors: List[tuple] = []
 
     def _is_forward(self, node) -> bool:
         return self.provenance is not None and self.provenance.is_forward(node)
@@ -185,6 +208,11 @@ class MemoEvaluator:
                     result = None
                     if self._is_forward(node):
                         raise
+                except Exception as exc:  # an evaluator bug: this node stays opaque, which is sound
+                    self.errors.append((node, exc))
+                    result = None
+                    if self._is_forward(node):
+                        raise Unsupported("evaluation failed") from exc
         if result is None:
             result = self._leaf(node)
         self.memo[node] = result
@@ -235,6 +263,7 @@ def call(graph: fx.Graph, fake_mode, target, args, kwargs=None, value=None) -> f
     ``value`` when the caller knows it (the node replaces one it equals), else computed."""
     kwargs = kwargs or {}
     node = graph.call_function(target, tuple(args), kwargs)
+    _created(node)
     if value is not None:
         node.meta["val"] = value
         return node
@@ -294,6 +323,7 @@ def _static_fake_value(fake_mode, target, args, kwargs):
 
 def getitem(graph, fake_mode, node, index) -> fx.Node:
     item = graph.call_function(operator.getitem, (node, index))
+    _created(item)
     item.meta["val"] = node.meta["val"][index]
     return item
 
@@ -377,7 +407,7 @@ def outside_users(region: List[fx.Node], outputs: Iterable[fx.Node]) -> List[fx.
 def erase_dead(graph: fx.Graph, nodes: Iterable[fx.Node]) -> List[fx.Node]:
     """Erase the given nodes that no longer have users, users first."""
     erased = []
-    for node in sorted(set(nodes), reverse=True):  # users before what they use
+    for node in sorted({n for n in nodes if not n._erased}, reverse=True):  # users before what they use
         if not node.users and node.op == "call_function":
             graph.erase_node(node)
             erased.append(node)
@@ -432,7 +462,97 @@ def commit(graph: fx.Graph, op: str, mode: Optional[str], region: List[fx.Node],
                 replaced_nodes=[n.name for n in region], replaced_targets=counts,
                 bytes_before=sum(node_traffic(n) for n in region),
                 bytes_after=sum(node_traffic(n) for n in added), bytes_minimum=node_traffic(fused))
+    if _OPEN:  # from here on the graph changes: a failure can no longer be undone per site
+        _OPEN[-1].committed = True
+        _OPEN[-1].replacements = replacements
     for old, new in replacements.items():
         old.replace_all_uses_with(new)
     erase_dead(graph, region)
     return site
+
+
+# -- one transaction per candidate --------------------------------------------
+
+@dataclasses.dataclass
+class Transaction:
+    """The nodes one candidate's rewrite inserted, and whether it began to rewire the graph."""
+    nodes: List[fx.Node] = dataclasses.field(default_factory=list)
+    committed: bool = False
+    replacements: Dict[fx.Node, fx.Node] = dataclasses.field(default_factory=dict)
+
+
+_OPEN: List[Transaction] = []  # the transactions in progress, innermost last
+
+
+def _created(node: fx.Node) -> None:
+    if _OPEN:
+        _OPEN[-1].nodes.append(node)
+
+
+class Rewrites:
+    """One pattern's sites and misses in one graph; each candidate is its own transaction.
+
+    Examining a candidate (:meth:`examine`, :meth:`evaluated`) or rewriting it
+    (:meth:`rewrite`) may fail with any exception; that costs the candidate only: it
+    becomes a miss whose reason is the error, the nodes its rewrite had inserted are
+    erased, and the other sites still fuse. With ``strict`` the error is raised
+    instead, and so is one that happens after the graph began to be rewired (the pass
+    manager's whole-graph snapshot then puts the graph back).
+    """
+
+    def __init__(self, graph: fx.Graph, op: str, strict: bool = False):
+        self.graph, self.op, self.strict = graph, op, strict
+        self.fake_mode = fake_mode_of(graph)
+        self.sites: List[Site] = []
+        self.misses: List[Miss] = []
+        self._replaced: Dict[fx.Node, fx.Node] = {}
+
+    def current(self, node: Optional[fx.Node]) -> Optional[fx.Node]:
+        """The node that now holds ``node``'s value (an earlier rewrite may have replaced it)."""
+        while node in self._replaced:
+            node = self._replaced[node]
+        return node
+
+    def _failed(self, node, exc: Exception) -> None:
+        reason = f"internal error, candidate left unfused: {type(exc).__name__}: {exc}"
+        log.warning("npu_fusion: %s at %s: %s", self.op, getattr(node, "name", node), reason, exc_info=exc)
+        self.misses.append(Miss(self.op, getattr(node, "name", str(node)), reason))
+
+    def examine(self, node: fx.Node, fn, *args):
+        """``fn(*args)``, or None (a recorded miss) if it raises."""
+        try:
+            return fn(*args)
+        except Exception as exc:
+            if self.strict:
+                raise
+            self._failed(node, exc)
+            return None
+
+    def evaluated(self, ev: "MemoEvaluator") -> None:
+        """Report the nodes an evaluator could not evaluate (they stayed opaque leaves)."""
+        errors, ev.errors = ev.errors, []
+        for node, exc in errors:
+            if self.strict:
+                raise exc
+            self._failed(node, exc)
+
+    def rewrite(self, node: fx.Node, fn, *args) -> None:
+        """Run ``fn(*args)``, which returns a :class:`Site` (committed) or a :class:`Miss`."""
+        tx = Transaction()
+        _OPEN.append(tx)
+        try:
+            done = fn(*args)
+        except Exception as exc:
+            if self.strict or tx.committed:
+                raise
+            erase_dead(self.graph, tx.nodes)  # nothing outside them uses them yet
+            self._failed(node, exc)
+            return
+        finally:
+            _OPEN.pop()
+        if isinstance(done, Miss):
+            erase_dead(self.graph, tx.nodes)
+            self.misses.append(done)
+        else:
+            self.sites.append(done)
+            self._replaced.update(tx.replacements)

@@ -31,9 +31,9 @@ import torch
 import torch.fx as fx
 
 from ..lowering.constraints import FLOAT_DTYPES, ROPE_MODES, rope_divisor
-from .graph_utils import (Insertion, Miss, Provenance, aten, axis_order, call, cast, commit, downstream, dtype,
-                          fake_mode_of, getitem, last_of, outermost, outside_users, region_of, same_shape,
-                          same_size, shape, static_int)
+from .graph_utils import (Insertion, Miss, Provenance, Rewrites, aten, axis_order, call, cast, commit, downstream,
+                          dtype, exact_common_dtype, getitem, last_of, outermost, outside_users, region_of,
+                          same_shape, same_size, shape, static_int)
 from .lanes import Lanes, LaneEvaluator, MAX_LANES
 
 OP = "rotary_position_embedding_grad"
@@ -53,19 +53,19 @@ def dx_terms(mode: int, d: int):
     out = []
     for i in range(d):
         if mode == 0:
-            other = (1.0, i + h) if i < h else (-1.0, i - h)
+            other = (1, i + h) if i < h else (-1, i - h)
         elif mode == 1:
-            other = (1.0, i + 1) if i % 2 == 0 else (-1.0, i - 1)
+            other = (1, i + 1) if i % 2 == 0 else (-1, i - 1)
         elif mode == 2:
-            other = (1.0, i + q) if (i // q) % 2 == 0 else (-1.0, i - q)
+            other = (1, i + q) if (i // q) % 2 == 0 else (-1, i - q)
         else:
             j = i // 2
             if i % 2 == 0:
-                out.append([(1.0, j, "cos", j), (1.0, j + h, "sin", j + h)])
+                out.append([(1, j, "cos", j), (1, j + h, "sin", j + h)])
             else:
-                out.append([(1.0, j + h, "cos", j + h), (-1.0, j, "sin", j)])
+                out.append([(1, j + h, "cos", j + h), (-1, j, "sin", j)])
             continue
-        out.append([(1.0, i, "cos", i), (other[0], other[1], "sin", other[1])])
+        out.append([(1, i, "cos", i), (other[0], other[1], "sin", other[1])])
     return out
 
 
@@ -75,15 +75,15 @@ def table_terms(mode: int, d: int, which: str):
     out = []
     for i in range(d):
         if which == "cos":
-            out.append((1.0, i) if mode != 3 else ((1.0, 2 * i) if i < h else (1.0, 2 * (i - h) + 1)))
+            out.append((1, i) if mode != 3 else ((1, 2 * i) if i < h else (1, 2 * (i - h) + 1)))
         elif mode == 0:
-            out.append((-1.0, i + h) if i < h else (1.0, i - h))
+            out.append((-1, i + h) if i < h else (1, i - h))
         elif mode == 1:
-            out.append((-1.0, i + 1) if i % 2 == 0 else (1.0, i - 1))
+            out.append((-1, i + 1) if i % 2 == 0 else (1, i - 1))
         elif mode == 2:
-            out.append((-1.0, i + q) if (i // q) % 2 == 0 else (1.0, i - q))
+            out.append((-1, i + q) if (i // q) % 2 == 0 else (1, i - q))
         else:
-            out.append((-1.0, 2 * i + 1) if i < h else (1.0, 2 * (i - h)))
+            out.append((-1, 2 * i + 1) if i < h else (1, 2 * (i - h)))
     return out
 
 
@@ -103,12 +103,8 @@ def expected_table(mode: int, d: int, which: str, dy: Role, x: Role):
 
 
 def _polys_equal(a, b) -> bool:
-    if len(a) != len(b):
-        return False
-    for pa, pb in zip(a, b):
-        if pa.keys() != pb.keys() or any(abs(pa[k] - pb[k]) > 1e-9 for k in pa):
-            return False
-    return True
+    """Exact equality: the coefficients are rationals, never compared with a tolerance."""
+    return len(a) == len(b) and all(pa == pb for pa, pb in zip(a, b))
 
 
 # -- per-target constraints (SPEC section 1) ----------------------------------
@@ -354,8 +350,11 @@ def _moves_elements(node: fx.Node) -> bool:
 DX_DEPTH = 6
 
 
-def find_sites(graph: fx.Graph, provenance: Optional[Provenance], forced_leaves=()):
-    """(evaluator, matches, near misses) of the graph's RoPE backward sites."""
+def find_sites(graph: fx.Graph, provenance: Optional[Provenance], forced_leaves=(),
+               rewrites: Optional[Rewrites] = None):
+    """(evaluator, matches, near misses) of the graph's RoPE backward sites; an internal
+    error while examining one candidate is recorded in ``rewrites`` (raised without it)."""
+    rewrites = rewrites if rewrites is not None else Rewrites(graph, OP, strict=True)
     ev = LaneEvaluator(provenance, forced_leaves)
     seeds = [n for n in graph.nodes if _moves_elements(n)]
     near = set(downstream(graph, seeds, DX_DEPTH))
@@ -363,7 +362,7 @@ def find_sites(graph: fx.Graph, provenance: Optional[Provenance], forced_leaves=
     for node in nodes:
         ev.value(node)
     looks = [n for n in nodes if _looks_like_dx(ev.memo.get(n))]
-    matches = [m for m in (match_dx(ev, n) for n in looks) if m is not None]
+    matches = [m for m in (rewrites.examine(n, match_dx, ev, n) for n in looks) if m is not None]
     matches = outermost(matches, node=lambda m: m.dx, same=lambda a, b: a.key == b.key)
     # a match inside another's subgraph (mode 0 on DeepSeek's de-interleaved q, under
     # the mode 3 match of the whole) is part of the larger rewrite
@@ -389,7 +388,7 @@ def find_sites(graph: fx.Graph, provenance: Optional[Provenance], forced_leaves=
         tables: Dict[str, List[Tuple[fx.Node, Role]]] = {"cos": [], "sin": []}
         for node in tables_by_leaf.get(site.dy[0], ()):
             for which in ("cos", "sin"):
-                x = match_table(ev, node, site, which)
+                x = rewrites.examine(node, match_table, ev, node, site, which)
                 if x is not None:
                     tables[which].append((node, x))
         for which, found in tables.items():
@@ -414,17 +413,17 @@ def find_sites(graph: fx.Graph, provenance: Optional[Provenance], forced_leaves=
     misses = [Miss(OP, n.name, "two products per element like a RoPE dx, but no mode's formula "
                                "(signs, split points or tables differ)")
               for n in outermost(unmatched)]
+    rewrites.evaluated(ev)
     return ev, matches, misses
 
 
-def _role_node(graph, fake_mode, ev: LaneEvaluator, role: Role) -> fx.Node:
+def _role_node(graph, fake_mode, leaf: fx.Node, positions: Tuple[int, ...]) -> fx.Node:
     """A tensor holding the role's positions, built from its leaf.
 
     Contiguous positions are a slice (partial rotary); ``a + s*(i//2)`` is a strided
     slice repeated element-wise (the real or imaginary parts of a complex table);
     ``a + i % (D/2)`` is a half-width table concatenated with itself.
     """
-    leaf, positions = ev.leaves[role[0]], role[1]
     base = leaf
     if dtype(leaf).is_complex:  # positions index the real view, (re, im) interleaved
         base = call(graph, fake_mode, aten.view_as_real.default, (leaf,))
@@ -457,35 +456,35 @@ class TableLayoutError(Exception):
     pass
 
 
-def rewrite(graph: fx.Graph, target: str, provenance: Optional[Provenance] = None):
+def rewrite(graph: fx.Graph, target: str, provenance: Optional[Provenance] = None, strict: bool = False):
     """Rewrite every RoPE backward site in ``graph``; returns (sites, misses)."""
-    fake_mode = fake_mode_of(graph)
-    sites = []
-    ev, matches, misses = find_sites(graph, provenance)
+    rewrites = Rewrites(graph, OP, strict)
+    ev, matches, misses = find_sites(graph, provenance, rewrites=rewrites)
+    rewrites.misses += misses
     for site in matches:
-        outputs = {k: n for k, n in (("dx", site.dx), ("dcos", site.dcos), ("dsin", site.dsin)) if n is not None}
+        rewrites.rewrite(site.dx, _rewrite_site, rewrites, ev, site, provenance, target)
+    return rewrites.sites, rewrites.misses
+
+
+def _rewrite_site(rewrites: Rewrites, ev: LaneEvaluator, site: RopeMatch, provenance, target):
+    graph = rewrites.graph
+    outputs = {k: n for k, n in (("dx", site.dx), ("dcos", site.dcos), ("dsin", site.dsin)) if n is not None}
+    region = _region(ev, site, outputs)
+    shared = outside_users(region, outputs.values())
+    if shared:
+        # Look again with the shared intermediates as leaves: a cast shared with
+        # another consumer is harmless, a shared partial product is a near miss.
+        # The new evaluator and its leaf numbering belong to this site only.
+        ev, again, _ = find_sites(graph, provenance, forced_leaves=shared, rewrites=rewrites)
+        again = [m for m in again if m.dx is site.dx and m.mode == site.mode]
+        if not again or not _same_tables(site, again[0]):
+            return Miss(OP, site.dx.name, f"intermediate {shared[0].name} has a user "
+                                          f"outside the pattern ({next(iter(shared[0].users)).name})")
+        site = again[0]
         region = _region(ev, site, outputs)
-        shared = outside_users(region, outputs.values())
-        if shared:
-            # Look again with the shared intermediates as leaves: a cast shared with
-            # another consumer is harmless, a shared partial product is a near miss.
-            ev2, again, _ = find_sites(graph, provenance, forced_leaves=shared)
-            again = [m for m in again if m.dx is site.dx and m.mode == site.mode]
-            if not again or not _same_tables(site, again[0]):
-                misses.append(Miss(OP, site.dx.name, f"intermediate {shared[0].name} has a user "
-                                                      f"outside the pattern ({next(iter(shared[0].users)).name})"))
-                continue
-            ev, site = ev2, again[0]
-            region = _region(ev, site, outputs)
-            if outside_users(region, outputs.values()):
-                misses.append(Miss(OP, site.dx.name, "intermediates have users outside the pattern"))
-                continue
-        done = _emit(graph, fake_mode, ev, site, outputs, region, target)
-        if isinstance(done, Miss):
-            misses.append(done)
-        else:
-            sites.append(done)
-    return sites, misses
+        if outside_users(region, outputs.values()):
+            return Miss(OP, site.dx.name, "intermediates have users outside the pattern")
+    return _emit(rewrites, ev, site, outputs, region, target)
 
 
 def _region(ev: LaneEvaluator, site: RopeMatch, outputs) -> List[fx.Node]:
@@ -498,9 +497,10 @@ def _same_tables(a: RopeMatch, b: RopeMatch) -> bool:
     return (a.dcos is b.dcos) and (a.dsin is b.dsin)
 
 
-def _emit(graph, fake_mode, ev, site: RopeMatch, outputs, region, target):
-    dy_leaf, cos_leaf, sin_leaf = (ev.leaves[r[0]] for r in (site.dy, site.cos, site.sin))
-    x_leaf = ev.leaves[site.x[0]] if site.x is not None else None
+def _emit(rewrites: Rewrites, ev, site: RopeMatch, outputs, region, target):
+    graph, fake_mode = rewrites.graph, rewrites.fake_mode
+    dy_leaf, cos_leaf, sin_leaf = (rewrites.current(ev.leaves[r[0]]) for r in (site.dy, site.cos, site.sin))
+    x_leaf = rewrites.current(ev.leaves[site.x[0]]) if site.x is not None else None
     if not same_shape(shape(dy_leaf)[:-1], shape(site.dx)[:-1]):
         return Miss(OP, site.dx.name, f"dy {dy_leaf.name} is broadcast to dx's shape")
     if not same_shape(shape(cos_leaf)[:-1], shape(sin_leaf)[:-1]):
@@ -509,18 +509,17 @@ def _emit(graph, fake_mode, ev, site: RopeMatch, outputs, region, target):
     anchor = last_of(graph, [n for n in (dy_leaf, cos_leaf, sin_leaf, x_leaf) if n is not None])
     with Insertion(graph, anchor) as inserted:
         try:
-            operands = [_role_node(graph, fake_mode, ev, r) if r is not None else None
-                        for r in (site.dy, site.cos, site.sin, site.x)]
+            operands = [_role_node(graph, fake_mode, leaf, role[1]) if role is not None else None
+                        for leaf, role in ((dy_leaf, site.dy), (cos_leaf, site.cos), (sin_leaf, site.sin),
+                                           (x_leaf, site.x))]
         except TableLayoutError as exc:
-            inserted.undo()
             return Miss(OP, site.dx.name, str(exc))
-        compute = max((dtype(n) for n in operands if n is not None), key=lambda t: torch.finfo(t).bits)
+        compute = exact_common_dtype(dtype(n) for n in operands if n is not None)
         dy, cos, sin, x = (cast(graph, fake_mode, n, compute) if n is not None else None for n in operands)
         problem = target_problem(target, site.mode, dy, cos, x is not None, compute)
         if problem is None and x is not None and not same_shape(shape(x), shape(dy)):
             problem = f"x {list(shape(x))} and dy {list(shape(dy))} have different shapes"
         if problem is not None:
-            inserted.undo()
             return Miss(OP, site.dx.name, problem)
         fused = call(graph, fake_mode, torch.ops.npu_fusion.rotary_position_embedding_grad.default,
                      (dy, cos, sin, x, site.mode))

@@ -8,6 +8,7 @@ so an internal error leaves the graph as it was (and then raises, with
 """
 from __future__ import annotations
 
+import collections
 import dataclasses
 import gc
 import logging
@@ -44,12 +45,46 @@ class FusionResult:
         return dataclasses.asdict(self)
 
 
-#: every result of this process, newest last (the report reads it)
-HISTORY: List[FusionResult] = []
+class History:
+    """The newest results of this process (the report and the benchmarks read them).
+
+    Bounded, so that a long run with many recompilations does not keep every result
+    alive: ``mark()`` then ``since(mark)`` gives the results added after the mark, as
+    long as no more than ``limit`` were added in between.
+    """
+
+    def __init__(self, limit: int = 256):
+        self._results: collections.deque = collections.deque(maxlen=limit)
+        self._added = 0
+
+    def append(self, result: FusionResult) -> None:
+        self._results.append(result)
+        self._added += 1
+
+    def mark(self) -> int:
+        return self._added
+
+    def since(self, mark: int) -> List[FusionResult]:
+        count = self._added - mark
+        return list(self._results)[-count:] if count > 0 else []
+
+    def clear(self) -> None:
+        self._results.clear()
+
+    def __iter__(self):
+        return iter(list(self._results))
+
+    def __len__(self) -> int:
+        return len(self._results)
+
+
+HISTORY = History()
 
 # Forward graphs seen by the torchair hook, by dynamo compile id, so the backward
-# pass of the same compilation can see what its saved tensors were.
-_FORWARD_BY_COMPILE: Dict[Any, fx.Graph] = {}
+# pass of the same compilation can see what its saved tensors were. A backward is
+# compiled after its forward, usually right after it: the newest few are enough.
+_FORWARD_BY_COMPILE: "collections.OrderedDict[Any, fx.Graph]" = collections.OrderedDict()
+FORWARD_GRAPHS_KEPT = 16
 
 
 class Snapshot:
@@ -96,6 +131,9 @@ def remember_forward(gm: fx.GraphModule) -> None:
     key = _compile_id()
     if key is not None:
         _FORWARD_BY_COMPILE[key] = gm.graph
+        _FORWARD_BY_COMPILE.move_to_end(key)
+        while len(_FORWARD_BY_COMPILE) > FORWARD_GRAPHS_KEPT:
+            _FORWARD_BY_COMPILE.popitem(last=False)
 
 
 def forward_for(gm: fx.GraphModule) -> Optional[fx.Graph]:
@@ -127,11 +165,11 @@ def fuse_backward(gm: fx.GraphModule, options: Union[FusionOptions, Mapping, Non
         snapshot = Snapshot(graph)
         provenance = Provenance(forward, graph)
         if options.rms_norm:
-            sites, misses = rms_norm_patterns.rewrite(graph, target, provenance)
+            sites, misses = rms_norm_patterns.rewrite(graph, target, provenance, strict=options.strict)
             result.sites += sites
             result.misses += misses
         if options.rope:
-            sites, misses = rope_patterns.rewrite(graph, target, provenance)
+            sites, misses = rope_patterns.rewrite(graph, target, provenance, strict=options.strict)
             result.sites += sites
             result.misses += misses
         graph.lint()
