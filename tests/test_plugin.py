@@ -149,3 +149,22 @@ def test_failure_after_rewrites_rebuilds_the_graph_as_it_was(monkeypatch):
     assert gm.code == before_code and _graph_record(gm) == before_nodes
     assert all(n.meta.get("val") is values[n.name] for n in gm.graph.nodes)
     gm.graph.lint()
+
+
+def test_process_state_is_bounded():
+    """Many compilations keep only the newest results and forward graphs alive."""
+    from torch._guards import CompileContext, CompileId, compile_context
+
+    from npu_fusion.plugin import pass_manager
+
+    gm, _ = traced(extra_user=False)
+    mark = pass_manager.HISTORY.mark()
+    for frame in range(300):
+        with compile_context(CompileContext(CompileId(frame_id=frame, frame_compile_id=0))):
+            pass_manager.remember_forward(gm)
+            assert pass_manager.forward_for(gm) is gm.graph
+        pass_manager.HISTORY.append(pass_manager.FusionResult(target=str(frame)))
+    assert len(pass_manager._FORWARD_BY_COMPILE) == pass_manager.FORWARD_GRAPHS_KEPT
+    assert len(pass_manager.HISTORY) <= 256
+    assert [r.target for r in pass_manager.HISTORY.since(pass_manager.HISTORY.mark() - 3)] == ["297", "298", "299"]
+    assert len(pass_manager.HISTORY.since(mark)) == len(pass_manager.HISTORY)
