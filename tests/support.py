@@ -100,10 +100,12 @@ def decomposed_leftovers(graph):
     """Nodes of the kinds the RoPE and RMSNorm backwards decompose into: negations, powers,
     rsqrt/mean, and slice_backward/slice_scatter along the last axis (rotate_half's transpose).
     Slices of other axes (GQA's repeat_kv with dynamic shapes) are not RoPE's."""
+    fused_ops = {torch.ops.npu_fusion.rotary_position_embedding_grad.default,
+                 torch.ops.npu_fusion.rms_norm_grad.default}
     left = []
     for n in graph.nodes:
-        if n.op != "call_function":
-            continue
+        if n.op != "call_function" or (n.users and all(u.target in fused_ops for u in n.users)):
+            continue  # an input the pass prepared for a fused op (a negated table) is none of them
         name = getattr(n.target, "__name__", str(n.target)).split(".")[0]
         if name in ("neg", "pow", "rsqrt", "mean"):
             left.append(n.name)

@@ -117,9 +117,9 @@ def test_rms_norm_dynamic_batch_and_sequence(variant):
 # -- near misses: these must stay unfused and still be right ---------------------------
 
 def rope_wrong_sign(q, k, cos, sin):
-    def rot(x):
+    def rot(x):  # both halves negated: no mode, and no table negated as a whole, gives this
         x1, x2 = x[..., : x.shape[-1] // 2], x[..., x.shape[-1] // 2:]
-        return torch.cat((x2, -x1), dim=-1)
+        return torch.cat((-x2, -x1), dim=-1)
     return q * cos.unsqueeze(1) + rot(q) * sin.unsqueeze(1), k * cos.unsqueeze(1) + rot(k) * sin.unsqueeze(1)
 
 

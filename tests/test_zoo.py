@@ -42,28 +42,17 @@ ZOO = {
     "llama4_text": [(F32, False), (BF16, False)],
     "minicpm3": [(F32, False)],  # dy scaled by a constant (logits_scaling) before the LM head
     "phi3": [(F32, False)],  # full-width rotary with a zero-width pass-through slice
-    # forms not covered yet (XFAIL below); float32 only, to keep the suite short
+    # sandwich norms, post-norms, a gated norm input, per-position q scaling after RoPE
     "gemma2": [(F32, False)],
     "olmo2": [(F32, False)],
     "bitnet": [(F32, False)],
-    "nanochat": [(F32, False)],
     "ministral3": [(F32, False)],
+    "nanochat": [(F32, False)],  # cat(x2, -x1) rotation: mode 0 with sin negated
 }
 
 #: models whose forms the matchers do not cover yet: strict, so a fix shows up as XPASS.
 #: Diagnoses and minimal repros: benchmarks/zoo_coverage.py's report and the issue.
-XFAIL = {
-    "gemma2": "sandwich norms: the RMSNorm after `residual + post_norm(branch)` has a dy that is the "
-              "next norm's dx expression, not a leaf; 4 of 9 RMSNorm unfused",
-    "olmo2": "post-norm directly followed by the next RMSNorm (layer 1's post_attention/post_feedforward "
-             "then model.norm): dy of the post-norm is the next norm's dx polynomial, not a leaf",
-    "bitnet": "gated RMSNorm input: ffn_sub_norm(relu(gate)^2 * up), x is a product of two saved tensors "
-              "(RMSNorm over the 128-wide intermediate)",
-    "nanochat": "RoPE with rotate_half = cat(x2, -x1) (mode 0 with sin negated) and weightless RMSNorms "
-                "chained through the embedding norm (x and dy not leaves)",
-    "ministral3": "q scaled after RoPE by a per-position tensor (get_llama_4_attn_scale): dy of the q RoPE "
-                  "is grad*scale, degree 3 with cos/sin > MAX_DEGREE 2; 2 of 4 RoPE unfused",
-}
+XFAIL = {}
 
 
 def _param(model_type):

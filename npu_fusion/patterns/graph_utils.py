@@ -181,6 +181,11 @@ class MemoEvaluator:
         #: (node, exception) of evaluator failures other than Unsupported: each costs only
         #: its node, which stays opaque (a leaf), and is reported as a miss by the caller
         self.errors: List[tuple] = []
+        #: :func:`gradient_dependent` of the graph (None: not known, every node may be)
+        self.gradient_nodes: Optional[set] = None
+
+    def depends_on_gradient(self, node: fx.Node) -> bool:
+        return self.gradient_nodes is None or node in self.gradient_nodes
 
     def _is_forward(self, node) -> bool:
         return self.provenance is not None and self.provenance.is_forward(node)
@@ -388,14 +393,32 @@ def outermost(items, node=lambda item: item, same=lambda outer, inner: True) -> 
 
 def region_of(outputs: Iterable[fx.Node], interior) -> List[fx.Node]:
     """The interpreted nodes the outputs are computed from, outputs included."""
-    seen, stack = [], list(outputs)
+    seen: Dict[fx.Node, None] = {}
+    stack = list(outputs)
     while stack:
         node = stack.pop()
         if node in seen or not interior(node):
             continue
-        seen.append(node)
+        seen[node] = None
         stack.extend(a for a in node.all_input_nodes)
-    return seen
+    return list(seen)
+
+
+def gradient_dependent(graph: fx.Graph) -> Optional[set]:
+    """The nodes of a backward graph whose value depends on an incoming gradient
+    (AOTAutograd's ``tangents_*`` placeholders), or None when the graph names none.
+
+    The others are forward values: saved, or recomputed in the backward (activation
+    checkpointing, the min-cut partitioner). A fused op reads them as inputs; they are
+    never part of the subgraph it replaces, so their other users keep them.
+    """
+    found = {n for n in graph.nodes if n.op == "placeholder" and n.name.startswith("tangents")}
+    if not found:
+        return None
+    for node in graph.nodes:
+        if node.op != "placeholder" and any(a in found for a in node.all_input_nodes):
+            found.add(node)
+    return found
 
 
 def outside_users(region: List[fx.Node], outputs: Iterable[fx.Node]) -> List[fx.Node]:
@@ -467,8 +490,22 @@ def commit(graph: fx.Graph, op: str, mode: Optional[str], region: List[fx.Node],
         _OPEN[-1].replacements = replacements
     for old, new in replacements.items():
         old.replace_all_uses_with(new)
+    inputs = {a for n in region for a in n.all_input_nodes}
     erase_dead(graph, region)
+    erase_unused_upstream(graph, inputs)
     return site
+
+
+def erase_unused_upstream(graph: fx.Graph, nodes: Iterable[fx.Node]) -> None:
+    """Erase the pure calls among ``nodes`` left without users, and then theirs: forward
+    values a replaced subgraph alone had recomputed."""
+    stack = list(nodes)
+    while stack:
+        node = stack.pop()
+        if node._erased or node.users or node.op != "call_function" or node.is_impure():
+            continue
+        stack.extend(node.all_input_nodes)
+        graph.erase_node(node)
 
 
 # -- one transaction per candidate --------------------------------------------
@@ -495,17 +532,32 @@ class Rewrites:
     Examining a candidate (:meth:`examine`, :meth:`evaluated`) or rewriting it
     (:meth:`rewrite`) may fail with any exception; that costs the candidate only: it
     becomes a miss whose reason is the error, the nodes its rewrite had inserted are
-    erased, and the other sites still fuse. With ``strict`` the error is raised
-    instead, and so is one that happens after the graph began to be rewired (the pass
-    manager's whole-graph snapshot then puts the graph back).
+    erased, the other sites still fuse, and later rounds leave it alone. With
+    ``strict`` the error is raised instead, and so is one that happens after the graph
+    began to be rewired (the pass manager's whole-graph snapshot then puts it back).
+
+    The pass runs the patterns in rounds until nothing new fuses (a site whose dy is
+    another site's dx fuses once that one is a fused op): sites accumulate over the
+    rounds, misses are the last round's plus every internal error.
     """
 
     def __init__(self, graph: fx.Graph, op: str, strict: bool = False):
         self.graph, self.op, self.strict = graph, op, strict
         self.fake_mode = fake_mode_of(graph)
         self.sites: List[Site] = []
-        self.misses: List[Miss] = []
+        self.round_misses: List[Miss] = []
+        #: candidates this round left undecided because they build on a site it matched
+        self.pending = 0
+        self.errors: List[Miss] = []
+        self._failed: set = set()  # names of the nodes whose candidates failed
         self._replaced: Dict[fx.Node, fx.Node] = {}
+
+    @property
+    def misses(self) -> List[Miss]:
+        return self.errors + self.round_misses
+
+    def begin_round(self) -> None:
+        self.round_misses, self.pending = [], 0
 
     def current(self, node: Optional[fx.Node]) -> Optional[fx.Node]:
         """The node that now holds ``node``'s value (an earlier rewrite may have replaced it)."""
@@ -513,19 +565,23 @@ class Rewrites:
             node = self._replaced[node]
         return node
 
-    def _failed(self, node, exc: Exception) -> None:
+    def _failed_at(self, node, exc: Exception) -> None:
+        name = getattr(node, "name", str(node))
         reason = f"internal error, candidate left unfused: {type(exc).__name__}: {exc}"
-        log.warning("npu_fusion: %s at %s: %s", self.op, getattr(node, "name", node), reason, exc_info=exc)
-        self.misses.append(Miss(self.op, getattr(node, "name", str(node)), reason))
+        log.warning("npu_fusion: %s at %s: %s", self.op, name, reason, exc_info=exc)
+        self._failed.add(name)
+        self.errors.append(Miss(self.op, name, reason))
 
     def examine(self, node: fx.Node, fn, *args):
         """``fn(*args)``, or None (a recorded miss) if it raises."""
+        if getattr(node, "name", None) in self._failed:
+            return None
         try:
             return fn(*args)
         except Exception as exc:
             if self.strict:
                 raise
-            self._failed(node, exc)
+            self._failed_at(node, exc)
             return None
 
     def evaluated(self, ev: "MemoEvaluator") -> None:
@@ -534,10 +590,13 @@ class Rewrites:
         for node, exc in errors:
             if self.strict:
                 raise exc
-            self._failed(node, exc)
+            if node.name not in self._failed:
+                self._failed_at(node, exc)
 
     def rewrite(self, node: fx.Node, fn, *args) -> None:
         """Run ``fn(*args)``, which returns a :class:`Site` (committed) or a :class:`Miss`."""
+        if node.name in self._failed:
+            return
         tx = Transaction()
         _OPEN.append(tx)
         try:
@@ -546,13 +605,13 @@ class Rewrites:
             if self.strict or tx.committed:
                 raise
             erase_dead(self.graph, tx.nodes)  # nothing outside them uses them yet
-            self._failed(node, exc)
+            self._failed_at(node, exc)
             return
         finally:
             _OPEN.pop()
         if isinstance(done, Miss):
             erase_dead(self.graph, tx.nodes)
-            self.misses.append(done)
+            self.round_misses.append(done)
         else:
             self.sites.append(done)
             self._replaced.update(tx.replacements)

@@ -26,6 +26,7 @@ from typing import Dict, List, Optional, Tuple
 import torch
 import torch.fx as fx
 
+from ..lowering.constraints import ROPE_MAX_D
 from . import graph_utils
 from .algebra import Number, accumulate, exact_number, graph_constant
 from .graph_utils import (MemoEvaluator, Provenance, Unsupported, aten, axis_order, is_value_preserving_cast,
@@ -54,8 +55,8 @@ Poly = Dict[Mono, Number]
 
 MAX_DEGREE = 2
 MAX_TERMS = 8
-#: the widest trailing extent worth tracking: no target accepts a RoPE head dim D > 1024
-MAX_LANES = 1024
+#: the widest trailing extent worth tracking: no target accepts a RoPE head dim D above it
+MAX_LANES = ROPE_MAX_D
 
 
 @dataclasses.dataclass
@@ -85,13 +86,17 @@ def _add(a: Poly, b: Poly, scale: Number = 1) -> Poly:
     return _bounded(out)
 
 
+class DegreeExceeded(Unsupported):
+    """A product of degree above :data:`MAX_DEGREE`: no RoPE backward term is that wide."""
+
+
 def _mul(a: Poly, b: Poly) -> Poly:
     out: Poly = {}
     for ma, ca in a.items():
         for mb, cb in b.items():
             m = tuple(sorted(ma + mb))
             if len(m) > MAX_DEGREE:
-                raise Unsupported("degree")
+                raise DegreeExceeded("degree")
             accumulate(out, m, ca * cb)
     return _bounded(out)
 
@@ -135,7 +140,8 @@ class LaneEvaluator(MemoEvaluator):
 
     def __init__(self, provenance: Optional[Provenance] = None, forced_leaves=()):
         super().__init__(provenance, forced_leaves)
-        self.reduction_leaves: Dict[fx.Node, Optional[Lanes]] = {}
+        #: nodes cut into leaves where they are used (reductions, wide factors), beside their value
+        self.cut_leaves: Dict[fx.Node, Optional[Lanes]] = {}
         self.leaf_ids: Dict[fx.Node, int] = {}
         self.leaves: List[fx.Node] = []
 
@@ -192,11 +198,12 @@ class LaneEvaluator(MemoEvaluator):
             polys.append(v.polys[_flat(src_inner, src)])
         return Lanes(inner, polys)
 
-    def _elementwise(self, node, args, combine) -> Lanes:
+    def _elementwise(self, node, args, combine, cut=()) -> Lanes:
+        """``combine`` position by position; the ``cut`` arguments are taken as leaves."""
         out_shape = shape(node)
         if out_shape is None or not out_shape:
             raise Unsupported("no shape")
-        operands = [self._operand(a, node) for a in args]
+        operands = [self._as_leaf(a) if a in cut else self._operand(a, node) for a in args]
         width = max(len(o.inner) for o in operands)
         inner = tuple(static_int(s) for s in out_shape[len(out_shape) - width:])
         if len(inner) != width or None in inner:
@@ -277,7 +284,7 @@ class LaneEvaluator(MemoEvaluator):
                 # a scaled gradient (q * scale after RoPE, SDPA's scaled q) is the pattern's dy
                 raise Unsupported("scaled input: a leaf")
         if t in (aten.mul.Tensor, aten.mul.Scalar):
-            return self._elementwise(node, args[:2], _mul)
+            return self._product(node, args[:2])
         if t in (aten.div.Tensor, aten.div.Scalar) and graph_constant(args[1]) not in (None, 0):
             inv = exact_number(1 / Fraction(graph_constant(args[1])))
             return self._elementwise(node, args[:1], lambda a: _add({}, a, inv))
@@ -433,14 +440,30 @@ class LaneEvaluator(MemoEvaluator):
             return Lanes(self._reshape(node, v).inner, v.polys, complex=_is_complex(node))
         raise Unsupported(f"complex op {t}")
 
+    def _product(self, node, args) -> Lanes:
+        """A product; where it would be wider than any RoPE term, its factors of degree two
+        or more are cut into leaves: such a factor is the pattern's dy, an expression of its
+        own (``2 * grad * y`` after ``y.square()``, ``grad * k_rot`` after ``q_rot . k_rot``,
+        a per-position scale). Cutting is always sound: a leaf is the node's own value."""
+        try:
+            return self._elementwise(node, args, _mul)
+        except DegreeExceeded:
+            wide = [a for a in args if isinstance(a, fx.Node) and _degree(self._checked(a)) >= 2]
+            return self._elementwise(node, args, _mul, cut=wide)
+
+    def _as_leaf(self, node: fx.Node) -> Lanes:
+        if node not in self.cut_leaves:
+            self.cut_leaves[node] = self._leaf(node)
+        if self.cut_leaves[node] is None:
+            raise Unsupported("no leaf")
+        return self.cut_leaves[node]
+
     def _checked(self, arg) -> Lanes:
         """The value of a node used as an operand. A reduction over leading axes (GQA's
         repeat_kv backward, a broadcast's sum) is an input here: it becomes a leaf."""
         v = self.value(arg) if isinstance(arg, fx.Node) else None
         if v is not None and v.reduction is not None:
-            if arg not in self.reduction_leaves:
-                self.reduction_leaves[arg] = self._leaf(arg)
-            v = self.reduction_leaves[arg]
+            return self._as_leaf(arg)
         if v is None:
             raise Unsupported("operand")
         return v

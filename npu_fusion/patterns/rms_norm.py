@@ -27,8 +27,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import itertools
-import math
 import operator
 from typing import Dict, List, Optional
 
@@ -38,7 +38,7 @@ import torch.fx as fx
 from ..lowering.constraints import FusedOpInputError, RMS_NORM_DTYPES, check_rms_norm_grad_inputs
 from .algebra import Expr, accumulate, graph_constant
 from .graph_utils import (Insertion, MemoEvaluator, Miss, Provenance, Rewrites, Unsupported, aten, call, cast, commit,
-                          downstream, dtype, exact_common_dtype, getitem, is_value_preserving_cast, last_of,
+                          downstream, dtype, exact_common_dtype, getitem, gradient_dependent, is_value_preserving_cast, last_of,
                           normalize_dim, outermost, outside_users, region_of, same_shape, shape,
                           static_int, val)
 
@@ -51,6 +51,14 @@ class NormValue:
     expr: Expr
     #: for a sum over leading axes: (summand node, reduced dims), else None
     lead_sum: Optional[tuple] = None
+
+
+def size_key(x):
+    """A size as a hashable value that equal sizes share: an int, or its symbolic expression."""
+    if isinstance(x, torch.SymInt):
+        expr = x.node.expr
+        return int(expr) if expr.is_number else expr
+    return x
 
 
 BINARY_OPS = {aten.add.Tensor: operator.add, aten.add.Scalar: operator.add,
@@ -67,9 +75,9 @@ class NormEvaluator(MemoEvaluator):
     NONNEGATIVE = {aten.rsqrt.default, aten.sqrt.default, aten.exp.default, aten.abs.default}
 
     def __init__(self, norm_shape, provenance: Optional[Provenance] = None, forced_leaves=()):
-        self.norm_shape = tuple(norm_shape)
+        self.norm_shape = tuple(norm_shape)  # ints or SymInts
+        self.norm_key = tuple(size_key(x) for x in norm_shape)
         self.k = len(norm_shape)
-        self.n = math.prod(norm_shape)
         super().__init__(provenance, forced_leaves)
         self.symbol_of: Dict[fx.Node, int] = {}
         self.node_of: Dict[int, fx.Node] = {}
@@ -79,6 +87,33 @@ class NormEvaluator(MemoEvaluator):
         self.sum_body: Dict[int, tuple] = {}   # a sum's symbol -> its summand monomial
         self._symbols = 0
         self._spans: Dict[tuple, Optional[bool]] = {}
+        self._by_value: Dict[Expr, List[fx.Node]] = {}
+        self._by_body: Dict[tuple, List[fx.Node]] = {}
+        self._indexed = -1
+        self._size_symbols: Dict[object, int] = {}
+        #: N, the number of normalized elements: a number, or a product of size symbols
+        self.n = functools.reduce(operator.mul, (self.size(x) for x in norm_shape), Expr.number(1))
+
+    def size(self, x) -> Expr:
+        """A (symbolic) size as an expression: a symbolic size is a symbol of its own,
+        constant along the normalized axes and positive; a product of sizes their product."""
+        key = size_key(x)
+        if isinstance(key, int):
+            return Expr.number(key)
+        factors = key.as_ordered_factors() if key.is_Mul else [key]
+        out = Expr.number(1)
+        for factor in factors:
+            base, exp = factor.as_base_exp()
+            if factor.is_Integer:
+                out = out * int(factor)
+            elif base.is_Symbol and exp.is_Integer and int(exp) > 0:
+                if base not in self._size_symbols:
+                    self._size_symbols[base] = sym = self._new_symbol()
+                    self.nonnegative.add(sym)
+                out = out * Expr.symbol(self._size_symbols[base]) ** int(exp)
+            else:
+                raise Unsupported(f"size {key}")
+        return out
 
     def _new_symbol(self) -> int:
         self._symbols += 1
@@ -86,6 +121,38 @@ class NormEvaluator(MemoEvaluator):
 
     def symbol(self, node) -> Expr:
         return Expr.symbol(self.symbol_of[node])
+
+    def value_of(self, node: Optional[fx.Node]) -> Expr:
+        """A role's value: its leaf symbol or its expression (1 for a missing gamma)."""
+        return self.memo[node].expr if node is not None else Expr.number(1)
+
+    def node_with_value(self, expr: Expr, node_shape) -> Optional[fx.Node]:
+        """The first backward-graph node of shape ``node_shape`` whose value is ``expr``."""
+        sym = expr.as_symbol()
+        if sym is not None:
+            node = self.node_of.get(sym)
+            return node if node is not None and same_shape(shape(node), node_shape) else None
+        found = [n for n in self._values()[0].get(expr, ()) if same_shape(shape(n), node_shape)]
+        return min(found) if found else None
+
+    def nodes_varying_as(self, body: tuple, node_shape) -> List[fx.Node]:
+        """Backward-graph nodes of shape ``node_shape`` whose value is one term whose factors
+        that vary along the normalized axes are ``body`` (times anything constant there)."""
+        return sorted(n for n in self._values()[1].get(body, ()) if same_shape(shape(n), node_shape))
+
+    def varying_part(self, mono) -> tuple:
+        return tuple((s, e) for s, e in mono if s in self.varying)
+
+    def _values(self):
+        """Evaluated backward-graph nodes by value, and the one-term ones by varying part."""
+        if self._indexed != len(self.memo):
+            self._by_value, self._by_body, self._indexed = {}, {}, len(self.memo)
+            for n, v in self.memo.items():
+                if v is not None and v.lead_sum is None and not self._is_forward(n):
+                    self._by_value.setdefault(v.expr, []).append(n)
+                    if len(v.expr.terms) == 1:
+                        self._by_body.setdefault(self.varying_part(next(iter(v.expr.terms))), []).append(n)
+        return self._by_value, self._by_body
 
     def spans(self, s) -> Optional[bool]:
         """True: the shape spans the normalized axes; False: it is 1 along them; None: neither."""
@@ -97,7 +164,7 @@ class NormEvaluator(MemoEvaluator):
         return self._spans[tail]
 
     def _tail_spans(self, tail) -> Optional[bool]:
-        if len(tail) == self.k and tuple(static_int(x) for x in tail) == self.norm_shape:
+        if len(tail) == self.k and tuple(size_key(x) for x in tail) == self.norm_key:
             return True
         if all(static_int(x) == 1 for x in tail):
             return False
@@ -124,6 +191,8 @@ class NormEvaluator(MemoEvaluator):
         s = graph_constant(arg)
         if s is not None:
             return Expr.number(s)
+        if isinstance(arg, fx.Node) and isinstance(arg.meta.get("val"), torch.SymInt):
+            return self.size(arg.meta["val"])  # mean's backward divides by a symbolic N
         if not isinstance(arg, fx.Node) or val(arg) is None or self.spans(val(arg).shape) is None:
             raise Unsupported("operand")
         v = self.value(arg)
@@ -135,18 +204,18 @@ class NormEvaluator(MemoEvaluator):
         """Sum of ``expr`` over the normalized index: each term's factors that vary along
         the normalized axes (its body) become one symbol ``S[body]``, the rest stay."""
         terms: Dict[tuple, object] = {}
+        constant: Dict[tuple, object] = {}  # terms with no varying factor: N times each
         for mono, coef in expr.split_terms():
             body = tuple((s, e) for s, e in mono if s in self.varying)
             const = tuple((s, e) for s, e in mono if s not in self.varying)
             if not body:
-                coef = coef * self.n
-            else:
-                if body not in self.sum_keys:
-                    sym = self._new_symbol()
-                    self.sum_keys[body], self.sum_body[sym] = sym, body
-                const = tuple(sorted(const + ((self.sum_keys[body], 1),)))
-            accumulate(terms, const, coef)
-        return Expr(terms)
+                accumulate(constant, const, coef)
+                continue
+            if body not in self.sum_keys:
+                sym = self._new_symbol()
+                self.sum_keys[body], self.sum_body[sym] = sym, body
+            accumulate(terms, tuple(sorted(const + ((self.sum_keys[body], 1),))), coef)
+        return Expr(terms) + Expr(constant) * self.n
 
     def _interpret(self, node: fx.Node, forward: bool) -> NormValue:
         t, args = node.target, node.args
@@ -169,9 +238,9 @@ class NormEvaluator(MemoEvaluator):
         if t in BINARY_OPS:
             alpha = node.kwargs.get("alpha", 1)
             a, b = self._arg(args[0]), self._arg(args[1])
-            if forward and t in (aten.add.Tensor, aten.sub.Tensor):
-                # a saved residual sum is x itself, not something to see through
-                raise Unsupported("saved sum: an input")
+            if t in (aten.add.Tensor, aten.sub.Tensor) and (forward or not self.depends_on_gradient(node)):
+                # a saved or recomputed residual sum is x itself, not something to see through
+                raise Unsupported("forward sum: an input")
             if self._is_input_arithmetic(t, args, a, b):
                 raise Unsupported("scaled input: the product is an input of the pattern")
             if t in (aten.add.Tensor, aten.sub.Tensor) and not forward and self._is_accumulation(a, b):
@@ -299,15 +368,35 @@ def match_dx(ev: NormEvaluator, node: fx.Node, expr: Expr) -> Optional[NormMatch
                 and (rank is None or len(shape(n)) == rank)]
 
     full = shape(node)
-    candidates = itertools.product(
-        leaves(plain[0], False), leaves(plain[0], True, full_shape=full),
-        leaves(plain[0], True, rank=ev.k) + [None], leaves(summed[0], True, full_shape=full))
+    stats, gammas = leaves(plain[0], False), leaves(plain[0], True, rank=ev.k) + [None]
+    candidates = itertools.product(stats, leaves(plain[0], True, full_shape=full), gammas,
+                                   leaves(summed[0], True, full_shape=full))
     for r, dy, g, x in candidates:
-        if len({r, dy, g, x}) < 4:
-            continue
-        gs = ev.symbol(g) if g is not None else Expr.number(1)
-        if expr == expected_dx(ev, ev.symbol(dy), ev.symbol(x), ev.symbol(r), gs):
+        if len({r, dy, g, x}) == 4 and expr == expected_dx(ev, ev.symbol(dy), ev.symbol(x), ev.symbol(r),
+                                                           ev.value_of(g)):
             return NormMatch(node, dy, x, r, g, ev)
+    return _match_expression_roles(ev, node, expr, stats, gammas, sums)
+
+
+def _match_expression_roles(ev: NormEvaluator, node, expr: Expr, stats, gammas, sums) -> Optional[NormMatch]:
+    """dy or x that are not leaves but any node of the right value: a gated norm's dy is
+    ``grad * gate``, a post-norm's x the previous norm's output. The plain term gives dy's
+    value, the summed body (what varies along the normalized axes of dy*g*x) x's varying
+    part; each candidate is then checked against the whole formula."""
+    (total,) = sums
+    (plain, plain_coef), = [(m, c) for m, c in expr.split_terms() if total not in _symbols(m)]
+    full = shape(node)
+    for r, g in itertools.product(stats, gammas):
+        gs = ev.value_of(g)
+        dy = ev.node_with_value(Expr({plain: plain_coef}) / (ev.symbol(r) * gs), full)
+        if dy is None or len(ev.value_of(dy).terms) != 1:
+            continue
+        known = Expr({ev.varying_part(next(iter((ev.value_of(dy) * gs).terms))): 1})
+        x_body = Expr({ev.sum_body[total]: 1}) / known
+        for x in ev.nodes_varying_as(next(iter(x_body.terms)), full):
+            if len({r, dy, g, x}) == 4 and expr == expected_dx(ev, ev.value_of(dy), ev.value_of(x),
+                                                               ev.symbol(r), gs):
+                return NormMatch(node, dy, x, r, g, ev)
     return None
 
 
@@ -349,21 +438,26 @@ def _match_root(ev: NormEvaluator, root: fx.Node, stop) -> Optional[NormMatch]:
     summands, adds = _accumulation(root, stop)
     if len(summands) < 3:
         return None
-    groups: Dict[frozenset, List[fx.Node]] = {}
-    for n in summands:
-        value = ev.memo.get(n) if isinstance(n, fx.Node) else None
-        key = _stat_leaves(ev, value.expr) if value is not None and value.lead_sum is None else frozenset()
-        groups.setdefault(key, []).append(n)
-    for key, parts in groups.items():
-        if len(key) != 1 or len(parts) < 2:
+    # dx's terms are the summands with this norm's rstd in every term (another norm's rstd
+    # may be there too: a post-norm's output is this norm's x)
+    exprs = {n: ev.memo[n].expr for n in summands if isinstance(n, fx.Node) and ev.memo.get(n) is not None
+             and ev.memo[n].lead_sum is None}
+    stats = dict.fromkeys(s for e in exprs.values() for s in sorted(_stat_leaves(ev, e)))
+    for stat in stats:
+        parts = [n for n, e in exprs.items() if all(stat in _symbols(m) for m, _ in e.split_terms())]
+        if len(parts) < 2:
             continue
-        found = match_dx(ev, root, sum((ev.memo[n].expr for n in parts), Expr.number(0)))
+        found = match_dx(ev, root, sum((exprs[n] for n in parts), Expr.number(0)))
         if found is not None:
             found.parts = parts
             found.rest = [n for n in summands if n not in parts]
             found.chain = adds
             return found
     return None
+
+
+def _dgamma_summand(ev: NormEvaluator, site: NormMatch) -> Expr:
+    return ev.value_of(site.dy) * ev.value_of(site.x) * ev.value_of(site.rstd)
 
 
 def match_dgamma(ev: NormEvaluator, node: fx.Node, site: NormMatch) -> bool:
@@ -375,7 +469,7 @@ def match_dgamma(ev: NormEvaluator, node: fx.Node, site: NormMatch) -> bool:
     rank = len(shape(summand))
     return (same_shape(shape(node), shape(site.gamma)) and same_shape(shape(summand), shape(site.dx))
             and all(d in dims or static_int(shape(summand)[d]) == 1 for d in range(rank - ev.k))
-            and v.expr == ev.symbol(site.dy) * ev.symbol(site.x) * ev.symbol(site.rstd))
+            and v.expr == _dgamma_summand(ev, site))
 
 
 #: uses between a sum over the normalized axes and the root of dx (with its accumulation)
@@ -383,8 +477,8 @@ DX_DEPTH = 9
 
 
 def _norm_reductions(graph: fx.Graph):
-    """{normalized trailing shape: [keep-dim sum/mean nodes over exactly those axes]}."""
-    found: Dict[tuple, List[fx.Node]] = {}
+    """[(normalized trailing shape, [keep-dim sum/mean nodes over exactly those axes])]."""
+    found: Dict[tuple, tuple] = {}
     for node in graph.nodes:
         if node.op != "call_function" or node.target not in (aten.sum.dim_IntList, aten.mean.dim):
             continue
@@ -396,10 +490,9 @@ def _norm_reductions(graph: fx.Graph):
         dims = sorted(normalize_dim(d, len(s)) for d in node.args[1])
         if dims != list(range(len(s) - len(dims), len(s))):
             continue
-        tail = tuple(static_int(x) for x in s[len(s) - len(dims):])
-        if None not in tail:
-            found.setdefault(tail, []).append(node)
-    return found
+        tail = tuple(s[len(s) - len(dims):])
+        found.setdefault(tuple(size_key(x) for x in tail), (tail, []))[1].append(node)
+    return found.values()
 
 
 def _lead_sums(graph: fx.Graph, rank: int) -> List[fx.Node]:
@@ -418,8 +511,13 @@ def find_sites(graph: fx.Graph, provenance, forced_leaves=(), rewrites: Optional
     examining one candidate is recorded in ``rewrites`` (raised without it)."""
     rewrites = rewrites if rewrites is not None else Rewrites(graph, OP, strict=True)
     matches, misses = [], []
-    for norm_shape, reductions in _norm_reductions(graph).items():
-        ev = NormEvaluator(norm_shape, provenance, forced_leaves)
+    gradient = gradient_dependent(graph)
+    for norm_shape, reductions in _norm_reductions(graph):
+        try:
+            ev = NormEvaluator(norm_shape, provenance, forced_leaves)
+        except Unsupported:  # a symbolic N that is not a product of sizes
+            continue
+        ev.gradient_nodes = gradient
         # dx is a few uses after a sum over the normalized axes; evaluation is lazy from there
         nodes = [n for n in downstream(graph, reductions, DX_DEPTH) if n.op == "call_function"
                  and val(n) is not None and val(n).dtype.is_floating_point]
@@ -433,7 +531,7 @@ def find_sites(graph: fx.Graph, provenance, forced_leaves=(), rewrites: Optional
                 lead_sums.setdefault(frozenset(v.expr.free_symbols), []).append(n)
         found, stop = [], set()
         for n in nodes:
-            if ev.spans(shape(n)):
+            if ev.spans(shape(n)) and ev.depends_on_gradient(n):
                 m = rewrites.examine(n, _match_root, ev, n, stop)
                 if m is not None:
                     found.append(m)
@@ -445,23 +543,27 @@ def find_sites(graph: fx.Graph, provenance, forced_leaves=(), rewrites: Optional
             if site.rstd in seen:  # one RMSNorm, one site: an accumulation root found twice
                 continue
             seen.add(site.rstd)
-            leaves = frozenset(ev.symbol_of[n] for n in (site.dy, site.x, site.rstd))
+            leaves = frozenset(_dgamma_summand(ev, site).free_symbols)
             grads = [n for n in lead_sums.get(leaves, ()) if rewrites.examine(n, match_dgamma, ev, n, site)]
             grads = outermost(grads)
             if len(grads) == 1:
                 site.dgamma = grads[0]
             matches.append(site)
-        misses += rewrites.examine(graph, _near_misses, ev, nodes, [m for m in matches if m.ev is ev]) or []
+        misses += rewrites.examine(graph, _near_misses, ev, nodes, [m for m in matches if m.ev is ev],
+                                   rewrites) or []
         rewrites.evaluated(ev)
     return matches, misses
 
 
-def _near_misses(ev: NormEvaluator, nodes, matched: List[NormMatch]) -> List[Miss]:
-    """Nodes that sum over the normalized axes once, as an RMSNorm dx does, yet matched nothing."""
-    done = set()
+def _near_misses(ev: NormEvaluator, nodes, matched: List[NormMatch], rewrites: Rewrites) -> List[Miss]:
+    """Nodes that sum over the normalized axes once, as an RMSNorm dx does, yet matched nothing.
+    One built on a matched site's sum outside that site (a post-norm whose dy is the next
+    norm's dx) is pending: the next round, with that site fused, decides it."""
+    done, inside = set(), set()
     for site in matched:
-        g = ev.symbol(site.gamma) if site.gamma is not None else Expr.number(1)
-        done |= ev.sum_over_normalized(ev.symbol(site.dy) * g * ev.symbol(site.x)).free_symbols
+        summand = ev.value_of(site.dy) * ev.value_of(site.gamma) * ev.value_of(site.x)
+        done |= ev.sum_over_normalized(summand).free_symbols
+        inside.update(_region(site, {"dx": site.dx}))
     suspects = []
     for n in nodes:
         v = ev.memo.get(n)
@@ -480,6 +582,8 @@ def _near_misses(ev: NormEvaluator, nodes, matched: List[NormMatch]) -> List[Mis
             continue
         if not sums & done and len(v.expr.terms) >= 2:
             suspects.append(n)
+        elif sums & done and n not in inside:
+            rewrites.pending += 1
     outer = outermost(suspects)
     return [Miss(OP, n.name, "normalizes over the last axes like an RMSNorm dx, but its terms differ from "
                              "rstd*dy*g - rstd**3*x*sum(dy*g*x)/N (eps outside the root, another "
@@ -513,16 +617,20 @@ def target_problem(target: str, compute: torch.dtype, gamma_dtype: torch.dtype) 
 
 def _region(site: NormMatch, outputs) -> List[fx.Node]:
     roles = {n for n in site.roles if n is not None}
-    interior = lambda n: n in site.ev.interpreted and n not in roles and n not in site.rest  # noqa: E731
+    ev = site.ev
+    interior = lambda n: (n in ev.interpreted and n not in roles and n not in site.rest  # noqa: E731
+                          and ev.depends_on_gradient(n))
     region = region_of(list(site.parts) + [o for k, o in outputs.items() if k != "dx"], interior)
     return list(dict.fromkeys(region + site.chain + [site.dx]))
 
 
-def rewrite(graph: fx.Graph, target: str, provenance: Optional[Provenance] = None, strict: bool = False):
-    """Rewrite every RMSNorm backward site in ``graph``; returns (sites, misses)."""
-    rewrites = Rewrites(graph, OP, strict)
+def rewrite(graph: fx.Graph, target: str, provenance: Optional[Provenance] = None, strict: bool = False,
+            rewrites: Optional[Rewrites] = None):
+    """Rewrite every RMSNorm backward site in ``graph`` (one round, recorded in ``rewrites``);
+    returns (sites, misses) so far."""
+    rewrites = rewrites if rewrites is not None else Rewrites(graph, OP, strict)
     found, misses = find_sites(graph, provenance, rewrites=rewrites)
-    rewrites.misses += misses
+    rewrites.round_misses += misses
     for site in found:
         rewrites.rewrite(site.dx, _rewrite_site, rewrites, site, provenance, target)
     return rewrites.sites, rewrites.misses
@@ -561,6 +669,9 @@ def _emit(rewrites: Rewrites, site: NormMatch, outputs, region, target, provenan
         rstd = cast(graph, fake_mode, site.rstd, torch.float32)
         gamma = cast(graph, fake_mode, site.gamma, gamma_dtype) if site.gamma is not None else None
         if gamma is None:
+            if not all(isinstance(x, int) for x in site.ev.norm_shape):
+                return Miss(OP, site.dx.name, "a norm without weight over a symbolic size: mark the "
+                                              "hidden size static")
             gamma = call(graph, fake_mode, aten.full.default, (list(site.ev.norm_shape), 1.0),
                          {"dtype": compute, "device": val(site.dy).device})
         try:

@@ -24,16 +24,18 @@ wrong split point, a swapped table) simply do not match.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from typing import Dict, List, Optional, Tuple
 
 import torch
 import torch.fx as fx
 
-from ..lowering.constraints import FLOAT_DTYPES, ROPE_MODES, rope_divisor
+from ..lowering.constraints import (FLOAT_DTYPES, ROPE_MAX_D, ROPE_MODES, FusedOpInputError,
+                                   check_rope_grad_inputs, rope_divisor)
 from .graph_utils import (Insertion, Miss, Provenance, Rewrites, aten, axis_order, call, cast, commit, downstream,
-                          dtype, exact_common_dtype, getitem, last_of, outermost, outside_users, region_of,
-                          same_shape, same_size, shape, static_int)
+                          dtype, exact_common_dtype, getitem, gradient_dependent, last_of, outermost, outside_users, region_of,
+                          same_shape, same_size, shape, static_int, val)
 from .lanes import Lanes, LaneEvaluator, MAX_LANES
 
 OP = "rotary_position_embedding_grad"
@@ -91,10 +93,16 @@ def _mono(a, b):
     return tuple(sorted((a, b)))
 
 
-def expected_dx(mode: int, d: int, dy: Role, cos: Role, sin: Role):
-    roles = {"cos": cos, "sin": sin}
-    return [{_mono((dy[0], dy[1][yp]), (roles[t][0], roles[t][1][tp])): c for c, yp, t, tp in lane}
+def expected_dx(mode: int, d: int, dy: Role, cos: Role, sin: Role, signs=(1, 1)):
+    """dx's polynomials with the tables' leaf positions (each table times its sign)."""
+    roles, sign = {"cos": cos, "sin": sin}, {"cos": signs[0], "sin": signs[1]}
+    return [{_mono((dy[0], dy[1][yp]), (roles[t][0], roles[t][1][tp])): c * sign[t] for c, yp, t, tp in lane}
             for lane in dx_terms(mode, d)]
+
+
+#: a table may be a leaf or its negation: nanochat rotates by ``cat(x2, -x1)``, which is
+#: mode 0 with sin negated
+TABLE_SIGNS = ((1, 1), (1, -1), (-1, 1), (-1, -1))
 
 
 def expected_table(mode: int, d: int, which: str, dy: Role, x: Role):
@@ -148,8 +156,8 @@ def target_problem(target: str, mode: int, dy_node, cos_node, with_x: bool, comp
     if target == "generic":
         return None
     if target == "950":
-        if d > 1024:
-            return f"Ascend 950 needs D <= 1024, got {d}"
+        if d > ROPE_MAX_D:
+            return f"Ascend 950 needs D <= {ROPE_MAX_D}, got {d}"
         if len(dy_shape) not in (3, 4):
             return f"Ascend 950 supports dy layouts BNSD, BSND, SBND and TND, got rank {len(dy_shape)}"
         if len(dy_shape) == 3 and not (len(cos_shape) == 3 and same_size(cos_shape[0], dy_shape[0])
@@ -177,10 +185,12 @@ class RopeMatch:
     dcos: Optional[fx.Node] = None
     dsin: Optional[fx.Node] = None
     x: Optional[Role] = None
+    #: (cos, sin): -1 where the fused op's table is the leaf negated
+    signs: Tuple[int, int] = (1, 1)
 
     @property
     def key(self):
-        return (self.mode, self.dy, self.cos, self.sin)
+        return (self.mode, self.dy, self.cos, self.sin, self.signs)
 
 
 def _offsets(v: Lanes, lid: int) -> int:
@@ -232,8 +242,9 @@ def match_dx(ev: LaneEvaluator, node: fx.Node) -> Optional[RopeMatch]:
             if tables is None or dy_lid in (tables[0][0], tables[1][0]):
                 continue
             cos, sin = tables
-            if _polys_equal(v.polys, expected_dx(mode, d, dy, cos, sin)):
-                return RopeMatch(mode, node, dy, cos, sin)
+            for signs in TABLE_SIGNS:
+                if _polys_equal(v.polys, expected_dx(mode, d, dy, cos, sin, signs)):
+                    return RopeMatch(mode, node, dy, cos, sin, signs=signs)
     return None
 
 
@@ -306,6 +317,23 @@ def _candidates(graph: fx.Graph):
             yield node
 
 
+def _symbolic_last_axis(ev: LaneEvaluator, seeds) -> List[Miss]:
+    """Gradients moved along a symbolic last axis and then summed, as a RoPE dx does: the
+    match is proved position by position, which needs a static head dim, so such a site
+    cannot fuse; say so rather than leave it unexplained."""
+    sums = {}
+    for seed in seeds:
+        if shape(seed) and static_int(shape(seed)[-1]) is None and ev.depends_on_gradient(seed):
+            for user in downstream(seed.graph, [seed], 2):
+                if user.target in (aten.add.Tensor, aten.sub.Tensor) and user is not seed:
+                    sums[user] = None
+                    break
+    return [Miss(OP, n.name, "gradients moved along a symbolic last axis, as a RoPE dx does: the pass "
+                             "proves RoPE per position of a static head dim; mark only batch and "
+                             "sequence dynamic (dynamic=True also made the head dim symbolic)")
+            for n in outermost(list(sums))]
+
+
 def _looks_like_dx(v: Optional[Lanes]) -> bool:
     """Two products of two leaf elements per position, one leaf read at two positions
     (a rotation): the shape of a RoPE dx. Softmax's backward has two products but no
@@ -356,12 +384,14 @@ def find_sites(graph: fx.Graph, provenance: Optional[Provenance], forced_leaves=
     error while examining one candidate is recorded in ``rewrites`` (raised without it)."""
     rewrites = rewrites if rewrites is not None else Rewrites(graph, OP, strict=True)
     ev = LaneEvaluator(provenance, forced_leaves)
+    ev.gradient_nodes = gradient_dependent(graph)
     seeds = [n for n in graph.nodes if _moves_elements(n)]
     near = set(downstream(graph, seeds, DX_DEPTH))
     nodes = [n for n in _candidates(graph) if n in near]
     for node in nodes:
         ev.value(node)
-    looks = [n for n in nodes if _looks_like_dx(ev.memo.get(n))]
+    # a forward value recomputed in the backward (checkpointing) can look like a dx: it is none
+    looks = [n for n in nodes if ev.depends_on_gradient(n) and _looks_like_dx(ev.memo.get(n))]
     matches = [m for m in (rewrites.examine(n, match_dx, ev, n) for n in looks) if m is not None]
     matches = outermost(matches, node=lambda m: m.dx, same=lambda a, b: a.key == b.key)
     # a match inside another's subgraph (mode 0 on DeepSeek's de-interleaved q, under
@@ -385,6 +415,8 @@ def find_sites(graph: fx.Graph, provenance: Optional[Provenance], forced_leaves=
     for site in matches:
         if not all(r[1] == tuple(range(static_int(shape(ev.leaves[r[0]])[-1]))) for r in (site.cos, site.sin)):
             continue  # dcos/dsin are grads of whole tables; rebuilt tables have none in the graph
+        if site.signs != (1, 1):
+            continue  # the graph's table gradients are of the leaves, not of the negated tables
         tables: Dict[str, List[Tuple[fx.Node, Role]]] = {"cos": [], "sin": []}
         for node in tables_by_leaf.get(site.dy[0], ()):
             for which in ("cos", "sin"):
@@ -409,10 +441,14 @@ def find_sites(graph: fx.Graph, provenance: Optional[Provenance], forced_leaves=
         region = region_of([n], lambda r: r is n or (r in ev.interpreted and r not in outputs))
         return any(a in outputs for r in region for a in r.all_input_nodes)
 
-    unmatched = [n for n in looks if n not in matched and not built_on_match(n)]
+    unmatched = [n for n in looks if n not in matched]
+    built_on = [n for n in unmatched if built_on_match(n)]
+    rewrites.pending += len(built_on)  # decided next round, once the site below is fused
+    unmatched = [n for n in unmatched if n not in built_on]
     misses = [Miss(OP, n.name, "two products per element like a RoPE dx, but no mode's formula "
                                "(signs, split points or tables differ)")
               for n in outermost(unmatched)]
+    misses += _symbolic_last_axis(ev, seeds)
     rewrites.evaluated(ev)
     return ev, matches, misses
 
@@ -456,11 +492,13 @@ class TableLayoutError(Exception):
     pass
 
 
-def rewrite(graph: fx.Graph, target: str, provenance: Optional[Provenance] = None, strict: bool = False):
-    """Rewrite every RoPE backward site in ``graph``; returns (sites, misses)."""
-    rewrites = Rewrites(graph, OP, strict)
+def rewrite(graph: fx.Graph, target: str, provenance: Optional[Provenance] = None, strict: bool = False,
+            rewrites: Optional[Rewrites] = None):
+    """Rewrite every RoPE backward site in ``graph`` (one round, recorded in ``rewrites``);
+    returns (sites, misses) so far."""
+    rewrites = rewrites if rewrites is not None else Rewrites(graph, OP, strict)
     ev, matches, misses = find_sites(graph, provenance, rewrites=rewrites)
-    rewrites.misses += misses
+    rewrites.round_misses += misses
     for site in matches:
         rewrites.rewrite(site.dx, _rewrite_site, rewrites, ev, site, provenance, target)
     return rewrites.sites, rewrites.misses
@@ -490,7 +528,8 @@ def _rewrite_site(rewrites: Rewrites, ev: LaneEvaluator, site: RopeMatch, proven
 def _region(ev: LaneEvaluator, site: RopeMatch, outputs) -> List[fx.Node]:
     """The interpreted nodes between the site's outputs and its role leaves."""
     roles = {ev.leaves[r[0]] for r in (site.dy, site.cos, site.sin, site.x) if r is not None}
-    return region_of(outputs.values(), lambda n: n in ev.interpreted and n not in roles)
+    return region_of(outputs.values(), lambda n: n in ev.interpreted and n not in roles
+                     and ev.depends_on_gradient(n))
 
 
 def _same_tables(a: RopeMatch, b: RopeMatch) -> bool:
@@ -514,6 +553,9 @@ def _emit(rewrites: Rewrites, ev, site: RopeMatch, outputs, region, target):
                                            (x_leaf, site.x))]
         except TableLayoutError as exc:
             return Miss(OP, site.dx.name, str(exc))
+        for i, sign in ((1, site.signs[0]), (2, site.signs[1])):
+            if sign < 0:
+                operands[i] = call(graph, fake_mode, aten.neg.default, (operands[i],))
         compute = exact_common_dtype(dtype(n) for n in operands if n is not None)
         dy, cos, sin, x = (cast(graph, fake_mode, n, compute) if n is not None else None for n in operands)
         problem = target_problem(target, site.mode, dy, cos, x is not None, compute)
@@ -521,6 +563,11 @@ def _emit(rewrites: Rewrites, ev, site: RopeMatch, outputs, region, target):
             problem = f"x {list(shape(x))} and dy {list(shape(dy))} have different shapes"
         if problem is not None:
             return Miss(OP, site.dx.name, problem)
+        try:
+            with fake_mode if fake_mode is not None else contextlib.nullcontext():
+                check_rope_grad_inputs(val(dy), val(cos), val(sin), val(x) if x is not None else None, site.mode)
+        except FusedOpInputError as exc:
+            return Miss(OP, site.dx.name, str(exc))
         fused = call(graph, fake_mode, torch.ops.npu_fusion.rotary_position_embedding_grad.default,
                      (dy, cos, sin, x, site.mode))
         replacements = {}

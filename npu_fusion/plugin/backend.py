@@ -15,7 +15,7 @@ from torch._dynamo.backends.common import aot_autograd
 from torch._functorch.aot_autograd import make_boxed_func
 
 from .options import FusionOptions
-from .pass_manager import fuse_backward
+from .pass_manager import fuse_backward, in_compiled_autograd
 
 
 def _on_npu_host() -> bool:
@@ -45,31 +45,45 @@ def _decompositions(name: str):
 
 
 def aot_backend(options: FusionOptions, around_pass: Optional[Callable] = None):
-    """AOTAutograd with the pass on each backward graph, the forward graph of the same
-    partition passed along for provenance.
+    """AOTAutograd with the pass on each backward graph, run as soon as the partitioner
+    has split the joint graph, with the forward graph of the same partition for
+    provenance.
+
+    Running it at the partition rather than in the backward compiler means the
+    backward graph is fused whichever way it then runs: compiled lazily on the first
+    backward, or inlined into a compiled-autograd graph (which no longer tells which
+    saved tensors were the same forward value). A compiled-autograd graph that reaches
+    this backend is rewritten too, as a backward.
 
     ``around_pass(bw_gm, run)``, if given, wraps the pass call (the report, the tests and
     the benchmarks record graphs or time it); ``run()`` runs the pass and returns its
     :class:`~npu_fusion.plugin.pass_manager.FusionResult`.
     """
-    forward_graphs = []
+    partition = _partition_fn(options.partitioner)
 
-    def fw_compiler(fw_gm, _inputs):
-        forward_graphs.append(fw_gm.graph)
-        return make_boxed_func(fw_gm.forward)
-
-    def bw_compiler(bw_gm, _inputs):
+    def fuse(bw_gm, forward):
         def run():
-            return fuse_backward(bw_gm, options, forward=forward_graphs[-1] if forward_graphs else None)
+            return fuse_backward(bw_gm, options, forward=forward)
 
         if around_pass is None:
             run()
         else:
             around_pass(bw_gm, run)
+
+    def partition_fn(joint, joint_inputs, **kwargs):
+        fw_gm, bw_gm = partition(joint, joint_inputs, **kwargs)
+        fuse(bw_gm, fw_gm.graph)
+        return fw_gm, bw_gm
+
+    def fw_compiler(fw_gm, _inputs):
+        if in_compiled_autograd():  # the whole backward, compiled as an inference graph
+            fuse(fw_gm, None)
+        return make_boxed_func(fw_gm.forward)
+
+    def bw_compiler(bw_gm, _inputs):
         return make_boxed_func(bw_gm.forward)
 
-    return aot_autograd(fw_compiler=fw_compiler, bw_compiler=bw_compiler,
-                        partition_fn=_partition_fn(options.partitioner),
+    return aot_autograd(fw_compiler=fw_compiler, bw_compiler=bw_compiler, partition_fn=partition_fn,
                         decompositions=_decompositions(options.decompositions))
 
 

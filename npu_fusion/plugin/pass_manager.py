@@ -20,7 +20,7 @@ import torch.fx as fx
 
 from ..patterns import rms_norm as rms_norm_patterns
 from ..patterns import rope as rope_patterns
-from ..patterns.graph_utils import Miss, Provenance, Site
+from ..patterns.graph_utils import Miss, Provenance, Rewrites, Site
 from .logs import dump_graph, log
 from .options import FusionOptions
 
@@ -124,7 +124,16 @@ def _compile_id():
 
 
 def is_backward_graph(gm: fx.GraphModule) -> bool:
-    return any(n.op == "placeholder" and n.name.startswith("tangents") for n in gm.graph.nodes)
+    """A graph the pass rewrites: AOTAutograd's backward (it has ``tangents`` inputs), or
+    the graph of a compiled-autograd compilation (the whole backward, compiled as a
+    forward: torchtitan and FSDP2 users turn it on to overlap communication)."""
+    return in_compiled_autograd() or any(n.op == "placeholder" and n.name.startswith("tangents")
+                                         for n in gm.graph.nodes)
+
+
+def in_compiled_autograd() -> bool:
+    key = _compile_id()
+    return getattr(key, "compiled_autograd_id", None) is not None
 
 
 def remember_forward(gm: fx.GraphModule) -> None:
@@ -164,14 +173,7 @@ def fuse_backward(gm: fx.GraphModule, options: Union[FusionOptions, Mapping, Non
     try:
         snapshot = Snapshot(graph)
         provenance = Provenance(forward, graph)
-        if options.rms_norm:
-            sites, misses = rms_norm_patterns.rewrite(graph, target, provenance, strict=options.strict)
-            result.sites += sites
-            result.misses += misses
-        if options.rope:
-            sites, misses = rope_patterns.rewrite(graph, target, provenance, strict=options.strict)
-            result.sites += sites
-            result.misses += misses
+        result.sites, result.misses = _rewrite_in_rounds(graph, options, target, provenance)
         graph.lint()
         if result.sites:
             gm.recompile()
@@ -208,6 +210,29 @@ def fuse_backward(gm: fx.GraphModule, options: Union[FusionOptions, Mapping, Non
         dump_graph(f"npu_fusion: backward graph after the pass ({result.nodes_after} nodes):", gm)
     HISTORY.append(result)
     return result
+
+
+#: rounds of the patterns over one graph: each round can only fuse sites whose dy was
+#: another site's dx in the round before, and models chain at most a few such sites
+MAX_ROUNDS = 4
+
+
+def _rewrite_in_rounds(graph: fx.Graph, options: FusionOptions, target: str, provenance: Provenance):
+    """Run the enabled patterns (RMSNorm first: a norm's dx is often RoPE's dy) until a
+    round fuses nothing new or leaves no candidate undecided: a site whose dy is the
+    expression of another site's dx (post- and sandwich norms) fuses once that one is
+    a fused op."""
+    patterns = [(module, Rewrites(graph, module.OP, options.strict)) for module, enabled in (
+        (rms_norm_patterns, options.rms_norm), (rope_patterns, options.rope)) if enabled]
+    for _ in range(MAX_ROUNDS):
+        fused = sum(len(rewrites.sites) for _, rewrites in patterns)
+        for module, rewrites in patterns:
+            rewrites.begin_round()
+            module.rewrite(graph, target, provenance, rewrites=rewrites)
+        undecided = any(r.round_misses or r.pending for _, r in patterns)
+        if sum(len(r.sites) for _, r in patterns) == fused or not undecided:
+            break
+    return ([s for _, r in patterns for s in r.sites], [m for _, r in patterns for m in r.misses])
 
 
 def make_torchair_pass(options: Union[FusionOptions, Mapping, None] = None):
