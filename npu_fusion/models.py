@@ -27,6 +27,9 @@ class TinyConfig:
     rope: str = "half"
     rope_theta: float = 10000.0
     eps: float = 1e-6
+    #: activation checkpointing of each block: "none", "full" (recompute the whole block in the
+    #: backward) or "selective" (save the matmul outputs, recompute the rest)
+    checkpoint: str = "none"
 
     @property
     def head_dim(self) -> int:
@@ -143,8 +146,18 @@ class TinyDecoder(nn.Module):
         positions = torch.arange(ids.shape[1], device=ids.device).unsqueeze(0).expand(ids.shape[0], -1)
         cos, sin = self.rotary(x, positions)
         for layer in self.layers:
-            x = layer(x, cos, sin)
+            x = self._run(layer, x, cos, sin)
         return self.lm_head(self.norm(x))
+
+    def _run(self, layer, x, cos, sin):
+        if self.config.checkpoint == "none":
+            return layer(x, cos, sin)
+        from torch.utils.checkpoint import checkpoint
+
+        kwargs = {}
+        if self.config.checkpoint == "selective":
+            kwargs["context_fn"] = _save_matmuls
+        return checkpoint(layer, x, cos, sin, use_reentrant=False, **kwargs)
 
     def loss(self, ids):
         logits = self(ids)
@@ -157,6 +170,19 @@ class TinyDecoder(nn.Module):
                 "rotary_position_embedding_grad": 2 * self.config.num_layers}
 
 
+def _save_matmuls():
+    """Selective activation checkpointing: keep matmul outputs, recompute everything else."""
+    from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+    def policy(_ctx, op, *_args, **_kwargs):
+        return CheckpointPolicy.MUST_SAVE if op in (torch.ops.aten.mm.default, torch.ops.aten.bmm.default) \
+            else CheckpointPolicy.PREFER_RECOMPUTE
+
+    return create_selective_checkpoint_contexts(policy)
+
+
+CHECKPOINTING = ("none", "full", "selective")
+
 BUNDLED = {
     "llama": TinyConfig(rope="half"),
     "gptj": TinyConfig(rope="interleave"),
@@ -167,6 +193,8 @@ BUNDLED = {
 def bundled(name: str, num_layers: int = 2, dtype=torch.float32, seed: int = 0, **overrides) -> TinyDecoder:
     if name not in BUNDLED:
         raise ValueError(f"unknown bundled model {name!r}; choose from {sorted(BUNDLED)}")
+    if overrides.get("checkpoint", "none") not in CHECKPOINTING:
+        raise ValueError(f"unknown checkpointing {overrides['checkpoint']!r}; choose from {CHECKPOINTING}")
     config = dataclasses.replace(BUNDLED[name], num_layers=num_layers, **overrides)
     torch.manual_seed(seed)
     model = TinyDecoder(config)
