@@ -124,6 +124,20 @@ def test_transformers_model_counted_independently(capsys):
     assert r["gradients"]["passed"]
 
 
+@pytest.mark.parametrize("argv", [("--checkpointing", "full"), ("--checkpointing", "selective"),
+                                  ("--compiled-autograd",), ("--hf", "llama", "--checkpointing", "full")],
+                         ids=["full", "selective", "compiled-autograd", "transformers-full"])
+def test_checkpointing_and_compiled_autograd(capsys, argv):
+    if "--hf" in argv:
+        pytest.importorskip("transformers")
+    status, r, _ = run_json(capsys, "--layers", "1", "--target", "generic", *argv)
+    assert status == 0 and not r["pass_errors"]
+    # the expected counts are the forward's (a checkpointed forward running again is not counted)
+    assert r["ops"][RMS]["expected"] == 3 and r["ops"][ROPE]["expected"] == 2
+    assert r["ops"][RMS]["fused"] == 3 and r["ops"][ROPE]["fused"] == 2
+    assert not r["misses"] and r["gradients"]["passed"]
+
+
 def test_unknown_transformers_model_is_a_usage_error(capsys):
     pytest.importorskip("transformers")
     assert report.run(parse("--hf", "no_such_model_type")) == report.EXIT_USAGE

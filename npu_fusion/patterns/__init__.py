@@ -17,6 +17,9 @@ FORMS = [
     ("rotary_position_embedding_grad", "layouts BNSD, BSND, SBND, TND; cos/sin 11SD, B1SD, BNSD, 1S1D, BS1D, BSND, S11D, SB1D, T1D, TND, [S, D]", "`unsqueeze_dim=1/2`, packed sequences"),
     ("rotary_position_embedding_grad", "cos/sin requiring grad: x passed, dcos/dsin wired", "learned or scaled tables; q and k sharing them"),
     ("rotary_position_embedding_grad", "output scaled by a constant before use", "`q * scale`, SDPA's math path"),
+    ("rotary_position_embedding_grad", "a dy that is itself computed: output used elementwise, scaled per position", "`q_rot . k_rot`, `q.square()`, Llama 4's L2 qk-norm, Ministral 3's q scaling"),
+    ("rotary_position_embedding_grad", "a table negated as a whole (`cat(x2, -x1)`: mode 0 with sin negated)", "nanochat"),
+    ("rotary_position_embedding_grad", "inside training graphs: activation checkpointing (full, selective), compiled autograd, DDP, FSDP2", "torchtitan, transformers' `gradient_checkpointing_enable`"),
     ("rms_norm_grad", "fp32 statistics, `weight * x.to(dtype)`", "HF `LlamaRMSNorm` and its copies"),
     ("rms_norm_grad", "`torch.nn.RMSNorm`, `F.rms_norm`, with or without weight", "PyTorch"),
     ("rms_norm_grad", "`x * (1 + weight)` in fp32", "Gemma"),
@@ -25,6 +28,11 @@ FORMS = [
     ("rms_norm_grad", "dx summed into the residual gradient (no cast in between)", "fp32 models"),
     ("rms_norm_grad", "rstd saved by the partitioner or recomputed in the backward", "default and min-cut partitioners"),
     ("rms_norm_grad", "output scaled by a constant before use", "MiniCPM3's logits scaling"),
+    ("rms_norm_grad", "gated norms: `norm(x) * gate` (dy = grad * gate)", "Qwen3-Next, Qwen3.5, Kimi `o_norm`"),
+    ("rms_norm_grad", "post- and sandwich norms: dy is another norm's dx, x another norm's output", "Gemma 2/3, OLMo 2/3, GLM-4, EXAONE 4, nanochat"),
+    ("rms_norm_grad", "x a computed value (`norm(relu(g)**2 * up)`)", "BitNet"),
+    ("rms_norm_grad", "symbolic hidden size (`dynamic=True` with the size from an input)", "dynamic shapes"),
+    ("rms_norm_grad", "inside training graphs: activation checkpointing (full, selective), compiled autograd, DDP, FSDP2", "torchtitan, transformers' `gradient_checkpointing_enable`"),
 ]
 
 

@@ -89,7 +89,73 @@ CAST_TARGETS = {
 
 
 def is_value_preserving_cast(node: fx.Node) -> bool:
-    """Casts between float dtypes, copies and aliases: the identity in real arithmetic."""
+    """A float cast, copy or alias that changes no value: to a dtype that holds every value
+    of its source, or back to the dtype its source was widened from (``x.float().to(x.dtype)``).
+    Any other float cast rounds; the evaluators see through it (they compute in real
+    arithmetic) and remember it (``MemoEvaluator.rounded``, :func:`rounding_problem`)."""
+    if not is_float_cast(node):
+        return False
+    out = dtype(node)
+    if out.is_complex:
+        return True
+    origin = node.args[0]
+    while True:
+        if _holds(out, dtype(origin)):
+            return True
+        if not (is_float_cast(origin) and _holds(dtype(origin), dtype(origin.args[0]))):
+            return False
+        origin = origin.args[0]
+
+
+def rounding_problem(ev: "MemoEvaluator", nodes: Iterable[fx.Node], roles: Iterable[fx.Node]) -> Optional[str]:
+    """Why a site cannot fuse because the program rounds a value inside it more coarsely than
+    any of its inputs is stored (``x.to(bf16)`` in a float32 program), which the fused op
+    would not do; None when every such cast is to a dtype an input already has (a bf16 or
+    fp16 model rounds to its own dtype everywhere: that is its precision, not a step)."""
+    stored = {native_dtype(n, ev.provenance) for n in roles if n is not None}
+    coarse = sorted({str(d) for n in nodes if n is not None for d in ev.rounded_inside(n)
+                     if not any(_holds(d, s) for s in stored)})
+    if coarse:
+        return (f"the program rounds a value inside the site to {', '.join(coarse)} (a narrowing cast) "
+                f"more coarsely than its inputs are stored; the fused op would not round it")
+    return None
+
+
+def native_dtype(node: fx.Node, provenance: Optional["Provenance"] = None) -> torch.dtype:
+    """The dtype a value was stored in before a widening cast (a bf16 activation upcast to
+    float32 and saved for the backward is bf16 data)."""
+    definition = node
+    if node.op == "placeholder" and provenance is not None:
+        definition = provenance.forward_definition(node) or node
+    while is_float_cast(definition) and is_value_preserving_cast(definition):
+        definition = definition.args[0]
+    return dtype(definition) if dtype(definition) is not None else dtype(node)
+
+
+def replacement_of(graph: fx.Graph, fake_mode, result: fx.Node, old: fx.Node) -> fx.Node:
+    """What replaces output ``old``: a fused op's ``result``, cast as the program casts the
+    value it computes on its way to ``old`` (the float casts ending at ``old``), so every
+    rounding the program does there happens here too; in ``old``'s shape."""
+    chain = []
+    while is_float_cast(old):
+        chain.append(old)
+        old = old.args[0]
+    matched = old
+    dtypes = [dtype(matched)] + [dtype(c) for c in reversed(chain)]
+    precision = dtype(result)
+    for d in dtypes[:-1]:  # keep the casts that round; widening ones change no value
+        if not _holds(d, precision):
+            result, precision = cast(graph, fake_mode, result, d), d
+    result = cast(graph, fake_mode, result, dtypes[-1])
+    target = chain[0] if chain else matched
+    if not same_shape(shape(result), shape(target)):
+        result = call(graph, fake_mode, aten.view.default, (result, list(shape(target))))
+    return result
+
+
+def is_float_cast(node: fx.Node) -> bool:
+    """Casts between float dtypes, copies and aliases: the identity in real arithmetic, up
+    to the rounding of a narrowing cast."""
     if node.op != "call_function" or node.target not in CAST_TARGETS:
         return False
     src, out = node.args[0] if node.args else None, node
@@ -181,6 +247,10 @@ class MemoEvaluator:
         #: (node, exception) of evaluator failures other than Unsupported: each costs only
         #: its node, which stays opaque (a leaf), and is reported as a miss by the caller
         self.errors: List[tuple] = []
+        #: the dtypes each value was rounded to by narrowing casts the evaluation saw through
+        #: (casts are identities of real arithmetic; a site whose inputs were rounded more
+        #: coarsely than the fused op computes is refused, see :func:`rounding_problem`)
+        self.rounded: Dict[fx.Node, frozenset] = {}
         #: :func:`gradient_dependent` of the graph (None: not known, every node may be)
         self.gradient_nodes: Optional[set] = None
 
@@ -199,6 +269,7 @@ class MemoEvaluator:
             saved = self.provenance.saved_in_backward(node)
             if saved is not None:
                 self.memo[node] = result = self.value(saved)
+                self.rounded[node] = self.rounded.get(saved, frozenset())
                 return result
         if node not in self.forced_leaves:
             definition = node
@@ -209,6 +280,8 @@ class MemoEvaluator:
                     result = self._interpret(definition, forward=definition is not node or self._is_forward(node))
                     if definition is node:
                         self.interpreted.add(node)
+                    if result is not None:
+                        self.rounded[node] = self._rounding(definition)
                 except Unsupported:
                     result = None
                     if self._is_forward(node):
@@ -222,6 +295,20 @@ class MemoEvaluator:
             result = self._leaf(node)
         self.memo[node] = result
         return result
+
+    def _rounding(self, definition: fx.Node) -> frozenset:
+        """The dtypes a value was rounded to on its way, by narrowing casts seen through."""
+        out = frozenset().union(*(self.rounded.get(a, frozenset()) for a in definition.all_input_nodes))
+        if is_float_cast(definition) and not is_value_preserving_cast(definition):
+            out |= {dtype(definition)}
+        return out
+
+    def rounded_inside(self, node: fx.Node) -> frozenset:
+        """:meth:`_rounding` of a site's output, not counting its own trailing casts (the fused
+        op's result is cast the same way)."""
+        while is_float_cast(node):
+            node = node.args[0]
+        return self.rounded.get(node, frozenset())
 
     def _interpret(self, node: fx.Node, forward: bool):
         raise NotImplementedError

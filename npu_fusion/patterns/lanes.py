@@ -29,7 +29,7 @@ import torch.fx as fx
 from ..lowering.constraints import ROPE_MAX_D
 from . import graph_utils
 from .algebra import Number, accumulate, exact_number, graph_constant
-from .graph_utils import (MemoEvaluator, Provenance, Unsupported, aten, axis_order, is_value_preserving_cast,
+from .graph_utils import (MemoEvaluator, Provenance, Unsupported, aten, axis_order, is_float_cast,
                           meta_value, normalize_dim, same_shape, static_int, val)
 
 
@@ -259,7 +259,7 @@ class LaneEvaluator(MemoEvaluator):
                      for a in node.args)
         if t in (aten.cat.default, aten.stack.default):
             args = (list(node.args[0]),) + args[1:]
-        if is_value_preserving_cast(node):
+        if is_float_cast(node):
             v = self.value(args[0])
             if v is None:
                 raise Unsupported("cast of opaque")
@@ -419,7 +419,7 @@ class LaneEvaluator(MemoEvaluator):
     def _complex(self, node, args) -> Lanes:
         """view_as_complex/real, conjugation and products of complex tensors, on (re, im) pairs."""
         t = node.target
-        if t in COMPLEX_VIEWS or is_value_preserving_cast(node):
+        if t in COMPLEX_VIEWS or is_float_cast(node):
             v = self._checked(args[0])
             return Lanes(v.inner, v.polys, complex=_is_complex(node))
         if t in CONJ_TARGETS:

@@ -38,12 +38,14 @@ import torch.fx as fx
 from ..lowering.constraints import FusedOpInputError, RMS_NORM_DTYPES, check_rms_norm_grad_inputs
 from .algebra import Expr, accumulate, graph_constant
 from .graph_utils import (Insertion, MemoEvaluator, Miss, Provenance, Rewrites, Unsupported, aten, call, cast, commit,
-                          downstream, dtype, exact_common_dtype, getitem, gradient_dependent, is_value_preserving_cast, last_of,
+                          downstream, dtype, exact_common_dtype, getitem, gradient_dependent, is_float_cast, is_value_preserving_cast,
+                          last_of, rounding_problem,
+                          replacement_of,
                           normalize_dim, outermost, outside_users, region_of, same_shape, shape,
                           static_int, val)
 
 OP = "rms_norm_grad"
-MAX_SYMBOLS = 8
+MAX_SYMBOLS = 16
 
 
 @dataclasses.dataclass
@@ -133,12 +135,14 @@ class NormEvaluator(MemoEvaluator):
             node = self.node_of.get(sym)
             return node if node is not None and same_shape(shape(node), node_shape) else None
         found = [n for n in self._values()[0].get(expr, ()) if same_shape(shape(n), node_shape)]
-        return min(found) if found else None
+        # of equal values, the one rounded least (a cast to bf16 of the value is not the value)
+        return min(found, key=lambda n: (len(self.rounded.get(n, ())), n)) if found else None
 
     def nodes_varying_as(self, body: tuple, node_shape) -> List[fx.Node]:
         """Backward-graph nodes of shape ``node_shape`` whose value is one term whose factors
         that vary along the normalized axes are ``body`` (times anything constant there)."""
-        return sorted(n for n in self._values()[1].get(body, ()) if same_shape(shape(n), node_shape))
+        return sorted((n for n in self._values()[1].get(body, ()) if same_shape(shape(n), node_shape)),
+                      key=lambda n: (len(self.rounded.get(n, ())), n))
 
     def varying_part(self, mono) -> tuple:
         return tuple((s, e) for s, e in mono if s in self.varying)
@@ -224,7 +228,7 @@ class NormEvaluator(MemoEvaluator):
             raise Unsupported("not a float tensor")
         if t in self.POLICY_LEAVES:
             raise Unsupported("policy leaf")
-        if is_value_preserving_cast(node):
+        if is_float_cast(node):
             v = self.value(args[0])
             if v is None:
                 raise Unsupported("cast of opaque")
@@ -297,8 +301,9 @@ class NormEvaluator(MemoEvaluator):
         return not a.is_number() and not b.is_number() and not (stats(a) or stats(b))
 
     def _bounded(self, expr) -> NormValue:
-        # RMSNorm's backward involves dy, x, gamma, rstd and one sum: anything with many
-        # more leaves is some other computation, and expanding it would only cost time.
+        # RMSNorm's backward involves dy, x, gamma, rstd and one sum, where x may be a chain
+        # of earlier norms' outputs (two symbols each): anything with many more leaves is
+        # some other computation, and expanding it would only cost time.
         if len(expr.free_symbols) > MAX_SYMBOLS:
             raise Unsupported("expression too large")
         return NormValue(expr)
@@ -660,7 +665,8 @@ def _emit(rewrites: Rewrites, site: NormMatch, outputs, region, target, provenan
     wide = exact_common_dtype((dy_dtype, x_dtype))
     compute = dy_dtype if (x_dtype == wide and _widened_from(site.x, dy_dtype, provenance)) else wide
     gamma_dtype = _gamma_dtype(compute, dtype(site.gamma) if site.gamma is not None else compute)
-    problem = target_problem(target, compute, gamma_dtype)
+    problem = target_problem(target, compute, gamma_dtype) or rounding_problem(
+        site.ev, [*outputs.values(), *site.roles], site.roles)
     if problem is not None:
         return Miss(OP, site.dx.name, problem)
     anchor = last_of(graph, [n for n in (site.dy, site.x, site.rstd, site.gamma) if n is not None])
@@ -684,10 +690,7 @@ def _emit(rewrites: Rewrites, site: NormMatch, outputs, region, target, provenan
         for index, name in enumerate(("dx", "dgamma")):
             old = outputs.get(name)
             if old is not None:
-                new = cast(graph, fake_mode, getitem(graph, fake_mode, fused, index), dtype(old))
-                if not same_shape(shape(new), shape(old)):
-                    new = call(graph, fake_mode, aten.view.default, (new, list(shape(old))))
-                replacements[old] = new
+                replacements[old] = replacement_of(graph, fake_mode, getitem(graph, fake_mode, fused, index), old)
     added = inserted.nodes()
     if site.rest:  # the other gradients accumulated with dx are added back, after all of them
         with graph.inserting_before(site.dx):

@@ -33,7 +33,8 @@ import torch.fx as fx
 
 from ..lowering.constraints import (FLOAT_DTYPES, ROPE_MAX_D, ROPE_MODES, FusedOpInputError,
                                    check_rope_grad_inputs, rope_divisor)
-from .graph_utils import (Insertion, Miss, Provenance, Rewrites, aten, axis_order, call, cast, commit, downstream,
+from .graph_utils import (Insertion, Miss, Provenance, Rewrites, aten, replacement_of,
+                          rounding_problem, axis_order, call, cast, commit, downstream,
                           dtype, exact_common_dtype, getitem, gradient_dependent, last_of, outermost, outside_users, region_of,
                           same_shape, same_size, shape, static_int, val)
 from .lanes import Lanes, LaneEvaluator, MAX_LANES
@@ -558,7 +559,8 @@ def _emit(rewrites: Rewrites, ev, site: RopeMatch, outputs, region, target):
                 operands[i] = call(graph, fake_mode, aten.neg.default, (operands[i],))
         compute = exact_common_dtype(dtype(n) for n in operands if n is not None)
         dy, cos, sin, x = (cast(graph, fake_mode, n, compute) if n is not None else None for n in operands)
-        problem = target_problem(target, site.mode, dy, cos, x is not None, compute)
+        problem = target_problem(target, site.mode, dy, cos, x is not None, compute) or rounding_problem(
+            ev, [*outputs.values(), dy_leaf, cos_leaf, sin_leaf, x_leaf], [dy_leaf, cos_leaf, sin_leaf, x_leaf])
         if problem is None and x is not None and not same_shape(shape(x), shape(dy)):
             problem = f"x {list(shape(x))} and dy {list(shape(dy))} have different shapes"
         if problem is not None:
@@ -575,10 +577,7 @@ def _emit(rewrites: Rewrites, ev, site: RopeMatch, outputs, region, target):
             old = outputs.get(name)
             if old is None:
                 continue
-            new = cast(graph, fake_mode, getitem(graph, fake_mode, fused, index), dtype(old))
-            if not same_shape(shape(new), shape(old)):
-                new = call(graph, fake_mode, aten.view.default, (new, list(shape(old))))
-            replacements[old] = new
+            replacements[old] = replacement_of(graph, fake_mode, getitem(graph, fake_mode, fused, index), old)
     added = inserted.nodes()
     return commit(graph, OP, ROPE_MODES[site.mode], region, outputs, replacements,
                   {"dy": dy_leaf, "cos": cos_leaf, "sin": sin_leaf, "x": x_leaf}, added, fused)

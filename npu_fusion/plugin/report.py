@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import copy
 import dataclasses
 import json
@@ -60,6 +61,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="which chip's forms the pass may emit (auto: detect, generic off an NPU host)")
     parser.add_argument("--partitioner", choices=("default", "min_cut"), default="default",
                         help="AOTAutograd partitioner")
+    parser.add_argument("--checkpointing", choices=("none", "full", "selective"), default="none",
+                        help="activation checkpointing of each block (transformers models: full only, "
+                             "through gradient_checkpointing_enable)")
+    parser.add_argument("--compiled-autograd", action="store_true",
+                        help="compile forward and backward as one step with compiled autograd on")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", action="store_true",
                         help="print everything as one JSON object on stdout (progress stays on stderr)")
@@ -121,7 +127,8 @@ class Subject:
 def _bundled_subject(args) -> Subject:
     from ..models import bundled
 
-    model = bundled(args.model, num_layers=args.layers, dtype=DTYPES[args.dtype], seed=args.seed)
+    model = bundled(args.model, num_layers=args.layers, dtype=DTYPES[args.dtype], seed=args.seed,
+                    checkpoint=args.checkpointing)
     return Subject(name=f"{args.model} (bundled)", model=model, loss=lambda m, ids: m.loss(ids),
                    vocab_size=model.config.vocab_size, expected=dict(model.expected_sites))
 
@@ -171,6 +178,11 @@ def _hf_subject(args) -> Subject:
         raise UsageError(f"{args.hf} has no causal-LM model in transformers {transformers.__version__}: {exc}") from None
     # eval(): no dropout, so that eager and compiled see the same function (autograd is unaffected)
     model = model.to(DTYPES[args.dtype]).eval()
+    if args.checkpointing == "selective":
+        raise UsageError("--checkpointing selective is for the bundled models; transformers models take full")
+    if args.checkpointing == "full":
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.train()  # transformers checkpoints only in training mode; the tiny configs have no dropout
 
     def loss(m, ids):
         return m(input_ids=ids, labels=ids, use_cache=False).loss
@@ -256,9 +268,10 @@ def _param_grads(model) -> Dict[str, torch.Tensor]:
     return {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
-def _step(subject: Subject, model, ids, fn=None) -> tuple:
+def _step(subject: Subject, model, ids, fn=None, counting=contextlib.nullcontext()) -> tuple:
     model.zero_grad(set_to_none=True)
-    loss = (fn or (lambda i: subject.loss(model, i)))(ids)
+    with counting:  # the forward only: checkpointing runs it again in the backward
+        loss = (fn or (lambda i: subject.loss(model, i)))(ids)
     loss.backward()
     grads = _param_grads(model)
     model.zero_grad(set_to_none=True)
@@ -283,29 +296,33 @@ def collect(args: argparse.Namespace) -> Dict[str, Any]:
 
     progress(f"eager step in {args.dtype}...")
     if subject.counter is not None:
-        with subject.counter(model) as counts:
-            eager_loss, eager = _step(subject, model, ids)
-        expected = dict(counts)
+        counting = subject.counter(model)
+        eager_loss, eager = _step(subject, model, ids, counting=counting)
+        expected = dict(counting.counts)
     else:
         eager_loss, eager = _step(subject, model, ids)
         expected = subject.expected
 
     torch._dynamo.reset()
     recorder = Recorder(options)
-    compiled = torch.compile(lambda i: subject.loss(model, i), backend=recorder)
     step_ids = ids.clone()
     if args.dynamic:
         torch._dynamo.mark_dynamic(step_ids, 0)
         torch._dynamo.mark_dynamic(step_ids, 1)
-    progress("compiling and running the forward...")
     model.zero_grad(set_to_none=True)
-    start = time.perf_counter()
-    loss = compiled(step_ids)
-    forward_seconds = time.perf_counter() - start
-    progress("backward...")
-    start = time.perf_counter()
-    loss.backward()
-    backward_seconds = time.perf_counter() - start
+    if args.compiled_autograd:
+        progress("compiling and running forward and backward (compiled autograd)...")
+        forward_seconds, backward_seconds, loss = _compiled_autograd_step(subject, model, recorder, step_ids)
+    else:
+        compiled = torch.compile(lambda i: subject.loss(model, i), backend=recorder)
+        progress("compiling and running the forward...")
+        start = time.perf_counter()
+        loss = compiled(step_ids)
+        forward_seconds = time.perf_counter() - start
+        progress("backward...")
+        start = time.perf_counter()
+        loss.backward()
+        backward_seconds = time.perf_counter() - start
     fused_grads = _param_grads(model)
     model.zero_grad(set_to_none=True)
     compiled_loss = float(loss.detach())
@@ -320,6 +337,7 @@ def collect(args: argparse.Namespace) -> Dict[str, Any]:
                      "layers": args.layers, "dtype": args.dtype, "batch": args.batch, "seq": args.seq,
                      "dynamic": args.dynamic, "target": args.target,
                      "resolved_target": options.resolved_target(), "partitioner": args.partitioner,
+                     "checkpointing": args.checkpointing, "compiled_autograd": args.compiled_autograd,
                      "seed": args.seed},
         "backward_graphs": len(results),
         "ops": summarize_sites(results, expected),
@@ -335,6 +353,21 @@ def collect(args: argparse.Namespace) -> Dict[str, Any]:
     if not results:
         report["pass_errors"].append("no backward graph reached the pass (nothing was compiled?)")
     return report
+
+
+def _compiled_autograd_step(subject: Subject, model, recorder, ids):
+    """Forward and backward compiled as one step with compiled autograd on (read when
+    ``torch.compile`` wraps the step): (seconds, 0.0, loss), all of it timed as the forward."""
+    def train_step(i):
+        loss = subject.loss(model, i)
+        loss.backward()
+        return loss
+
+    with torch._dynamo.config.patch(compiled_autograd=True):
+        compiled = torch.compile(train_step, backend=recorder)
+        start = time.perf_counter()
+        loss = compiled(ids)
+    return time.perf_counter() - start, 0.0, loss
 
 
 def summarize_sites(results: List[FusionResult], expected: Optional[Dict[str, int]]) -> Dict[str, Dict]:
