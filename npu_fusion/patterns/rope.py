@@ -463,7 +463,9 @@ def _role_node(graph, fake_mode, leaf: fx.Node, positions: Tuple[int, ...]) -> f
     """
     base = leaf
     if dtype(leaf).is_complex:  # positions index the real view, (re, im) interleaved
-        base = call(graph, fake_mode, aten.view_as_real.default, (leaf,))
+        # a saved ``freqs.conj()`` is a lazily conjugated view, which view_as_real refuses
+        base = call(graph, fake_mode, aten.resolve_conj.default, (leaf,))
+        base = call(graph, fake_mode, aten.view_as_real.default, (base,))
         base = call(graph, fake_mode, aten.flatten.using_ints, (base, -2, -1))
     full, width, first = static_int(shape(base)[-1]), len(positions), positions[0]
     half = width // 2

@@ -1,0 +1,429 @@
+"""Property tests: the pass must never change a gradient.
+
+Hypothesis draws forward programs around RoPE and RMSNorm (tests/programs.py): every
+supported form, and perturbations that make them *almost* RoPE or RMSNorm (a flipped
+sign, a wrong split point, ``sqrt(x*x)`` for ``x``, an extra output, mixed fp16/bf16
+operands, ...). Each is compiled with the real pass (strict, so an internal error of the
+pass raises) through torch.compile or AOTAutograd directly, under either partitioner,
+with static or dynamic shapes; then every gradient is compared with eager in the same
+dtype and with the program's own math in float64 (README: at most 4x further from float64
+than eager is, plus the per-dtype floor). A rewrite of anything that is not exactly a
+RoPE/RMSNorm backward shows up as a gradient outside that bound.
+
+Profiles (tests/conftest.py): ``ci`` (default; deterministic, a few hundred examples) and
+``long`` (``NPU_FUSION_PROPERTY_PROFILE=long``: thousands, random seed). With
+``NPU_FUSION_PROPERTY_KEEP_GOING=1`` a failing example is recorded and the run goes on
+(no shrinking), to count false rewrites over a long run; ``NPU_FUSION_PROPERTY_LOG=path``
+appends each failing example to a file as it happens. The counts (examples, rewrites,
+false rewrites, pass exceptions) are printed in pytest's terminal summary.
+
+The named regression tests at the end reproduce known bugs of the pass.
+"""
+from __future__ import annotations
+
+import collections
+import dataclasses
+import inspect
+import os
+from typing import Callable, List, Optional
+
+import pytest
+import torch
+from hypothesis import currently_in_test_context, event, given, note, strategies as st
+
+from npu_fusion.models import rotate_half
+from npu_fusion.plugin.backend import aot_backend
+from programs import F16, BF16, F32, Program, rms_norm_programs, rope_programs
+from reference import assert_close_as_unfused
+from support import Capture, run_grads
+
+ROPE = "rotary_position_embedding_grad"
+RMS = "rms_norm_grad"
+FUSED = {ROPE: torch.ops.npu_fusion.rotary_position_embedding_grad.default,
+         RMS: torch.ops.npu_fusion.rms_norm_grad.default}
+#: the fused ops' arguments that hold dy/x/tables in the compute dtype (rms_norm_grad's
+#: rstd is always float32 and its gamma keeps the weight's dtype)
+COMPUTE_ARGS = {ROPE: (0, 1, 2, 3), RMS: (0, 1)}
+
+KEEP_GOING = os.environ.get("NPU_FUSION_PROPERTY_KEEP_GOING", "") not in ("", "0")
+#: a file each failing example is appended to as it happens (for long runs)
+FAILURE_LOG = os.environ.get("NPU_FUSION_PROPERTY_LOG")
+
+#: per-session counts, printed by tests/conftest.py's terminal summary
+STATS: collections.Counter = collections.Counter()
+#: (kind, description) of the failing examples seen (all of them with KEEP_GOING)
+FAILURES: List[tuple] = []
+
+
+# -- what can go wrong ----------------------------------------------------------------
+
+class WrongGradient(AssertionError):
+    """A compiled gradient is further from float64 than the README allows."""
+
+
+class UndefinedMadeDefined(AssertionError):
+    """The program's math is undefined (NaN in float64) where the compiled gradient is a number."""
+
+
+class WrongOutput(AssertionError):
+    """A compiled output's dtype or shape differs from eager's."""
+
+
+class UnsafeComputeDtype(AssertionError):
+    """A fused op computes in fp16 or bf16 with operands of the other half type."""
+
+
+class PassError(Exception):
+    """The pass raised (strict=True)."""
+
+
+class CompiledRunError(Exception):
+    """Compiling or running the compiled program failed outside the pass's own code although
+    eager runs (with sites fused, the rewritten graph is the suspect)."""
+
+
+def from_the_pass(exc: BaseException) -> bool:
+    """Whether ``exc`` (or what it wraps) was raised inside npu_fusion's own code."""
+    marker = os.sep + "npu_fusion" + os.sep
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        tb = exc.__traceback__
+        while tb is not None:
+            name = tb.tb_frame.f_code.co_filename
+            if marker in name and os.sep + "tests" + os.sep not in name:
+                return True
+            tb = tb.tb_next
+        exc = exc.__cause__ or exc.__context__
+    return False
+
+
+# -- the one gradient check ---------------------------------------------------------
+
+def widened(inputs):
+    return [t.detach().double().requires_grad_(t.requires_grad) for t in inputs]
+
+
+def parameter_names(fn, count: int) -> List[str]:
+    try:
+        names = [name for name, p in inspect.signature(fn).parameters.items()
+                 if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    except (TypeError, ValueError):
+        names = []
+    return names if len(names) == count else [f"input {i}" for i in range(count)]
+
+
+def check_gradients(compiled: Callable, eager: Callable, inputs, wide: Optional[Callable] = None, names=None):
+    """Run ``compiled`` and ``eager`` forward and backward on ``inputs`` with the same output
+    gradients; every compiled output must keep eager's dtype and shape, and every gradient
+    must be within README's criterion of the float64 run of ``wide`` (default: ``eager`` on
+    float64 inputs). Positions where eager itself is not finite carry no claim; positions
+    where float64 is NaN must stay NaN. Exceptions from compiling are wrapped as
+    :class:`PassError` or :class:`CompiledRunError`."""
+    expected_outputs = eager(*inputs)
+    eager_grads, grad_outputs = run_grads(eager, inputs)
+    exact, _ = run_grads(wide or eager, widened(inputs), grad_outputs=[g.double() for g in grad_outputs])
+    try:
+        got, _ = run_grads(compiled, inputs, grad_outputs=grad_outputs)
+        outputs = compiled(*inputs)
+    except Exception as exc:
+        raise (PassError if from_the_pass(exc) else CompiledRunError)(f"{type(exc).__name__}: {exc}") from exc
+    as_tuple = lambda o: o if isinstance(o, (tuple, list)) else (o,)  # noqa: E731
+    for i, (o, e) in enumerate(zip(as_tuple(outputs), as_tuple(expected_outputs))):
+        if o.dtype != e.dtype or o.shape != e.shape:
+            raise WrongOutput(f"output {i}: {o.dtype}{list(o.shape)}, eager {e.dtype}{list(e.shape)}")
+    names = names or parameter_names(eager, len(inputs))
+    names = [name for name, t in zip(names, inputs) if t.requires_grad]
+    for name, g, e, x in zip(names, got, eager_grads, exact):
+        if g.dtype != e.dtype or g.shape != e.shape:
+            raise WrongGradient(f"grad of {name}: {g.dtype}{list(g.shape)}, eager {e.dtype}{list(e.shape)}")
+        x = x.double()
+        undefined = torch.isnan(x) & ~torch.isnan(g.double())
+        if undefined.any():
+            raise UndefinedMadeDefined(f"grad of {name}: {int(undefined.sum())} values where float64 is NaN")
+        keep = torch.isfinite(x) & torch.isfinite(e.double())
+        if not keep.any():
+            continue
+        try:
+            assert_close_as_unfused(g[keep], e[keep], x[keep], factor=4.0)
+        except AssertionError as exc:
+            err_fused, err_eager, floor = exc.args[0]
+            raise WrongGradient(f"grad of {name} ({g.dtype}): max error vs float64 {err_fused:.4g}, "
+                                f"eager's {err_eager:.4g} (allowed {4 * err_eager + floor:.4g}); "
+                                f"largest float64 value {x[keep].abs().max().item():.4g}") from None
+    return got
+
+
+def assert_safe_compute_dtypes(graphs):
+    """A fused op fed from both fp16 and bf16 tensors must compute in float32 (neither half
+    type holds the other exactly)."""
+    for graph in graphs:
+        for node in graph.nodes:
+            op = next((name for name, target in FUSED.items() if node.target is target), None)
+            if op is None:
+                continue
+            sources, compute = set(), set()
+            for i in COMPUTE_ARGS[op]:
+                arg = node.args[i] if i < len(node.args) else None
+                if not isinstance(arg, torch.fx.Node):
+                    continue
+                compute.add(arg.meta["val"].dtype)
+                while arg.op == "call_function" and arg.target is torch.ops.aten._to_copy.default:
+                    arg = arg.args[0]
+                sources.add(arg.meta["val"].dtype)
+            if {F16, BF16} <= sources and compute != {F32}:
+                raise UnsafeComputeDtype(f"{node.name} computes in {sorted(map(str, compute))} "
+                                         f"from {sorted(map(str, sources))}")
+
+
+# -- compiling a program ------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    route: str           # "capture": torch.compile with tests' Capture backend; "backend": backend="npu_fusion";
+    #                      "aot": aot_function with the backend's compilers (no Dynamo)
+    partitioner: str
+    decompositions: str
+    dynamic: str         # "static", "mark" (mark_dynamic on batch/sequence axes), "all" (dynamic=True)
+    target: str
+    seed: int
+
+    def __str__(self):
+        return (f"route={self.route} partitioner={self.partitioner} decompositions={self.decompositions} "
+                f"dynamic={self.dynamic} target={self.target} seed={self.seed}")
+
+    __repr__ = __str__
+
+    def _repr_pretty_(self, printer, cycle):  # hypothesis's printer spells dataclasses out otherwise
+        printer.text(str(self))
+
+
+@st.composite
+def configs(draw):
+    route = draw(st.sampled_from(["capture", "aot", "backend"]))
+    dynamic = "static" if route == "aot" else draw(st.sampled_from(["static", "static", "mark", "static", "all"]))
+    return Config(route=route, partitioner=draw(st.sampled_from(["default", "min_cut"])),
+                  decompositions=draw(st.sampled_from(["none", "none", "core"])), dynamic=dynamic,
+                  target=draw(st.sampled_from(["generic", "generic", "950", "a2"])), seed=draw(st.integers(0, 3)))
+
+
+class Compiled:
+    """``fn`` compiled with the pass as ``config`` says; counts what was fused."""
+
+    def __init__(self, fn, config: Config):
+        self.config = config
+        self.capture = Capture(partitioner=config.partitioner, decompositions=config.decompositions,
+                               target=config.target)
+        torch._dynamo.reset()
+        torch._dynamo.utils.counters.clear()
+        if config.route == "aot":
+            from torch._functorch.aot_autograd import aot_function
+
+            self.fn = aot_function(fn, **aot_backend(self.capture.options, self.capture._around_pass).kwargs)
+        elif config.route == "capture":
+            self.fn = torch.compile(fn, backend=self.capture, dynamic=True if config.dynamic == "all" else None)
+        else:
+            options = {"target": config.target, "partitioner": config.partitioner,
+                       "decompositions": config.decompositions, "strict": True}
+            self.fn = torch.compile(fn, backend="npu_fusion", options=options,
+                                    dynamic=True if config.dynamic == "all" else None)
+
+    def __call__(self, *args):
+        return self.fn(*args)
+
+    def fused(self, op: str) -> int:
+        if self.config.route == "backend":
+            return torch._dynamo.utils.counters["npu_fusion"][op]
+        return self.capture.fused(op)
+
+    def graphs(self):
+        return self.capture.after
+
+
+def note_if_testing(text: str, events=()):
+    """hypothesis's note (printed with a failing example) and events (its statistics), when
+    running under hypothesis; a program can also be checked outside of it."""
+    if currently_in_test_context():
+        note(text)
+        for name in events:
+            event(name)
+
+
+def check_program(program: Program, config: Config):
+    """Compile, run and compare one program; raises one of the failure classes above."""
+    note_if_testing(f"{program}# compiled with {config}",
+                    [f"{program.family}: {name}" for name in program.perturbations]
+                    + [f"route {config.route}, {config.partitioner}, {config.dynamic}"])
+    inputs = program.tensors(config.seed)
+    if config.dynamic == "mark":
+        for index, axes in program.dynamic_dims().items():
+            for axis in axes:
+                torch._dynamo.mark_dynamic(inputs[index], axis)
+    compiled = Compiled(program.build(), config)
+    STATS["examples"] += 1
+    STATS[f"examples: {program.family}"] += 1
+    failure = None
+    try:
+        check_gradients(compiled, program.build(), inputs, wide=program.build(wide=True),
+                        names=[i.name for i in program.inputs])
+        assert_safe_compute_dtypes(compiled.graphs())
+    except (AssertionError, PassError, CompiledRunError) as exc:
+        failure = exc
+    rewrites = sum(compiled.fused(op) for op in FUSED)
+    STATS["rewrites (sites fused)"] += rewrites
+    STATS["examples with a rewrite"] += bool(rewrites)
+    if program.perturbations:
+        STATS["perturbed examples"] += 1
+        STATS["perturbed examples with a rewrite"] += bool(rewrites)
+    if failure is None:
+        return
+    kind = type(failure).__name__
+    STATS[f"failures: {kind}"] += 1
+    if isinstance(failure, PassError):
+        STATS["pass exceptions"] += 1
+    if rewrites and isinstance(failure, (WrongGradient, UndefinedMadeDefined, WrongOutput)):
+        STATS["false rewrites"] += 1
+    note_if_testing(f"# {kind}: {failure}; sites fused: {rewrites}")
+    FAILURES.append((kind, f"{program}# compiled with {config}\n# {kind}: {failure}; sites fused: {rewrites}"))
+    if FAILURE_LOG:
+        with open(FAILURE_LOG, "a") as log:
+            log.write(f"--- {kind}\n{FAILURES[-1][1]}\n")
+    if not KEEP_GOING:
+        raise failure
+
+
+@given(program=rope_programs(), config=configs())
+def test_rope_programs_keep_gradients(program, config):
+    check_program(program, config)
+
+
+@given(program=rms_norm_programs(), config=configs())
+def test_rms_norm_programs_keep_gradients(program, config):
+    check_program(program, config)
+
+
+# -- regressions: known unsound rewrites ---------------------------------------------
+
+def npu_fusion_compile(fn, **options):
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    return torch.compile(fn, backend="npu_fusion", options=dict({"target": "generic", "strict": True}, **options))
+
+
+def fused_count(op):
+    return torch._dynamo.utils.counters["npu_fusion"][op]
+
+
+def rope(x, cos, sin):
+    return x * cos + rotate_half(x) * sin
+
+
+def randn(*shape, dtype=F32, grad=False, seed=0, scale=1.0):
+    gen = torch.Generator().manual_seed(seed)
+    return (torch.randn(shape, generator=gen) * scale).to(dtype).requires_grad_(grad)
+
+
+class RootOfSquareNorm(torch.autograd.Function):
+    """RMSNorm whose hand-written backward uses sqrt(x*x) (= |x|) where the true formula has x."""
+
+    @staticmethod
+    def forward(ctx, x, w):
+        r = torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
+        ctx.save_for_backward(x, w, r)
+        return x * r * w
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, w, r = ctx.saved_tensors
+        g = dy * w
+        dx = r * g - r ** 3 * torch.sqrt(x * x) * (g * x).sum(-1, keepdim=True) / x.shape[-1]
+        return dx, (dy * x * r).sum((0, 1))
+
+
+@pytest.mark.parametrize("partitioner", ["default", "min_cut"])
+@pytest.mark.parametrize("form", ["pow_half", "function"])
+def test_root_of_square_is_not_x(form, partitioner):
+    """(x*x)**0.5 is |x|: an RMSNorm whose numerator (or whose backward) has it is not RMSNorm."""
+    if form == "pow_half":
+        def f(x, w):
+            return (x * x).pow(0.5) * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * w
+    else:
+        f = RootOfSquareNorm.apply
+    x, w = randn(2, 4, 16, grad=True), randn(16, grad=True, seed=1)
+    check_gradients(npu_fusion_compile(f, partitioner=partitioner), f, [x, w])
+    assert fused_count(RMS) == 0  # no RmsNormGrad computes with |x|
+
+
+def test_rope_second_site_uses_its_own_dy():
+    """Two RoPE sites in fp32 on bf16 q and k, plus v * cos: each fused site must read its
+    own output gradient (min-cut partitioner)."""
+    def f(q, k, v, cos, sin):
+        qf, kf, c, s = q.float(), k.float(), cos.float(), sin.float()
+        return (qf * c + rotate_half(qf) * s).to(q.dtype), (kf * c + rotate_half(kf) * s).to(k.dtype), \
+            (v * cos)[..., :4]
+
+    q, k, v = (randn(2, 2, 4, 16, dtype=BF16, grad=True, seed=i) for i in range(3))
+    cos, sin = (randn(2, 2, 4, 16, dtype=BF16, seed=i) for i in (3, 4))
+    compiled = npu_fusion_compile(f, partitioner="min_cut")
+    check_gradients(compiled, f, [q, k, v, cos, sin])
+    assert fused_count(ROPE) == 2
+
+
+def t5_norm(x, w):
+    """T5's RMSNorm with fp16 activations and a bf16 weight: dy is bf16, x fp16."""
+    variance = x.to(torch.float32).pow(2).mean(-1, keepdim=True)
+    return w * (x * torch.rsqrt(variance + 1e-6)).to(w.dtype)
+
+
+def rope_cast_back(q, cos, sin):
+    """fp16 q, bf16 tables, the result cast back to fp16: dy is fp16, the tables bf16 (with
+    values beyond fp16's range: cast to fp16 they become inf)."""
+    return rope(q, cos, sin).to(q.dtype)
+
+
+@pytest.mark.parametrize("case", ["rms_norm_t5", "rope"])
+def test_mixed_fp16_bf16_computes_in_float32(case):
+    """fp16 and bf16 operands: neither holds the other exactly, so the fused op must
+    compute in float32 (and the gradients must stay within the criterion)."""
+    if case == "rope":
+        fn = rope_cast_back
+        inputs = [randn(2, 2, 4, 16, dtype=F16, grad=True), randn(4, 16, dtype=BF16, seed=1, scale=3e4),
+                  randn(4, 16, dtype=BF16, seed=2, scale=3e4)]
+    else:
+        fn = t5_norm
+        inputs = [randn(2, 4, 16, dtype=F16, grad=True), randn(16, dtype=BF16, grad=True, seed=1)]
+    capture = Capture(target="generic")
+    torch._dynamo.reset()
+    check_gradients(torch.compile(fn, backend=capture), fn, inputs)
+    assert_safe_compute_dtypes(capture.after)
+    if case == "rope":  # RMSNorm may fuse in float32 or stay unfused (SPEC's dtype table)
+        assert capture.fused(ROPE) == 1, capture.misses()
+
+
+def test_zero_dim_tensor_in_graph():
+    """A 0-dim tensor in the graph (RoPE's output times torch.full((), 0.5)) is no reason to
+    raise in strict mode, and the RoPE site still fuses."""
+    def f(q, cos, sin):
+        return rope(q, cos, sin) * torch.full((), 0.5)
+
+    q, cos, sin = randn(2, 2, 4, 16, grad=True), randn(4, 16, seed=1), randn(4, 16, seed=2)
+    compiled = npu_fusion_compile(f)
+    check_gradients(compiled, f, [q, cos, sin])
+    assert fused_count(ROPE) == 1
+
+
+@pytest.mark.parametrize("conj, partitioner", [(False, "min_cut"), (True, "default")],
+                         ids=["freqs-min_cut", "conj_freqs-default"])
+def test_complex_freqs_conjugated_table(conj, partitioner):
+    """Complex RoPE (Llama 4's ``view_as_complex(x) * freqs_cis``): the backward multiplies by
+    ``freqs.conj()``, a lazily conjugated tensor; the rewrite must not hand it to
+    ``view_as_real`` (which refuses it at run time), and the sites still fuse."""
+    def f(q, angles):
+        freqs = torch.polar(torch.ones_like(angles), angles)
+        xc = torch.view_as_complex(q.to(torch.float32).unflatten(-1, (-1, 2)))
+        return torch.view_as_real(xc * (freqs.conj() if conj else freqs)).flatten(-2).type_as(q)
+
+    q, angles = randn(2, 2, 4, 8, grad=True), randn(4, 4, seed=1)
+    compiled = npu_fusion_compile(f, partitioner=partitioner)
+    check_gradients(compiled, f, [q, angles])
+    assert fused_count(ROPE) == 1
