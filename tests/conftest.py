@@ -7,10 +7,11 @@ from hypothesis import HealthCheck, settings  # noqa: E402
 
 # Profiles of the property tests (tests/test_properties.py): "ci" is deterministic and
 # sized for about 4 minutes on 2 cores; NPU_FUSION_PROPERTY_PROFILE=long runs thousands
-# of examples from a random seed.
+# of examples per test from a random seed (NPU_FUSION_PROPERTY_EXAMPLES sets how many).
 settings.register_profile("ci", max_examples=150, derandomize=True, deadline=None, database=None,
                           suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
-settings.register_profile("long", max_examples=2000, derandomize=False, deadline=None, database=None,
+settings.register_profile("long", max_examples=int(os.environ.get("NPU_FUSION_PROPERTY_EXAMPLES", 2000)),
+                          derandomize=False, deadline=None, database=None,
                           suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 settings.load_profile(os.environ.get("NPU_FUSION_PROPERTY_PROFILE", "ci"))
 

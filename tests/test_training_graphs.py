@@ -146,29 +146,17 @@ def test_compiled_autograd_fuses_every_site():
 
 
 def test_transformers_gradient_checkpointing_fuses_every_site():
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from test_models import param_grads, tiny_llama
 
-    config = LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
-    config._attn_implementation = "eager"
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(config)
+    model = tiny_llama(torch.float32)
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    model.train()
+    model.train()  # transformers checkpoints only in training mode; the tiny config has no dropout
     ids = torch.randint(0, 96, (2, 12), generator=torch.Generator().manual_seed(1))
-
-    def grads(run):
-        model.zero_grad(set_to_none=True)
-        run(input_ids=ids, labels=ids).loss.backward()
-        return {n: p.grad.clone() for n, p in model.named_parameters()}
-
-    eager = grads(model)
-    exact_model = copy.deepcopy(model).double()
-    exact_model.zero_grad(set_to_none=True)
-    exact_model(input_ids=ids, labels=ids).loss.backward()
+    eager = param_grads(model, ids)
+    exact = param_grads(copy.deepcopy(model).double(), ids)
     torch._dynamo.reset()
     capture = Capture(target="generic")
-    got = grads(torch.compile(model, backend=capture))
+    got = param_grads(model, ids, run=torch.compile(model, backend=capture))
     assert capture.fused(RMS) == 5 and capture.fused(ROPE) == 4, capture.misses()
-    for name, p in exact_model.named_parameters():
-        assert_close_as_unfused(got[name], eager[name], p.grad, factor=4.0)
+    for name, grad in eager.items():
+        assert_close_as_unfused(got[name], grad, exact[name], factor=4.0)
