@@ -16,7 +16,6 @@ from typing import Callable, Optional
 
 import pytest
 import torch
-import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 from transformers.models.llama.modeling_llama import rotate_half
 

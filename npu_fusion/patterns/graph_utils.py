@@ -447,9 +447,6 @@ class Insertion:
             node = node.next
         return out
 
-    def undo(self) -> None:
-        erase_dead(self.graph, self.nodes())
-
 
 def last_of(graph: fx.Graph, nodes: Iterable[fx.Node]) -> fx.Node:
     return max(nodes)  # fx nodes compare by their position in the graph

@@ -37,11 +37,10 @@ import torch.fx as fx
 
 from ..lowering.constraints import FusedOpInputError, RMS_NORM_DTYPES, check_rms_norm_grad_inputs
 from .algebra import Expr, accumulate, graph_constant
-from .graph_utils import (Insertion, MemoEvaluator, Miss, Provenance, Rewrites, Unsupported, aten, call, cast, commit,
-                          downstream, dtype, exact_common_dtype, getitem, gradient_dependent, is_float_cast, is_value_preserving_cast,
-                          last_of, rounding_problem,
-                          replacement_of,
-                          normalize_dim, outermost, outside_users, region_of, same_shape, shape,
+from .graph_utils import (Insertion, MemoEvaluator, Miss, Provenance, Rewrites, Unsupported, aten, call, cast,
+                          commit, downstream, dtype, exact_common_dtype, getitem, gradient_dependent,
+                          is_float_cast, is_value_preserving_cast, last_of, normalize_dim, outermost,
+                          outside_users, region_of, replacement_of, rounding_problem, same_shape, shape,
                           static_int, val)
 
 OP = "rms_norm_grad"

@@ -33,10 +33,10 @@ import torch.fx as fx
 
 from ..lowering.constraints import (FLOAT_DTYPES, ROPE_MAX_D, ROPE_MODES, FusedOpInputError,
                                    check_rope_grad_inputs, rope_divisor)
-from .graph_utils import (Insertion, Miss, Provenance, Rewrites, aten, replacement_of,
-                          rounding_problem, axis_order, call, cast, commit, downstream,
-                          dtype, exact_common_dtype, getitem, gradient_dependent, last_of, outermost, outside_users, region_of,
-                          same_shape, same_size, shape, static_int, val)
+from .graph_utils import (Insertion, Miss, Provenance, Rewrites, aten, axis_order, call, cast, commit,
+                          downstream, dtype, exact_common_dtype, getitem, gradient_dependent, last_of,
+                          outermost, outside_users, region_of, replacement_of, rounding_problem, same_shape,
+                          same_size, shape, static_int, val)
 from .lanes import Lanes, LaneEvaluator, MAX_LANES
 
 OP = "rotary_position_embedding_grad"
