@@ -15,7 +15,7 @@ import torch.multiprocessing as mp
 pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available")
 
 ROPE, RMS = "rotary_position_embedding_grad", "rms_norm_grad"
-SCENARIOS = ["ddp", "fsdp2", "fsdp2_checkpointing", "compiled_autograd"]
+SCENARIOS = ["ddp", "fsdp2", "fsdp2_bf16", "fsdp2_checkpointing", "compiled_autograd"]
 
 
 def _free_port() -> int:
@@ -32,11 +32,14 @@ def _wrap(model, scenario):
         # its first bucket (1 MiB by default) may not be larger than the others
         dist._DEFAULT_FIRST_BUCKET_BYTES = 2048
         return DistributedDataParallel(model, bucket_cap_mb=4096 / 2**20)
-    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+    kwargs = {}
+    if scenario == "fsdp2_bf16":  # bf16 compute, float32 parameters and gradient reduction
+        kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     for layer in model.layers:
-        fully_shard(layer)
-    return fully_shard(model)
+        fully_shard(layer, **kwargs)
+    return fully_shard(model, **kwargs)
 
 
 def _train_step(scenario, backend):
@@ -121,6 +124,7 @@ def test_distributed_training_fuses_every_site(scenario, tmp_path):
             result = json.load(f)
         assert (result["rope"], result["rms_norm"]) == (4, 5), result
         assert not result["misses"], result
-        assert result["worst"] < 1e-5, result
+        # bf16 compute: the fused ops round once where the decomposed backward rounds at each op
+        assert result["worst"] < (2e-2 if scenario == "fsdp2_bf16" else 1e-5), result
     if scenario == "ddp":
         assert result["graphs"] > 1, "DDPOptimizer should have split the graph"
