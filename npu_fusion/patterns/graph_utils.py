@@ -248,8 +248,8 @@ class MemoEvaluator:
         #: its node, which stays opaque (a leaf), and is reported as a miss by the caller
         self.errors: List[tuple] = []
         #: the dtypes each value was rounded to by narrowing casts the evaluation saw through
-        #: (casts are identities of real arithmetic; a site whose inputs were rounded more
-        #: coarsely than the fused op computes is refused, see :func:`rounding_problem`)
+        #: (casts are identities of real arithmetic; a site rounded inside more coarsely than
+        #: its inputs are stored is refused, see :func:`rounding_problem`)
         self.rounded: Dict[fx.Node, frozenset] = {}
         #: :func:`gradient_dependent` of the graph (None: not known, every node may be)
         self.gradient_nodes: Optional[set] = None
