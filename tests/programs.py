@@ -23,6 +23,7 @@ from hypothesis import strategies as st
 
 F32, F16, BF16 = torch.float32, torch.float16, torch.bfloat16
 DTYPE_NAME = {F32: "float32", F16: "float16", BF16: "bfloat16"}
+DTYPE_NAME_TORCH = {dtype: f"torch.{name}" for dtype, name in DTYPE_NAME.items()}
 EPS = "1e-6"
 
 
@@ -147,8 +148,11 @@ ROPE_LAYOUTS = {  # q/k axes: the cos/sin axes allowed with them (README "Suppor
     "SBND": ["S11D"],
     "TND": ["T1D"],
 }
-#: how the program writes RoPE, and the width of its tables (W: rotary_dim, R: half of it)
-ROPE_SPELLINGS = {"full": "W", "rebuilt": "R", "half": "R", "complex": "R", "function": "W"}
+#: how the program writes RoPE, and the width of its tables (W: rotary_dim, R: half of it);
+#: "computed": cos/sin computed in the program from positions and inverse frequencies (HF's
+#: rotary embedding inside the compiled region: no table is an input)
+ROPE_SPELLINGS = {"full": "W", "rebuilt": "R", "half": "R", "complex": "R", "function": "W", "computed": "R"}
+USES_ROT = ("full", "rebuilt", "function", "computed")
 
 # Perturbation slots (see some_of): a list holds alternatives for one place in the program.
 ROTATION_PERTURBATIONS = {  # in the rotate helper, per mode
@@ -167,7 +171,7 @@ COMPLEX_PERTURBATIONS = ["conj", "extra_term", "swap_parts"]
 FUNCTION_PERTURBATIONS = [  # in a hand-written backward
     ["bw_swap_tables", "bw_sqrt_square"], ["bw_sign", "bw_missing_rot"], "bw_extra"]
 ROPE_WRAPPERS = [SCALINGS, "extra_output", "transpose_in", ["transpose_out", "flatten_out"], "table_reuse",
-                 "rest_overlap", "qk_norm", ["twice", "swapped_too", "residual"]]
+                 "rest_overlap", "qk_norm", ["twice", "swapped_too", "residual"], "projected"]
 #: Qwen3's q/k norm before RoPE (so RoPE's dx is the norm's dy)
 QK_NORM = function_source("qk_norm", ["x", "w"], [
     "h = x.to(torch.float32)", f"h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + {EPS})",
@@ -192,14 +196,20 @@ class RopeForm:
     upcast: bool           # HF: rotate in float32, cast back
     deinterleave: str      # mode 3: "slices" or "view"
 
+    @property
+    def position_axis(self) -> str:
+        return "T" if "T" in self.layout else "S"
+
     def size(self, letter: str) -> int:
         return {"B": self.sizes[0], "N": self.sizes[1], "S": self.sizes[2], "T": self.sizes[3], "D": self.head_dim,
                 "W": self.width, "R": self.width // 2, "1": 1}[letter]
 
     def __str__(self):
         spelled = {"full": "", "rebuilt": " rebuilt tables", "half": " half-width tables",
-                   "complex": " complex freqs", "function": " autograd.Function"}[self.spelling]
-        return (f"mode {self.mode}{spelled}{' in float32' if self.upcast else ''} {self.layout}/{self.table_layout}"
+                   "complex": " complex freqs", "function": " autograd.Function",
+                   "computed": " computed tables"}[self.spelling]
+        tables = "" if self.spelling == "computed" else f"/{self.table_layout}"
+        return (f"mode {self.mode}{spelled}{' in float32' if self.upcast else ''} {self.layout}{tables}"
                 f" D={self.head_dim}" + (f" rotary_dim={self.width}" if self.width < self.head_dim else ""))
 
 
@@ -228,9 +238,10 @@ def rope_forms(draw) -> RopeForm:
 
 def rope_perturbation_slots(form: RopeForm):
     """(near-miss slots, wrapper slots) that make sense for the form."""
-    core = {"full": TERM_PERTURBATIONS, "rebuilt": TERM_PERTURBATIONS, "half": HALF_TABLE_PERTURBATIONS,
-            "complex": COMPLEX_PERTURBATIONS, "function": FUNCTION_PERTURBATIONS}[form.spelling]
-    if form.spelling in ("full", "rebuilt", "function"):
+    core = {"full": TERM_PERTURBATIONS, "rebuilt": TERM_PERTURBATIONS, "computed": TERM_PERTURBATIONS,
+            "half": HALF_TABLE_PERTURBATIONS, "complex": COMPLEX_PERTURBATIONS,
+            "function": FUNCTION_PERTURBATIONS}[form.spelling]
+    if form.spelling in USES_ROT:
         core = ROTATION_PERTURBATIONS[form.mode] + core
     wrappers = [w for w in ROPE_WRAPPERS if not (
         (w in ("transpose_in", ["transpose_out", "flatten_out"]) and len(form.layout) < 4)
@@ -250,8 +261,8 @@ def rotate_helper(mode: int, width: int, p) -> List[str]:
     a, b = ("x2", "-x1") if "rot_sign" in p else ("-x2", "x1")
     if mode in (0, 3):
         if "rot_axis" in p:  # along the axis before the last
-            return function_source("rot", ["x"], [
-                "h = x.shape[-2] // 2", "x1, x2 = x[..., :h, :], x[..., h:, :]", f"return torch.cat(({a}, {b}), dim=-2)"])
+            return function_source("rot", ["x"], ["h = x.shape[-2] // 2", "x1, x2 = x[..., :h, :], x[..., h:, :]",
+                                                  f"return torch.cat(({a}, {b}), dim=-2)"])
         split = width // 2 - 1 if "rot_split" in p else width // 2
         return function_source("rot", ["x"], [
             f"x1, x2 = x[..., :{split}], x[..., {split}:]", f"return torch.cat(({a}, {b}), dim=-1)"])
@@ -332,21 +343,26 @@ def rope_inputs(form: RopeForm, p) -> List[Input]:
         inputs.append(make("k", q_in.replace("N", "1") if form.k_one_head else q_in, form.dtype, True))
     table_grad = form.table_grad and not {"same_table", "missing_table"} & set(p)  # an unused sin has no grad
     t_dims = form.table_layout[:-1] + ROPE_SPELLINGS[form.spelling]
-    for name in ("angles",) if form.spelling == "complex" else ("cos", "sin"):
-        inputs.append(make(name, t_dims, form.table_dtype, table_grad, form.table_scale))
+    if form.spelling == "computed":  # positions (of the S or T axis) and inverse frequencies
+        inputs += [make("pos", form.position_axis, F32, False, 3.0), make("inv_freq", "R", F32, table_grad)]
+    else:
+        for name in ("angles",) if form.spelling == "complex" else ("cos", "sin"):
+            inputs.append(make(name, t_dims, form.table_dtype, table_grad, form.table_scale))
     if "table_reuse" in p:
         inputs.append(make("v", q_dims, form.dtype, True))
     if "zero_dim_input" in p:
         inputs.append(make("s", "", F32, True))
     if "qk_norm" in p:
         inputs.append(make("wq", "D", form.dtype, True))
+    if "projected" in p:
+        inputs.append(make("wp", "DD", form.dtype, True))
     return inputs
 
 
 def rope_helpers(form: RopeForm, p) -> List[str]:
     """``rot``/``deinterleave`` as the form needs them, and ``rope(x, cos, sin)`` (``rope(x, freqs)``)."""
     helpers = list(QK_NORM) if "qk_norm" in p else []
-    if form.spelling in ("full", "rebuilt", "function"):
+    if form.spelling in USES_ROT:
         helpers += rotate_helper(form.mode, form.width, p)
         if form.mode == 3:
             helpers += deinterleave_helper(form.width, form.deinterleave, p)
@@ -370,6 +386,8 @@ def rope_body(form: RopeForm, p) -> List[str]:
     lines = []
     if "transpose_in" in p:
         lines += ["q = q.transpose(1, 2)"] + (["k = k.transpose(1, 2)"] if form.with_k else [])
+    if "projected" in p:  # q (and k) computed in the program: their gradients flow on
+        lines += ["q = q @ wp"] + (["k = k @ wp"] if form.with_k else [])
     if "qk_norm" in p:
         lines += ["q = qk_norm(q, wq)"] + (["k = qk_norm(k, wq)"] if form.with_k else [])
     if form.spelling == "complex":
@@ -377,9 +395,15 @@ def rope_body(form: RopeForm, p) -> List[str]:
         tables = ["freqs"]
     else:
         tables = ["cos", "sin"]
+        rebuild = "{t}.repeat_interleave(2, dim=-1)" if form.mode == 1 else "torch.cat(({t}, {t}), dim=-1)"
         if form.spelling == "rebuilt":  # HF: emb = cat((freqs, freqs)); GPT-J: repeat_interleave
-            rebuild = "{t}.repeat_interleave(2, dim=-1)" if form.mode == 1 else "torch.cat(({t}, {t}), dim=-1)"
             lines += [f"{t} = {rebuild.format(t=t)}" for t in tables]
+        if form.spelling == "computed":  # HF's rotary embedding, broadcast over the axes after S
+            after = form.layout.index("D") - 1 - form.layout.index(form.position_axis)
+            index = "[:" + ", None" * after + ", :]" if after else ""
+            lines += ["freqs = pos[:, None] * inv_freq[None, :]", f"emb = {rebuild.format(t='freqs')}{index}",
+                      f"cos, sin = emb.cos().to({DTYPE_NAME_TORCH[form.table_dtype]}), "
+                      f"emb.sin().to({DTYPE_NAME_TORCH[form.table_dtype]})"]
     if form.upcast:  # new names: the originals stay in use (table_reuse)
         lines += [f"{t}32 = {t}.to(torch.float32)" for t in tables]
         tables = [f"{t}32" for t in tables]
@@ -409,7 +433,7 @@ def rope_body(form: RopeForm, p) -> List[str]:
 
     outs = [apply(x) for x in ["q", "k"][:1 + form.with_k]]
     if "extra_output" in p:  # an intermediate of the rotation used outside it
-        whole = form.spelling in ("full", "rebuilt", "function") and form.width == form.head_dim
+        whole = form.spelling in USES_ROT and form.width == form.head_dim
         outs.append("rot(q)" if whole else "q * 2.0")
     if "table_reuse" in p:  # a table used by something else too
         cos_width = form.width // 2 if form.spelling == "half" else form.width
@@ -440,7 +464,7 @@ NORM_FUNCTION_PERTURBATIONS = [  # in a hand-written backward
     ["bw_sqrt_square", "bw_pow_half_square", "bw_abs"], ["bw_sign", "bw_wrong_n", "bw_r_squared", "bw_missing_term"],
     "bw_dw_missing_r"]
 NORM_WRAPPERS = [SCALINGS, "residual", ["two_norms", "stacked", "shared_weight"],
-                 ["return_rstd", "return_normalized"], "transpose_out", "cast_out"]
+                 ["return_rstd", "return_normalized"], ["transpose_in", "transpose_out"], "cast_out", "projected"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -583,6 +607,9 @@ def norm_program(form: NormForm, p) -> Program:
         inputs.append(Input("w2", w_dims, w_shape, form.w_dtype, True))
     if "shared_weight" in p:
         inputs.append(Input("x2", form.x_dims, form.x_shape, form.dtype, True, form.x_scale))
+    if "projected" in p:
+        d = form.x_shape[-1]
+        inputs.append(Input("wp", "DD", (d, d), form.dtype, True))
     if "zero_dim_input" in p:
         inputs.append(Input("s", "", (), F32, True))
 
@@ -599,7 +626,10 @@ def norm_program(form: NormForm, p) -> Program:
     helpers += function_source("norm", args, body)
 
     extra = {"return_rstd", "return_normalized"} & set(p)
-    lines = [f"y, *extra = norm({', '.join(args)})"] if extra else []
+    lines = []
+    if "transpose_in" in p:  # a strided x
+        lines += ["x = x.transpose(0, 1)"] + (["x2 = x2.transpose(0, 1)"] if "shared_weight" in p else [])
+    lines += [f"y, *extra = norm({', '.join(args)})"] if extra else []
     y = "y" if extra else f"norm({', '.join(args)})"
     if "two_norms" in p:  # two norms of one x: both dx summed into x's gradient
         y = f"{y} + norm(x, w2)" + ("[0]" if extra else "")
@@ -614,6 +644,9 @@ def norm_program(form: NormForm, p) -> Program:
         y = f"({y}).transpose(0, 1)"
     if "cast_out" in p:
         y = f"({y}).to(torch.float32)"
+    if "projected" in p:  # the norm's output feeds a matmul, as in every model
+        lines += [f"y = {y}"] if y != "y" else []
+        y = "y @ wp.to(y.dtype)"
     lines.append(f"return {y}" + (", *extra" if extra else ""))
     source = helpers + function_source("f", [i.name for i in inputs], lines)
     return Program("rms_norm", str(form), p, inputs, "\n".join(source) + "\n")

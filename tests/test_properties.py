@@ -10,12 +10,13 @@ dtype and with the program's own math in float64 (README: at most 4x further fro
 than eager is, plus the per-dtype floor). A rewrite of anything that is not exactly a
 RoPE/RMSNorm backward shows up as a gradient outside that bound.
 
-Profiles (tests/conftest.py): ``ci`` (default; deterministic, a few hundred examples) and
-``long`` (``NPU_FUSION_PROPERTY_PROFILE=long``: thousands, random seed). With
-``NPU_FUSION_PROPERTY_KEEP_GOING=1`` a failing example is recorded and the run goes on
-(no shrinking), to count false rewrites over a long run; ``NPU_FUSION_PROPERTY_LOG=path``
-appends each failing example to a file as it happens. The counts (examples, rewrites,
-false rewrites, pass exceptions) are printed in pytest's terminal summary.
+Profiles (tests/conftest.py): ``ci`` (default; deterministic, 150 examples per property)
+and ``long`` (``NPU_FUSION_PROPERTY_PROFILE=long``: 2000 per property, random seed). The
+counts (examples, rewrites, false rewrites, pass exceptions) are printed in pytest's
+terminal summary. For long runs: with ``NPU_FUSION_PROPERTY_KEEP_GOING=1`` a failing
+example is recorded and the run goes on (no shrinking), so every failure is counted;
+``NPU_FUSION_PROPERTY_LOG=path`` appends each failing example to ``path`` as it happens
+and keeps the counts so far in ``path.counts``.
 
 The named regression tests at the end reproduce known bugs of the pass.
 """
@@ -275,6 +276,9 @@ def check_program(program: Program, config: Config):
     if program.perturbations:
         STATS["perturbed examples"] += 1
         STATS["perturbed examples with a rewrite"] += bool(rewrites)
+    if FAILURE_LOG:  # the counts so far, next to the log (a long run may be stopped any time)
+        with open(FAILURE_LOG + ".counts", "w") as counts:
+            counts.write("".join(f"{key}: {value}\n" for key, value in sorted(STATS.items())))
     if failure is None:
         return
     kind = type(failure).__name__
