@@ -3,6 +3,7 @@ forward-graph provenance of saved tensors, the memoized evaluator both matchers
 build on, and the rewrite, one transaction per candidate (:class:`Rewrites`)."""
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import logging
@@ -12,6 +13,8 @@ from typing import Any, Dict, Iterable, List, Optional, Sequence
 import torch
 import torch.fx as fx
 from torch.fx.experimental.symbolic_shapes import statically_known_true
+
+from ..lowering.constraints import FusedOpInputError
 
 aten = torch.ops.aten
 prims = torch.ops.prims
@@ -105,6 +108,18 @@ def is_value_preserving_cast(node: fx.Node) -> bool:
         if not (is_float_cast(origin) and _holds(dtype(origin), dtype(origin.args[0]))):
             return False
         origin = origin.args[0]
+
+
+def input_problem(fake_mode, check, *args) -> Optional[str]:
+    """The message of the fused op's own input ``check`` (a SPEC constraint it breaks) on the
+    values of ``args`` (nodes, None or plain values), under the graph's fake mode; None if none."""
+    values = [val(a) if isinstance(a, fx.Node) else a for a in args]
+    try:
+        with fake_mode if fake_mode is not None else contextlib.nullcontext():
+            check(*values)
+    except FusedOpInputError as exc:
+        return str(exc)
+    return None
 
 
 def rounding_problem(ev: "MemoEvaluator", nodes: Iterable[fx.Node], roles: Iterable[fx.Node]) -> Optional[str]:

@@ -25,7 +25,6 @@ do not match.
 """
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 import itertools
@@ -35,10 +34,10 @@ from typing import Dict, List, Optional
 import torch
 import torch.fx as fx
 
-from ..lowering.constraints import FusedOpInputError, RMS_NORM_DTYPES, check_rms_norm_grad_inputs
+from ..lowering.constraints import RMS_NORM_DTYPES, check_rms_norm_grad_inputs
 from .algebra import Expr, accumulate, graph_constant
 from .graph_utils import (Insertion, MemoEvaluator, Miss, Provenance, Rewrites, Unsupported, aten, call, cast,
-                          commit, downstream, dtype, exact_common_dtype, getitem, gradient_dependent,
+                          commit, downstream, dtype, exact_common_dtype, getitem, gradient_dependent, input_problem,
                           is_float_cast, is_value_preserving_cast, last_of, normalize_dim, outermost,
                           outside_users, region_of, replacement_of, rounding_problem, same_shape, shape,
                           static_int, val)
@@ -679,11 +678,9 @@ def _emit(rewrites: Rewrites, site: NormMatch, outputs, region, target, provenan
                                               "hidden size static")
             gamma = call(graph, fake_mode, aten.full.default, (list(site.ev.norm_shape), 1.0),
                          {"dtype": compute, "device": val(site.dy).device})
-        try:
-            with fake_mode if fake_mode is not None else contextlib.nullcontext():
-                check_rms_norm_grad_inputs(val(dy), val(x), val(rstd), val(gamma))
-        except FusedOpInputError as exc:
-            return Miss(OP, site.dx.name, str(exc))
+        problem = input_problem(fake_mode, check_rms_norm_grad_inputs, dy, x, rstd, gamma)
+        if problem is not None:
+            return Miss(OP, site.dx.name, problem)
         fused = call(graph, fake_mode, torch.ops.npu_fusion.rms_norm_grad.default, (dy, x, rstd, gamma))
         replacements = {}
         for index, name in enumerate(("dx", "dgamma")):

@@ -24,19 +24,18 @@ wrong split point, a swapped table) simply do not match.
 """
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 from typing import Dict, List, Optional, Tuple
 
 import torch
 import torch.fx as fx
 
-from ..lowering.constraints import (FLOAT_DTYPES, ROPE_MAX_D, ROPE_MODES, FusedOpInputError,
+from ..lowering.constraints import (FLOAT_DTYPES, ROPE_MAX_D, ROPE_MODES,
                                    check_rope_grad_inputs, rope_divisor)
 from .graph_utils import (Insertion, Miss, Provenance, Rewrites, aten, axis_order, call, cast, commit,
-                          downstream, dtype, exact_common_dtype, getitem, gradient_dependent, last_of,
+                          downstream, dtype, exact_common_dtype, getitem, gradient_dependent, input_problem, last_of,
                           outermost, outside_users, region_of, replacement_of, rounding_problem, same_shape,
-                          same_size, shape, static_int, val)
+                          same_size, shape, static_int)
 from .lanes import Lanes, LaneEvaluator, MAX_LANES
 
 OP = "rotary_position_embedding_grad"
@@ -567,11 +566,9 @@ def _emit(rewrites: Rewrites, ev, site: RopeMatch, outputs, region, target):
             problem = f"x {list(shape(x))} and dy {list(shape(dy))} have different shapes"
         if problem is not None:
             return Miss(OP, site.dx.name, problem)
-        try:
-            with fake_mode if fake_mode is not None else contextlib.nullcontext():
-                check_rope_grad_inputs(val(dy), val(cos), val(sin), val(x) if x is not None else None, site.mode)
-        except FusedOpInputError as exc:
-            return Miss(OP, site.dx.name, str(exc))
+        problem = input_problem(fake_mode, check_rope_grad_inputs, dy, cos, sin, x, site.mode)
+        if problem is not None:
+            return Miss(OP, site.dx.name, problem)
         fused = call(graph, fake_mode, torch.ops.npu_fusion.rotary_position_embedding_grad.default,
                      (dy, cos, sin, x, site.mode))
         replacements = {}
