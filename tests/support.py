@@ -1,50 +1,12 @@
 """Compile helpers for the pass tests: a backend that runs the real pass and keeps
 the backward graph before and after it, and gradient comparisons."""
-import collections
-import copy
-
 import torch
-from npu_fusion.plugin.backend import aot_backend
-from npu_fusion.plugin.options import FusionOptions
-from reference import assert_close_as_unfused
+from npu_fusion.testing.capture import Capture, op_counts  # noqa: F401  (the tests import them from here)
+from npu_fusion.testing.grads import assert_close_as_unfused
 
 VARIANTS = [  # (partitioner, decompositions)
     ("default", "none"), ("min_cut", "none"), ("default", "core"), ("min_cut", "core"),
 ]
-
-
-def op_counts(graph):
-    return collections.Counter(
-        getattr(n.target, "__name__", str(n.target)) for n in graph.nodes if n.op == "call_function")
-
-
-class Capture:
-    """A torch.compile backend running ``fuse_backward`` on each backward graph."""
-
-    def __init__(self, partitioner="default", decompositions="none", **options):
-        self.options = FusionOptions.from_mapping(dict({"strict": True}, **options, partitioner=partitioner,
-                                                       decompositions=decompositions))
-        self.before, self.after, self.results = [], [], []
-
-    def __call__(self, gm, example_inputs):
-        return aot_backend(self.options, self._around_pass)(gm, example_inputs)
-
-    def _around_pass(self, bw_gm, run):
-        self.before.append(copy.deepcopy(bw_gm.graph))
-        self.results.append(run())
-        self.after.append(bw_gm.graph)
-
-    def fused(self, op):
-        return sum(r.fused(op) for r in self.results)
-
-    def after_counts(self):
-        total = collections.Counter()
-        for g in self.after:
-            total += op_counts(g)
-        return total
-
-    def misses(self):
-        return [m for r in self.results for m in r.misses]
 
 
 def run_grads(fn, inputs, params=(), grad_outputs=None):
