@@ -215,6 +215,7 @@ class Provenance:
         self.forward = forward
         self._fw_by_name: Dict[str, fx.Node] = {}
         self._bw_by_name: Dict[str, fx.Node] = {}
+        self._representatives: Optional[Dict[fx.Node, fx.Node]] = None
         if forward is None:
             return
         outputs = set()
@@ -242,6 +243,48 @@ class Provenance:
 
     def is_forward(self, node: fx.Node) -> bool:
         return self.forward is not None and node.graph is self.forward
+
+    def same_saved_value(self, bw_placeholder: fx.Node) -> fx.Node:
+        """The first saved tensor whose forward definition is the same expression of the same
+        forward inputs as this one's, else itself. The forward often computes one table twice
+        (``cache[..., 0]`` written in two products) and the partitioner saves both copies;
+        deterministic ops on the same inputs give the same values, so both are one leaf."""
+        if self._representatives is None:
+            self._representatives, keys = {}, {}
+            for name, bw in self._bw_by_name.items():
+                key = _expression_key(self._fw_by_name[name], {})
+                self._representatives[bw] = keys.setdefault(key, bw) if key is not None else bw
+        return self._representatives.get(bw_placeholder, bw_placeholder)
+
+
+def _expression_key(node: fx.Node, memo: Dict[fx.Node, Any]):
+    """A hashable key of a forward node's expression, equal for nodes that compute the same
+    values from the same graph inputs; None for a random or impure op anywhere in it."""
+    if node in memo:
+        return memo[node]
+    memo[node] = None
+    if node.op == "placeholder":
+        key = ("input", node.name)
+    elif node.op == "call_function" and not node.is_impure() and \
+            torch.Tag.nondeterministic_seeded not in getattr(node.target, "tags", ()):
+        parts = [_argument_key(a, memo) for a in (node.args, tuple(sorted(node.kwargs.items())))]
+        key = None if any(p is None for p in parts) else (str(node.target), *parts)
+    else:
+        key = None
+    memo[node] = key
+    return key
+
+
+def _argument_key(arg, memo):
+    if isinstance(arg, fx.Node):
+        return _expression_key(arg, memo)
+    if isinstance(arg, (list, tuple)):
+        parts = tuple(_argument_key(a, memo) for a in arg)
+        return None if any(p is None for p in parts) else parts
+    if isinstance(arg, (int, float, bool, str, type(None), torch.dtype, torch.device, torch.layout,
+                        torch.memory_format)):
+        return (type(arg).__name__, arg)
+    return None
 
 
 class MemoEvaluator:

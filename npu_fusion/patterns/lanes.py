@@ -148,8 +148,12 @@ class LaneEvaluator(MemoEvaluator):
     # -- leaves -------------------------------------------------------------
     def leaf_id(self, node: fx.Node) -> int:
         if node not in self.leaf_ids:
-            self.leaf_ids[node] = len(self.leaves)
-            self.leaves.append(node)
+            same = self.provenance.same_saved_value(node) if self.provenance is not None else node
+            if same is not node and shape(same) == shape(node):
+                self.leaf_ids[node] = self.leaf_id(same)
+            else:
+                self.leaf_ids[node] = len(self.leaves)
+                self.leaves.append(node)
         return self.leaf_ids[node]
 
     def _leaf(self, node: fx.Node) -> Optional[Lanes]:
@@ -317,6 +321,8 @@ class LaneEvaluator(MemoEvaluator):
             inner = v.inner[:axis] + (full,) + v.inner[axis + 1:]
             zero = Lanes(inner, [{} for _ in range(math.prod(inner))])
             return self._scatter(zero, v, axis, list(range(full))[slice(start, end, step)])
+        if t is aten.select_backward.default:
+            return self._select_backward(node, args)
         if t is aten.slice_scatter.default:
             base, src = self._checked(args[0]), self._checked(args[1])
             dim = args[2] if len(args) > 2 else kw.get("dim", 0)
@@ -416,6 +422,26 @@ class LaneEvaluator(MemoEvaluator):
             return self._sum(node)
         raise Unsupported(f"op {t}")
 
+    def _select_backward(self, node, args) -> Lanes:
+        """``select_backward(grad, sizes, dim, index)``: grad placed at ``index`` of a new axis
+        ``dim``, zeros elsewhere (torchtune's ``stack([x[..., 0] * c - ..., ...], -1)``). The
+        new axis joins the tracked ones, so it must lie among them or just before them."""
+        grad, sizes, dim, index = args
+        v = self._checked(grad)
+        rank = len(sizes)
+        dim = normalize_dim(dim, rank)
+        axis = dim - (rank - len(v.inner) - 1)
+        full, index = static_int(sizes[dim]), _index_arg(index)
+        if axis < 0 or full is None or not same_shape(sizes[:rank - len(v.inner) - 1],
+                                                      shape(grad)[:rank - len(v.inner) - 1]):
+            raise Unsupported("select_backward sizes")
+        inner = v.inner[:axis] + (full,) + v.inner[axis:]
+        if math.prod(inner) > MAX_LANES:
+            raise Unsupported("select_backward too wide")
+        zero = Lanes(inner, [{} for _ in range(math.prod(inner))])
+        return self._scatter(zero, Lanes(v.inner[:axis] + (1,) + v.inner[axis:], v.polys), axis,
+                             [index % full])
+
     def _complex(self, node, args) -> Lanes:
         """view_as_complex/real, conjugation and products of complex tensors, on (re, im) pairs."""
         t = node.target
@@ -511,9 +537,11 @@ class LaneEvaluator(MemoEvaluator):
         return Lanes(v.inner, v.polys, reduction=(src, tuple(dims), bool(keepdim)))
 
     def _reduced_view(self, node, v: Lanes) -> Lanes:
-        """Unit-axis reshapes after a reduction keep its value; the matcher checks shapes."""
+        """Unit-axis reshapes after a reduction keep its value (the matcher checks shapes);
+        any other reshape reads the reduction as an input, a leaf (GQA's summed k gradient,
+        cast and viewed as ``[..., D/2, 2]`` by torchtune's RoPE)."""
         def squeezed(s):
             return [x for x in s if not (static_int(x) == 1)]
         if not same_shape(squeezed(shape(node)), squeezed(shape(node.args[0]))):
-            raise Unsupported("reshape of a reduction")
+            return self._reshape(node, self._checked(node.args[0]))
         return v

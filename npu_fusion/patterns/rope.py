@@ -233,7 +233,9 @@ def match_dx(ev: LaneEvaluator, node: fx.Node) -> Optional[RopeMatch]:
     if any(len(p) != 2 or any(len(m) != 2 for m in p) for p in v.polys):
         return None
     common = set.intersection(*({l for l, _ in m} for poly in v.polys[:1] + v.polys[-1:] for m in poly))
-    for dy_lid in sorted(common):
+    # dy and the tables enter a product symmetrically (a complex product most of all): try
+    # first the leaves that carry the gradient in dx's own shape, the only ones dy can be
+    for dy_lid in sorted(common, key=lambda lid: (not _can_be_dy(ev, ev.leaves[lid], node), lid)):
         dy = contiguous(dy_lid, _offsets(v, dy_lid), d)
         for mode in ROPE_MODES:
             if d % rope_divisor(mode):
@@ -246,6 +248,10 @@ def match_dx(ev: LaneEvaluator, node: fx.Node) -> Optional[RopeMatch]:
                 if _polys_equal(v.polys, expected_dx(mode, d, dy, cos, sin, signs)):
                     return RopeMatch(mode, node, dy, cos, sin, signs=signs)
     return None
+
+
+def _can_be_dy(ev: LaneEvaluator, leaf: fx.Node, dx: fx.Node) -> bool:
+    return ev.depends_on_gradient(leaf) and same_shape(shape(leaf)[:-1], shape(dx)[:-1])
 
 
 def match_table(ev: LaneEvaluator, node: fx.Node, site: RopeMatch, which: str) -> Optional[Role]:
@@ -354,7 +360,7 @@ def _looks_like_table(v: Optional[Lanes]) -> bool:
 #: ops that move elements along trailing axes: every RoPE dx is a few uses after one
 MOVES_ELEMENTS = {
     aten.slice.Tensor, aten.slice_backward.default, aten.slice_scatter.default, aten.cat.default,
-    aten.stack.default, aten.select.int, aten.unbind.int, aten.split.Tensor,
+    aten.stack.default, aten.select.int, aten.select_backward.default, aten.unbind.int, aten.split.Tensor,
     aten.split_with_sizes.default, aten.view_as_complex.default, aten.view_as_real.default,
 }
 #: ops that move elements along trailing axes when they reorder the last axis
