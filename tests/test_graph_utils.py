@@ -62,3 +62,43 @@ def test_explicit_device_goes_through_the_fake_mode():
     mode = FakeTensorMode()
     x = _tensors(mode)["x"]
     assert _static_fake_value(mode, aten._to_copy.default, (x,), {"device": "cpu"}) is None
+
+
+def _saved_copies_graphs():
+    """A forward that computes ``cache[..., 0]`` twice, ``cache.flip(0)[..., 0]`` and two
+    Bernoulli draws of one shape, all saved; the backward's placeholders of the same names."""
+    aten = torch.ops.aten
+    forward = torch.fx.Graph()
+    cache = forward.placeholder("cache")
+    cache.meta["val"] = torch.empty(6, 8, 2)
+    flipped = forward.call_function(aten.flip.default, (cache, [0]))
+    saved = {
+        "first": forward.call_function(aten.select.int, (cache, -1, 0)),
+        "second": forward.call_function(aten.select.int, (cache, -1, 0)),
+        "of_flipped": forward.call_function(aten.select.int, (flipped, -1, 0)),
+        "draw_a": forward.call_function(aten.bernoulli.p, (cache, 0.5)),
+        "draw_b": forward.call_function(aten.bernoulli.p, (cache, 0.5)),
+    }
+    for name, node in saved.items():
+        node.name = name
+        node.meta["val"] = torch.empty(6, 8) if "draw" not in name else torch.empty(6, 8, 2)
+    forward.output(tuple(saved.values()))
+    backward = torch.fx.Graph()
+    placeholders = {}
+    for name, node in saved.items():
+        placeholders[name] = backward.placeholder(name)
+        placeholders[name].meta["val"] = node.meta["val"]
+    return forward, backward, placeholders
+
+
+def test_saved_copies_of_one_expression_are_one_value():
+    from npu_fusion.patterns.graph_utils import Provenance
+
+    forward, backward, bw = _saved_copies_graphs()
+    provenance = Provenance(forward, backward)
+    assert provenance.same_saved_value(bw["second"]) is bw["first"]
+    assert provenance.same_saved_value(bw["first"]) is bw["first"]
+    # another input (a flipped cache) is another value
+    assert provenance.same_saved_value(bw["of_flipped"]) is bw["of_flipped"]
+    # random draws are never the same value, however alike their expressions
+    assert provenance.same_saved_value(bw["draw_b"]) is bw["draw_b"]

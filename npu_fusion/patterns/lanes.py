@@ -453,18 +453,25 @@ class LaneEvaluator(MemoEvaluator):
             return Lanes(v.inner, [p if i % 2 == 0 else _add({}, p, -1) for i, p in enumerate(v.polys)],
                          complex=True)
         if t is aten.mul.Tensor and all(_is_complex(a) for a in args[:2]):
-            inner = tuple(static_int(x) for x in shape(node)[-2:])
-            a, b = (self._broadcast(self._checked(x), shape(x), inner) for x in args[:2])
-            polys = []
-            for j in range(0, len(a.polys), 2):
-                (ar, ai), (br, bi) = a.polys[j:j + 2], b.polys[j:j + 2]
-                polys.append(_add(_mul(ar, br), _mul(ai, bi), -1))
-                polys.append(_add(_mul(ar, bi), _mul(ai, br)))
-            return Lanes(inner, polys, complex=True)
+            try:
+                return self._complex_product(node, args[:2])
+            except DegreeExceeded:  # as for real products: a wide factor is dy, a leaf
+                wide = [a for a in args[:2] if _degree(self._checked(a)) >= 2]
+                return self._complex_product(node, args[:2], cut=wide)
         if t in (aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.flatten.using_ints):
             v = self._checked(args[0])
             return Lanes(self._reshape(node, v).inner, v.polys, complex=_is_complex(node))
         raise Unsupported(f"complex op {t}")
+
+    def _complex_product(self, node, args, cut=()) -> Lanes:
+        inner = tuple(static_int(x) for x in shape(node)[-2:])
+        a, b = (self._broadcast(self._as_leaf(x) if x in cut else self._checked(x), shape(x), inner) for x in args)
+        polys = []
+        for j in range(0, len(a.polys), 2):
+            (ar, ai), (br, bi) = a.polys[j:j + 2], b.polys[j:j + 2]
+            polys.append(_add(_mul(ar, br), _mul(ai, bi), -1))
+            polys.append(_add(_mul(ar, bi), _mul(ai, br)))
+        return Lanes(inner, polys, complex=True)
 
     def _product(self, node, args) -> Lanes:
         """A product; where it would be wider than any RoPE term, its factors of degree two
