@@ -15,6 +15,20 @@ def op_counts(graph):
         getattr(n.target, "__name__", str(n.target)) for n in graph.nodes if n.op == "call_function")
 
 
+def counting_runs(compiled, runs, owned):
+    """``compiled`` (AOTAutograd's forward), counting its calls into ``runs[i]`` for each backward
+    graph ``i`` in ``owned``. The partitioner (and so the pass) runs while AOTAutograd compiles a
+    forward graph, so the backward graphs recorded meanwhile are its own; in training each runs once
+    per run of its forward. Dynamo reuses one compiled graph for every layer whose code and guards
+    match (Megatron's per-layer graphs after graph breaks): its sites then run once per layer."""
+    @functools.wraps(compiled)
+    def counting(*args, **kwargs):
+        for index in owned:
+            runs[index] += 1
+        return compiled(*args, **kwargs)
+    return counting
+
+
 class Capture:
     """A torch.compile backend running ``fuse_backward`` on each backward graph.
 
@@ -34,16 +48,7 @@ class Capture:
         self.forwards.append(gm.graph)
         first = len(self.results)
         compiled = aot_backend(self.options, self._around_pass)(gm, example_inputs)
-        # the partitioner (and so the pass) runs while AOTAutograd compiles this forward graph:
-        # the backward graphs recorded meanwhile are its own, and run once per run of it in training
-        owned = range(first, len(self.results))
-
-        @functools.wraps(compiled)
-        def counting(*args, **kwargs):
-            for index in owned:
-                self.runs[index] += 1
-            return compiled(*args, **kwargs)
-        return counting
+        return counting_runs(compiled, self.runs, range(first, len(self.results)))
 
     def _around_pass(self, bw_gm, run):
         self.before.append(copy.deepcopy(bw_gm.graph))

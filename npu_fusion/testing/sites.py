@@ -1,0 +1,160 @@
+"""Counting RoPE and RMSNorm sites independently of the pass, and accounting for each of them.
+
+A site is one RMSNorm call or one RoPE application (one rotated tensor) whose output receives a
+gradient: only those have a backward for a fused op to replace. :class:`SiteCounter` finds them by
+forward hooks on a library's norm and RoPE module classes, or by a wrapper around its apply-RoPE
+function, and records each by ``(kind, module path)``: the norm module's path, or for RoPE the path
+of the module whose forward applied it (RoPE modules are often one instance shared by every layer,
+so their own path would name one layer only).
+
+The same counter tells which sites ran outside every compiled graph: hooks and wrappers that run
+while dynamo traces (``torch.compiler.is_compiling()``) record nothing, so during a compiled run
+the counter sees exactly the sites whose Python code ran eagerly (a graph break around them, a
+frame dynamo skipped). Those cannot fuse; everything else it counted in the eager run was inside a
+compiled graph and must end fused or as a recorded miss.
+"""
+from __future__ import annotations
+
+import collections
+import dataclasses
+import functools
+import sys
+from typing import Dict, List, Sequence, Tuple
+
+import torch
+
+ROPE_OP = "rotary_position_embedding_grad"
+NORM_OP = "rms_norm_grad"
+#: the counter's kinds and the fused op each one should become
+KINDS = {"rope": ROPE_OP, "rms_norm": NORM_OP}
+
+_MODULE_CALL = ("torch/nn/modules/module.py", __file__)
+
+
+def grad_tensors(out) -> List[torch.Tensor]:
+    """The tensors of a module's or function's output that require grad, in order."""
+    if isinstance(out, torch.Tensor):
+        return [out] if out.requires_grad else []
+    if isinstance(out, (tuple, list)):
+        return [t for o in out for t in grad_tensors(o)]
+    return []
+
+
+def _caller_module(skip):
+    """The nn.Module whose own forward is running below this call (not ``skip``, not the
+    machinery of ``Module.__call__`` or of this file)."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        owner = frame.f_locals.get("self")
+        if (isinstance(owner, torch.nn.Module) and owner is not skip
+                and not frame.f_code.co_filename.endswith(_MODULE_CALL)):
+            return owner
+        frame = frame.f_back
+    return None
+
+
+class SiteCounter:
+    """Counts the sites of one eager run (a context manager; read ``counted`` afterwards).
+
+    ``norm_types`` / ``rope_types``: module classes whose every call is a site (a RoPE module may
+    return q and k: one site each); ``rope_functions``: ``(namespace, name)`` pairs of apply-RoPE
+    functions, replaced by a counting wrapper while the counter is active."""
+
+    def __init__(self, model: torch.nn.Module, norm_types: Tuple[type, ...] = (),
+                 rope_types: Tuple[type, ...] = (), rope_functions: Sequence[Tuple[object, str]] = ()):
+        self.model, self.norm_types, self.rope_types = model, tuple(norm_types), tuple(rope_types)
+        self.rope_functions = list(rope_functions)
+        self.names = {m: n for n, m in model.named_modules(remove_duplicate=False)}
+        self.counted: collections.Counter = collections.Counter()   # (kind, path) -> sites
+        self._undo: List = []
+
+    def _watch(self, kind: str, where: str, out) -> None:
+        for t in grad_tensors(out):
+            # a view's own backward node is bypassed when the caller later writes into a view of it
+            # (torchtune's Gemma 2 scales q in place after RoPE's flatten): its base's node is not
+            base = t._base if t._base is not None and t._base.requires_grad else t
+            base.register_hook(functools.partial(self._reached, (kind, where)))
+
+    def _reached(self, key, _grad) -> None:
+        self.counted[key] += 1
+
+    def _on_norm(self, module, _inputs, out):
+        if not torch.compiler.is_compiling():
+            self._watch("rms_norm", self.names.get(module, "?"), out)
+
+    def _on_rope(self, module, _inputs, out):
+        if not torch.compiler.is_compiling():
+            self._watch("rope", self.names.get(_caller_module(module), "?"), out)
+
+    def _wrap(self, fn):
+        @functools.wraps(fn)
+        def counting(*args, **kwargs):
+            out = fn(*args, **kwargs)
+            if not torch.compiler.is_compiling():
+                self._watch("rope", self.names.get(_caller_module(None), "?"), out)
+            return out
+        return counting
+
+    def __enter__(self) -> "SiteCounter":
+        for m in self.model.modules():
+            if isinstance(m, self.norm_types):
+                self._undo.append(m.register_forward_hook(self._on_norm).remove)
+            if isinstance(m, self.rope_types):
+                self._undo.append(m.register_forward_hook(self._on_rope).remove)
+        for namespace, name in self.rope_functions:
+            original = getattr(namespace, name)
+            setattr(namespace, name, self._wrap(original))
+            self._undo.append(functools.partial(setattr, namespace, name, original))
+        return self
+
+    def __exit__(self, *exc) -> None:
+        while self._undo:
+            self._undo.pop()()
+
+    def total(self, kind: str) -> int:
+        return sum(n for (k, _), n in self.counted.items() if k == kind)
+
+    @property
+    def counts(self) -> Dict[str, int]:
+        """Counted sites by fused-op name (what ``npu-fusion report`` expects)."""
+        return {op: self.total(kind) for kind, op in KINDS.items()}
+
+
+@dataclasses.dataclass
+class Accounting:
+    """Where every counted site of one kind ended. Sites count as they ran: a compiled graph that
+    dynamo reuses for each layer holds a site once and runs it once per layer."""
+    op: str
+    counted: int            # sites of the eager run (independent of the pass)
+    fused: int              # of them, replaced by the fused op
+    missed: int             # of them, left unfused with a recorded miss
+    misses: List[str]       # the recorded misses: "node: reason" (with "[graph ran N times]")
+    outside: List[str]      # module paths of sites that ran outside every compiled graph
+    paths: Dict[str, int] = dataclasses.field(default_factory=dict)  # counted sites by module path
+
+    @property
+    def inside(self) -> int:
+        return self.counted - len(self.outside)
+
+    @property
+    def unexplained(self) -> int:
+        """Sites inside compiled graphs that neither fused nor left a recorded miss (negative when
+        the pass found more than the counter counted)."""
+        return self.inside - self.fused - self.missed
+
+
+def account(counted: SiteCounter, outside: SiteCounter, capture) -> Dict[str, Accounting]:
+    """Per kind: the counted sites, and of them the fused ones and the recorded misses (from the
+    capture's ``FusionResult`` s and backward-graph runs) and those that ran outside every
+    compiled graph (``outside``: the same counter, active during the compiled run)."""
+    table = {}
+    for kind, op in KINDS.items():
+        away = [path for (k, path), n in sorted(outside.counted.items()) if k == kind for _ in range(n)]
+        misses, missed = [], 0
+        for result, runs in zip(capture.results, capture.runs):
+            for m in (m for m in result.misses if m.op == op):
+                missed += runs
+                misses.append(f"{m.node}: {m.reason}" + (f" [graph ran {runs} times]" if runs != 1 else ""))
+        paths = {path: n for (k, path), n in sorted(counted.counted.items()) if k == kind}
+        table[kind] = Accounting(op, counted.total(kind), capture.fused_runs(op), missed, misses, away, paths)
+    return table
