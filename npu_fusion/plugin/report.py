@@ -52,6 +52,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     model.add_argument("--hf", metavar="MODEL_TYPE",
                        help="a transformers architecture (e.g. llama, qwen2, mistral, gptj) with a tiny "
                             "random config; needs transformers, downloads nothing")
+    model.add_argument("--framework", metavar="LIBRARY:MODEL", choices=_framework_names(),
+                       help="a tiny random model of a training framework's own code: "
+                            + ", ".join(_framework_names()) + "; needs that library")
     parser.add_argument("--layers", type=int, default=2, help="decoder layers (default 2)")
     parser.add_argument("--dtype", choices=tuple(DTYPES), default="float32")
     parser.add_argument("--batch", type=int, default=2, help="batch size (default 2)")
@@ -75,7 +78,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     try:
-        report = collect(args)
+        with _framework_workarounds(args):
+            report = collect(args)
     except UsageError as exc:
         print(f"npu-fusion report: {exc}", file=sys.stderr)
         return EXIT_USAGE
@@ -122,6 +126,10 @@ class Subject:
     expected: Optional[Dict[str, int]] = None
     #: counts the sites in an eager run instead (HF models): a context manager factory
     counter: Optional[Callable] = None
+    #: the counter also tells, during the compiled run, which sites ran outside compiled graphs
+    counts_outside: bool = False
+    #: a float64 copy of the model (when a deep copy cast with ``.double()`` is not one)
+    reference: Optional[Callable[[], torch.nn.Module]] = None
 
 
 def _bundled_subject(args) -> Subject:
@@ -158,6 +166,37 @@ def tiny_hf_config(model_type: str, layers: int):
     accepted = set(inspect.signature(config_class.__init__).parameters) | set(getattr(config_class, "attribute_map", {}))
     wanted = dict(_HF_SMALL, num_hidden_layers=layers, **_HF_OVERRIDES.get(model_type, {}))
     return AutoConfig.for_model(model_type, **{k: v for k, v in wanted.items() if k in accepted})
+
+
+def _framework_names():
+    from ..testing.frameworks import FRAMEWORKS
+
+    return tuple(FRAMEWORKS)
+
+
+def _framework_workarounds(args):
+    """What the framework's library needs to run on a CPU at all (``npu_fusion.testing``)."""
+    if not getattr(args, "framework", None):
+        return contextlib.nullcontext()
+    from ..testing.frameworks import FRAMEWORKS
+
+    return FRAMEWORKS[args.framework].workarounds()
+
+
+def _framework_subject(args) -> Subject:
+    from ..testing import frameworks
+
+    framework = frameworks.FRAMEWORKS[args.framework]
+    if args.checkpointing != "none":
+        raise UsageError("--checkpointing is for the bundled and transformers models")
+    try:
+        model = frameworks.build(framework, DTYPES[args.dtype], args.layers, args.seed)
+    except ImportError as exc:
+        raise UsageError(f"--framework {args.framework} needs {framework.library}: {exc}") from None
+    return Subject(name=f"{args.framework} (tiny random model of the library's own code)", model=model,
+                   loss=lambda m, ids: frameworks.loss(framework, m, ids), vocab_size=frameworks.VOCAB,
+                   counter=framework.sites, counts_outside=True,
+                   reference=lambda: frameworks.widened(framework, model, args.layers))
 
 
 def _hf_subject(args) -> Subject:
@@ -251,15 +290,24 @@ class Recorder:
         self.before: List[collections.Counter] = []
         self.after: List[collections.Counter] = []
         self.results: List[FusionResult] = []
+        self.runs: List[int] = []  # per backward graph: runs of its forward (a graph reused per layer)
 
     def __call__(self, gm, example_inputs):
-        return aot_backend(self.options, self._around_pass)(gm, example_inputs)
+        from ..testing.capture import counting_runs
+
+        first = len(self.results)
+        compiled = aot_backend(self.options, self._around_pass)(gm, example_inputs)
+        return counting_runs(compiled, self.runs, range(first, len(self.results)))
 
     def _around_pass(self, bw_gm, run):
         self.before.append(op_counts(bw_gm.graph))
         progress(f"running the pass on a backward graph of {len(bw_gm.graph.nodes)} nodes...")
         self.results.append(run())
         self.after.append(op_counts(bw_gm.graph))
+        self.runs.append(0)
+
+    def fused_runs(self, op: str) -> int:
+        return sum(r.fused(op) * n for r, n in zip(self.results, self.runs))
 
 
 # --------------------------------------------------------------------------- the run
@@ -284,13 +332,14 @@ def collect(args: argparse.Namespace) -> Dict[str, Any]:
         raise UsageError("--layers and --batch must be at least 1, --seq at least 2")
     options = FusionOptions.from_mapping({"target": args.target, "partitioner": args.partitioner})
     progress("building the model...")
-    subject = _hf_subject(args) if args.hf else _bundled_subject(args)
+    subject = (_framework_subject(args) if getattr(args, "framework", None)
+               else _hf_subject(args) if args.hf else _bundled_subject(args))
     model = subject.model
     ids = torch.randint(0, subject.vocab_size, (args.batch, args.seq),
                         generator=torch.Generator().manual_seed(args.seed + 1))
 
     progress("eager step in float64 (reference)...")
-    wide = copy.deepcopy(model).double()
+    wide = subject.reference() if subject.reference else copy.deepcopy(model).double()
     _, exact = _step(subject, wide, ids)
     del wide
 
@@ -310,19 +359,10 @@ def collect(args: argparse.Namespace) -> Dict[str, Any]:
         torch._dynamo.mark_dynamic(step_ids, 0)
         torch._dynamo.mark_dynamic(step_ids, 1)
     model.zero_grad(set_to_none=True)
-    if args.compiled_autograd:
-        progress("compiling and running forward and backward (compiled autograd)...")
-        forward_seconds, backward_seconds, loss = _compiled_autograd_step(subject, model, recorder, step_ids)
-    else:
-        compiled = torch.compile(lambda i: subject.loss(model, i), backend=recorder)
-        progress("compiling and running the forward...")
-        start = time.perf_counter()
-        loss = compiled(step_ids)
-        forward_seconds = time.perf_counter() - start
-        progress("backward...")
-        start = time.perf_counter()
-        loss.backward()
-        backward_seconds = time.perf_counter() - start
+    # the same counter during the compiled run sees only the sites that ran outside compiled graphs
+    outside = subject.counter(model) if subject.counts_outside else contextlib.nullcontext()
+    with outside:
+        forward_seconds, backward_seconds, loss = _compiled_step(args, subject, model, recorder, step_ids)
     fused_grads = _param_grads(model)
     model.zero_grad(set_to_none=True)
     compiled_loss = float(loss.detach())
@@ -340,7 +380,7 @@ def collect(args: argparse.Namespace) -> Dict[str, Any]:
                      "checkpointing": args.checkpointing, "compiled_autograd": args.compiled_autograd,
                      "seed": args.seed},
         "backward_graphs": len(results),
-        "ops": summarize_sites(results, expected),
+        "ops": summarize_sites(results, expected, recorder.runs),
         "misses": [dataclasses.asdict(m) for r in results for m in r.misses],
         "sites": [dataclasses.asdict(s) for r in results for s in r.sites],
         "op_counts": _op_count_table(recorder),
@@ -350,9 +390,37 @@ def collect(args: argparse.Namespace) -> Dict[str, Any]:
                     "pass": sum(r.seconds for r in results)},
         "pass_errors": [r.error for r in results if r.error],
     }
+    if subject.counts_outside:
+        report["accounting"] = _accounting(counting, outside, recorder)
     if not results:
         report["pass_errors"].append("no backward graph reached the pass (nothing was compiled?)")
     return report
+
+
+def _compiled_step(args, subject: Subject, model, recorder, ids):
+    """Compile and run one forward and backward: (forward seconds, backward seconds, loss)."""
+    if args.compiled_autograd:
+        progress("compiling and running forward and backward (compiled autograd)...")
+        return _compiled_autograd_step(subject, model, recorder, ids)
+    compiled = torch.compile(lambda i: subject.loss(model, i), backend=recorder)
+    progress("compiling and running the forward...")
+    start = time.perf_counter()
+    loss = compiled(ids)
+    forward_seconds = time.perf_counter() - start
+    progress("backward...")
+    start = time.perf_counter()
+    loss.backward()
+    return forward_seconds, time.perf_counter() - start, loss
+
+
+def _accounting(counted, outside, recorder) -> Dict[str, Dict[str, Any]]:
+    """Per fused op: where each independently counted site ended (fused, a recorded miss, run
+    outside every compiled graph, or unexplained), with the outside sites' module paths."""
+    from ..testing.sites import account
+
+    return {a.op: {"expected": a.counted, "fused": a.fused, "missed": a.missed, "outside": len(a.outside),
+                   "unexplained": a.unexplained, "outside_paths": a.outside}
+            for a in account(counted, outside, recorder).values()}
 
 
 def _compiled_autograd_step(subject: Subject, model, recorder, ids):
@@ -370,16 +438,27 @@ def _compiled_autograd_step(subject: Subject, model, recorder, ids):
     return time.perf_counter() - start, 0.0, loss
 
 
-def summarize_sites(results: List[FusionResult], expected: Optional[Dict[str, int]]) -> Dict[str, Dict]:
+def summarize_sites(results: List[FusionResult], expected: Optional[Dict[str, int]],
+                    runs: Optional[List[int]] = None) -> Dict[str, Dict]:
+    """Per op: sites found, fused and left unfused, each counted once per run of its graph."""
+    runs = runs if runs is not None else [1] * len(results)
     ops = {}
     names = list(FUSED_OPS) + sorted({s.op for r in results for s in r.sites} - set(FUSED_OPS))
     for op in names:
-        fused = sum(r.fused(op) for r in results)
-        unfused = sum(1 for r in results for m in r.misses if m.op == op)
+        fused = sum(r.fused(op) * n for r, n in zip(results, runs))  # a graph reused per layer: per run
+        unfused = sum(n for r, n in zip(results, runs) for m in r.misses if m.op == op)
         ops[op] = {"found": fused + unfused, "fused": fused, "unfused": unfused,
                    "expected": expected.get(op) if expected else None,
-                   "modes": dict(collections.Counter(s.mode or "-" for r in results for s in r.sites if s.op == op))}
+                   "modes": _modes(results, runs, op)}
     return ops
+
+
+def _modes(results: List[FusionResult], runs: List[int], op: str) -> Dict[str, int]:
+    modes: collections.Counter = collections.Counter()
+    for result, n in zip(results, runs):
+        for site in (s for s in result.sites if s.op == op):
+            modes[site.mode or "-"] += n
+    return dict(modes)
 
 
 def _op_count_table(recorder: Recorder) -> Dict[str, Any]:
@@ -462,6 +541,20 @@ def _table(header: List[str], rows: List[List[Any]]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _format_accounting(report: Dict[str, Any]) -> str:
+    """Where the independently counted sites ended; only where the counter could tell which ran
+    outside every compiled graph (``--framework``)."""
+    if "accounting" not in report:
+        return ""
+    rows = [[op, a["expected"], a["fused"], a["missed"], a["outside"], a["unexplained"]]
+            for op, a in report["accounting"].items()]
+    out = ["\n## Where the counted sites ended\n\n",
+           _table(["op", "counted", "fused", "recorded miss", "outside compiled graphs", "unexplained"], rows)]
+    out += [f"{op}: ran outside every compiled graph: {path}\n"
+            for op, a in report["accounting"].items() for path in a["outside_paths"]]
+    return "".join(out)
+
+
 def format_text(report: Dict[str, Any]) -> str:
     s = report["settings"]
     out = []
@@ -490,6 +583,7 @@ def format_text(report: Dict[str, Any]) -> str:
         elif r["expected"] is not None:
             out.append(f"{op}: {r['fused']} of {r['expected']} sites fused\n")
 
+    out.append(_format_accounting(report))
     out.append("\n## Left unfused\n\n")
     if report["misses"]:
         out.append(_table(["op", "node", "reason"], [[m["op"], m["node"], m["reason"]] for m in report["misses"]]))
