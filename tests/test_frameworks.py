@@ -6,6 +6,7 @@ compiled graph replaced by its fused op, and every parameter gradient within the
 criterion (``assert_close_as_unfused``, factor 4). The CPU-only workarounds these libraries need
 are in ``npu_fusion.testing.cpu_workarounds``.
 """
+import json
 import subprocess
 import sys
 
@@ -105,3 +106,17 @@ def test_harness_stays_out_of_the_package():
             "print([m for m in sys.modules if m.startswith('npu_fusion.testing')])")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
+
+
+def test_report_builds_a_framework_model_and_accounts_for_its_sites(capsys):
+    pytest.importorskip("torchtune")
+    pytest.importorskip("torchao")
+    from npu_fusion.cli import main
+
+    status = main(["report", "--framework", "torchtune:gemma", "--json"])
+    report = json.loads(capsys.readouterr().out)
+    assert status == 0 and report["gradients"]["passed"]
+    for op, count in zip(("rotary_position_embedding_grad", "rms_norm_grad"), EXPECTED_SITES["torchtune:gemma"]):
+        sites = report["accounting"][op]
+        assert sites["expected"] == report["ops"][op]["expected"] == count
+        assert (sites["fused"], sites["missed"], sites["outside"], sites["unexplained"]) == (count, 0, 0, 0)
