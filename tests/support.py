@@ -1,7 +1,7 @@
 """Compile helpers for the pass tests: a backend that runs the real pass and keeps
 the backward graph before and after it, and gradient comparisons."""
 import torch
-from npu_fusion.testing.capture import Capture, op_counts  # noqa: F401  (the tests import them from here)
+from npu_fusion.testing.capture import Capture  # the tests import it from here too
 from npu_fusion.testing.grads import assert_close_as_unfused
 
 VARIANTS = [  # (partitioner, decompositions)
