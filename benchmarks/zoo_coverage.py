@@ -425,9 +425,11 @@ def _innermost_module(node) -> Optional[tuple]:
 
 def fused_where(capture, entry: Entry) -> collections.Counter:
     """The fused sites by ``(kind, module path)``, read off the forward module stacks of the nodes
-    each site replaced (in the backward graph before the pass)."""
+    each site replaced (in the backward graph before the pass), once per run of their graph."""
     where = collections.Counter()
-    for before, result in zip(capture.before, capture.results):
+    # a graph dynamo reuses for several layers (after graph breaks) holds a site once and runs it
+    # once per layer: count each site per run, as the eager counter does
+    for before, result, runs in zip(capture.before, capture.results, capture.runs):
         by_name = {n.name: n for n in before.nodes}
         for site in result.sites:
             kind = "rope" if site.op == ROPE_OP else "rms_norm"
@@ -436,7 +438,7 @@ def fused_where(capture, entry: Entry) -> collections.Counter:
             if kind == "rms_norm":
                 found = [f for f in found if f[1] in entry.norm_classes] or found
             paths = collections.Counter(f[0] for f in found)
-            where[(kind, paths.most_common(1)[0][0] if paths else "?")] += 1
+            where[(kind, paths.most_common(1)[0][0] if paths else "?")] += runs
     return where
 
 
@@ -657,7 +659,7 @@ def run_model(entry: Entry, dtype=torch.float32, batch=2, seq=12, dynamic=False,
             else:
                 raise RuntimeError(f"fails only with the pass: {first}") from exc
 
-        out.rope_fused, out.norm_fused = capture.fused(ROPE_OP), capture.fused(NORM_OP)
+        out.rope_fused, out.norm_fused = capture.fused_runs(ROPE_OP), capture.fused_runs(NORM_OP)
         out.backward_graphs = len(capture.after)
         out.grad_failures = compare_grads(fused, eager, exact)
         out.grads_ok = not out.grad_failures
