@@ -43,10 +43,10 @@ class Row:
     error: str = ""
 
 
-def run_one(name: str, dtype: str) -> Row:
+def run_one(name: str, dtype: str, target: str = "generic") -> Row:
     row, start = Row(name, dtype), time.perf_counter()
     try:
-        coverage = measure(FRAMEWORKS[name], getattr(torch, dtype), strict=False)
+        coverage = measure(FRAMEWORKS[name], getattr(torch, dtype), strict=False, target=target)
     except ImportError as exc:
         row.error = f"skipped: {exc}"
     except Exception as exc:  # a build or compile failure is a result too
@@ -113,6 +113,8 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--frameworks", help=f"comma-separated, from: {', '.join(FRAMEWORKS)} (default: all)")
     parser.add_argument("--dtypes", default="float32,bfloat16", help="comma-separated (default float32,bfloat16)")
+    parser.add_argument("--target", default="generic", choices=("generic", "a2", "a3", "950"),
+                        help="which chip's forms the pass may emit (default generic: every form)")
     parser.add_argument("--json", metavar="PATH", help="also write the rows as JSON")
     args = parser.parse_args(argv)
     names = args.frameworks.split(",") if args.frameworks else list(FRAMEWORKS)
@@ -125,7 +127,7 @@ def main(argv=None) -> int:
     rows = []
     for name in names:
         for dtype in args.dtypes.split(","):
-            rows.append(run_one(name, dtype))
+            rows.append(run_one(name, dtype, args.target))
             print(f"[{len(rows)}] {name} {dtype}: {rows[-1].error or 'done'}", file=sys.stderr, flush=True)
     print_table(rows)
     print()

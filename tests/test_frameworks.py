@@ -124,3 +124,16 @@ def test_report_builds_a_framework_model_and_accounts_for_its_sites(capsys):
         sites = report["accounting"][op]
         assert sites["expected"] == report["ops"][op]["expected"] == count
         assert (sites["fused"], sites["missed"], sites["outside"], sites["unexplained"]) == (count, 0, 0, 0)
+
+
+def test_sites_a_target_refuses_are_recorded_misses():
+    """On Ascend 950 RmsNormGrad is not available: every norm site inside the compiled graph is a
+    recorded miss with that reason, none unexplained, and RoPE still fuses."""
+    framework = FRAMEWORKS["torchtune:gemma"]
+    _library(framework)
+    coverage = measure(framework, target="950")
+    assert not coverage.grad_failures, coverage.grad_failures
+    rope, norm = coverage.sites["rope"], coverage.sites["rms_norm"]
+    assert (rope.fused, rope.counted) == (4, 4)
+    assert (norm.fused, norm.missed, norm.unexplained, norm.counted) == (0, 5, 0, 5)
+    assert all("950" in m for m in norm.misses)
