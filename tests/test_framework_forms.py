@@ -204,3 +204,34 @@ def test_framework_forms_and_near_misses(name, partitioner):
     for op, expected in ((ROPE, case.rope), (RMS, case.rms)):
         if expected is not None:
             assert capture.fused(op) == expected, (op, capture.fused(op), capture.misses())
+
+
+# -- no silent misses: what no form matches is a recorded miss that says where it stopped --
+
+def index_select_rope(q, angles):
+    """rotate_half spelled as a permutation and a sign vector, tables computed in the program:
+    its backward (index_add) is no op the lane evaluator reads."""
+    d = q.shape[-1]
+    perm = torch.cat((torch.arange(d // 2, d), torch.arange(0, d // 2)))
+    signs = torch.cat((-torch.ones(d // 2), torch.ones(d // 2)))
+    emb = torch.cat((angles, angles), -1)
+    return q * emb.cos() + q.index_select(-1, perm) * signs * emb.sin()
+
+
+def test_unread_rope_spelling_is_a_recorded_miss():
+    gen = torch.Generator().manual_seed(5)
+    q, table_angles = _randn(gen, B, H, S, D), angles(gen)
+    capture = compile_and_compare(index_select_rope, [q, table_angles])
+    assert capture.fused(ROPE) == 0
+    reasons = [m.reason for m in capture.misses() if m.op == ROPE]
+    assert len(reasons) == 1 and "rotary table" in reasons[0] and "stopped at" in reasons[0], reasons
+
+
+def test_layer_norm_backward_is_no_rms_norm_miss():
+    """A decomposed LayerNorm backward scales gradients by rsqrt(var + eps) of a centred square:
+    not an RMS statistic, so no RMSNorm miss is recorded for it."""
+    gen = torch.Generator().manual_seed(6)
+    x, w = _randn(gen, B, S, D), _randn(gen, D)
+    capture = compile_and_compare(lambda x, w: torch.nn.functional.layer_norm(x, (D,), w), [x, w],
+                                  decompositions="core")
+    assert not [m for m in capture.misses() if m.op == RMS], capture.misses()

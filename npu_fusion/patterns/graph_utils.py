@@ -305,6 +305,8 @@ class MemoEvaluator:
         #: (node, exception) of evaluator failures other than Unsupported: each costs only
         #: its node, which stays opaque (a leaf), and is reported as a miss by the caller
         self.errors: List[tuple] = []
+        #: why a node the evaluator could not read is opaque (the nearest difference a miss names)
+        self.unsupported: Dict[fx.Node, str] = {}
         #: the dtypes each value was rounded to by narrowing casts the evaluation saw through
         #: (casts are identities of real arithmetic; a site rounded inside more coarsely than
         #: its inputs are stored is refused, see :func:`rounding_problem`)
@@ -340,10 +342,11 @@ class MemoEvaluator:
                         self.interpreted.add(node)
                     if result is not None:
                         self.rounded[node] = self._rounding(definition)
-                except Unsupported:
+                except Unsupported as exc:
                     result = None
                     if self._is_forward(node):
                         raise
+                    self.unsupported[node] = str(exc)
                 except Exception as exc:  # an evaluator bug: this node stays opaque, which is sound
                     self.errors.append((node, exc))
                     result = None

@@ -593,6 +593,62 @@ def _near_misses(ev: NormEvaluator, nodes, matched: List[NormMatch], rewrites: R
                              "statistic or a missing term)") for n in outer]
 
 
+def unexplained(graph: fx.Graph, provenance: Optional[Provenance], misses: List[Miss]) -> List[Miss]:
+    """No silent misses: a gradient multiplied by an RMS statistic (``rsqrt(mean(x*x) + eps)``,
+    saved or recomputed) that is left in the graph after the pass, and that no recorded miss
+    accounts for, is an RMSNorm no form matched; each becomes a miss."""
+    gradient = gradient_dependent(graph)
+    if gradient is None:
+        return []
+    missed = {m.node for m in misses}
+    found, reached = [], set()
+    for node in graph.nodes:
+        if node.op != "call_function" or node.target is not aten.mul.Tensor or node in reached:
+            continue
+        operands = [a for a in node.args[:2] if isinstance(a, fx.Node)]
+        if len(operands) != 2 or sum(a in gradient for a in operands) != 1:
+            continue
+        statistic = operands[0] if operands[1] in gradient else operands[1]
+        if not _is_rms_statistic(statistic, provenance):
+            continue
+        reach = set(downstream(graph, [node], 2 * DX_DEPTH))
+        reached |= reach
+        if not any(n.name in missed for n in reach):
+            found.append(node)
+    return [Miss(OP, n.name, "a gradient scaled by an RMS statistic rsqrt(mean(x*x) + eps) that no "
+                             "RMSNorm form matched (run with TORCH_LOGS=npu_fusion and dump_graphs to see it)")
+            for n in found]
+
+
+#: ops an RMS statistic may pass through on its way to the backward (casts, views, broadcasts)
+_STAT_PASSTHROUGH = {aten._to_copy.default, aten.view.default, aten.expand.default, aten.unsqueeze.default,
+                     aten.squeeze.dim, aten.squeeze.dims, aten.clone.default, aten.detach.default,
+                     aten.alias.default, torch.ops.prims.convert_element_type.default}
+
+
+def _is_rms_statistic(node: fx.Node, provenance: Optional[Provenance]) -> bool:
+    """``rsqrt(mean(y*y) + eps)`` or ``(mean(y*y) + eps) ** -0.5``, seen through casts, views and
+    saved tensors' forward definitions: the statistic of an RMSNorm, not of a LayerNorm (whose
+    mean is of a centred square)."""
+    for _ in range(8):
+        if node.op == "placeholder" and provenance is not None:
+            node = provenance.forward_definition(node) or node
+        if node.op != "call_function" or node.target not in _STAT_PASSTHROUGH:
+            break
+        node = node.args[0]
+    root = node.op == "call_function" and (node.target is aten.rsqrt.default or (
+        node.target is aten.pow.Tensor_Scalar and node.args[1] == -0.5))
+    if not root or not isinstance(node.args[0], fx.Node) or node.args[0].target not in (
+            aten.add.Tensor, aten.add.Scalar):
+        return False
+    mean = next((a for a in node.args[0].args if isinstance(a, fx.Node)
+                 and a.target in (aten.mean.dim, aten.sum.dim_IntList)), None)
+    square = mean.args[0] if mean is not None else None
+    return isinstance(square, fx.Node) and square.op == "call_function" and (
+        (square.target is aten.pow.Tensor_Scalar and square.args[1] == 2)
+        or (square.target is aten.mul.Tensor and square.args[0] is square.args[1]))
+
+
 # -- the rewrite --------------------------------------------------------------
 
 def _widened_from(node: fx.Node, to: torch.dtype, provenance: Optional[Provenance]) -> bool:

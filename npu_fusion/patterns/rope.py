@@ -459,6 +459,78 @@ def find_sites(graph: fx.Graph, provenance: Optional[Provenance], forced_leaves=
     return ev, matches, misses
 
 
+#: forward ops a rotary table comes from; a complex table is one too (``freqs_cis``)
+ROTARY_SOURCES = {aten.cos.default, aten.sin.default, aten.polar.default}
+#: how far above a product to look for them (through saved tensors' forward definitions)
+TABLE_SEARCH_DEPTH = 16
+
+
+def _is_rotary_table(node: fx.Node, provenance: Optional[Provenance]) -> bool:
+    frontier, seen = [node], {node}
+    for _ in range(TABLE_SEARCH_DEPTH):
+        above = []
+        for n in frontier:
+            if n.op == "placeholder":
+                n = provenance.forward_definition(n) if provenance is not None else None
+                if n is None:
+                    continue
+            if n.op != "call_function":
+                continue
+            if n.target in ROTARY_SOURCES or (dtype(n) is not None and dtype(n).is_complex):
+                return True
+            above += [a for a in n.all_input_nodes if a not in seen]
+        seen.update(above)
+        frontier = above
+    return False
+
+
+def unexplained(graph: fx.Graph, provenance: Optional[Provenance], misses: List[Miss]) -> List[Miss]:
+    """No silent misses: a gradient multiplied by a rotary table (a forward value computed from
+    cos, sin or a complex polar) that is left in the graph after the pass, and that no recorded
+    miss accounts for, is a RoPE application no form matched. Each connected group of such
+    products becomes a miss naming where the lane evaluator stopped, the nearest difference."""
+    gradient = gradient_dependent(graph)
+    if gradient is None:
+        return []
+    anchors = [n for n in graph.nodes if n.op == "call_function" and n.target is aten.mul.Tensor
+               and _table_product(n, gradient, provenance)]
+    missed = {m.node for m in misses}
+    groups: List[Tuple[fx.Node, set]] = []
+    for anchor in anchors:
+        reach = set(downstream(graph, [anchor], DX_DEPTH))
+        # a recorded miss's dx may end a few views further (mode 3's re-interleave)
+        if any(n.name in missed for n in downstream(graph, [anchor], 2 * DX_DEPTH)):
+            continue
+        group = next((g for g in groups if g[1] & reach), None)
+        if group is None:
+            groups.append((anchor, reach))
+        else:
+            group[1].update(reach)
+    ev = LaneEvaluator(provenance)
+    ev.gradient_nodes = gradient
+    return [Miss(OP, anchor.name, "a gradient multiplied by a rotary table (cos/sin/complex in the forward) "
+                                  "that no RoPE form matched; " + _nearest_difference(ev, graph, anchor))
+            for anchor, _ in groups]
+
+
+def _table_product(node: fx.Node, gradient: set, provenance) -> bool:
+    operands = [a for a in node.args[:2] if isinstance(a, fx.Node)]
+    if len(operands) != 2 or sum(a in gradient for a in operands) != 1:
+        return False
+    table = operands[0] if operands[1] in gradient else operands[1]
+    return _is_rotary_table(table, provenance)
+
+
+def _nearest_difference(ev: LaneEvaluator, graph: fx.Graph, anchor: fx.Node) -> str:
+    nodes = downstream(graph, [anchor], DX_DEPTH)
+    for node in nodes:
+        ev.value(node)
+    for node in nodes:
+        if node in ev.unsupported:
+            return f"the lane evaluator stopped at {node.name} ({node.target}): {ev.unsupported[node]}"
+    return f"the products after {anchor.name} read as no mode's formula"
+
+
 def _role_node(graph, fake_mode, leaf: fx.Node, positions: Tuple[int, ...]) -> fx.Node:
     """A tensor holding the role's positions, built from its leaf.
 

@@ -37,6 +37,9 @@ class FusionResult:
     seconds: float = 0.0
     nodes_before: int = 0
     nodes_after: int = 0
+    #: what the backend's partition saves for the backward after the pass, when it changed
+    #: that (:class:`~npu_fusion.plugin.saved_activations.SavedChange`), else None
+    saved: Optional[Any] = None
 
     def fused(self, op: str) -> int:
         return sum(1 for s in self.sites if s.op == op)
@@ -232,6 +235,8 @@ def _rewrite_in_rounds(graph: fx.Graph, options: FusionOptions, target: str, pro
         undecided = any(r.round_misses or r.pending for _, r in patterns)
         if sum(len(r.sites) for _, r in patterns) == fused or not undecided:
             break
+    for module, rewrites in patterns:  # what no form matched is a miss too, never silence
+        rewrites.round_misses += module.unexplained(graph, provenance, rewrites.misses)
     return ([s for _, r in patterns for s in r.sites], [m for _, r in patterns for m in r.misses])
 
 
