@@ -16,6 +16,7 @@ from torch._functorch.aot_autograd import make_boxed_func
 
 from .options import FusionOptions
 from .pass_manager import fuse_backward, in_compiled_autograd
+from .saved_activations import narrow_saved_activations
 
 
 def _on_npu_host() -> bool:
@@ -62,17 +63,23 @@ def aot_backend(options: FusionOptions, around_pass: Optional[Callable] = None):
     partition = _partition_fn(options.partitioner)
 
     def fuse(bw_gm, forward):
+        result = []
+
         def run():
-            return fuse_backward(bw_gm, options, forward=forward)
+            result.append(fuse_backward(bw_gm, options, forward=forward))
+            return result[-1]
 
         if around_pass is None:
             run()
         else:
             around_pass(bw_gm, run)
+        return result[-1] if result else None
 
     def partition_fn(joint, joint_inputs, **kwargs):
         fw_gm, bw_gm = partition(joint, joint_inputs, **kwargs)
-        fuse(bw_gm, fw_gm.graph)
+        result = fuse(bw_gm, fw_gm.graph)
+        if options.narrow_saved and result is not None and result.sites:
+            result.saved = narrow_saved_activations(fw_gm, bw_gm)
         return fw_gm, bw_gm
 
     def fw_compiler(fw_gm, _inputs):
