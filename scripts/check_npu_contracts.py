@@ -60,14 +60,14 @@ def row(report: dict) -> list:
     nodes = report["ge"]["nodes_checked"]
     ge_cell = (f"{nodes.get('RotaryPositionEmbeddingGrad', 0)} + {nodes.get('RmsNormGrad', 0)} nodes, "
                f"{len(report['ge_problems'])} problems")
-    built = report["torchair"] + (" (own does not import)" if "own_torchair_error" in report else "")
-    builders = ", ".join(f"{k}: {v}" for k, v in report["builders"].items())
+    built = report["torchair"] + (" (its own does not import)" if "own_torchair_error" in report else "")
+    builders = " / ".join(report["builders"].values())
     return [report["line"], eager_cell, modes, ge_cell, built, builders]
 
 
 def print_table(reports) -> None:
-    header = ["torch_npu", "eager kernels bound", "rotary modes on NPU eagerly", "GE definitions matched",
-              "nodes built by torchair", "GE builders"]
+    header = ["torch_npu", "eager kernels bound", "rotary modes on torch_npu eagerly", "GE definitions matched",
+              "GE nodes built by torchair", "builders: rope / rope without x / rms norm"]
     print("| " + " | ".join(header) + " |")
     print("|" + "---|" * len(header))
     for report in reports:

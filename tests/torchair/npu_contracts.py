@@ -165,7 +165,8 @@ def check_rotary_mode_table(sources, rotary_modes: Dict[int, str]) -> List[str]:
 def check_eager_kernels(sources, rope_kernel: Callable = npu.rope_grad_on_npu,
                         rms_kernel: Callable = npu.rms_norm_grad_on_npu,
                         rotary_modes: Optional[Dict[int, str]] = None) -> Tuple[List[str], dict]:
-    """Run the eager kernels against the wheel's schemas (each distinct source in turn)."""
+    """Run the eager kernels against the wheel's schemas (each source in turn); every op, and
+    every rotary mode we map, must reach the stand-in."""
     accepted = eager_rotary_modes(sources)
     problems = check_rotary_mode_table(sources, npu.TORCH_NPU_ROTARY_MODES if rotary_modes is None else rotary_modes)
     seen = EagerCalls()
@@ -179,6 +180,11 @@ def check_eager_kernels(sources, rope_kernel: Callable = npu.rope_grad_on_npu,
         with stand_in_npu_ops(schemas, accepted, seen):
             _run_kernels(rope_kernel, rms_kernel, problems)
         problems[before:] = [f"[{label} schema] {p}" for p in problems[before:]]
+    table = npu.TORCH_NPU_ROTARY_MODES if rotary_modes is None else rotary_modes
+    unused = sorted(set(table.values()) - seen.rotary_modes) + [
+        op for op in ("npu_rotary_mul_backward", "npu_rms_norm_backward") if not seen.calls[op]]
+    if unused:  # a kernel that falls back where torch_npu could run it binds nothing
+        problems.append(f"never reached torch_npu: {unused}")
     summary = {"calls": dict(seen.calls), "rotary_modes_on_npu": sorted(seen.rotary_modes),
                "eager_rotary_modes": accepted, "schemas": sets}
     return problems, summary
@@ -262,8 +268,6 @@ def _the_node(graph, ge_type: str, problems: List[str], case: str):
 
 
 def _check_inputs(node, ir: IrDef, args: tuple, names: tuple, case: str, problems: List[str]) -> None:
-    from torchair.ge import DataType  # noqa: F401  (DataType names in the descs)
-
     given = {name: arg for name, arg in zip(names, args)}
     fed = [d.name for d in node.input_desc]
     expected = [n for n, optional, _ in ir.inputs if given.get(n) is not None or not optional]

@@ -9,7 +9,7 @@ import torch
 
 import npu_contracts
 import torchair_harness
-from npu_fusion.lowering import npu
+from npu_fusion.lowering import npu, rms_norm
 
 ROPE_CASES_WITH_X_IN_EAGER_MODES = sum(
     1 for *_, x, mode in npu_contracts.rope_cases() if x is not None and mode in npu.TORCH_NPU_ROTARY_MODES)
@@ -72,8 +72,10 @@ def test_wrong_eager_calls_fail_the_check(sources):
     assert len(problems) == 2 * RMS_NORM_CASES and all("rms_norm_grad" in p for p in problems)
 
     problems, _ = npu_contracts.check_eager_kernels(sources, rope_kernel=_rope_mode_as_int)
-    assert len(problems) == 2 * ROPE_CASES_WITH_X_IN_EAGER_MODES + 2 * 6  # + modes 2, 3 refused too
-    assert all("rotary_mode" in p for p in problems)
+    *unbound, unused = problems  # every call with x refused (modes 2, 3 as well), so nothing reached torch_npu
+    assert len(unbound) == 2 * ROPE_CASES_WITH_X_IN_EAGER_MODES + 2 * 6
+    assert all("rotary_mode" in p for p in unbound)
+    assert unused == "never reached torch_npu: ['half', 'interleave', 'npu_rotary_mul_backward']"
 
     problems, _ = npu_contracts.check_eager_kernels(sources, rope_kernel=_rope_cos_and_sin_swapped)
     assert len(problems) == 2 * ROPE_CASES_WITH_X_IN_EAGER_MODES
@@ -85,6 +87,11 @@ def _rope_every_mode_eagerly(dy, cos, sin, x=None, mode=0):
         return npu.rope_grad_on_npu(dy, cos, sin, x, mode)
     names = {0: "half", 1: "interleave", 2: "quarter", 3: "interleave-half"}
     return torch.ops.npu.npu_rotary_mul_backward(dy, x, cos, sin, rotary_mode=names[mode])
+
+
+def test_a_kernel_that_never_calls_torch_npu_fails_the_check(sources):
+    problems, _ = npu_contracts.check_eager_kernels(sources, rms_kernel=rms_norm.reference_kernel)
+    assert problems == ["never reached torch_npu: ['npu_rms_norm_backward']"]
 
 
 def test_a_mode_the_eager_kernel_refuses_fails_the_check(sources):
