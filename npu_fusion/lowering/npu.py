@@ -1,39 +1,62 @@
 """NPU eager kernels: thin calls into torch_npu's fused backward ops.
 
-Registered only when torch_npu imports (an Ascend host with CANN). Untested
-here: no NPU or CANN exists on the development and CI machines. What torch_npu
-cannot express (modes 2 and 3, x absent) falls back to the reference kernels,
-which run on any device.
+Registered for the ``npu`` device only when torch_npu imports (an Ascend host
+with CANN). The kernels themselves are plain functions of this module, so their
+calls can be checked on the CPU against stand-in ``torch.ops.npu`` ops defined
+from a torch_npu wheel's own schema strings (the test suite's contract check,
+run for every torch_npu release line by ``scripts/check_npu_contracts.py``).
+
+What torch_npu's eager ``npu_rotary_mul_backward`` cannot express falls back to
+the reference kernel, which runs on any device:
+
+* x absent: torch_npu's schema has no optional x (``Tensor self``/``input``);
+* modes 2 and 3: in every torch_npu line from 2.6 to 2.14 the eager kernel
+  refuses any ``rotary_mode`` but ``half`` and ``interleave`` ("The rotary_mode
+  of npu_rotary_mul_backward should be half or interleave"), although torchair's
+  graph-mode converter maps ``quarter`` and ``interleave-half`` to
+  RotaryPositionEmbeddingGrad modes 2 and 3 on Ascend 950. Graph mode reaches
+  those modes through our GE converter instead.
 """
 from __future__ import annotations
 
 import importlib.util
 
-from . import rms_norm, rope
+import torch
 
-_TORCH_NPU_MODES = {0: "half", 1: "interleave"}
+from . import rms_norm, rope
+from .constraints import check_rms_norm_grad_inputs, check_rope_grad_inputs
+
+#: RotaryPositionEmbeddingGrad mode -> the ``rotary_mode`` string torch_npu's eager kernel accepts for it.
+TORCH_NPU_ROTARY_MODES = {0: "half", 1: "interleave"}
+
+
+def rope_grad_on_npu(dy, cos, sin, x=None, mode=0):
+    """``rotary_position_embedding_grad`` through ``torch.ops.npu.npu_rotary_mul_backward``
+    (schema ``(Tensor grad, Tensor self, Tensor r1, Tensor r2, str rotary_mode='half')``)."""
+    check_rope_grad_inputs(dy, cos, sin, x, mode)
+    if x is None or mode not in TORCH_NPU_ROTARY_MODES:
+        return rope.reference_kernel(dy, cos, sin, x, mode)
+    dx, dcos, dsin = torch.ops.npu.npu_rotary_mul_backward(
+        dy, x, cos, sin, rotary_mode=TORCH_NPU_ROTARY_MODES[mode])
+    return dx, dcos, dsin
+
+
+def rms_norm_grad_on_npu(dy, x, rstd, gamma):
+    """``rms_norm_grad`` through ``torch.ops.npu.npu_rms_norm_backward``
+    (schema ``(Tensor dy, Tensor self, Tensor gamma, Tensor rstd)``: gamma before rstd)."""
+    check_rms_norm_grad_inputs(dy, x, rstd, gamma)
+    dx, dgamma = torch.ops.npu.npu_rms_norm_backward(dy, x, gamma, rstd)
+    return dx, dgamma
 
 
 def register() -> bool:
+    """Register the kernels for the ``npu`` device; False (nothing changed) without torch_npu."""
     if importlib.util.find_spec("torch_npu") is None:
         return False
     try:
         import torch_npu  # noqa: F401  (registers torch.ops.npu)
     except Exception:  # CANN missing or broken: stay on the reference kernels
         return False
-    import torch
-
-    @rope.rotary_position_embedding_grad.register_kernel("npu")
-    def _rope_npu(dy, cos, sin, x=None, mode=0):
-        if x is None or mode not in _TORCH_NPU_MODES:
-            return rope.reference_kernel(dy, cos, sin, x, mode)
-        dx, dcos, dsin = torch.ops.npu.npu_rotary_mul_backward(
-            dy, x, cos, sin, rotary_mode=_TORCH_NPU_MODES[mode])
-        return dx, dcos, dsin
-
-    @rms_norm.rms_norm_grad.register_kernel("npu")
-    def _rms_norm_npu(dy, x, rstd, gamma):
-        dx, dgamma = torch.ops.npu.npu_rms_norm_backward(dy, x, gamma, rstd)
-        return dx, dgamma
-
+    rope.rotary_position_embedding_grad.register_kernel("npu")(rope_grad_on_npu)
+    rms_norm.rms_norm_grad.register_kernel("npu")(rms_norm_grad_on_npu)
     return True

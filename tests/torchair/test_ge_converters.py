@@ -262,9 +262,9 @@ def test_own_builders_match_torchair_generated(torchair):
     from torchair.ge import DataType
     from torchair.ge._ge_graph import GeGraph
 
-    from npu_fusion.lowering.ge_converters import _make_ir_builders
+    from npu_fusion.lowering.ge_converters.builders import ir_builders
 
-    own_rope, own_rms = _make_ir_builders()
+    own_rope, own_rms = ir_builders()
 
     def build(rope, rms):
         with GeGraph(name="builders") as graph:
@@ -283,7 +283,7 @@ def test_cast_to_declared_dtype(torchair):
     from torchair.ge import DataType
     from torchair.ge._ge_graph import GeGraph
 
-    from npu_fusion.lowering.ge_converters import _as_dtype
+    from npu_fusion.lowering.ge_converters.builders import as_dtype as _as_dtype
 
     with GeGraph(name="casts") as graph:
         t = ge.Data(index=0, dtype=DataType.DT_FLOAT, shape=[4], placement="CPU")

@@ -5,7 +5,8 @@ Installing torch_npu is not an option here (it makes ``import torch`` fail
 without CANN), so :func:`load_torchair`:
 
 1. downloads the torch_npu wheel matching the installed torch with
-   ``pip download --no-deps`` (once; cached, see :func:`cache_root`);
+   ``pip download --no-deps`` (once; the wheel is kept in ``<cache>/wheels``,
+   see :func:`cache_root` and :func:`wheel_file`);
 2. unpacks only ``torch_npu/dynamo/torchair/**`` (its Python files and data, not
    its compiled extension modules) into ``<cache>/torchair-<version>/torchair``
    and byte-compiles it;
@@ -14,6 +15,11 @@ without CANN), so :func:`load_torchair`:
    that serves torchair's four CANN-facing extension modules from
    :mod:`cann_stub`;
 4. imports it.
+
+:func:`contract_sources` reads, from the same cached wheel, what the NPU-side
+contract check (:mod:`npu_contracts`) compares our code with: torch_npu's op
+schemas, its eager kernel's accepted ``rotary_mode`` values and torchair's
+generated GE op definitions.
 
 Environment:
 
@@ -28,6 +34,8 @@ from __future__ import annotations
 
 import compileall
 import contextlib
+import json
+import re
 import importlib.abc
 import importlib.util
 import os
@@ -136,9 +144,30 @@ def _unpack(wheel: Path, target: Path) -> int:
     return count
 
 
-def ensure_torchair_sources() -> Path:
+def wheel_file(version: str) -> Path:
+    """The torch_npu wheel of ``version``: ``NPU_FUSION_TORCH_NPU_WHEEL``, else the one in
+    ``<cache>/wheels``, downloaded there first if it is not yet."""
+    local = os.environ.get("NPU_FUSION_TORCH_NPU_WHEEL")
+    if local:
+        return Path(local)
+    wheels = cache_root() / "wheels"
+    pattern = f"torch_npu-{version}-*.whl"
+    cached = sorted(wheels.glob(pattern))
+    if cached:
+        return cached[0]
+    with _locked(cache_root() / f".wheel-{version}.lock"):
+        cached = sorted(wheels.glob(pattern))
+        if cached:
+            return cached[0]
+        with tempfile.TemporaryDirectory(prefix="torch_npu-download-", dir=cache_root()) as tmp:
+            downloaded = _download_wheel(version, Path(tmp))
+            wheels.mkdir(parents=True, exist_ok=True)
+            return Path(shutil.move(str(downloaded), str(wheels / downloaded.name)))
+
+
+def ensure_torchair_sources(version: Optional[str] = None) -> Path:
     """The directory to put on sys.path (it holds ``torchair/``), unpacking it if needed."""
-    version = torch_npu_version()
+    version = version or torch_npu_version()
     root = cache_root()
     target = root / f"torchair-{version}"
     marker = target / ".complete"
@@ -147,9 +176,8 @@ def ensure_torchair_sources() -> Path:
     with _locked(root / f".torchair-{version}.lock"):
         if marker.exists():
             return target
+        wheel = wheel_file(version)
         with tempfile.TemporaryDirectory(prefix="torch_npu-wheel-", dir=root) as tmp:
-            local = os.environ.get("NPU_FUSION_TORCH_NPU_WHEEL")
-            wheel = Path(local) if local else _download_wheel(version, Path(tmp))
             staging = Path(tmp) / "unpacked"
             count = _unpack(wheel, staging)
             with warnings.catch_warnings():  # torchair's sources have invalid escape sequences
@@ -160,6 +188,78 @@ def ensure_torchair_sources() -> Path:
                 shutil.rmtree(target)
             os.replace(staging, target)
     return target
+
+
+#: the two torch_npu ops npu-fusion's eager kernels call, and the two GE ops its converters build.
+TORCH_NPU_OPS = ("npu_rotary_mul_backward", "npu_rms_norm_backward")
+GE_OPS = ("RotaryPositionEmbeddingGrad", "RmsNormGrad")
+_GENERATED_GE_OPS = WHEEL_PREFIX + "_ge_concrete_graph/auto_generated_ge_raw_ops.py"
+_TORCHAIR_ROTARY_CONVERTER = WHEEL_PREFIX + "_ge_concrete_graph/ge_converter/custom/npu_rotary_mul_backward.py"
+#: the eager kernel's refusal of other rotary modes, compiled into torch_npu's library.
+_EAGER_MODE_MESSAGE = re.compile(rb"The rotary_mode of npu_rotary_mul_backward should be ([ -~]*?), but got")
+
+
+def _schemas_in(text: str, pattern: str) -> dict:
+    """``{op: schema}`` for each of :data:`TORCH_NPU_OPS` whose schema ``pattern`` finds in ``text``."""
+    found = {}
+    for op in TORCH_NPU_OPS:
+        match = re.search(pattern.format(op=re.escape(op)), text)
+        if match:
+            found[op] = match.group(1)
+    return found
+
+
+def _generated_ir_docs(text: str) -> dict:
+    """``{GE op: its REG_OP text}`` from the docstrings of torchair's generated builders."""
+    docs = {}
+    for op in GE_OPS:
+        match = re.search(r'\ndef %s\([\s\S]*?"""(REG_OP\(%s\)[\s\S]*?)"""' % (op, op), text)
+        if match:
+            docs[op] = match.group(1).replace("\\n", "")
+    return docs
+
+
+def _read_contract_sources(wheel: Path) -> dict:
+    with zipfile.ZipFile(wheel) as archive:
+        names = archive.namelist()
+        yaml_schemas, yaml_path = {}, None
+        for name in sorted(n for n in names if n.startswith("torch_npu/") and n.endswith(".yaml")):
+            found = _schemas_in(archive.read(name).decode(errors="replace"), r"- func: ({op}\(.*\) -> .*)")
+            if found and not yaml_schemas:
+                yaml_schemas, yaml_path = found, name
+        library = archive.read("torch_npu/lib/libtorch_npu.so")
+        registered = _schemas_in(library.decode("latin-1"), r"\x00({op}\([ -~]*\) -> [ -~]*)\x00")
+        modes = _EAGER_MODE_MESSAGE.search(library)
+        generated = archive.read(_GENERATED_GE_OPS).decode()
+        rotary_converter = archive.read(_TORCHAIR_ROTARY_CONVERTER).decode() if _TORCHAIR_ROTARY_CONVERTER in names else ""
+    return {
+        "wheel": wheel.name,
+        "yaml_path": yaml_path,
+        "yaml_schemas": yaml_schemas,
+        "registered_schemas": registered,
+        "eager_rotary_modes": modes.group(1).decode() if modes else None,
+        "ge_ir": _generated_ir_docs(generated),
+        "torchair_rotary_modes": re.findall(r'"([a-z-]+)": (\d)', rotary_converter),
+    }
+
+
+def contract_sources(version: Optional[str] = None) -> dict:
+    """What torch_npu ``version``'s wheel says about the ops npu-fusion uses (cached as JSON):
+
+    * ``yaml_schemas`` / ``registered_schemas``: ``{op: schema}`` from the codegen yaml
+      (``yaml_path``) and as compiled into ``libtorch_npu.so`` (what the dispatcher registers);
+    * ``eager_rotary_modes``: the modes the eager ``npu_rotary_mul_backward`` accepts, as its
+      own error message words them (``"half or interleave"``);
+    * ``ge_ir``: ``{GE op: REG_OP text}`` from torchair's generated builders' docstrings;
+    * ``torchair_rotary_modes``: ``[(rotary_mode, GE mode)]`` torchair's own converter maps.
+    """
+    version = version or torch_npu_version()
+    cached = cache_root() / f"torch_npu-{version}-contracts.json"
+    if cached.exists():
+        return json.loads(cached.read_text())
+    sources = _read_contract_sources(wheel_file(version))
+    cached.write_text(json.dumps(sources, indent=1))
+    return sources
 
 
 class _CannStubFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):

@@ -1,0 +1,97 @@
+"""Check npu-fusion's NPU-side contracts against every torch_npu release line and print a table.
+
+For each line, ``tests/torchair/npu_contracts.py`` runs in its own process (one
+torchair per process): the eager kernels against stand-in ``torch.ops.npu`` ops
+made from that wheel's schemas, and the GE nodes our converters build against
+that wheel's generated ``REG_OP`` definitions. The nodes are built by the line's
+own torchair; where that torchair does not import with the installed torch, by
+the torchair matching it, and the table says so. Wheels are downloaded once into
+the cache of ``tests/torchair/torchair_harness.py`` (``~/.cache/npu_fusion``).
+
+    python scripts/check_npu_contracts.py            # every line below
+    python scripts/check_npu_contracts.py 2.13.0     # some lines
+Exit status 1 when any check found a problem.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+#: the newest release of each torch_npu line 2.6 to 2.14 on the package index (checked 2026-11-30;
+#: 2.9 has two: 2.9.0.post9 and 2.9.1).
+LINES = ("2.6.0.post5", "2.7.1.post11", "2.8.0.post5", "2.9.0.post9", "2.9.1", "2.10.0.post7",
+         "2.11.0.post3", "2.12.0.post3", "2.13.0", "2.14.0")
+CHECK = Path(__file__).resolve().parent.parent / "tests" / "torchair" / "npu_contracts.py"
+
+
+def run_line(line: str, torchair_version: str) -> dict:
+    env = dict(os.environ, NPU_FUSION_TORCH_NPU_VERSION=torchair_version)
+    done = subprocess.run([sys.executable, str(CHECK), line], env=env, capture_output=True, text=True, timeout=1800)
+    if done.returncode != 0:
+        tail = "\n".join(done.stderr.strip().splitlines()[-5:])
+        return {"line": line, "error": f"exit {done.returncode}: {tail}"}
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def check_line(line: str, default_torchair: str) -> dict:
+    report = run_line(line, line)
+    if "torchair_error" in report and line != default_torchair:
+        fallback = run_line(line, default_torchair)
+        fallback["own_torchair_error"] = report["torchair_error"]
+        report = fallback
+    return report
+
+
+def row(report: dict) -> list:
+    if "error" in report:
+        return [report["line"], "error", "", "", "", report["error"].splitlines()[-1][:80]]
+    eager = report["eager"]
+    calls = eager["calls"]
+    bound = sum(1 for op in ("npu_rotary_mul_backward", "npu_rms_norm_backward") if calls.get(op))
+    eager_cell = f"{bound}/2 ops, {sum(calls.values())} calls, {len(report['eager_problems'])} problems"
+    modes = f"{', '.join(eager['rotary_modes_on_npu'])} (accepts: {', '.join(eager['eager_rotary_modes'])})"
+    if "ge" not in report:
+        return [report["line"], eager_cell, modes, "not run", "", report.get("torchair_error", "")[:80]]
+    nodes = report["ge"]["nodes_checked"]
+    ge_cell = (f"{nodes.get('RotaryPositionEmbeddingGrad', 0)} + {nodes.get('RmsNormGrad', 0)} nodes, "
+               f"{len(report['ge_problems'])} problems")
+    built = report["torchair"] + (" (its own does not import)" if "own_torchair_error" in report else "")
+    builders = " / ".join(report["builders"].values())
+    return [report["line"], eager_cell, modes, ge_cell, built, builders]
+
+
+def print_table(reports) -> None:
+    header = ["torch_npu", "eager kernels bound", "rotary modes on torch_npu eagerly", "GE definitions matched",
+              "GE nodes built by torchair", "builders: rope / rope without x / rms norm"]
+    print("| " + " | ".join(header) + " |")
+    print("|" + "---|" * len(header))
+    for report in reports:
+        print("| " + " | ".join(row(report)) + " |")
+    for report in reports:
+        problems = report.get("eager_problems", []) + report.get("ge_problems", [])
+        for problem in problems[:10]:
+            print(f"{report['line']}: {problem}")
+        if "own_torchair_error" in report:
+            print(f"{report['line']}: its torchair does not import with torch {torch.__version__}: "
+                  f"{report['own_torchair_error'][:200]}")
+
+
+def main(argv) -> int:
+    lines = argv or LINES
+    default_torchair = torch.__version__.split("+")[0]
+    reports = []
+    for line in lines:
+        print(f"checking torch_npu {line} ...", file=sys.stderr, flush=True)
+        reports.append(check_line(line, default_torchair))
+    print_table(reports)
+    failed = [r for r in reports if "error" in r or r.get("eager_problems") or r.get("ge_problems") or "ge" not in r]
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
