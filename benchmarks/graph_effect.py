@@ -28,16 +28,13 @@ import sys
 import time
 
 import torch
-from torch._dynamo.backends.common import aot_autograd
-from torch._functorch.aot_autograd import make_boxed_func
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 import npu_fusion  # noqa: F401  (registers the ops)
 from npu_fusion.models import RMSNorm, TinyConfig, TinyDecoder
-from npu_fusion.patterns.graph_utils import node_traffic
-from npu_fusion.plugin.backend import _partition_fn
+from npu_fusion.patterns.graph_utils import is_float_cast, node_traffic
+from npu_fusion.plugin.backend import aot_backend
 from npu_fusion.plugin.options import FusionOptions
-from npu_fusion.plugin.pass_manager import fuse_backward
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 LLAMA_7B = dict(vocab_size=32000, hidden_size=4096, intermediate_size=11008, num_heads=32, num_kv_heads=32,
@@ -46,6 +43,21 @@ LLAMA_7B = dict(vocab_size=32000, hidden_size=4096, intermediate_size=11008, num
 
 def gib(n: float) -> str:
     return f"{n / 2**30:.3f} GiB" if n >= 2**27 else f"{n / 2**20:.1f} MiB"
+
+
+def fused_traffic(graph) -> dict:
+    """Per fused op, the modelled traffic around each fused node in the final backward graph:
+    the node itself and the casts right before and after it (what the pass added, as left
+    after the partition's saved-set narrowing removed the casts of saved upcasts)."""
+    out = collections.Counter()
+    for node in graph.nodes:
+        name = getattr(node.target, "__name__", "")
+        if node.op != "call_function" or not str(node.target).startswith("npu_fusion."):
+            continue
+        casts = [a for a in node.all_input_nodes if is_float_cast(a)]
+        casts += [c for g in node.users for c in g.users if is_float_cast(c)]
+        out[name.split(".")[0]] += node_traffic(node) + sum(node_traffic(c) for c in casts)
+    return out
 
 
 def main(argv=None) -> int:
@@ -57,6 +69,8 @@ def main(argv=None) -> int:
     parser.add_argument("--rope", choices=("half", "interleave", "interleave_half"), default="half")
     parser.add_argument("--target", choices=("generic", "a2", "a3", "950"), default="generic")
     parser.add_argument("--partitioner", choices=("default", "min_cut"), default="default")
+    parser.add_argument("--keep-saved", action="store_true",
+                        help="keep the partitioner's saved set (no narrowing of saved upcasts after fusing)")
     args = parser.parse_args(argv)
 
     config = TinyConfig(**dict(LLAMA_7B, num_layers=args.layers, rope=args.rope))
@@ -71,22 +85,17 @@ def main(argv=None) -> int:
         torch.set_default_dtype(default_dtype)
     assert all(p.dtype == DTYPES[args.dtype] for p in model.parameters())
     norms = sum(isinstance(m, RMSNorm) for m in model.modules())
-    options = FusionOptions.from_mapping({"target": args.target, "partitioner": args.partitioner})
+    options = FusionOptions.from_mapping({"target": args.target, "partitioner": args.partitioner,
+                                          "narrow_saved": not args.keep_saved})
 
     captured = {}
 
-    def fw_compiler(gm, _inputs):
-        captured["forward"] = gm.graph
-        return make_boxed_func(gm.forward)
+    def around_pass(bw_gm, run):
+        captured["before"] = copy.deepcopy(bw_gm.graph)
+        captured["result"] = run()
+        captured["after"] = bw_gm.graph  # changed again by the partition's saved-set narrowing
 
-    def bw_compiler(gm, _inputs):
-        captured["before"] = copy.deepcopy(gm.graph)
-        captured["result"] = fuse_backward(gm, options, forward=captured["forward"])
-        captured["after"] = gm.graph
-        return make_boxed_func(gm.forward)
-
-    backend = aot_autograd(fw_compiler=fw_compiler, bw_compiler=bw_compiler,
-                           partition_fn=_partition_fn(args.partitioner))
+    backend = aot_backend(options, around_pass)
     print(f"tracing {args.layers} layer(s) on fake tensors...", file=sys.stderr)
     start = time.perf_counter()
     with fake_mode:  # the compiled step, forward and backward, runs on fake tensors too
@@ -114,18 +123,24 @@ def main(argv=None) -> int:
     by_op = collections.defaultdict(list)
     for site in result.sites:
         by_op[site.op].append(site)
+    final = fused_traffic(after)
     print("| fused op | sites (expected) | replaced nodes | traffic before | after | fused-op minimum | "
-          "after / before | saved |")
+          "after / minimum | saved |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|")
     for op in ("rms_norm_grad", "rotary_position_embedding_grad"):
         sites = by_op.get(op, [])
         b = sum(s.bytes_before for s in sites)
-        a = sum(s.bytes_after for s in sites)
+        a = final.get(op, 0)
         m = sum(s.bytes_minimum for s in sites)
         nodes = sum(len(s.replaced_nodes) for s in sites)
-        ratio = f"{a / b:.2f}" if b else "-"
+        ratio = f"{a / m:.2f}" if m else "-"
         print(f"| {op} | {len(sites)} ({expected[op]}) | {nodes} | {gib(b)} | {gib(a)} | {gib(m)} | {ratio} | "
               f"{gib(b - a)} |")
+    saved = result.saved
+    if saved is not None:
+        print(f"\nsaved for the backward (activations: graph inputs and their views not counted): "
+              f"{gib(saved.bytes_before)} as partitioned, {gib(saved.bytes_after)} after narrowing "
+              f"({len(saved.narrowed)} upcasts saved in their source dtype, {len(saved.dropped)} no longer saved)")
     for miss in result.misses:
         print(f"\nunfused: {miss.op} at {miss.node}: {miss.reason}")
     return 0
