@@ -10,7 +10,7 @@ from npu_fusion.plugin import backend as backend_module
 from npu_fusion.plugin import pass_manager
 from npu_fusion.plugin.backend import aot_backend
 from npu_fusion.plugin.options import FusionOptions
-from npu_fusion.plugin.saved_activations import _saved_pairs, saved_bytes
+from npu_fusion.plugin.saved_activations import saved_bytes, saved_nodes
 
 B, S = 2, 16
 
@@ -35,7 +35,7 @@ def _step(monkeypatch, partitioner, narrow_saved):
 
     def observed(fw_gm, bw_gm):  # the real function, with the saved set read after it
         change = real(fw_gm, bw_gm)
-        saved.extend(n for _, n, _ in _saved_pairs(fw_gm, bw_gm)[1])
+        saved.extend(saved_nodes(fw_gm, bw_gm))
         return change
 
     monkeypatch.setattr(backend_module, "narrow_saved_activations", observed)

@@ -459,10 +459,37 @@ def find_sites(graph: fx.Graph, provenance: Optional[Provenance], forced_leaves=
     return ev, matches, misses
 
 
-#: forward ops a rotary table comes from; a complex table is one too (``freqs_cis``)
+#: forward ops a rotary table comes from
 ROTARY_SOURCES = {aten.cos.default, aten.sin.default, aten.polar.default}
+#: ops that only shape a table on its way to a product (select positions, broadcast, cast,
+#: repeat, concatenate, negate, scale): a value reached from cos/sin through other ops (the
+#: residual stream after a RoPE'd attention) is an activation, not a table
+TABLE_SHAPING = {
+    aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.unsqueeze.default,
+    aten.squeeze.dim, aten.squeeze.dims, aten.expand.default, aten.permute.default, aten.transpose.int,
+    aten.t.default, aten.slice.Tensor, aten.select.int, aten.index.Tensor, aten.index_select.default,
+    aten.embedding.default, aten._to_copy.default, aten.clone.default, aten.detach.default,
+    aten.alias.default, aten.cat.default, aten.stack.default, aten.repeat_interleave.self_int,
+    aten.repeat.default, aten.neg.default, aten.mul.Scalar, aten.view_as_complex.default,
+    aten.view_as_real.default, aten._conj.default, aten.resolve_conj.default, aten.flatten.using_ints,
+    aten.unflatten.int, torch.ops.prims.convert_element_type.default,
+}
 #: how far above a product to look for them (through saved tensors' forward definitions)
-TABLE_SEARCH_DEPTH = 16
+TABLE_SEARCH_DEPTH = 12
+
+
+def _table_inputs(node: fx.Node) -> List[fx.Node]:
+    """The inputs a table-shaping op passes its table on from; none for any other op. A product
+    by a constant (``cos * attention_scaling``) shapes; a product of two tensors does not."""
+    if node.target is aten.mul.Tensor:
+        tensors = [a for a in node.args[:2] if isinstance(a, fx.Node)]
+        return tensors if len(tensors) == 1 else []
+    if node.target not in TABLE_SHAPING:
+        return []
+    first = node.args[0] if node.args else None
+    if isinstance(first, (list, tuple)):  # cat, stack
+        return [a for a in first if isinstance(a, fx.Node)]
+    return [first] if isinstance(first, fx.Node) else []
 
 
 def _is_rotary_table(node: fx.Node, provenance: Optional[Provenance]) -> bool:
@@ -476,17 +503,17 @@ def _is_rotary_table(node: fx.Node, provenance: Optional[Provenance]) -> bool:
                     continue
             if n.op != "call_function":
                 continue
-            if n.target in ROTARY_SOURCES or (dtype(n) is not None and dtype(n).is_complex):
+            if n.target in ROTARY_SOURCES:
                 return True
-            above += [a for a in n.all_input_nodes if a not in seen]
+            above += [a for a in _table_inputs(n) if a not in seen]
         seen.update(above)
         frontier = above
     return False
 
 
 def unexplained(graph: fx.Graph, provenance: Optional[Provenance], misses: List[Miss]) -> List[Miss]:
-    """No silent misses: a gradient multiplied by a rotary table (a forward value computed from
-    cos, sin or a complex polar) that is left in the graph after the pass, and that no recorded
+    """No silent misses: a gradient multiplied by a rotary table (a forward value shaped from
+    cos, sin or a complex polar by views, casts, repeats and concatenation) that is left in the graph after the pass, and that no recorded
     miss accounts for, is a RoPE application no form matched. Each connected group of such
     products becomes a miss naming where the lane evaluator stopped, the nearest difference."""
     gradient = gradient_dependent(graph)
@@ -508,7 +535,7 @@ def unexplained(graph: fx.Graph, provenance: Optional[Provenance], misses: List[
             group[1].update(reach)
     ev = LaneEvaluator(provenance)
     ev.gradient_nodes = gradient
-    return [Miss(OP, anchor.name, "a gradient multiplied by a rotary table (cos/sin/complex in the forward) "
+    return [Miss(OP, anchor.name, "a gradient multiplied by a rotary table (cos/sin/polar in the forward) "
                                   "that no RoPE form matched; " + _nearest_difference(ev, graph, anchor))
             for anchor, _ in groups]
 

@@ -22,7 +22,7 @@ from typing import List
 
 import torch.fx as fx
 
-from ..patterns.graph_utils import _holds, dtype, is_float_cast, shape, val
+from ..patterns.graph_utils import _holds, dtype, is_float_cast, same_shape, shape, val
 
 
 @dataclasses.dataclass
@@ -57,23 +57,31 @@ def saved_bytes(nodes) -> int:
         if not isinstance(node, fx.Node) or node.op == "placeholder":
             continue
         v = val(node)
-        if v is not None:
-            try:
-                total += int(v.numel()) * v.element_size()
-            except (TypeError, RuntimeError):  # a symbolic size: not modelled
-                pass
+        numel = v.numel() if v is not None else None
+        if isinstance(numel, int):  # a symbolic size is not modelled (int() would specialize it)
+            total += numel * v.element_size()
     return total
 
 
+def saved_nodes(fw_gm: fx.GraphModule, bw_gm: fx.GraphModule) -> list:
+    """The forward's outputs saved for the backward: its last outputs, one per backward
+    placeholder before the tangents."""
+    outputs = list(next(iter(fw_gm.graph.find_nodes(op="output"))).args[0])
+    saved = [p for p in bw_gm.graph.find_nodes(op="placeholder") if not p.name.startswith("tangents")]
+    return outputs[len(outputs) - len(saved):] if len(saved) <= len(outputs) else []
+
+
 def _saved_pairs(fw_gm: fx.GraphModule, bw_gm: fx.GraphModule):
-    """(forward output index, forward node, backward placeholder) of each saved value: the
-    backward's placeholders before the tangents are the forward's last outputs, in order."""
+    """(forward output index, forward node, backward placeholder) of each saved value, paired by
+    name (the partitioners name a saved value's placeholder after its forward node; their orders
+    differ, saved sizes come first in the backward); no pairs unless every one is found."""
     outputs = list(next(iter(fw_gm.graph.find_nodes(op="output"))).args[0])
     saved = [p for p in bw_gm.graph.find_nodes(op="placeholder") if not p.name.startswith("tangents")]
     first = len(outputs) - len(saved)
-    if first < 0:
+    index = {n.name: i for i, n in enumerate(outputs) if i >= first and isinstance(n, fx.Node)}
+    if first < 0 or len(index) != len(saved) or any(p.name not in index for p in saved):
         return outputs, []
-    return outputs, [(first + i, outputs[first + i], p) for i, p in enumerate(saved)]
+    return outputs, [(index[p.name], outputs[index[p.name]], p) for p in saved]
 
 
 def _narrowed_source(fw_node, placeholder):
@@ -83,7 +91,7 @@ def _narrowed_source(fw_node, placeholder):
         return None
     source = fw_node.args[0]
     wide, narrow = dtype(fw_node), dtype(source)
-    if narrow is None or wide == narrow or not _holds(wide, narrow) or shape(source) != shape(fw_node):
+    if narrow is None or wide == narrow or not _holds(wide, narrow) or not same_shape(shape(source), shape(fw_node)):
         return None
     users = list(placeholder.users)
     if not users or not all(is_float_cast(u) and dtype(u) == narrow for u in users):
@@ -95,7 +103,7 @@ def narrow_saved_activations(fw_gm: fx.GraphModule, bw_gm: fx.GraphModule) -> Sa
     """Save x instead of a widened copy the fused backward only narrows back, and drop saved
     tensors the backward no longer reads; both graphs are changed together."""
     outputs, pairs = _saved_pairs(fw_gm, bw_gm)
-    change = SavedChange(bytes_before=saved_bytes(n for _, n, _ in pairs))
+    change = SavedChange(bytes_before=saved_bytes(saved_nodes(fw_gm, bw_gm)))
     drop = []
     for index, fw_node, placeholder in pairs:
         if not isinstance(fw_node, fx.Node) or val(fw_node) is None or \
@@ -114,7 +122,7 @@ def narrow_saved_activations(fw_gm: fx.GraphModule, bw_gm: fx.GraphModule) -> Sa
             user.replace_all_uses_with(placeholder)
             bw_gm.graph.erase_node(user)
         change.narrowed.append(placeholder.name)
-    for index, placeholder in reversed(drop):
+    for index, placeholder in sorted(drop, key=lambda d: d[0], reverse=True):
         del outputs[index]
         bw_gm.graph.erase_node(placeholder)
     if change.narrowed or change.dropped:
@@ -123,5 +131,5 @@ def narrow_saved_activations(fw_gm: fx.GraphModule, bw_gm: fx.GraphModule) -> Sa
         fw_gm.graph.eliminate_dead_code()
         fw_gm.recompile()
         bw_gm.recompile()
-    change.bytes_after = saved_bytes(n for _, n, _ in _saved_pairs(fw_gm, bw_gm)[1])
+    change.bytes_after = saved_bytes(saved_nodes(fw_gm, bw_gm))
     return change
