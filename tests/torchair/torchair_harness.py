@@ -5,9 +5,11 @@ Installing torch_npu is not an option here (it makes ``import torch`` fail
 without CANN), so :func:`load_torchair`:
 
 1. downloads the torch_npu wheel matching the installed torch with
-   ``pip download --no-deps`` (once; cached, see :func:`cache_root`);
+   ``pip download --no-deps`` (once; cached, see :func:`cache_root`): the newest
+   post release of the torch_npu line of the installed torch (torch 2.7.1 ->
+   torch_npu 2.7.1.post11), which is what users of that line install;
 2. unpacks only ``torch_npu/dynamo/torchair/**`` (its Python files and data, not
-   its compiled extension modules) into ``<cache>/torchair-<version>/torchair``
+   its compiled extension modules) into ``<cache>/torchair-<line>-newest/torchair``
    and byte-compiles it;
 3. puts that directory on ``sys.path`` so the package imports as top-level
    ``torchair`` (how its own sources refer to themselves), with an import hook
@@ -17,8 +19,8 @@ without CANN), so :func:`load_torchair`:
 
 Environment:
 
-* ``NPU_FUSION_TORCH_NPU_VERSION``: the torch_npu version to use (default: the
-  installed torch's version without its local part, ``2.13.0+cpu`` -> ``2.13.0``).
+* ``NPU_FUSION_TORCH_NPU_VERSION``: the exact torch_npu version to use (default:
+  the newest release of the installed torch's line, ``2.13.0+cpu`` -> ``2.13.0.*``).
 * ``NPU_FUSION_TORCH_NPU_WHEEL``: a local torch_npu wheel to unpack instead of
   downloading one.
 * ``NPU_FUSION_CACHE_DIR``: the cache directory (default
@@ -52,21 +54,42 @@ _NETWORK_ERRORS = (
 )
 
 
-class TorchairUnavailable(Exception):
-    """torchair could not be obtained; ``offline`` is True when the package index was unreachable."""
+#: pip messages that mean the index was reached but has no such torch_npu (torch is newer than
+#: every torch_npu release, as torch 2.15.0 is at present).
+_NOT_PUBLISHED = ("No matching distribution found", "Could not find a version that satisfies")
 
-    def __init__(self, message: str, *, offline: bool):
+
+class TorchairUnavailable(Exception):
+    """torchair could not be obtained; ``offline`` is True when the package index was unreachable,
+    ``unpublished`` when it has no torch_npu for this torch."""
+
+    def __init__(self, message: str, *, offline: bool, unpublished: bool = False):
         super().__init__(message)
         self.offline = offline
+        self.unpublished = unpublished
 
 
 def torch_npu_version() -> str:
+    """The exact torch_npu version asked for, or the installed torch's line (``2.7.1``)."""
     override = os.environ.get("NPU_FUSION_TORCH_NPU_VERSION")
     if override:
         return override
     import torch
 
     return torch.__version__.split("+")[0]
+
+
+def torch_npu_requirement() -> str:
+    """What pip is asked for: an exact override as given, else the newest post release
+    of the line (``==2.7.1.*`` matches 2.7.1.post11; prereleases are not taken)."""
+    version = torch_npu_version()
+    return f"torch-npu=={version}" if os.environ.get("NPU_FUSION_TORCH_NPU_VERSION") else f"torch-npu=={version}.*"
+
+
+def cache_key() -> str:
+    """The cache directory's name: the line's newest release and an exact version never share one."""
+    suffix = "" if os.environ.get("NPU_FUSION_TORCH_NPU_VERSION") else "-newest"
+    return f"torchair-{torch_npu_version()}{suffix}"
 
 
 def cache_root() -> Path:
@@ -90,15 +113,14 @@ def _locked(path: Path):
             fcntl.flock(handle, fcntl.LOCK_UN)
 
 
-def _download_wheel(version: str, dest: Path) -> Path:
-    spec = f"torch-npu=={version}"
+def _download_wheel(spec: str, dest: Path) -> Path:
     base = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
             "--disable-pip-version-check", "--no-input", "--retries", "2", "--dest", str(dest)]
     # The wheel's Python files are the same on every platform; when none is
-    # published for this interpreter and platform, take the manylinux x86_64 one.
-    attempts = [base + [spec],
-                base + ["--platform", "manylinux_2_28_x86_64", "--python-version",
-                        f"{sys.version_info.major}{sys.version_info.minor}", spec]]
+    # published for this interpreter and platform, take a manylinux x86_64 one.
+    python = f"{sys.version_info.major}{sys.version_info.minor}"
+    attempts = [base + [spec]] + [base + ["--platform", platform, "--python-version", python, spec]
+                                  for platform in ("manylinux_2_28_x86_64", "manylinux2014_x86_64")]
     output = ""
     for command in attempts:
         try:
@@ -113,8 +135,9 @@ def _download_wheel(version: str, dest: Path) -> Path:
         if offline:
             break
     tail = "\n".join(output.strip().splitlines()[-15:])
-    raise TorchairUnavailable(
-        f"could not download {spec} (the wheel that carries torchair) with pip:\n{tail}", offline=offline)
+    unpublished = not offline and any(marker in output for marker in _NOT_PUBLISHED)
+    raise TorchairUnavailable(f"could not download {spec} (the wheel that carries torchair) with pip:\n{tail}",
+                              offline=offline, unpublished=unpublished)
 
 
 def _unpack(wheel: Path, target: Path) -> int:
@@ -138,18 +161,17 @@ def _unpack(wheel: Path, target: Path) -> int:
 
 def ensure_torchair_sources() -> Path:
     """The directory to put on sys.path (it holds ``torchair/``), unpacking it if needed."""
-    version = torch_npu_version()
     root = cache_root()
-    target = root / f"torchair-{version}"
+    target = root / cache_key()
     marker = target / ".complete"
     if marker.exists():
         return target
-    with _locked(root / f".torchair-{version}.lock"):
+    with _locked(root / f".{cache_key()}.lock"):
         if marker.exists():
             return target
         with tempfile.TemporaryDirectory(prefix="torch_npu-wheel-", dir=root) as tmp:
             local = os.environ.get("NPU_FUSION_TORCH_NPU_WHEEL")
-            wheel = Path(local) if local else _download_wheel(version, Path(tmp))
+            wheel = Path(local) if local else _download_wheel(torch_npu_requirement(), Path(tmp))
             staging = Path(tmp) / "unpacked"
             count = _unpack(wheel, staging)
             with warnings.catch_warnings():  # torchair's sources have invalid escape sequences
