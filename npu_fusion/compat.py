@@ -45,21 +45,17 @@ def guard_or_true(condition) -> bool:
     return condition if isinstance(condition, bool) else bool(_GUARD_OR_TRUE(condition))
 
 
-def trace_artifact(name: str, payload_fn: Callable[[], Any]) -> None:
+def trace_artifact(name: str, payload_fn: Callable[[], Any], *, as_json: bool = False) -> None:
     """Write a named artifact into the structured trace (``TORCH_TRACE=<dir>``), next
     to Dynamo's and AOTAutograd's for the same compile id; ``tlparse`` lists it on that
-    compile's page. A dict or list payload is written as JSON, anything else as text.
+    compile's page. ``as_json``: the payload is a dict or list, written as JSON.
     Costs nothing when tracing is off: ``payload_fn`` is only called when it is on."""
     try:
         from torch._logging import trace_structured
     except ImportError:  # a torch without structured tracing: nothing to write to
         return
-
-    def payload() -> str:
-        value = payload_fn()
-        return value if isinstance(value, str) else json.dumps(value, indent=1, default=str)
-
-    encoding = "string"
+    encoding = "json" if as_json else "string"
+    payload = (lambda: json.dumps(payload_fn(), default=str)) if as_json else payload_fn
     trace_structured("artifact", metadata_fn=lambda: {"name": name, "encoding": encoding}, payload_fn=payload)
 
 
