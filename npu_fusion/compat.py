@@ -11,10 +11,13 @@ instead of reaching for a private name that only some releases have:
 * :func:`trace_artifact`: a structured-trace (``TORCH_TRACE``) artifact, written
   through ``torch._logging.trace_structured`` when this torch has it.
 * :func:`torchair_pass_slot`: the ``CompilerConfig`` attribute through which
-  torchair runs a user FX pass on the backward graph. Every torchair from torch_npu
-  2.6.0.post5 on has ``post_grad_custom_pre_pass``; torch_npu 2.7.1 (the first
-  release of that line) has no user pass hook at all, so installing there raises
-  :class:`UnsupportedTorchair` naming the version.
+  torchair runs a user FX pass on the backward graph. The torchair of the newest
+  release of every torch_npu line from 2.6.0 to 2.14.0 has ``post_grad_custom_pre_pass``
+  (read in the wheels: 2.6.0.post5, 2.7.1.post11, 2.8.0.post5, 2.9.0.post9, 2.9.1,
+  2.10.0.post7, 2.11.0.post3, 2.12.0.post3, 2.13.0, 2.14.0; 2.7.1.post2 too).
+  torch_npu 2.7.1 itself has no user pass hook at all (its backward compiler is
+  built inside the backend from the config, with no callback), so installing there
+  raises :class:`UnsupportedTorchair` naming the release.
 """
 from __future__ import annotations
 
@@ -97,9 +100,9 @@ def torchair_pass_slot(compiler_config) -> str:
         raise TypeError(f"npu_fusion.install needs a torchair CompilerConfig, got {type(compiler_config).__name__}")
     raise UnsupportedTorchair(
         f"npu_fusion.install: {torchair_release()} has no CompilerConfig.{TORCHAIR_PASS_SLOT} and no other hook "
-        f"that runs a user pass on the backward graph (torch_npu 2.7.1 without a post release is such a "
-        f"release); install the newest post release of your torch_npu line (2.7.1.post11 has the hook) or use "
-        f"torch.compile(backend='npu_fusion')")
+        f"that runs a user pass on the backward graph (torch_npu 2.7.1 is such a release; its post releases "
+        f"from 2.7.1.post2 on have the hook): install the newest post release of your torch_npu line "
+        f"(2.7.1.post11 at present), or compile with backend='npu_fusion'")
 
 
 def torchair_pass(compiler_config) -> Optional[Callable]:

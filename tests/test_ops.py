@@ -18,6 +18,8 @@ from npu_fusion import compat
 from npu_fusion.lowering.constraints import ROPE_MAX_D, FusedOpInputError
 from reference import assert_close_as_unfused, rms_norm_grads, rope_grads
 
+pytestmark = pytest.mark.smoke  # in the version matrix's smoke set: the fused ops
+
 rope_op = torch.ops.npu_fusion.rotary_position_embedding_grad
 rms_op = torch.ops.npu_fusion.rms_norm_grad
 

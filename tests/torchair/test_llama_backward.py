@@ -17,6 +17,8 @@ from torch import nn
 import npu_fusion
 from npu_fusion.plugin import pass_manager
 
+pytestmark = pytest.mark.smoke  # in the version matrix's smoke set: torchair
+
 transformers_llama = pytest.importorskip("transformers.models.llama.modeling_llama")
 LlamaRMSNorm = transformers_llama.LlamaRMSNorm
 apply_rotary_pos_emb = transformers_llama.apply_rotary_pos_emb
