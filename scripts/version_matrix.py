@@ -150,24 +150,36 @@ def main(argv=None) -> int:
                         help="torch releases to test (the default one gets the full suite)")
     parser.add_argument("--torchair", nargs="*", default=TORCHAIR_LINES, help="torch_npu release lines to probe")
     parser.add_argument("--no-torchair", action="store_true")
-    parser.add_argument("--json", type=Path, help="also write the results here")
+    parser.add_argument("--json", type=Path, help="also write the results here (after every row)")
+    parser.add_argument("--table-from", type=Path, nargs="*", help="print the table of earlier --json files")
     args = parser.parse_args(argv)
 
     def log(message):
         print(message, file=sys.stderr, flush=True)
 
+    if args.table_from:  # runs split over several processes (or days) make one table
+        merged = [json.loads(path.read_text()) for path in args.table_from]
+        print_tables({k: v for m in merged for k, v in m["torch"].items()},
+                     {k: v for m in merged for k, v in m["torchair"].items()})
+        return 0
+
     torch_rows, torchair_rows = {}, {}
+
+    def save():  # after every row: a run of hours keeps what it measured if stopped
+        if args.json:
+            args.json.write_text(json.dumps({"torch": torch_rows, "torchair": torchair_rows}, indent=1))
+
     for version in args.torch:
         log(f"torch {version}")
         python = ensure_venv(args.venvs, version, log)
         torch_rows[version] = {"tests": run_tests(python, smoke=version != DEFAULT_TORCH, log=log),
                                "report": run_report(python, log)}
+        save()
     for line in [] if args.no_torchair else args.torchair:
         log(f"torchair of torch_npu {line}")
         torch_version, _, exact = line.partition("@")
         torchair_rows[line] = run_probe(ensure_venv(args.venvs, torch_version, log), exact, log)
-    if args.json:
-        args.json.write_text(json.dumps({"torch": torch_rows, "torchair": torchair_rows}, indent=1))
+        save()
     print_tables(torch_rows, torchair_rows)
     failed = any(row["tests"].get("failed") or row["tests"].get("error") for row in torch_rows.values())
     return 1 if failed else 0
