@@ -8,6 +8,7 @@ reference kernels), so the gradients are checked as well.
 """
 from __future__ import annotations
 
+import collections
 import copy
 
 import pytest
@@ -212,7 +213,9 @@ def test_tiny_llama_for_causal_lm(ge):
     got = step(compiled)
     assert_grads_close(list(got.values()), list(eager.values()), list(exact.values()))
 
-    backward = ge.backward()
-    counts = backward.types()
+    # torch 2.7 breaks this model into three graphs (so three backward GE graphs), later
+    # releases into one: count over every backward graph
+    backwards = [graph for graph in ge.graphs() if graph.is_backward]
+    counts = sum((graph.types() for graph in backwards), collections.Counter())
     assert counts["RmsNormGrad"] == 3 and counts["RotaryPositionEmbeddingGrad"] == 2, counts
-    assert not decomposed_ops(backward), counts
+    assert not set().union(*(decomposed_ops(graph) for graph in backwards)), counts
