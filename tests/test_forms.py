@@ -8,6 +8,8 @@ import torch
 from npu_fusion.models import rotate_every_two, rotate_half
 from support import compile_and_compare, decomposed_leftovers
 
+pytestmark = pytest.mark.smoke  # in the version matrix's smoke set: a sample of forms
+
 ROPE = "rotary_position_embedding_grad"
 RMS = "rms_norm_grad"
 

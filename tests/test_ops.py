@@ -14,9 +14,11 @@ from torch.fx.experimental import symbolic_shapes
 from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
 import npu_fusion  # noqa: F401
-from npu_fusion.lowering import constraints
+from npu_fusion import compat
 from npu_fusion.lowering.constraints import ROPE_MAX_D, FusedOpInputError
 from reference import assert_close_as_unfused, rms_norm_grads, rope_grads
+
+pytestmark = pytest.mark.smoke  # in the version matrix's smoke set: the fused ops
 
 rope_op = torch.ops.npu_fusion.rotary_position_embedding_grad
 rms_op = torch.ops.npu_fusion.rms_norm_grad
@@ -322,20 +324,20 @@ def test_valid_input_is_accepted(name, setting):
 
 
 def test_guard_or_true_fallback_agrees_with_torch():
-    """The fallback used by torch releases without ``guard_or_true`` gives the same answers."""
+    """The fallback used by torch releases without ``guard_or_true`` (2.6, 2.7) gives the same answers."""
     mode, (t,) = _fake_symbolic([((5, 8), torch.float32)], {0: (0, 1)})
     s0, s1 = t.shape
     u0 = mode.shape_env.create_unbacked_symint()
     conditions = [s0 == 5, s0 == 4, s0 == s1, s0 * 2 == s0, u0 == 3, u0 + 1 == u0]
     expected = [True, False, False, False, True, False]
-    assert [constraints._guard_or_true_fallback(c) for c in conditions] == expected
+    assert [compat._guard_or_true_by_guard(c) for c in conditions] == expected
     if hasattr(symbolic_shapes, "guard_or_true"):
         assert [bool(symbolic_shapes.guard_or_true(c)) for c in conditions] == expected
 
 
 @pytest.mark.parametrize("name", [n for n, (call, _) in BAD_INPUTS.items() if _on_one_device(call)])
 def test_bad_symbolic_input_is_refused_with_the_fallback(monkeypatch, name):
-    monkeypatch.setattr(constraints, "_GUARD_OR_TRUE", constraints._guard_or_true_fallback)
+    monkeypatch.setattr(compat, "_GUARD_OR_TRUE", compat._guard_or_true_by_guard)
     call, constraint = BAD_INPUTS[name]
     with pytest.raises(FusedOpInputError, match=re.escape(constraint)):
         _run_symbolic(call)

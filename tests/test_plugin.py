@@ -11,6 +11,8 @@ from npu_fusion.plugin.options import FusionOptions
 from npu_fusion.plugin.pass_manager import fuse_backward
 from npu_fusion.plugin.targets import target_from_device_name
 
+pytestmark = pytest.mark.smoke  # in the version matrix's smoke set: the pass
+
 aten = torch.ops.aten
 
 

@@ -20,6 +20,8 @@ from typing import Callable, Optional, Sequence, Union
 import torch
 from torch.fx.experimental import symbolic_shapes
 
+from ..compat import guard_or_true as _guard_or_true
+
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 #: RotaryPositionEmbeddingGrad ``mode`` attribute values (SPEC section 1).
@@ -52,23 +54,6 @@ class FusedOpInputError(ValueError):
 
 
 # -- symbolic-size helpers -------------------------------------------------------
-
-def _guard_or_true_fallback(condition) -> bool:
-    """``guard_or_true`` for torch releases without it (2.6, 2.7): decide the condition
-    (a guard on backed sizes); only a size that no guard can decide reads as True."""
-    try:
-        return bool(condition)
-    except symbolic_shapes.GuardOnDataDependentSymNode:
-        return True
-
-
-_GUARD_OR_TRUE = getattr(symbolic_shapes, "guard_or_true", _guard_or_true_fallback)
-
-
-def _guard_or_true(condition) -> bool:
-    """False only when a (possibly symbolic) condition is known to be false."""
-    return condition if isinstance(condition, bool) else bool(_GUARD_OR_TRUE(condition))
-
 
 def _require(condition, message: Message) -> None:
     """Raise FusedOpInputError(message) unless ``condition``; messages may be lazy."""

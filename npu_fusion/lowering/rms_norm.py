@@ -41,7 +41,10 @@ def reference_kernel(dy, x, rstd, gamma):
     return dx.to(dy.dtype), dgamma.reshape(gamma.shape).contiguous()
 
 
-@torch.library.custom_op(OP_NAME, mutates_args=())
+# The schema is stated, not inferred: torch 2.6 cannot resolve the typing names of
+# postponed (``from __future__ import annotations``) signatures.
+@torch.library.custom_op(OP_NAME, mutates_args=(),
+                         schema="(Tensor dy, Tensor x, Tensor rstd, Tensor gamma) -> (Tensor, Tensor)")
 def rms_norm_grad(
     dy: torch.Tensor, x: torch.Tensor, rstd: torch.Tensor, gamma: torch.Tensor,
 ) -> Tuple[torch.Tensor, torch.Tensor]:

@@ -90,7 +90,10 @@ def reference_kernel(dy, cos, sin, x=None, mode=0):
             dsin.sum_to_size(cos.shape).to(dy.dtype).contiguous())
 
 
-@torch.library.custom_op(OP_NAME, mutates_args=())
+# The schema is stated, not inferred: torch 2.6 cannot resolve the typing names of
+# postponed (``from __future__ import annotations``) signatures.
+@torch.library.custom_op(OP_NAME, mutates_args=(), schema="(Tensor dy, Tensor cos, Tensor sin, Tensor? x=None, "
+                         "SymInt mode=0) -> (Tensor, Tensor, Tensor)")
 def rotary_position_embedding_grad(
     dy: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
     x: Optional[torch.Tensor] = None, mode: int = 0,

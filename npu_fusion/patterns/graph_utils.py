@@ -14,6 +14,7 @@ import torch
 import torch.fx as fx
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
+from ..compat import outside_fake_mode
 from ..lowering.constraints import FusedOpInputError
 
 aten = torch.ops.aten
@@ -460,11 +461,12 @@ def _static_fake_value(fake_mode, target, args, kwargs):
         return type(v)(to_meta(x) for x in v) if isinstance(v, (list, tuple)) else to_meta(v)
 
     try:
-        meta_args = tuple(convert(a) for a in args)
-        meta_kwargs = {k: convert(v) for k, v in kwargs.items()}
-        if not devices:
-            return None
-        out = target(*meta_args, **meta_kwargs)
+        with outside_fake_mode():  # torch 2.6 and 2.7 call backward compilers inside the fake mode
+            meta_args = tuple(convert(a) for a in args)
+            meta_kwargs = {k: convert(v) for k, v in kwargs.items()}
+            if not devices:
+                return None
+            out = target(*meta_args, **meta_kwargs)
     except Exception:  # the fake mode decides: it has decompositions and fallbacks
         return None
     outs = out if isinstance(out, (tuple, list)) else (out,)

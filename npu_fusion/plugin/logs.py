@@ -6,11 +6,20 @@ does the same from Python.
 Graph dumps (option ``dump_graphs=True`` or ``NPU_FUSION_DUMP_GRAPHS=1``) are written
 through the same logger and its handlers whatever its level: asking for them is
 enough, ``TORCH_LOGS`` is not needed.
+
+With ``TORCH_TRACE=<dir>`` the pass also writes structured-trace artifacts, which
+``tlparse`` lists on each compile's page beside Dynamo's and AOTAutograd's:
+``npu_fusion_backward_before`` and ``npu_fusion_backward_after`` (the backward graph
+around the pass) and ``npu_fusion_decisions`` (JSON: each site fused, each site left
+unfused with its reason, node counts, an internal error if any).
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import sys
+
+from ..compat import trace_artifact
 
 log = logging.getLogger("npu_fusion")
 
@@ -63,3 +72,29 @@ def _has_handlers(logger: logging.Logger) -> bool:
             return False
         current = current.parent
     return False
+
+
+#: names of the structured-trace artifacts, as tlparse shows them
+TRACE_BEFORE = "npu_fusion_backward_before"
+TRACE_AFTER = "npu_fusion_backward_after"
+TRACE_DECISIONS = "npu_fusion_decisions"
+
+
+def trace_graph(name: str, gm) -> None:
+    """The graph as readable code in the structured trace (rendered only when tracing is on)."""
+    trace_artifact(name, lambda: graph_text(gm))
+
+
+def trace_decisions(result) -> None:
+    """What the pass decided on one graph, as JSON in the structured trace."""
+    def payload():
+        return {
+            "target": result.target,
+            "nodes_before": result.nodes_before,
+            "nodes_after": result.nodes_after,
+            "sites": [dataclasses.asdict(site) for site in result.sites],
+            "misses": [dataclasses.asdict(miss) for miss in result.misses],
+            "error": result.error,
+        }
+
+    trace_artifact(TRACE_DECISIONS, payload, as_json=True)

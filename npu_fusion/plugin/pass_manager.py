@@ -21,7 +21,7 @@ import torch.fx as fx
 from ..patterns import rms_norm as rms_norm_patterns
 from ..patterns import rope as rope_patterns
 from ..patterns.graph_utils import Miss, Provenance, Rewrites, Site
-from .logs import dump_graph, log
+from .logs import TRACE_AFTER, TRACE_BEFORE, dump_graph, log, trace_decisions, trace_graph
 from .options import FusionOptions
 
 COUNTER = "npu_fusion"
@@ -167,6 +167,7 @@ def fuse_backward(gm: fx.GraphModule, options: Union[FusionOptions, Mapping, Non
     result = FusionResult(target=target, nodes_before=len(gm.graph.nodes))
     if options.dump_graphs:
         dump_graph(f"npu_fusion: backward graph before the pass ({result.nodes_before} nodes, target {target}):", gm)
+    trace_graph(TRACE_BEFORE, gm)
     start = time.perf_counter()  # after the dump: result.seconds is the pass's own time
     # The pass allocates many small objects; full collections over everything Dynamo
     # keeps alive would cost more than the pass itself.
@@ -193,6 +194,17 @@ def fuse_backward(gm: fx.GraphModule, options: Union[FusionOptions, Mapping, Non
             gc.enable()
     result.seconds = time.perf_counter() - start
     result.nodes_after = len(gm.graph.nodes)
+    _record(result)
+    trace_graph(TRACE_AFTER, gm)
+    trace_decisions(result)
+    if options.dump_graphs:
+        dump_graph(f"npu_fusion: backward graph after the pass ({result.nodes_after} nodes):", gm)
+    HISTORY.append(result)
+    return result
+
+
+def _record(result: FusionResult) -> None:
+    """Counters and the ``npu_fusion`` log: each site fused, each miss, a summary."""
     counters = torch._dynamo.utils.counters[COUNTER]
     for site in result.sites:
         counters[site.op] += 1
@@ -206,13 +218,9 @@ def fuse_backward(gm: fx.GraphModule, options: Union[FusionOptions, Mapping, Non
         counters[f"{miss.op}_missed"] += 1
         log.info("npu_fusion: left %s at %s unfused: %s", miss.op, miss.node, miss.reason)
     log.info("npu_fusion: backward graph %d -> %d nodes (target %s): %d fused %s, %d left unfused, %.1f ms",
-             result.nodes_before, result.nodes_after, target, len(result.sites),
+             result.nodes_before, result.nodes_after, result.target, len(result.sites),
              {op: result.fused(op) for op in sorted({s.op for s in result.sites})}, len(result.misses),
              result.seconds * 1e3)
-    if options.dump_graphs:
-        dump_graph(f"npu_fusion: backward graph after the pass ({result.nodes_after} nodes):", gm)
-    HISTORY.append(result)
-    return result
 
 
 #: rounds of the patterns over one graph: each round can only fuse sites whose dy was

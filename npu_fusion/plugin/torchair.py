@@ -18,15 +18,11 @@ from __future__ import annotations
 
 from typing import Any, Callable, Optional
 
+from ..compat import torchair_pass, torchair_pass_slot
 from .options import FusionOptions
 
 #: the attribute that marks a pass function made by :func:`install`.
 _MARK = "_npu_fusion_options"
-
-
-def _current_pass(compiler_config) -> Optional[Callable]:
-    slot = compiler_config.post_grad_custom_pre_pass
-    return getattr(slot, "value", slot)
 
 
 def make_pass(options: FusionOptions, previous: Optional[Callable] = None) -> Callable:
@@ -57,6 +53,8 @@ def install(compiler_config=None, **options: Any):
     ``options`` are :class:`~npu_fusion.plugin.options.FusionOptions` fields
     (``target``, ``rope``, ``rms_norm``, ``strict``, ``dump_graphs``), checked
     here. ``compiler_config=None`` makes a fresh ``torchair.CompilerConfig()``.
+    A torchair without a backward-pass hook (torch_npu 2.7.1 before its post releases)
+    raises :class:`~npu_fusion.compat.UnsupportedTorchair` naming its release.
     """
     opts = FusionOptions.from_mapping(options)
     if compiler_config is None:
@@ -66,16 +64,14 @@ def install(compiler_config=None, **options: Any):
     from ..lowering import ge_converters
 
     ge_converters.register()  # in case torchair became importable after npu_fusion was imported
-    if not hasattr(compiler_config, "post_grad_custom_pre_pass"):
-        raise TypeError(f"npu_fusion.install needs a torchair CompilerConfig with post_grad_custom_pre_pass, "
-                        f"got {type(compiler_config).__name__}")
-    previous = _current_pass(compiler_config)
+    slot = torchair_pass_slot(compiler_config)  # raises, naming the release, where torchair has no hook
+    previous = torchair_pass(compiler_config)
     if previous is not None and hasattr(previous, _MARK):  # re-install: keep what ours had chained
         previous = previous.previous
-    compiler_config.post_grad_custom_pre_pass = make_pass(opts, previous)
+    setattr(compiler_config, slot, make_pass(opts, previous))
     return compiler_config
 
 
 def installed_options(compiler_config) -> Optional[FusionOptions]:
     """The options of the npu-fusion pass installed in ``compiler_config``, or None."""
-    return getattr(_current_pass(compiler_config), _MARK, None)
+    return getattr(torchair_pass(compiler_config), _MARK, None)

@@ -4,7 +4,8 @@
   matching the installed torch (downloaded once and cached, see
   :mod:`torchair_harness`), its CANN extension modules replaced by
   :mod:`cann_stub`; the npu-fusion GE converters registered. Skips only when
-  the package index cannot be reached.
+  the package index cannot be reached or has no torch_npu for this torch (a torch
+  newer than every torch_npu release).
 * ``ge``: compiles functions with ``torchair.get_npu_backend`` and returns the
   GE graphs torchair built (:class:`GeCapture`).
 
@@ -37,6 +38,8 @@ def torchair():
     except torchair_harness.TorchairUnavailable as error:
         if error.offline:
             pytest.skip(f"torchair tests need the torch_npu wheel and the package index is unreachable: {error}")
+        if error.unpublished:
+            pytest.skip(f"no torch_npu release matches torch {torch.__version__} yet: {error}")
         raise
     from npu_fusion.lowering import ge_converters
 

@@ -11,6 +11,8 @@ import npu_fusion
 from npu_fusion.plugin import torchair as plugin
 from npu_fusion.plugin.options import FusionOptions
 
+pytestmark = pytest.mark.smoke  # in the version matrix's smoke set: torchair
+
 
 @pytest.fixture
 def recorded_pass(monkeypatch):
@@ -98,3 +100,43 @@ def test_installed_pass_runs_on_every_torchair_graph(ge, recorded_pass):
     assert seen == [False, True]
     assert len(recorded_pass) == 2
     assert len(ge.graphs()) == 2
+
+
+NO_HOOK_SCRIPT = """
+import sys
+sys.path.insert(0, {harness_dir!r})
+import torchair_harness
+try:
+    torchair = torchair_harness.load_torchair()
+except torchair_harness.TorchairUnavailable as error:
+    print("UNAVAILABLE", error.offline)
+    raise SystemExit(0)
+import npu_fusion
+from npu_fusion.compat import UnsupportedTorchair
+config = torchair.CompilerConfig()
+try:
+    npu_fusion.install(config)
+except UnsupportedTorchair as error:
+    print("REFUSED", error)
+"""
+
+
+@pytest.mark.skipif(not torch.__version__.startswith("2.7.1"),
+                    reason="torch_npu 2.7.1's torchair imports only with torch 2.7.1")
+def test_install_names_a_torchair_without_a_hook(tmp_path):
+    """torch_npu 2.7.1 itself (not its post releases) has no backward-pass hook: install says so,
+    naming the release, instead of failing on a missing attribute. Its own process: one torchair
+    per process, and this one is not the suite's."""
+    import os
+    import subprocess
+
+    here = os.path.dirname(os.path.abspath(__file__))
+    env = dict(os.environ, NPU_FUSION_TORCH_NPU_VERSION="2.7.1")
+    done = subprocess.run([sys.executable, "-c", NO_HOOK_SCRIPT.format(harness_dir=here)], env=env,
+                          capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    if done.stdout.startswith("UNAVAILABLE True"):
+        pytest.skip("the package index is unreachable")
+    assert done.stdout.startswith("REFUSED"), done.stdout + done.stderr[-3000:]
+    assert "post_grad_custom_pre_pass" in done.stdout and "torchair-2.7.1" in done.stdout
+    assert "2.7.1.post11" in done.stdout  # the fix: the newest post release of the line

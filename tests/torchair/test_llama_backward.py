@@ -8,6 +8,7 @@ reference kernels), so the gradients are checked as well.
 """
 from __future__ import annotations
 
+import collections
 import copy
 
 import pytest
@@ -17,15 +18,30 @@ from torch import nn
 import npu_fusion
 from npu_fusion.plugin import pass_manager
 
+pytestmark = pytest.mark.smoke  # in the version matrix's smoke set: torchair
+
 transformers_llama = pytest.importorskip("transformers.models.llama.modeling_llama")
 LlamaRMSNorm = transformers_llama.LlamaRMSNorm
 apply_rotary_pos_emb = transformers_llama.apply_rotary_pos_emb
 
 FUSED = {"RmsNormGrad", "RotaryPositionEmbeddingGrad"}
-#: what torchair lowers the decomposed backward to and the fused ops replace:
-#: rotate_half's transpose (slices, negation and concatenation) and RMSNorm's
-#: rsqrt/mean backward (a power).
-DECOMPOSED = {"Neg", "StridedSliceV2", "ConcatV2", "Pow"}
+#: op types that, in these steps, only the decomposed backward makes and the fused ops
+#: replace: rotate_half's transpose (slices and concatenation) and RMSNorm's rsqrt/mean
+#: backward (a power).
+DECOMPOSED = {"StridedSliceV2", "ConcatV2", "Pow"}
+
+
+def decomposed_ops(backward) -> set:
+    """The decomposed RoPE/RMSNorm backward ops left in a GE graph: every op of a
+    DECOMPOSED type, and each Neg of rotate_half's transpose (a sliced gradient, negated,
+    joined back by a ConcatV2). A Neg wired otherwise is another op's backward (softmax's
+    in the loss, since torch 2.10) and is not counted."""
+    left = {op.type for op in backward.ops if op.type in DECOMPOSED}
+    for neg in backward.of_type("Neg"):
+        sliced = backward.producer(neg, 0)[0].type == "StridedSliceV2"
+        if sliced and any(op.type == "ConcatV2" for op, _ in backward.consumers(neg)):
+            left.add("Neg")
+    return left
 
 
 class LlamaBlock(nn.Module):
@@ -100,7 +116,7 @@ def test_without_install_backward_is_decomposed(ge):
     backward = ge.backward()
     types = set(backward.types())
     assert not FUSED & types, backward
-    assert DECOMPOSED <= types, backward
+    assert decomposed_ops(backward) == DECOMPOSED | {"Neg"}, backward
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
@@ -112,7 +128,7 @@ def test_install_fuses_the_backward_ge_graph(ge, dtype):
     backward, forward = ge.backward(), ge.forward()
     counts = backward.types()
     assert counts["RmsNormGrad"] == 1 and counts["RotaryPositionEmbeddingGrad"] == 2, backward
-    assert not DECOMPOSED & set(counts), backward
+    assert not decomposed_ops(backward), backward
     assert not FUSED & set(forward.types()), "the pass only rewrites backward graphs"
 
     rms = backward.one("RmsNormGrad")
@@ -143,7 +159,7 @@ def test_install_with_dynamic_shapes(ge, target, dims):
     backward = ge.backward()
     counts = backward.types()
     assert counts["RmsNormGrad"] == 1 and counts["RotaryPositionEmbeddingGrad"] == 2, backward
-    assert not DECOMPOSED & set(counts), backward
+    assert not decomposed_ops(backward), backward
     rms = backward.one("RmsNormGrad")
     symbolic = [not d.isdigit() for d in backward.input_meta_dims(rms, "dy")]
     assert symbolic == [0 in dims, True, False]  # [b, s, hidden]
@@ -197,6 +213,9 @@ def test_tiny_llama_for_causal_lm(ge):
     got = step(compiled)
     assert_grads_close(list(got.values()), list(eager.values()), list(exact.values()))
 
-    counts = ge.backward().types()
+    # torch 2.7 breaks this model into three graphs (so three backward GE graphs), later
+    # releases into one: count over every backward graph
+    backwards = [graph for graph in ge.graphs() if graph.is_backward]
+    counts = sum((graph.types() for graph in backwards), collections.Counter())
     assert counts["RmsNormGrad"] == 3 and counts["RotaryPositionEmbeddingGrad"] == 2, counts
-    assert not DECOMPOSED & set(counts), counts
+    assert not set().union(*(decomposed_ops(graph) for graph in backwards)), counts

@@ -5,10 +5,12 @@ Installing torch_npu is not an option here (it makes ``import torch`` fail
 without CANN), so :func:`load_torchair`:
 
 1. downloads the torch_npu wheel matching the installed torch with
-   ``pip download --no-deps`` (once; the wheel is kept in ``<cache>/wheels``,
-   see :func:`cache_root` and :func:`wheel_file`);
+   ``pip download --no-deps`` (once; the wheel is kept under ``<cache>/wheels``,
+   see :func:`cache_root` and :func:`wheel_file`): the newest post release of the
+   torch_npu line of the installed torch (torch 2.7.1 -> torch_npu 2.7.1.post11),
+   which is what users of that line install, or an exact version when asked;
 2. unpacks only ``torch_npu/dynamo/torchair/**`` (its Python files and data, not
-   its compiled extension modules) into ``<cache>/torchair-<version>/torchair``
+   its compiled extension modules) into ``<cache>/torchair-<line>-newest/torchair``
    and byte-compiles it;
 3. puts that directory on ``sys.path`` so the package imports as top-level
    ``torchair`` (how its own sources refer to themselves), with an import hook
@@ -23,8 +25,8 @@ generated GE op definitions.
 
 Environment:
 
-* ``NPU_FUSION_TORCH_NPU_VERSION``: the torch_npu version to use (default: the
-  installed torch's version without its local part, ``2.13.0+cpu`` -> ``2.13.0``).
+* ``NPU_FUSION_TORCH_NPU_VERSION``: the exact torch_npu version to use (default:
+  the newest release of the installed torch's line, ``2.13.0+cpu`` -> ``2.13.0.*``).
 * ``NPU_FUSION_TORCH_NPU_WHEEL``: a local torch_npu wheel to unpack instead of
   downloading one.
 * ``NPU_FUSION_CACHE_DIR``: the cache directory (default
@@ -60,21 +62,42 @@ _NETWORK_ERRORS = (
 )
 
 
-class TorchairUnavailable(Exception):
-    """torchair could not be obtained; ``offline`` is True when the package index was unreachable."""
+#: pip messages that mean the index was reached but has no such torch_npu (torch is newer than
+#: every torch_npu release, as torch 2.15.0 is at present).
+_NOT_PUBLISHED = ("No matching distribution found", "Could not find a version that satisfies")
 
-    def __init__(self, message: str, *, offline: bool):
+
+class TorchairUnavailable(Exception):
+    """torchair could not be obtained; ``offline`` is True when the package index was unreachable,
+    ``unpublished`` when it has no torch_npu for this torch."""
+
+    def __init__(self, message: str, *, offline: bool, unpublished: bool = False):
         super().__init__(message)
         self.offline = offline
+        self.unpublished = unpublished
 
 
 def torch_npu_version() -> str:
+    """The exact torch_npu version asked for, or the installed torch's line (``2.7.1``)."""
     override = os.environ.get("NPU_FUSION_TORCH_NPU_VERSION")
     if override:
         return override
     import torch
 
     return torch.__version__.split("+")[0]
+
+
+def torch_npu_requirement() -> str:
+    """What pip is asked for: an exact override as given, else the newest post release
+    of the line (``==2.7.1.*`` matches 2.7.1.post11; prereleases are not taken)."""
+    version = torch_npu_version()
+    return f"torch-npu=={version}" if os.environ.get("NPU_FUSION_TORCH_NPU_VERSION") else f"torch-npu=={version}.*"
+
+
+def cache_key() -> str:
+    """The cache directory's name: the line's newest release and an exact version never share one."""
+    suffix = "" if os.environ.get("NPU_FUSION_TORCH_NPU_VERSION") else "-newest"
+    return f"torchair-{torch_npu_version()}{suffix}"
 
 
 def cache_root() -> Path:
@@ -98,15 +121,14 @@ def _locked(path: Path):
             fcntl.flock(handle, fcntl.LOCK_UN)
 
 
-def _download_wheel(version: str, dest: Path) -> Path:
-    spec = f"torch-npu=={version}"
+def _download_wheel(spec: str, dest: Path) -> Path:
     base = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
             "--disable-pip-version-check", "--no-input", "--retries", "2", "--dest", str(dest)]
     # The wheel's Python files are the same on every platform; when none is
-    # published for this interpreter and platform, take the manylinux x86_64 one.
-    attempts = [base + [spec],
-                base + ["--platform", "manylinux_2_28_x86_64", "--python-version",
-                        f"{sys.version_info.major}{sys.version_info.minor}", spec]]
+    # published for this interpreter and platform, take a manylinux x86_64 one.
+    python = f"{sys.version_info.major}{sys.version_info.minor}"
+    attempts = [base + [spec]] + [base + ["--platform", platform, "--python-version", python, spec]
+                                  for platform in ("manylinux_2_28_x86_64", "manylinux2014_x86_64")]
     output = ""
     for command in attempts:
         try:
@@ -121,8 +143,9 @@ def _download_wheel(version: str, dest: Path) -> Path:
         if offline:
             break
     tail = "\n".join(output.strip().splitlines()[-15:])
-    raise TorchairUnavailable(
-        f"could not download {spec} (the wheel that carries torchair) with pip:\n{tail}", offline=offline)
+    unpublished = not offline and any(marker in output for marker in _NOT_PUBLISHED)
+    raise TorchairUnavailable(f"could not download {spec} (the wheel that carries torchair) with pip:\n{tail}",
+                              offline=offline, unpublished=unpublished)
 
 
 def _unpack(wheel: Path, target: Path) -> int:
@@ -144,36 +167,39 @@ def _unpack(wheel: Path, target: Path) -> int:
     return count
 
 
-def wheel_file(version: str) -> Path:
-    """The torch_npu wheel of ``version``: ``NPU_FUSION_TORCH_NPU_WHEEL``, else the one in
-    ``<cache>/wheels``, downloaded there first if it is not yet."""
+def wheel_file(version: Optional[str] = None) -> Path:
+    """The torch_npu wheel of an exact ``version``, or (None) the newest release of the installed
+    torch's line (:func:`torch_npu_requirement`): ``NPU_FUSION_TORCH_NPU_WHEEL``, else the one
+    kept under ``<cache>/wheels``, downloaded there first if it is not yet."""
     local = os.environ.get("NPU_FUSION_TORCH_NPU_WHEEL")
     if local:
         return Path(local)
-    wheels = cache_root() / "wheels"
-    pattern = f"torch_npu-{version}-*.whl"
+    wheels = cache_root() / "wheels" / (cache_key() if version is None else "exact")
+    pattern = "torch_npu-*.whl" if version is None else f"torch_npu-{version}-*.whl"
+    spec = torch_npu_requirement() if version is None else f"torch-npu=={version}"
     cached = sorted(wheels.glob(pattern))
     if cached:
         return cached[0]
-    with _locked(cache_root() / f".wheel-{version}.lock"):
+    with _locked(cache_root() / f".wheel-{wheels.name}-{version}.lock"):
         cached = sorted(wheels.glob(pattern))
         if cached:
             return cached[0]
         with tempfile.TemporaryDirectory(prefix="torch_npu-download-", dir=cache_root()) as tmp:
-            downloaded = _download_wheel(version, Path(tmp))
+            downloaded = _download_wheel(spec, Path(tmp))
             wheels.mkdir(parents=True, exist_ok=True)
             return Path(shutil.move(str(downloaded), str(wheels / downloaded.name)))
 
 
 def ensure_torchair_sources(version: Optional[str] = None) -> Path:
-    """The directory to put on sys.path (it holds ``torchair/``), unpacking it if needed."""
-    version = version or torch_npu_version()
+    """The directory to put on sys.path (it holds ``torchair/``), unpacking it if needed: the
+    torchair of an exact torch_npu ``version``, or (None) of the line's newest release."""
     root = cache_root()
-    target = root / f"torchair-{version}"
+    key = cache_key() if version is None else f"torchair-{version}"
+    target = root / key
     marker = target / ".complete"
     if marker.exists():
         return target
-    with _locked(root / f".torchair-{version}.lock"):
+    with _locked(root / f".{key}.lock"):
         if marker.exists():
             return target
         wheel = wheel_file(version)
@@ -253,8 +279,8 @@ def contract_sources(version: Optional[str] = None) -> dict:
     * ``ge_ir``: ``{GE op: REG_OP text}`` from torchair's generated builders' docstrings;
     * ``torchair_rotary_modes``: ``[(rotary_mode, GE mode)]`` torchair's own converter maps.
     """
-    version = version or torch_npu_version()
-    cached = cache_root() / f"torch_npu-{version}-contracts.json"
+    key = cache_key() if version is None else f"torch_npu-{version}"
+    cached = cache_root() / f"{key}-contracts.json"
     if cached.exists():
         return json.loads(cached.read_text())
     sources = _read_contract_sources(wheel_file(version))

@@ -1,0 +1,111 @@
+"""Every torch and torchair internal whose presence depends on the version, in one place.
+
+npu-fusion supports torch 2.6 to the newest release and the torchair of every
+torch_npu release line from 2.6.0 on. The rest of the package calls what is here
+instead of reaching for a private name that only some releases have:
+
+* :func:`guard_or_true`: ``symbolic_shapes.guard_or_true`` appeared in torch 2.8;
+  2.6 and 2.7 get an equivalent built from a guard.
+* :func:`outside_fake_mode`: torch 2.6 and 2.7 run backward compilers inside
+  AOTAutograd's fake mode; meta computations of the pass step out of it.
+* :func:`trace_artifact`: a structured-trace (``TORCH_TRACE``) artifact, written
+  through ``torch._logging.trace_structured`` when this torch has it.
+* :func:`torchair_pass_slot`: the ``CompilerConfig`` attribute through which
+  torchair runs a user FX pass on the backward graph. The torchair of the newest
+  release of every torch_npu line from 2.6.0 to 2.14.0 has ``post_grad_custom_pre_pass``
+  (read in the wheels: 2.6.0.post5, 2.7.1.post11, 2.8.0.post5, 2.9.0.post9, 2.9.1,
+  2.10.0.post7, 2.11.0.post3, 2.12.0.post3, 2.13.0, 2.14.0; 2.7.1.post2 too).
+  torch_npu 2.7.1 itself has no user pass hook at all (its backward compiler is
+  built inside the backend from the config, with no callback), so installing there
+  raises :class:`UnsupportedTorchair` naming the release.
+"""
+from __future__ import annotations
+
+import json
+from typing import Any, Callable, Optional
+
+from torch.fx.experimental import symbolic_shapes
+
+#: the CompilerConfig attribute torchair calls with ``fn(gm, example_inputs, config)``
+#: on every graph after the forward/backward partition (SPEC section 3).
+TORCHAIR_PASS_SLOT = "post_grad_custom_pre_pass"
+
+
+def _guard_or_true_by_guard(condition) -> bool:
+    """For torch 2.6 and 2.7: decide the condition (a guard on backed sizes); only a
+    data-dependent size, which no guard can decide, reads as True."""
+    try:
+        return bool(condition)
+    except symbolic_shapes.GuardOnDataDependentSymNode:
+        return True
+
+
+_GUARD_OR_TRUE = getattr(symbolic_shapes, "guard_or_true", _guard_or_true_by_guard)
+
+
+def guard_or_true(condition) -> bool:
+    """False only when a (possibly symbolic) condition is known to be false."""
+    return condition if isinstance(condition, bool) else bool(_GUARD_OR_TRUE(condition))
+
+
+def trace_artifact(name: str, payload_fn: Callable[[], Any], *, as_json: bool = False) -> None:
+    """Write a named artifact into the structured trace (``TORCH_TRACE=<dir>``), next
+    to Dynamo's and AOTAutograd's for the same compile id; ``tlparse`` lists it on that
+    compile's page. ``as_json``: the payload is a dict or list, written as JSON.
+    Costs nothing when tracing is off: ``payload_fn`` is only called when it is on."""
+    try:
+        from torch._logging import trace_structured
+    except ImportError:  # a torch without structured tracing: nothing to write to
+        return
+    encoding = "json" if as_json else "string"
+    payload = (lambda: json.dumps(payload_fn(), default=str)) if as_json else payload_fn
+    trace_structured("artifact", metadata_fn=lambda: {"name": name, "encoding": encoding}, payload_fn=payload)
+
+
+def outside_fake_mode():
+    """A context in which tensor factories make real (meta) tensors even where the caller
+    runs inside a fake mode: torch 2.6 and 2.7 run the backward compiler, and so the pass,
+    with AOTAutograd's fake mode active; later releases do not."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    return unset_fake_temporarily()
+
+
+class UnsupportedTorchair(RuntimeError):
+    """The installed torchair offers no hook through which npu-fusion could run."""
+
+
+def torchair_release() -> str:
+    """Which torchair this is, for messages: the torch_npu distribution that ships it,
+    or, where torchair was unpacked on its own, its location and the torch version."""
+    import importlib.metadata
+    import sys
+
+    import torch
+
+    try:
+        return f"torch_npu {importlib.metadata.version('torch_npu')}"
+    except importlib.metadata.PackageNotFoundError:
+        module = sys.modules.get("torchair")
+        where = getattr(module, "__file__", None) or "an unknown location"
+        return f"the torchair at {where} (torch {torch.__version__})"
+
+
+def torchair_pass_slot(compiler_config) -> str:
+    """The name of the attribute of ``compiler_config`` that holds a user backward-graph
+    pass, or :class:`UnsupportedTorchair` when this torchair has none."""
+    if hasattr(compiler_config, TORCHAIR_PASS_SLOT):
+        return TORCHAIR_PASS_SLOT
+    if type(compiler_config).__name__ != "CompilerConfig":
+        raise TypeError(f"npu_fusion.install needs a torchair CompilerConfig, got {type(compiler_config).__name__}")
+    raise UnsupportedTorchair(
+        f"npu_fusion.install: {torchair_release()} has no CompilerConfig.{TORCHAIR_PASS_SLOT} and no other hook "
+        f"that runs a user pass on the backward graph (torch_npu 2.7.1 is such a release; its post releases "
+        f"from 2.7.1.post2 on have the hook): install the newest post release of your torch_npu line "
+        f"(2.7.1.post11 at present), or compile with backend='npu_fusion'")
+
+
+def torchair_pass(compiler_config) -> Optional[Callable]:
+    """The pass currently set in the config's slot (torchair wraps it in a ``CallableValue``)."""
+    slot = getattr(compiler_config, torchair_pass_slot(compiler_config))
+    return getattr(slot, "value", slot)
