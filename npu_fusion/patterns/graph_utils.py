@@ -251,34 +251,48 @@ class Provenance:
         (``cache[..., 0]`` written in two products) and the partitioner saves both copies;
         deterministic ops on the same inputs give the same values, so both are one leaf."""
         if self._representatives is None:
-            self._representatives, keys = {}, {}
+            self._representatives, first = {}, {}
+            memo, interned = {}, {}  # shared: each forward node is keyed once
             for name, bw in self._bw_by_name.items():
-                key = _expression_key(self._fw_by_name[name], {})
-                self._representatives[bw] = keys.setdefault(key, bw) if key is not None else bw
+                key = _expression_key(self._fw_by_name[name], memo, interned)
+                self._representatives[bw] = first.setdefault(key, bw) if key is not None else bw
         return self._representatives.get(bw_placeholder, bw_placeholder)
 
 
-def _expression_key(node: fx.Node, memo: Dict[fx.Node, Any]):
-    """A hashable key of a forward node's expression, equal for nodes that compute the same
-    values from the same graph inputs; None for a random or impure op anywhere in it."""
+def _expression_key(node: fx.Node, memo: Dict[fx.Node, Any], interned: Dict[tuple, int]):
+    """An id of a forward node's expression, equal for nodes that compute the same values from
+    the same graph inputs; None for a random or impure op anywhere in it. Expressions are
+    interned (an op and the ids of its arguments), so a key stays small however deep it is;
+    nodes are keyed in graph order, inputs first, so no recursion runs as deep as the graph."""
+    for n in sorted(_unkeyed_ancestors(node, memo)):  # fx.Node orders by position in the graph
+        if n.op == "placeholder":
+            key = ("input", n.name)
+        elif n.op == "call_function" and not n.is_impure() and \
+                torch.Tag.nondeterministic_seeded not in getattr(n.target, "tags", ()):
+            parts = [_argument_key(a, memo) for a in (n.args, tuple(sorted(n.kwargs.items())))]
+            key = None if any(p is None for p in parts) else (str(n.target), *parts)
+        else:
+            key = None
+        memo[n] = None if key is None else interned.setdefault(key, len(interned))
+    return memo[node]
+
+
+def _unkeyed_ancestors(node: fx.Node, memo) -> List[fx.Node]:
+    """The node and its ancestors not keyed yet (a keyed node's ancestors are keyed too)."""
     if node in memo:
-        return memo[node]
-    memo[node] = None
-    if node.op == "placeholder":
-        key = ("input", node.name)
-    elif node.op == "call_function" and not node.is_impure() and \
-            torch.Tag.nondeterministic_seeded not in getattr(node.target, "tags", ()):
-        parts = [_argument_key(a, memo) for a in (node.args, tuple(sorted(node.kwargs.items())))]
-        key = None if any(p is None for p in parts) else (str(node.target), *parts)
-    else:
-        key = None
-    memo[node] = key
-    return key
+        return []
+    seen, stack = {node}, [node]
+    while stack:
+        for a in stack.pop().all_input_nodes:
+            if a not in seen and a not in memo:
+                seen.add(a)
+                stack.append(a)
+    return list(seen)
 
 
 def _argument_key(arg, memo):
     if isinstance(arg, fx.Node):
-        return _expression_key(arg, memo)
+        return memo.get(arg)
     if isinstance(arg, (list, tuple)):
         parts = tuple(_argument_key(a, memo) for a in arg)
         return None if any(p is None for p in parts) else parts
