@@ -52,6 +52,8 @@ sys.path.insert(0, os.path.join(ROOT, "tests"))
 from reference import assert_close_as_unfused  # noqa: E402
 from support import Capture, decomposed_leftovers  # noqa: E402
 
+from npu_fusion.testing.sites import grad_tensors  # noqa: E402
+
 ROPE_OP = "rotary_position_embedding_grad"
 NORM_OP = "rms_norm_grad"
 
@@ -318,14 +320,6 @@ def build(entry: Entry, dtype=torch.float32, seed: int = 0):
 
 # -- independent site counts --------------------------------------------------------------
 
-def _grad_tensors(out) -> List[torch.Tensor]:
-    if isinstance(out, torch.Tensor):
-        return [out] if out.requires_grad else []
-    if isinstance(out, (tuple, list)):
-        return [t for o in out for t in _grad_tensors(o)]
-    return []
-
-
 @contextlib.contextmanager
 def count_sites(model, entry: Entry):
     """Count RMSNorm calls and RoPE applications of an eager forward and backward, independently
@@ -345,7 +339,7 @@ def count_sites(model, entry: Entry):
     names = {m: n for n, m in model.named_modules()}
 
     def watch(kind, where, out):
-        tensors = _grad_tensors(out)
+        tensors = grad_tensors(out)
         counts["forward"][kind] += len(tensors)
 
         def reached(_grad):
