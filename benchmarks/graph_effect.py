@@ -13,7 +13,7 @@ Printed as markdown:
   minimum (``Site.bytes_minimum``: each input read once, each output written once);
 * the same traffic model over the whole backward graph, before and after.
 
-The traffic model (``npu_fusion.patterns.graph_utils.node_traffic``): every non-view
+The traffic model (``npu_fusion.patterns.traffic.node_traffic``): every non-view
 node reads all its tensor inputs and writes its output once; no fusion by a later
 compiler is assumed, so "before" is what an op-by-op (eager-like) backend moves.
 
@@ -32,7 +32,8 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 import npu_fusion  # noqa: F401  (registers the ops)
 from npu_fusion.models import RMSNorm, TinyConfig, TinyDecoder
-from npu_fusion.patterns.graph_utils import is_float_cast, node_traffic
+from npu_fusion.patterns.nodes import is_float_cast
+from npu_fusion.patterns.traffic import node_traffic
 from npu_fusion.plugin.backend import aot_backend
 from npu_fusion.plugin.options import FusionOptions
 

@@ -166,8 +166,9 @@ class TinyDecoder(nn.Module):
     @property
     def expected_sites(self):
         """RMSNorm calls and RoPE applications of one forward, by construction."""
-        return {"rms_norm_grad": 2 * self.config.num_layers + 1,
-                "rotary_position_embedding_grad": 2 * self.config.num_layers}
+        from .lowering import RMS_NORM_GRAD, ROPE_GRAD
+
+        return {RMS_NORM_GRAD.name: 2 * self.config.num_layers + 1, ROPE_GRAD.name: 2 * self.config.num_layers}
 
 
 def _save_matmuls():

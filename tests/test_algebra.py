@@ -4,7 +4,7 @@ from fractions import Fraction
 import pytest
 
 from npu_fusion.patterns.algebra import Expr
-from npu_fusion.patterns.graph_utils import Unsupported
+from npu_fusion.patterns.evaluator import Unsupported
 
 x, y, r = (Expr.symbol(i) for i in (1, 2, 3))
 

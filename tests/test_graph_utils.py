@@ -5,7 +5,7 @@ from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
 import npu_fusion  # noqa: F401  (registers the fused ops)
-from npu_fusion.patterns.graph_utils import _static_fake_value
+from npu_fusion.patterns.rewrite import _static_fake_value
 
 aten = torch.ops.aten
 
@@ -92,7 +92,7 @@ def _saved_copies_graphs():
 
 
 def test_saved_copies_of_one_expression_are_one_value():
-    from npu_fusion.patterns.graph_utils import Provenance
+    from npu_fusion.patterns.evaluator import Provenance
 
     forward, backward, bw = _saved_copies_graphs()
     provenance = Provenance(forward, backward)

@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
-import npu_fusion.patterns.rope as rope_patterns
+from npu_fusion.patterns.rewrite import Rule
 from npu_fusion.plugin.options import FusionOptions
 from npu_fusion.plugin.pass_manager import fuse_backward
 from npu_fusion.plugin.targets import target_from_device_name
@@ -62,7 +62,7 @@ def test_internal_failure_leaves_the_graph_and_logs(monkeypatch, caplog):
     def broken(*_args, **_kwargs):
         raise RuntimeError("boom")
 
-    monkeypatch.setattr(rope_patterns, "rewrite", broken)
+    monkeypatch.setattr(Rule, "rewrite", broken)
     with caplog.at_level(logging.WARNING, logger="npu_fusion"):
         result = fuse_backward(gm, {"target": "generic"})
     assert result.error == "RuntimeError: boom" and not result.sites
@@ -138,14 +138,15 @@ def test_failure_after_rewrites_rebuilds_the_graph_as_it_was(monkeypatch):
     gm, forward = graphs["backward"], graphs["forward"].graph
     before_code, before_nodes = gm.code, _graph_record(gm)
     values = {n.name: n.meta.get("val") for n in gm.graph.nodes}
-    real_rewrite = rope_patterns.rewrite
+    real_rewrite = Rule.rewrite
 
-    def rewrite_then_fail(graph, *args, **kwargs):
-        sites, _ = real_rewrite(graph, *args, **kwargs)
-        assert sites, "the failure should come after real rewrites"
-        raise RuntimeError("late boom")
+    def rewrite_then_fail(rule, graph, target, provenance, rewrites):
+        real_rewrite(rule, graph, target, provenance, rewrites)
+        if rule.op.name == "rotary_position_embedding_grad":
+            assert rewrites.sites, "the failure should come after real rewrites"
+            raise RuntimeError("late boom")
 
-    monkeypatch.setattr(rope_patterns, "rewrite", rewrite_then_fail)
+    monkeypatch.setattr(Rule, "rewrite", rewrite_then_fail)
     result = fuse_backward(gm, {"target": "generic"}, forward=forward)
     assert result.error == "RuntimeError: late boom" and not result.sites
     assert gm.code == before_code and _graph_record(gm) == before_nodes

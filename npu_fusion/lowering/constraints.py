@@ -1,9 +1,14 @@
-"""The operators' input constraints, stated once and shared by the meta kernels,
-the reference kernels and the pattern pass.
+"""The SPEC facts of the two operators, stated once: what each accepts on every
+chip (the fused ops' input checks, run by the meta kernels, the reference kernels,
+the NPU kernels and, before it emits a call, the pass), what each chip accepts
+(:func:`rope_target_problem`, :func:`rms_norm_target_problem`: whether the pass may
+fuse a site for that chip), and the shapes the GE converters declare supported
+(:func:`rope_supported_cases`, :func:`rms_norm_supported_cases`), all read from the
+tables below.
 
-Only the constraints that hold on every target are here (SPEC sections 1 and 2:
-the union of what Ascend 950, Atlas A2/A3 and the inference series accept); the
-stricter per-target limits are the pass's ``target_problem``.
+The input checks hold on every target (SPEC sections 1 and 2: the union of what
+Ascend 950, Atlas A2/A3 and the inference series accept); the per-target limits
+are stricter.
 
 Every check raises :class:`FusedOpInputError` whose message names the broken
 constraint, so a bad call fails the same way at trace time (fake tensors, static
@@ -21,6 +26,11 @@ import torch
 from torch.fx.experimental import symbolic_shapes
 
 from ..compat import guard_or_true as _guard_or_true
+from .sizes import provably_less, same_shape, same_size, static_int
+
+#: the chips the pass can target: ``generic`` (any device: every form of every op, as the
+#: reference kernels run them), Atlas A2, Atlas A3, Ascend 950PR/950DT.
+TARGETS = ("generic", "a2", "a3", "950")
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -32,6 +42,19 @@ ROPE_MAX_D = 1024
 
 #: dy layouts: BNSD, BSND, SBND (4 axes) on every target, TND (3 axes) on Ascend 950.
 ROPE_DY_RANKS = (3, 4)
+
+#: Atlas A2/A3 (SPEC section 1): modes 0 and 1, D < 896, 4-D dy and cos/sin; per dy layout
+#: the cos/sin layouts half mode accepts (interleave mode: the first only); a table with B
+#: but not N needs B < S.
+ROPE_A2_MODES = (0, 1)
+ROPE_A2_MAX_D = 895
+ROPE_A2_TABLE_LAYOUTS = {"BNSD": ("11SD", "B1SD", "BNSD"), "BSND": ("1S1D", "BS1D", "BSND"),
+                         "SBND": ("S11D", "SB1D", "SBND")}
+ROPE_A2_NEEDS_B_LESS_THAN_S = ("B1SD", "BS1D")
+#: A2/A3 half mode: B < 1000, N < 1000, and B*N <= 1024 when x is given; interleave: B*N < 1000
+ROPE_A2_HALF_MAX_B = ROPE_A2_HALF_MAX_N = 999
+ROPE_A2_HALF_MAX_BN_WITH_X = 1024
+ROPE_A2_INTERLEAVE_MAX_BN = 999
 
 #: RmsNormGrad tensors are ND with 1 to 8 axes (SPEC section 2).
 RMS_NORM_MAX_RANK = 8
@@ -45,6 +68,10 @@ RMS_NORM_DTYPES = {
     (torch.float32, torch.float32),
     (torch.bfloat16, torch.bfloat16),
 }
+
+#: the targets RmsNormGrad runs on (SPEC section 2 "Products": not Ascend 950), each with
+#: the dtype combinations it accepts
+RMS_NORM_TARGET_DTYPES = {"generic": RMS_NORM_DTYPES, "a2": RMS_NORM_DTYPES, "a3": RMS_NORM_DTYPES}
 
 Message = Union[str, Callable[[], str]]
 
@@ -145,8 +172,8 @@ def _require_rope_tables(op: str, dy, cos, sin) -> None:
                  f"got {_shown(cos.shape)}")
 
 
-def check_rope_grad_inputs(dy, cos, sin, x: Optional[torch.Tensor], mode: int) -> None:
-    op = "rotary_position_embedding_grad"
+def check_rope_grad_inputs(op: str, dy, cos, sin, x: Optional[torch.Tensor], mode: int) -> None:
+    """SPEC section 1's constraints that hold on every target; ``op`` names the op in messages."""
     mode = _rope_mode(op, mode)
     _require_one_device(op, (("dy", dy), ("cos", cos), ("sin", sin), ("x", x)))
     _require_float(op, "dy", dy)
@@ -195,8 +222,8 @@ def _require_rms_norm_shapes(op: str, dy, x, rstd, gamma) -> None:
              f"shape {_shown(keepdim)})")
 
 
-def check_rms_norm_grad_inputs(dy, x, rstd, gamma) -> None:
-    op = "rms_norm_grad"
+def check_rms_norm_grad_inputs(op: str, dy, x, rstd, gamma) -> None:
+    """SPEC section 2's constraints that hold on every target; ``op`` names the op in messages."""
     _require_one_device(op, (("dy", dy), ("x", x), ("rstd", rstd), ("gamma", gamma)))
     _require_rms_norm_dtypes(op, dy, x, rstd, gamma)
     _require_rms_norm_shapes(op, dy, x, rstd, gamma)
@@ -204,3 +231,109 @@ def check_rms_norm_grad_inputs(dy, x, rstd, gamma) -> None:
 
 def numel(shape) -> int:
     return math.prod(shape)
+
+
+# -- what each target accepts: whether the pass may fuse a site for it ----------
+
+def rope_target_problem(target: str, mode: int, dy_shape, cos_shape, with_x: bool, compute_dtype) -> Optional[str]:
+    """Why ``target`` cannot run RotaryPositionEmbeddingGrad on these shapes, or None."""
+    if compute_dtype not in FLOAT_DTYPES:
+        return f"dtype {compute_dtype} is not float16, bfloat16 or float32"
+    d = static_int(dy_shape[-1])
+    if target == "generic":
+        return None
+    if target == "950":
+        return _rope_950_problem(d, dy_shape, cos_shape)
+    if mode not in ROPE_A2_MODES:
+        return f"mode {mode} ({ROPE_MODES[mode]}) runs only on Ascend 950"
+    if d > ROPE_A2_MAX_D:
+        return f"A2/A3 need D < {ROPE_A2_MAX_D + 1}, got {d}"
+    if len(dy_shape) != 4 or len(cos_shape) != 4:
+        return "A2/A3 need 4-D dy and cos/sin (layouts BNSD, BSND, SBND)"
+    return _rope_a2_layout_problem(mode, dy_shape, cos_shape, with_x)
+
+
+def _rope_950_problem(d, dy_shape, cos_shape) -> Optional[str]:
+    if d > ROPE_MAX_D:
+        return f"Ascend 950 needs D <= {ROPE_MAX_D}, got {d}"
+    if len(dy_shape) not in ROPE_DY_RANKS:
+        return f"Ascend 950 supports dy layouts BNSD, BSND, SBND and TND, got rank {len(dy_shape)}"
+    if len(dy_shape) == 3 and not (len(cos_shape) == 3 and same_size(cos_shape[0], dy_shape[0])
+                                   and (static_int(cos_shape[1]) == 1 or same_size(cos_shape[1], dy_shape[1]))):
+        return "Ascend 950 with TND dy supports cos/sin T1D and TND only"
+    return None
+
+
+def _table_lead(dy_layout: str, table_layout: str, dy_shape) -> tuple:
+    """The leading three sizes a cos/sin of ``table_layout`` has beside a dy of ``dy_layout``."""
+    return tuple(1 if axis == "1" else dy_shape[dy_layout.index(axis)] for axis in table_layout[:3])
+
+
+def _rope_a2_layout_problem(mode: int, dy_shape, cos_shape, with_x: bool) -> Optional[str]:
+    problem = None
+    for dy_layout, tables in ROPE_A2_TABLE_LAYOUTS.items():
+        b, n, s = (dy_shape[dy_layout.index(axis)] for axis in "BNS")
+        for table in (tables[:1] if mode == 1 else tables):
+            if not same_shape(tuple(cos_shape[:3]), _table_lead(dy_layout, table, dy_shape)):
+                continue
+            if table in ROPE_A2_NEEDS_B_LESS_THAN_S and not provably_less(b, s):
+                problem = f"A2/A3 need B < S for {table} cos/sin with {dy_layout} dy (B={b}, S={s}; not provable)"
+                continue
+            return _rope_a2_size_problem(mode, dy_layout, b, n, with_x)
+    return problem or (
+        "A2/A3 support cos/sin shapes " + ", ".join("/".join(t) for t in ROPE_A2_TABLE_LAYOUTS.values())
+        + " (half) or " + "/".join(t[0] for t in ROPE_A2_TABLE_LAYOUTS.values())
+        + f" (interleave); got dy {list(dy_shape)}, cos {list(cos_shape)}")
+
+
+def _rope_a2_size_problem(mode: int, dy_layout: str, b, n, with_x: bool) -> Optional[str]:
+    if mode == 0 and not (provably_less(b, ROPE_A2_HALF_MAX_B + 1) and provably_less(n, ROPE_A2_HALF_MAX_N + 1)
+                          and (not with_x or provably_less(b * n, ROPE_A2_HALF_MAX_BN_WITH_X + 1))):
+        return (f"A2/A3 half mode needs B < {ROPE_A2_HALF_MAX_B + 1}, N < {ROPE_A2_HALF_MAX_N + 1} and "
+                f"(with x) B*N <= {ROPE_A2_HALF_MAX_BN_WITH_X} ({dy_layout}, B={b}, N={n})")
+    if mode == 1 and not provably_less(b * n, ROPE_A2_INTERLEAVE_MAX_BN + 1):
+        return f"A2/A3 interleave mode needs B*N < {ROPE_A2_INTERLEAVE_MAX_BN + 1} ({dy_layout}, B={b}, N={n})"
+    return None
+
+
+def rms_norm_target_problem(target: str, compute: torch.dtype, gamma_dtype: torch.dtype) -> Optional[str]:
+    """Why ``target`` cannot run RmsNormGrad with these dtypes, or None."""
+    dtypes = RMS_NORM_TARGET_DTYPES.get(target)
+    if dtypes is None:
+        return f"RmsNormGrad is not documented for Ascend {target} (SPEC section 2 products)"
+    if (compute, gamma_dtype) not in dtypes:
+        return f"dtype combination dy/x={compute}, gamma={gamma_dtype} is not in SPEC's table"
+    return None
+
+
+# -- the shapes the GE converters declare supported -----------------------------
+
+#: B, N, S and D of the declared cases
+_CASE_SIZES = {"B": 2, "N": 4, "S": 16, "D": 64}
+
+
+def _case_shape(layout: str) -> tuple:
+    return tuple(1 if axis == "1" else _CASE_SIZES[axis] for axis in layout)
+
+
+def rope_supported_cases():
+    """``(dtype, dy shape, cos/sin shape, with x, mode)``, each valid on some target and
+    accepted by the input checks: every mode and dtype with BSND dy and 1S1D tables, every
+    A2/A3 table layout of every dy layout (half mode), and without x."""
+    cases = [(dt, _case_shape("BSND"), _case_shape("1S1D"), True, mode)
+             for mode in ROPE_MODES for dt in FLOAT_DTYPES]
+    cases += [(torch.float32, _case_shape(dy), _case_shape(table), True, 0)
+              for dy, tables in ROPE_A2_TABLE_LAYOUTS.items() for table in tables]
+    cases += [(dt, _case_shape("BSND"), _case_shape("1S1D"), False, 0) for dt in FLOAT_DTYPES]
+    return cases
+
+
+def rms_norm_supported_cases():
+    """``(dy/x dtype, gamma dtype, x shape, rstd shape, gamma shape)``: every dtype combination
+    with keep-dim rstd, then plain rstd, then normalizing over the last two axes."""
+    x = (4, 16, 64)
+    combinations = sorted(RMS_NORM_DTYPES, key=str)
+    cases = [(dy, gamma, x, (4, 16, 1), (64,)) for dy, gamma in combinations]
+    cases += [(dy, gamma, x, (4, 16), (64,)) for dy, gamma in combinations]
+    cases.append((torch.float32, torch.float32, x, (4, 1, 1), (16, 64)))
+    return cases

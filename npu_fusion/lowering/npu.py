@@ -24,7 +24,6 @@ import importlib.util
 import torch
 
 from . import rms_norm, rope
-from .constraints import check_rms_norm_grad_inputs, check_rope_grad_inputs
 
 #: RotaryPositionEmbeddingGrad mode -> the ``rotary_mode`` string torch_npu's eager kernel accepts for it.
 TORCH_NPU_ROTARY_MODES = {0: "half", 1: "interleave"}
@@ -33,7 +32,7 @@ TORCH_NPU_ROTARY_MODES = {0: "half", 1: "interleave"}
 def rope_grad_on_npu(dy, cos, sin, x=None, mode=0):
     """``rotary_position_embedding_grad`` through ``torch.ops.npu.npu_rotary_mul_backward``
     (schema ``(Tensor grad, Tensor self, Tensor r1, Tensor r2, str rotary_mode='half')``)."""
-    check_rope_grad_inputs(dy, cos, sin, x, mode)
+    rope.OP.check_inputs(dy, cos, sin, x, mode)
     if x is None or mode not in TORCH_NPU_ROTARY_MODES:
         return rope.reference_kernel(dy, cos, sin, x, mode)
     dx, dcos, dsin = torch.ops.npu.npu_rotary_mul_backward(
@@ -44,7 +43,7 @@ def rope_grad_on_npu(dy, cos, sin, x=None, mode=0):
 def rms_norm_grad_on_npu(dy, x, rstd, gamma):
     """``rms_norm_grad`` through ``torch.ops.npu.npu_rms_norm_backward``
     (schema ``(Tensor dy, Tensor self, Tensor gamma, Tensor rstd)``: gamma before rstd)."""
-    check_rms_norm_grad_inputs(dy, x, rstd, gamma)
+    rms_norm.OP.check_inputs(dy, x, rstd, gamma)
     dx, dgamma = torch.ops.npu.npu_rms_norm_backward(dy, x, gamma, rstd)
     return dx, dgamma
 

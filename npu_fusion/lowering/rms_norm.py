@@ -21,13 +21,16 @@ from typing import Tuple
 import torch
 
 from .constraints import check_rms_norm_grad_inputs, rms_norm_split
+from .fused_op import FusedOp
 
-OP_NAME = "npu_fusion::rms_norm_grad"
+OP = FusedOp(name="rms_norm_grad", ge_op="RmsNormGrad", label="RMSNorm", option="rms_norm",
+             spec_section="SPEC section 2", outputs=("dx", "dgamma"), checks=check_rms_norm_grad_inputs)
+OP_NAME = f"npu_fusion::{OP.name}"
 
 
 def reference_kernel(dy, x, rstd, gamma):
     """Reference kernel: any device, computes in float32, dx cast back to dy's dtype."""
-    check_rms_norm_grad_inputs(dy, x, rstd, gamma)
+    OP.check_inputs(dy, x, rstd, gamma)
     n = rms_norm_split(x, gamma)
     normalized = tuple(range(n, x.dim()))
     rstd = rstd.float().reshape(list(x.shape[:n]) + [1] * len(normalized))
@@ -53,5 +56,5 @@ def rms_norm_grad(
 
 @rms_norm_grad.register_fake
 def _(dy, x, rstd, gamma):
-    check_rms_norm_grad_inputs(dy, x, rstd, gamma)
+    OP.check_inputs(dy, x, rstd, gamma)
     return dy.new_empty(dy.shape), gamma.new_empty(gamma.shape, dtype=torch.float32)

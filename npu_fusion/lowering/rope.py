@@ -30,8 +30,12 @@ from typing import Optional, Tuple
 import torch
 
 from .constraints import check_rope_grad_inputs
+from .fused_op import FusedOp
 
-OP_NAME = "npu_fusion::rotary_position_embedding_grad"
+OP = FusedOp(name="rotary_position_embedding_grad", ge_op="RotaryPositionEmbeddingGrad", label="RoPE",
+             option="rope", spec_section="SPEC section 1", outputs=("dx", "dcos", "dsin"),
+             checks=check_rope_grad_inputs)
+OP_NAME = f"npu_fusion::{OP.name}"
 
 
 def _halves(t, parts):
@@ -80,7 +84,7 @@ def rope_grad_tables(dy, x, mode: int):
 
 def reference_kernel(dy, cos, sin, x=None, mode=0):
     """Reference kernel: any device, computes in float32 and casts back to dy's dtype."""
-    check_rope_grad_inputs(dy, cos, sin, x, mode)
+    OP.check_inputs(dy, cos, sin, x, mode)
     dyf, cosf, sinf = dy.float(), cos.float(), sin.float()
     dx = rope_grad_dx(dyf, cosf, sinf, mode).to(dy.dtype)
     if x is None:
@@ -103,7 +107,7 @@ def rotary_position_embedding_grad(
 
 @rotary_position_embedding_grad.register_fake
 def _(dy, cos, sin, x=None, mode=0):
-    check_rope_grad_inputs(dy, cos, sin, x, mode)
+    OP.check_inputs(dy, cos, sin, x, mode)
     dx = dy.new_empty(dy.shape)
     if x is None:
         return dx, dy.new_empty((0,)), dy.new_empty((0,))

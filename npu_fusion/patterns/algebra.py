@@ -26,7 +26,7 @@ import math
 from fractions import Fraction
 from typing import AbstractSet, Dict, FrozenSet, Iterator, Optional, Tuple, Union
 
-from .graph_utils import Unsupported
+from .evaluator import Unsupported
 
 Number = Union[int, Fraction]  # integral values are ints: they hash and multiply faster
 Monomial = Tuple[Tuple[int, Number], ...]  # sorted (symbol, nonzero exponent) pairs; () is 1

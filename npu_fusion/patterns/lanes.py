@@ -27,15 +27,16 @@ import torch
 import torch.fx as fx
 
 from ..lowering.constraints import ROPE_MAX_D
-from . import graph_utils
+from ..lowering.sizes import same_shape, static_int
 from .algebra import Number, accumulate, exact_number, graph_constant
-from .graph_utils import (MemoEvaluator, Provenance, Unsupported, aten, axis_order, is_float_cast,
-                          meta_value, normalize_dim, same_shape, static_int, val)
+from .evaluator import MemoEvaluator, Provenance, Unsupported
+from .nodes import aten, axis_order, is_float_cast, meta_value, normalize_dim, val
+from .nodes import shape as node_shape
 
 
 def shape(node):
     """A node's shape, complex tensors seen as their real view ``[..., n, 2]``."""
-    s = graph_utils.shape(node)
+    s = node_shape(node)
     if s is not None and val(node).dtype.is_complex:
         return tuple(s) + (2,)
     return s

@@ -34,15 +34,14 @@ from typing import Dict, List, Optional
 import torch
 import torch.fx as fx
 
-from ..lowering.constraints import RMS_NORM_DTYPES, check_rms_norm_grad_inputs
+from ..lowering.constraints import RMS_NORM_DTYPES, rms_norm_target_problem
+from ..lowering.rms_norm import OP
+from ..lowering.sizes import same_shape, static_int
 from .algebra import Expr, accumulate, graph_constant
-from .graph_utils import (Insertion, MemoEvaluator, Miss, Provenance, Rewrites, Unsupported, aten, call, cast,
-                          commit, downstream, dtype, exact_common_dtype, getitem, gradient_dependent, input_problem,
-                          is_float_cast, is_value_preserving_cast, last_of, normalize_dim, outermost,
-                          outside_users, region_of, replacement_of, rounding_problem, same_shape, shape,
-                          static_int, val)
-
-OP = "rms_norm_grad"
+from .evaluator import MemoEvaluator, Provenance, Unsupported, rounding_problem
+from .nodes import (CAST_TARGETS, VIEWS, aten, downstream, dtype, gradient_dependent, is_float_cast,
+                    is_value_preserving_cast, last_of, normalize_dim, outermost, outside_users, region_of, shape, val)
+from .rewrite import Insertion, Miss, Rewrites, Rule, call, cast, commit, emit_fused_op, exact_common_dtype
 MAX_SYMBOLS = 16
 
 
@@ -512,7 +511,7 @@ def _lead_sums(graph: fx.Graph, rank: int) -> List[fx.Node]:
 def find_sites(graph: fx.Graph, provenance, forced_leaves=(), rewrites: Optional[Rewrites] = None):
     """(matches, near misses) of the graph's RMSNorm backward sites; an internal error while
     examining one candidate is recorded in ``rewrites`` (raised without it)."""
-    rewrites = rewrites if rewrites is not None else Rewrites(graph, OP, strict=True)
+    rewrites = rewrites if rewrites is not None else Rewrites(graph, OP.name, strict=True)
     matches, misses = [], []
     gradient = gradient_dependent(graph)
     for norm_shape, reductions in _norm_reductions(graph):
@@ -588,7 +587,7 @@ def _near_misses(ev: NormEvaluator, nodes, matched: List[NormMatch], rewrites: R
         elif sums & done and n not in inside:
             rewrites.pending += 1
     outer = outermost(suspects)
-    return [Miss(OP, n.name, "normalizes over the last axes like an RMSNorm dx, but its terms differ from "
+    return [Miss(OP.name, n.name, "normalizes over the last axes like an RMSNorm dx, but its terms differ from "
                              "rstd*dy*g - rstd**3*x*sum(dy*g*x)/N (eps outside the root, another "
                              "statistic or a missing term)") for n in outer]
 
@@ -615,15 +614,13 @@ def unexplained(graph: fx.Graph, provenance: Optional[Provenance], misses: List[
         reached |= reach
         if not any(n.name in missed for n in reach):
             found.append(node)
-    return [Miss(OP, n.name, "a gradient scaled by an RMS statistic rsqrt(mean(x*x) + eps) that no "
+    return [Miss(OP.name, n.name, "a gradient scaled by an RMS statistic rsqrt(mean(x*x) + eps) that no "
                              "RMSNorm form matched (run with TORCH_LOGS=npu_fusion and dump_graphs to see it)")
             for n in found]
 
 
-#: ops an RMS statistic may pass through on its way to the backward (casts, views, broadcasts)
-_STAT_PASSTHROUGH = {aten._to_copy.default, aten.view.default, aten.expand.default, aten.unsqueeze.default,
-                     aten.squeeze.dim, aten.squeeze.dims, aten.clone.default, aten.detach.default,
-                     aten.alias.default, torch.ops.prims.convert_element_type.default}
+#: ops an RMS statistic may pass through on its way to the backward: casts, copies and views
+_STAT_PASSTHROUGH = CAST_TARGETS | VIEWS
 
 
 def _is_rms_statistic(node: fx.Node, provenance: Optional[Provenance]) -> bool:
@@ -666,14 +663,6 @@ def _gamma_dtype(compute: torch.dtype, gamma: torch.dtype) -> torch.dtype:
     return gamma
 
 
-def target_problem(target: str, compute: torch.dtype, gamma_dtype: torch.dtype) -> Optional[str]:
-    if target == "950":
-        return "RmsNormGrad is not documented for Ascend 950 (SPEC section 2 products)"
-    if (compute, gamma_dtype) not in RMS_NORM_DTYPES:
-        return f"dtype combination dy/x={compute}, gamma={gamma_dtype} is not in SPEC's table"
-    return None
-
-
 def _region(site: NormMatch, outputs) -> List[fx.Node]:
     roles = {n for n in site.roles if n is not None}
     ev = site.ev
@@ -683,19 +672,14 @@ def _region(site: NormMatch, outputs) -> List[fx.Node]:
     return list(dict.fromkeys(region + site.chain + [site.dx]))
 
 
-def rewrite(graph: fx.Graph, target: str, provenance: Optional[Provenance] = None, strict: bool = False,
-            rewrites: Optional[Rewrites] = None):
-    """Rewrite every RMSNorm backward site in ``graph`` (one round, recorded in ``rewrites``);
-    returns (sites, misses) so far."""
-    rewrites = rewrites if rewrites is not None else Rewrites(graph, OP, strict)
-    found, misses = find_sites(graph, provenance, rewrites=rewrites)
-    rewrites.round_misses += misses
-    for site in found:
-        rewrites.rewrite(site.dx, _rewrite_site, rewrites, site, provenance, target)
-    return rewrites.sites, rewrites.misses
+def find(graph: fx.Graph, provenance: Optional[Provenance], rewrites: Rewrites):
+    """The rule's ``find``: this round's matches and near misses."""
+    return find_sites(graph, provenance, rewrites=rewrites)
 
 
-def _rewrite_site(rewrites: Rewrites, site: NormMatch, provenance, target):
+def emit(rewrites: Rewrites, site: NormMatch, provenance, target: str):
+    """The rule's ``emit``: the site rewritten into one fused call (a :class:`Site`), or a
+    :class:`Miss` saying why not."""
     current = rewrites.current
     site.rest = [current(n) for n in site.rest]
     site.dy, site.x, site.rstd, site.gamma = (current(n) for n in site.roles)
@@ -706,8 +690,8 @@ def _rewrite_site(rewrites: Rewrites, site: NormMatch, provenance, target):
         again = [m for m in find_sites(rewrites.graph, provenance, forced_leaves=shared, rewrites=rewrites)[0]
                  if m.dx is site.dx]
         if not again or again[0].dgamma is not site.dgamma:
-            return Miss(OP, site.dx.name, f"intermediate {shared[0].name} has a user outside "
-                                          f"the pattern ({next(iter(shared[0].users)).name})")
+            return Miss(OP.name, site.dx.name, f"intermediate {shared[0].name} has a user outside "
+                                               f"the pattern ({next(iter(shared[0].users)).name})")
         site = again[0]
         region = _region(site, outputs)
     return _emit(rewrites, site, outputs, region, target, provenance)
@@ -719,10 +703,10 @@ def _emit(rewrites: Rewrites, site: NormMatch, outputs, region, target, provenan
     wide = exact_common_dtype((dy_dtype, x_dtype))
     compute = dy_dtype if (x_dtype == wide and _widened_from(site.x, dy_dtype, provenance)) else wide
     gamma_dtype = _gamma_dtype(compute, dtype(site.gamma) if site.gamma is not None else compute)
-    problem = target_problem(target, compute, gamma_dtype) or rounding_problem(
+    problem = rms_norm_target_problem(target, compute, gamma_dtype) or rounding_problem(
         site.ev, [*outputs.values(), *site.roles], site.roles)
     if problem is not None:
-        return Miss(OP, site.dx.name, problem)
+        return Miss(OP.name, site.dx.name, problem)
     anchor = last_of(graph, [n for n in (site.dy, site.x, site.rstd, site.gamma) if n is not None])
     with Insertion(graph, anchor) as inserted:
         dy, x = cast(graph, fake_mode, site.dy, compute), cast(graph, fake_mode, site.x, compute)
@@ -730,28 +714,34 @@ def _emit(rewrites: Rewrites, site: NormMatch, outputs, region, target, provenan
         gamma = cast(graph, fake_mode, site.gamma, gamma_dtype) if site.gamma is not None else None
         if gamma is None:
             if not all(isinstance(x, int) for x in site.ev.norm_shape):
-                return Miss(OP, site.dx.name, "a norm without weight over a symbolic size: mark the "
-                                              "hidden size static")
+                return Miss(OP.name, site.dx.name, "a norm without weight over a symbolic size: mark the "
+                                                   "hidden size static")
             gamma = call(graph, fake_mode, aten.full.default, (list(site.ev.norm_shape), 1.0),
                          {"dtype": compute, "device": val(site.dy).device})
-        problem = input_problem(fake_mode, check_rms_norm_grad_inputs, dy, x, rstd, gamma)
-        if problem is not None:
-            return Miss(OP, site.dx.name, problem)
-        fused = call(graph, fake_mode, torch.ops.npu_fusion.rms_norm_grad.default, (dy, x, rstd, gamma))
-        replacements = {}
-        for index, name in enumerate(("dx", "dgamma")):
-            old = outputs.get(name)
-            if old is not None:
-                replacements[old] = replacement_of(graph, fake_mode, getitem(graph, fake_mode, fused, index), old)
+        emitted = emit_fused_op(rewrites, OP, site.dx, (dy, x, rstd, gamma), outputs)
+        if isinstance(emitted, Miss):
+            return emitted
+    fused, replacements = emitted
     added = inserted.nodes()
-    if site.rest:  # the other gradients accumulated with dx are added back, after all of them
-        with graph.inserting_before(site.dx):
-            total = replacements[site.dx]
-            for i, other in enumerate(site.rest):
-                last = i == len(site.rest) - 1  # it computes the replaced node's value
-                total = call(graph, fake_mode, aten.add.Tensor, (other, total),
-                             value=site.dx.meta["val"] if last else None)
-                added.append(total)
-            replacements[site.dx] = total
-    return commit(graph, OP, None, region, outputs, replacements,
+    if site.rest:
+        added += _add_back_accumulated(graph, fake_mode, site, replacements)
+    return commit(graph, OP.name, None, region, outputs, replacements,
                   {"dy": site.dy, "x": site.x, "rstd": site.rstd, "gamma": site.gamma}, added, fused)
+
+
+def _add_back_accumulated(graph, fake_mode, site: NormMatch, replacements) -> List[fx.Node]:
+    """The other gradients accumulated with dx, added back to the fused dx after all of them."""
+    added = []
+    with graph.inserting_before(site.dx):
+        total = replacements[site.dx]
+        for i, other in enumerate(site.rest):
+            last = i == len(site.rest) - 1  # it computes the replaced node's value
+            total = call(graph, fake_mode, aten.add.Tensor, (other, total),
+                         value=site.dx.meta["val"] if last else None)
+            added.append(total)
+        replacements[site.dx] = total
+    return added
+
+
+#: the rule the pass manager runs
+RULE = Rule(OP, find, emit, unexplained)

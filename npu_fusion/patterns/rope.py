@@ -30,15 +30,15 @@ from typing import Dict, List, Optional, Tuple
 import torch
 import torch.fx as fx
 
-from ..lowering.constraints import (FLOAT_DTYPES, ROPE_MAX_D, ROPE_MODES,
-                                   check_rope_grad_inputs, rope_divisor)
-from .graph_utils import (Insertion, Miss, Provenance, Rewrites, aten, axis_order, call, cast, commit,
-                          downstream, dtype, exact_common_dtype, getitem, gradient_dependent, input_problem, last_of,
-                          outermost, outside_users, region_of, replacement_of, rounding_problem, same_shape,
-                          same_size, shape, static_int)
+from ..lowering.constraints import ROPE_MODES, rope_divisor, rope_target_problem
+from ..lowering.rope import OP
+from ..lowering.sizes import same_shape, static_int
+from .evaluator import Provenance, rounding_problem
 from .lanes import Lanes, LaneEvaluator, MAX_LANES
+from .nodes import (aten, axis_order, downstream, dtype, gradient_dependent, last_of, outermost, outside_users,
+                    region_of, shape)
+from .rewrite import Insertion, Miss, Rewrites, Rule, call, cast, commit, emit_fused_op, exact_common_dtype
 
-OP = "rotary_position_embedding_grad"
 #: (leaf id, the leaf position that plays each position of the fused op's operand)
 Role = Tuple[int, Tuple[int, ...]]
 
@@ -117,62 +117,6 @@ def _polys_equal(a, b) -> bool:
 
 # -- per-target constraints (SPEC section 1) ----------------------------------
 
-def _lt(a, b) -> bool:
-    from torch.fx.experimental.symbolic_shapes import statically_known_true
-    return bool(statically_known_true(a < b)) if not (isinstance(a, int) and isinstance(b, int)) else a < b
-
-
-def _a2_layout_ok(mode: int, dy_shape, cos_shape, with_x: bool) -> Optional[str]:
-    d0, d1, d2 = dy_shape[:3]
-    layouts = {  # name: (B, N, S, allowed cos leading shapes and their extra condition)
-        "BNSD": (d0, d1, d2, [("11SD", (1, 1, d2), None), ("B1SD", (d0, 1, d2), "B<S"), ("BNSD", (d0, d1, d2), None)]),
-        "BSND": (d0, d2, d1, [("1S1D", (1, d1, 1), None), ("BS1D", (d0, d1, 1), "B<S"), ("BSND", (d0, d1, d2), None)]),
-        "SBND": (d1, d2, d0, [("S11D", (d0, 1, 1), None), ("SB1D", (d0, d1, 1), None), ("SBND", (d0, d1, d2), None)]),
-    }
-    problem = None
-    for name, (b, n, s, allowed) in layouts.items():
-        for table, lead, cond in (allowed[:1] if mode == 1 else allowed):
-            if not same_shape(tuple(cos_shape[:3]), lead):
-                continue
-            if cond == "B<S" and not _lt(b, s):
-                problem = f"A2/A3 need B < S for {table} cos/sin with {name} dy (B={b}, S={s}; not provable)"
-                continue
-            if mode == 0 and not (_lt(b, 1000) and _lt(n, 1000) and (not with_x or _lt(b * n, 1025))):
-                return f"A2/A3 half mode needs B < 1000, N < 1000 and (with x) B*N <= 1024 ({name}, B={b}, N={n})"
-            if mode == 1 and not _lt(b * n, 1000):
-                return f"A2/A3 interleave mode needs B*N < 1000 ({name}, B={b}, N={n})"
-            return None
-    return problem or (
-        f"A2/A3 support cos/sin shapes 11SD/B1SD/BNSD, 1S1D/BS1D/BSND, S11D/SB1D/SBND (half) or "
-        f"11SD/1S1D/S11D (interleave); got dy {list(dy_shape)}, cos {list(cos_shape)}")
-
-
-def target_problem(target: str, mode: int, dy_node, cos_node, with_x: bool, compute_dtype) -> Optional[str]:
-    """Why ``target`` cannot run this site, or None."""
-    if compute_dtype not in FLOAT_DTYPES:
-        return f"dtype {compute_dtype} is not float16, bfloat16 or float32"
-    dy_shape, cos_shape = shape(dy_node), shape(cos_node)
-    d = static_int(dy_shape[-1])
-    if target == "generic":
-        return None
-    if target == "950":
-        if d > ROPE_MAX_D:
-            return f"Ascend 950 needs D <= {ROPE_MAX_D}, got {d}"
-        if len(dy_shape) not in (3, 4):
-            return f"Ascend 950 supports dy layouts BNSD, BSND, SBND and TND, got rank {len(dy_shape)}"
-        if len(dy_shape) == 3 and not (len(cos_shape) == 3 and same_size(cos_shape[0], dy_shape[0])
-                                       and (static_int(cos_shape[1]) == 1 or same_size(cos_shape[1], dy_shape[1]))):
-            return "Ascend 950 with TND dy supports cos/sin T1D and TND only"
-        return None
-    if mode not in (0, 1):
-        return f"mode {mode} ({ROPE_MODES[mode]}) runs only on Ascend 950"
-    if d >= 896:
-        return f"A2/A3 need D < 896, got {d}"
-    if len(dy_shape) != 4 or len(cos_shape) != 4:
-        return "A2/A3 need 4-D dy and cos/sin (layouts BNSD, BSND, SBND)"
-    return _a2_layout_ok(mode, dy_shape, cos_shape, with_x)
-
-
 # -- matching -----------------------------------------------------------------
 
 @dataclasses.dataclass
@@ -187,6 +131,8 @@ class RopeMatch:
     x: Optional[Role] = None
     #: (cos, sin): -1 where the fused op's table is the leaf negated
     signs: Tuple[int, int] = (1, 1)
+    #: the evaluator whose leaf numbering the roles use
+    ev: Optional[LaneEvaluator] = None
 
     @property
     def key(self):
@@ -334,7 +280,7 @@ def _symbolic_last_axis(ev: LaneEvaluator, seeds) -> List[Miss]:
                 if user.target in (aten.add.Tensor, aten.sub.Tensor) and user is not seed:
                     sums[user] = None
                     break
-    return [Miss(OP, n.name, "gradients moved along a symbolic last axis, as a RoPE dx does: the pass "
+    return [Miss(OP.name, n.name, "gradients moved along a symbolic last axis, as a RoPE dx does: the pass "
                              "proves RoPE per position of a static head dim; mark only batch and "
                              "sequence dynamic (dynamic=True also made the head dim symbolic)")
             for n in outermost(list(sums))]
@@ -388,7 +334,7 @@ def find_sites(graph: fx.Graph, provenance: Optional[Provenance], forced_leaves=
                rewrites: Optional[Rewrites] = None):
     """(evaluator, matches, near misses) of the graph's RoPE backward sites; an internal
     error while examining one candidate is recorded in ``rewrites`` (raised without it)."""
-    rewrites = rewrites if rewrites is not None else Rewrites(graph, OP, strict=True)
+    rewrites = rewrites if rewrites is not None else Rewrites(graph, OP.name, strict=True)
     ev = LaneEvaluator(provenance, forced_leaves)
     ev.gradient_nodes = gradient_dependent(graph)
     seeds = [n for n in graph.nodes if _moves_elements(n)]
@@ -398,6 +344,15 @@ def find_sites(graph: fx.Graph, provenance: Optional[Provenance], forced_leaves=
         ev.value(node)
     # a forward value recomputed in the backward (checkpointing) can look like a dx: it is none
     looks = [n for n in nodes if ev.depends_on_gradient(n) and _looks_like_dx(ev.memo.get(n))]
+    matches, inside = _dx_matches(rewrites, ev, looks)
+    _match_table_gradients(rewrites, ev, graph, matches)
+    misses = _near_misses(rewrites, ev, looks, matches, inside) + _symbolic_last_axis(ev, seeds)
+    rewrites.evaluated(ev)
+    return ev, matches, misses
+
+
+def _dx_matches(rewrites: Rewrites, ev: LaneEvaluator, looks: List[fx.Node]):
+    """The outermost dx matches among the dx-shaped nodes, and the nodes inside them."""
     matches = [m for m in (rewrites.examine(n, match_dx, ev, n) for n in looks) if m is not None]
     matches = outermost(matches, node=lambda m: m.dx, same=lambda a, b: a.key == b.key)
     # a match inside another's subgraph (mode 0 on DeepSeek's de-interleaved q, under
@@ -408,7 +363,14 @@ def find_sites(graph: fx.Graph, provenance: Optional[Provenance], forced_leaves=
         inside.update(n for n in region_of([m.dx], lambda n: n in ev.interpreted and n not in roles)
                       if n is not m.dx)
     matches = [m for m in matches if m.dx not in inside]
-    # dcos/dsin are products with dy, reduced: look a few uses after each site's dy
+    for m in matches:
+        m.ev = ev
+    return matches, inside
+
+
+def _match_table_gradients(rewrites: Rewrites, ev: LaneEvaluator, graph: fx.Graph, matches) -> None:
+    """Set each match's dcos, dsin and x where the graph computes them: products with its dy,
+    reduced, a few uses after dy."""
     dys = [ev.leaves[m.dy[0]] for m in matches]
     table_nodes = [n for n in downstream(graph, dys, 4) if n.op == "call_function"] if dys else []
     tables_by_leaf: Dict[int, List[fx.Node]] = {}
@@ -423,23 +385,30 @@ def find_sites(graph: fx.Graph, provenance: Optional[Provenance], forced_leaves=
             continue  # dcos/dsin are grads of whole tables; rebuilt tables have none in the graph
         if site.signs != (1, 1):
             continue  # the graph's table gradients are of the leaves, not of the negated tables
-        tables: Dict[str, List[Tuple[fx.Node, Role]]] = {"cos": [], "sin": []}
-        for node in tables_by_leaf.get(site.dy[0], ()):
-            for which in ("cos", "sin"):
-                x = rewrites.examine(node, match_table, ev, node, site, which)
-                if x is not None:
-                    tables[which].append((node, x))
-        for which, found in tables.items():
-            tables[which] = outermost(found, node=lambda f: f[0])
-        # Any product dy * T matches dcos for *some* x (all signs are +1), so dcos and dsin
-        # are chosen together: the pair that reads the same x.
-        pairs = [(c, s) for c in tables["cos"] for s in tables["sin"] if c[1] == s[1]]
-        if len(pairs) == 1:
-            (site.dcos, site.x), (site.dsin, _) = pairs[0]
-        elif not pairs and len(tables["cos"]) + len(tables["sin"]) == 1:
-            (node, site.x), which = (tables["cos"] or tables["sin"])[0], "cos" if tables["cos"] else "sin"
-            setattr(site, "d" + which, node)
-    # near misses: dx-shaped nodes that are neither a match, inside one, nor built on one
+        _choose_table_gradients(rewrites, ev, site, tables_by_leaf.get(site.dy[0], ()))
+
+
+def _choose_table_gradients(rewrites: Rewrites, ev: LaneEvaluator, site: RopeMatch, candidates) -> None:
+    tables: Dict[str, List[Tuple[fx.Node, Role]]] = {"cos": [], "sin": []}
+    for node in candidates:
+        for which in ("cos", "sin"):
+            x = rewrites.examine(node, match_table, ev, node, site, which)
+            if x is not None:
+                tables[which].append((node, x))
+    for which, found in tables.items():
+        tables[which] = outermost(found, node=lambda f: f[0])
+    # Any product dy * T matches dcos for *some* x (all signs are +1), so dcos and dsin
+    # are chosen together: the pair that reads the same x.
+    pairs = [(c, s) for c in tables["cos"] for s in tables["sin"] if c[1] == s[1]]
+    if len(pairs) == 1:
+        (site.dcos, site.x), (site.dsin, _) = pairs[0]
+    elif not pairs and len(tables["cos"]) + len(tables["sin"]) == 1:
+        (node, site.x), which = (tables["cos"] or tables["sin"])[0], "cos" if tables["cos"] else "sin"
+        setattr(site, "d" + which, node)
+
+
+def _near_misses(rewrites: Rewrites, ev: LaneEvaluator, looks, matches, inside) -> List[Miss]:
+    """dx-shaped nodes that are neither a match, inside one, nor built on one."""
     matched = {m.dx for m in matches} | inside
     outputs = {n for m in matches for n in (m.dx, m.dcos, m.dsin) if n is not None}
 
@@ -451,12 +420,15 @@ def find_sites(graph: fx.Graph, provenance: Optional[Provenance], forced_leaves=
     built_on = [n for n in unmatched if built_on_match(n)]
     rewrites.pending += len(built_on)  # decided next round, once the site below is fused
     unmatched = [n for n in unmatched if n not in built_on]
-    misses = [Miss(OP, n.name, "two products per element like a RoPE dx, but no mode's formula "
-                               "(signs, split points or tables differ)")
-              for n in outermost(unmatched)]
-    misses += _symbolic_last_axis(ev, seeds)
-    rewrites.evaluated(ev)
-    return ev, matches, misses
+    return [Miss(OP.name, n.name, "two products per element like a RoPE dx, but no mode's formula "
+                                  "(signs, split points or tables differ)")
+            for n in outermost(unmatched)]
+
+
+def find(graph: fx.Graph, provenance: Optional[Provenance], rewrites: Rewrites):
+    """The rule's ``find``: this round's matches (each with its evaluator) and near misses."""
+    _, matches, misses = find_sites(graph, provenance, rewrites=rewrites)
+    return matches, misses
 
 
 #: forward ops a rotary table comes from
@@ -535,7 +507,7 @@ def unexplained(graph: fx.Graph, provenance: Optional[Provenance], misses: List[
             group[1].update(reach)
     ev = LaneEvaluator(provenance)
     ev.gradient_nodes = gradient
-    return [Miss(OP, anchor.name, "a gradient multiplied by a rotary table (cos/sin/polar in the forward) "
+    return [Miss(OP.name, anchor.name, "a gradient multiplied by a rotary table (cos/sin/polar in the forward) "
                                   "that no RoPE form matched; " + _nearest_difference(ev, graph, anchor))
             for anchor, _ in groups]
 
@@ -599,20 +571,10 @@ class TableLayoutError(Exception):
     pass
 
 
-def rewrite(graph: fx.Graph, target: str, provenance: Optional[Provenance] = None, strict: bool = False,
-            rewrites: Optional[Rewrites] = None):
-    """Rewrite every RoPE backward site in ``graph`` (one round, recorded in ``rewrites``);
-    returns (sites, misses) so far."""
-    rewrites = rewrites if rewrites is not None else Rewrites(graph, OP, strict)
-    ev, matches, misses = find_sites(graph, provenance, rewrites=rewrites)
-    rewrites.round_misses += misses
-    for site in matches:
-        rewrites.rewrite(site.dx, _rewrite_site, rewrites, ev, site, provenance, target)
-    return rewrites.sites, rewrites.misses
-
-
-def _rewrite_site(rewrites: Rewrites, ev: LaneEvaluator, site: RopeMatch, provenance, target):
-    graph = rewrites.graph
+def emit(rewrites: Rewrites, site: RopeMatch, provenance, target: str):
+    """The rule's ``emit``: the site rewritten into one fused call (a :class:`Site`), or a
+    :class:`Miss` saying why not."""
+    graph, ev = rewrites.graph, site.ev
     outputs = {k: n for k, n in (("dx", site.dx), ("dcos", site.dcos), ("dsin", site.dsin)) if n is not None}
     region = _region(ev, site, outputs)
     shared = outside_users(region, outputs.values())
@@ -623,12 +585,12 @@ def _rewrite_site(rewrites: Rewrites, ev: LaneEvaluator, site: RopeMatch, proven
         ev, again, _ = find_sites(graph, provenance, forced_leaves=shared, rewrites=rewrites)
         again = [m for m in again if m.dx is site.dx and m.mode == site.mode]
         if not again or not _same_tables(site, again[0]):
-            return Miss(OP, site.dx.name, f"intermediate {shared[0].name} has a user "
-                                          f"outside the pattern ({next(iter(shared[0].users)).name})")
+            return Miss(OP.name, site.dx.name, f"intermediate {shared[0].name} has a user "
+                                               f"outside the pattern ({next(iter(shared[0].users)).name})")
         site = again[0]
         region = _region(ev, site, outputs)
         if outside_users(region, outputs.values()):
-            return Miss(OP, site.dx.name, "intermediates have users outside the pattern")
+            return Miss(OP.name, site.dx.name, "intermediates have users outside the pattern")
     return _emit(rewrites, ev, site, outputs, region, target)
 
 
@@ -647,41 +609,44 @@ def _emit(rewrites: Rewrites, ev, site: RopeMatch, outputs, region, target):
     graph, fake_mode = rewrites.graph, rewrites.fake_mode
     dy_leaf, cos_leaf, sin_leaf = (rewrites.current(ev.leaves[r[0]]) for r in (site.dy, site.cos, site.sin))
     x_leaf = rewrites.current(ev.leaves[site.x[0]]) if site.x is not None else None
+    leaves = [dy_leaf, cos_leaf, sin_leaf, x_leaf]
     if not same_shape(shape(dy_leaf)[:-1], shape(site.dx)[:-1]):
-        return Miss(OP, site.dx.name, f"dy {dy_leaf.name} is broadcast to dx's shape")
+        return Miss(OP.name, site.dx.name, f"dy {dy_leaf.name} is broadcast to dx's shape")
     if not same_shape(shape(cos_leaf)[:-1], shape(sin_leaf)[:-1]):
-        return Miss(OP, site.dx.name, f"cos {list(shape(cos_leaf))} and sin {list(shape(sin_leaf))} "
-                                      f"have different shapes")
-    anchor = last_of(graph, [n for n in (dy_leaf, cos_leaf, sin_leaf, x_leaf) if n is not None])
-    with Insertion(graph, anchor) as inserted:
+        return Miss(OP.name, site.dx.name, f"cos {list(shape(cos_leaf))} and sin {list(shape(sin_leaf))} "
+                                           f"have different shapes")
+    with Insertion(graph, last_of(graph, [n for n in leaves if n is not None])) as inserted:
         try:
-            operands = [_role_node(graph, fake_mode, leaf, role[1]) if role is not None else None
-                        for leaf, role in ((dy_leaf, site.dy), (cos_leaf, site.cos), (sin_leaf, site.sin),
-                                           (x_leaf, site.x))]
+            operands = _operands(graph, fake_mode, site, leaves)
         except TableLayoutError as exc:
-            return Miss(OP, site.dx.name, str(exc))
-        for i, sign in ((1, site.signs[0]), (2, site.signs[1])):
-            if sign < 0:
-                operands[i] = call(graph, fake_mode, aten.neg.default, (operands[i],))
-        compute = exact_common_dtype(dtype(n) for n in operands if n is not None)
-        dy, cos, sin, x = (cast(graph, fake_mode, n, compute) if n is not None else None for n in operands)
-        problem = target_problem(target, site.mode, dy, cos, x is not None, compute) or rounding_problem(
-            ev, [*outputs.values(), dy_leaf, cos_leaf, sin_leaf, x_leaf], [dy_leaf, cos_leaf, sin_leaf, x_leaf])
+            return Miss(OP.name, site.dx.name, str(exc))
+        dy, cos, sin, x = operands
+        problem = rope_target_problem(target, site.mode, shape(dy), shape(cos), x is not None, dtype(dy)) \
+            or rounding_problem(ev, [*outputs.values(), *leaves], leaves)
         if problem is None and x is not None and not same_shape(shape(x), shape(dy)):
             problem = f"x {list(shape(x))} and dy {list(shape(dy))} have different shapes"
         if problem is not None:
-            return Miss(OP, site.dx.name, problem)
-        problem = input_problem(fake_mode, check_rope_grad_inputs, dy, cos, sin, x, site.mode)
-        if problem is not None:
-            return Miss(OP, site.dx.name, problem)
-        fused = call(graph, fake_mode, torch.ops.npu_fusion.rotary_position_embedding_grad.default,
-                     (dy, cos, sin, x, site.mode))
-        replacements = {}
-        for index, name in enumerate(("dx", "dcos", "dsin")):
-            old = outputs.get(name)
-            if old is None:
-                continue
-            replacements[old] = replacement_of(graph, fake_mode, getitem(graph, fake_mode, fused, index), old)
-    added = inserted.nodes()
-    return commit(graph, OP, ROPE_MODES[site.mode], region, outputs, replacements,
-                  {"dy": dy_leaf, "cos": cos_leaf, "sin": sin_leaf, "x": x_leaf}, added, fused)
+            return Miss(OP.name, site.dx.name, problem)
+        emitted = emit_fused_op(rewrites, OP, site.dx, (dy, cos, sin, x, site.mode), outputs)
+        if isinstance(emitted, Miss):
+            return emitted
+    fused, replacements = emitted
+    return commit(graph, OP.name, ROPE_MODES[site.mode], region, outputs, replacements,
+                  {"dy": dy_leaf, "cos": cos_leaf, "sin": sin_leaf, "x": x_leaf}, inserted.nodes(), fused)
+
+
+def _operands(graph, fake_mode, site: RopeMatch, leaves) -> list:
+    """dy, cos, sin and x for the fused op, built from the role leaves, negated where the
+    site's table is the leaf negated, in the narrowest dtype that holds them all exactly."""
+    roles = (site.dy, site.cos, site.sin, site.x)
+    operands = [_role_node(graph, fake_mode, leaf, role[1]) if role is not None else None
+                for leaf, role in zip(leaves, roles)]
+    for i, sign in ((1, site.signs[0]), (2, site.signs[1])):
+        if sign < 0:
+            operands[i] = call(graph, fake_mode, aten.neg.default, (operands[i],))
+    compute = exact_common_dtype(dtype(n) for n in operands if n is not None)
+    return [cast(graph, fake_mode, n, compute) if n is not None else None for n in operands]
+
+
+#: the rule the pass manager runs
+RULE = Rule(OP, find, emit, unexplained)

@@ -9,7 +9,7 @@ import dataclasses
 import os
 from typing import Any, Mapping, Optional
 
-TARGETS = ("generic", "a2", "a3", "950")
+from ..lowering.constraints import TARGETS
 
 
 @dataclasses.dataclass(frozen=True)

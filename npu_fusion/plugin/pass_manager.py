@@ -18,9 +18,9 @@ from typing import Any, Dict, List, Mapping, Optional, Union
 import torch
 import torch.fx as fx
 
-from ..patterns import rms_norm as rms_norm_patterns
-from ..patterns import rope as rope_patterns
-from ..patterns.graph_utils import Miss, Provenance, Rewrites, Site
+from ..patterns import RULES
+from ..patterns.evaluator import Provenance
+from ..patterns.rewrite import Miss, Rewrites, Site
 from .logs import TRACE_AFTER, TRACE_BEFORE, dump_graph, log, trace_decisions, trace_graph
 from .options import FusionOptions
 
@@ -229,23 +229,23 @@ MAX_ROUNDS = 4
 
 
 def _rewrite_in_rounds(graph: fx.Graph, options: FusionOptions, target: str, provenance: Provenance):
-    """Run the enabled patterns (RMSNorm first: a norm's dx is often RoPE's dy) until a
+    """Run the enabled rules (:data:`~npu_fusion.patterns.RULES`, in that order) until a
     round fuses nothing new or leaves no candidate undecided: a site whose dy is the
     expression of another site's dx (post- and sandwich norms) fuses once that one is
     a fused op."""
-    patterns = [(module, Rewrites(graph, module.OP, options.strict)) for module, enabled in (
-        (rms_norm_patterns, options.rms_norm), (rope_patterns, options.rope)) if enabled]
+    rules = [(rule, Rewrites(graph, rule.op.name, options.strict)) for rule in RULES
+             if getattr(options, rule.op.option)]
     for _ in range(MAX_ROUNDS):
-        fused = sum(len(rewrites.sites) for _, rewrites in patterns)
-        for module, rewrites in patterns:
+        fused = sum(len(rewrites.sites) for _, rewrites in rules)
+        for rule, rewrites in rules:
             rewrites.begin_round()
-            module.rewrite(graph, target, provenance, rewrites=rewrites)
-        undecided = any(r.round_misses or r.pending for _, r in patterns)
-        if sum(len(r.sites) for _, r in patterns) == fused or not undecided:
+            rule.rewrite(graph, target, provenance, rewrites)
+        undecided = any(r.round_misses or r.pending for _, r in rules)
+        if sum(len(r.sites) for _, r in rules) == fused or not undecided:
             break
-    for module, rewrites in patterns:  # what no form matched is a miss too, never silence
-        rewrites.round_misses += module.unexplained(graph, provenance, rewrites.misses)
-    return ([s for _, r in patterns for s in r.sites], [m for _, r in patterns for m in r.misses])
+    for rule, rewrites in rules:  # what no form matched is a miss too, never silence
+        rewrites.round_misses += rule.unexplained(graph, provenance, rewrites.misses)
+    return ([s for _, r in rules for s in r.sites], [m for _, r in rules for m in r.misses])
 
 
 def make_torchair_pass(options: Union[FusionOptions, Mapping, None] = None):

@@ -22,7 +22,9 @@ from typing import List
 
 import torch.fx as fx
 
-from ..patterns.graph_utils import _holds, dtype, is_float_cast, same_shape, shape, val
+from ..lowering.sizes import same_shape
+from ..patterns.nodes import dtype, holds, is_float_cast, shape, val
+from ..patterns.traffic import storage_of
 
 
 @dataclasses.dataclass
@@ -34,26 +36,11 @@ class SavedChange:
     bytes_after: int = 0
 
 
-#: ops whose output shares its input's storage: a saved view of a graph input (a transposed
-#: weight) keeps no memory alive that the input does not
-VIEW_TARGETS = {"aten.t.default", "aten.permute.default", "aten.transpose.int", "aten.view.default",
-                "aten._unsafe_view.default", "aten.expand.default", "aten.unsqueeze.default",
-                "aten.squeeze.dim", "aten.squeeze.dims", "aten.alias.default", "aten.slice.Tensor",
-                "aten.select.int", "aten.detach.default"}
-
-
-def _storage_of(node):
-    """The node whose storage a saved tensor keeps alive: through views to their base."""
-    while isinstance(node, fx.Node) and node.op == "call_function" and str(node.target) in VIEW_TARGETS:
-        node = node.args[0]
-    return node
-
-
 def saved_bytes(nodes) -> int:
     """Activation bytes the saved tensors keep alive: each storage once (a saved view keeps
     its whole base), graph inputs (parameters, the batch) and their views not at all."""
     total = 0
-    for node in dict.fromkeys(_storage_of(n) for n in nodes):
+    for node in dict.fromkeys(storage_of(n) for n in nodes):
         if not isinstance(node, fx.Node) or node.op == "placeholder":
             continue
         v = val(node)
@@ -91,7 +78,7 @@ def _narrowed_source(fw_node, placeholder):
         return None
     source = fw_node.args[0]
     wide, narrow = dtype(fw_node), dtype(source)
-    if narrow is None or wide == narrow or not _holds(wide, narrow) or not same_shape(shape(source), shape(fw_node)):
+    if narrow is None or wide == narrow or not holds(wide, narrow) or not same_shape(shape(source), shape(fw_node)):
         return None
     users = list(placeholder.users)
     if not users or not all(is_float_cast(u) and dtype(u) == narrow for u in users):

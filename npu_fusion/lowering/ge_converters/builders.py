@@ -8,9 +8,11 @@ finds that out by trying, and only then uses :func:`ir_builders`' builder.
 """
 from __future__ import annotations
 
+from .. import rms_norm, rope
+
 #: the two GE operators, as CANN registers them (``REG_OP``).
-ROPE_GRAD_IR = "RotaryPositionEmbeddingGrad"
-RMS_NORM_GRAD_IR = "RmsNormGrad"
+ROPE_GRAD_IR = rope.OP.ge_op
+RMS_NORM_GRAD_IR = rms_norm.OP.ge_op
 
 
 def ir_builders():
@@ -101,6 +103,14 @@ def as_dtype(tensor, produced, wanted):
         return tensor
     tensor.set_torch_dtype(ge_type_to_torch_type(produced))
     return Cast(tensor, dst_type=wanted)
+
+
+def tensor_spec(dtype, shape):
+    """torchair's ``F32(*shape)``-style supported-shape spec of a torch dtype and shape."""
+    import torch
+    from torchair._ge_concrete_graph.supported_declaration import BF16, F16, F32
+
+    return {torch.float32: F32, torch.float16: F16, torch.bfloat16: BF16}[dtype](*shape)
 
 
 def declare_supported(cases):

@@ -10,27 +10,23 @@ from __future__ import annotations
 
 import torch
 from torchair import register_fx_node_ge_converter
-from torchair._ge_concrete_graph.supported_declaration import BF16, F16, F32, Support
+from torchair._ge_concrete_graph.supported_declaration import Support
 from torchair.ge import Cast, DataType
 
-from .builders import as_dtype, declare_supported, ge_builders
+from ..constraints import rms_norm_supported_cases
+from ..rms_norm import OP
+from .builders import as_dtype, declare_supported, ge_builders, tensor_spec
 
 _, _, RMS_NORM_BUILDER = ge_builders()
 
-SUPPORTED = [
-    # (dy, x, rstd, gamma): the five A2/A3 dtype combinations, keep-dim and plain rstd.
-    Support(F32(4, 16, 64), F32(4, 16, 64), F32(4, 16, 1), F32(64)),
-    Support(F16(4, 16, 64), F16(4, 16, 64), F32(4, 16, 1), F32(64)),
-    Support(BF16(4, 16, 64), BF16(4, 16, 64), F32(4, 16, 1), F32(64)),
-    Support(F16(4, 16, 64), F16(4, 16, 64), F32(4, 16), F16(64)),
-    Support(BF16(2, 8, 32), BF16(2, 8, 32), F32(2, 8), BF16(32)),
-    # normalizing over the last two axes.
-    Support(F32(4, 8, 32), F32(4, 8, 32), F32(4, 1, 1), F32(8, 32)),
-]
+#: (dy, x, rstd, gamma), from SPEC's dtype table (:func:`~..constraints.rms_norm_supported_cases`)
+SUPPORTED = [Support(tensor_spec(dy, x), tensor_spec(dy, x), tensor_spec(torch.float32, rstd),
+                     tensor_spec(gamma_dtype, gamma))
+             for dy, gamma_dtype, x, rstd, gamma in rms_norm_supported_cases()]
 
 
 @declare_supported(SUPPORTED)
-@register_fx_node_ge_converter(torch.ops.npu_fusion.rms_norm_grad.default)
+@register_fx_node_ge_converter(OP.overload)
 def convert_rms_norm_grad(dy, x, rstd, gamma, meta_outputs=None):
     """NB: npu_fusion::rms_norm_grad(Tensor dy, Tensor x, Tensor rstd, Tensor gamma)
     -> (Tensor dx, Tensor dgamma)"""

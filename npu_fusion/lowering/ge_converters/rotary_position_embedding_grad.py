@@ -10,32 +10,25 @@ Shapes pass through untouched (symbolic ones too): GE infers the outputs'.
 """
 from __future__ import annotations
 
-import torch
 from torchair import register_fx_node_ge_converter
 from torchair._ge_concrete_graph import ge_apis as ge
-from torchair._ge_concrete_graph.supported_declaration import BF16, F16, F32, Support
+from torchair._ge_concrete_graph.supported_declaration import Support
 
-from .builders import declare_supported, ge_builders
+from ..constraints import rope_supported_cases
+from ..rope import OP
+from .builders import declare_supported, ge_builders, tensor_spec
 
 ROPE_BUILDER, ROPE_BUILDER_WITHOUT_X, _ = ge_builders()
 
-#: Every case is valid on some target (SPEC section 1): modes 2 and 3 and the
-#: interleave case with B1SD cos/sin only on Ascend 950, the others on A2/A3 too.
-SUPPORTED = [
-    # BSND dy with 1S1D cos/sin, every mode, with and without x.
-    Support(F32(2, 16, 4, 64), F32(1, 16, 1, 64), F32(1, 16, 1, 64), F32(2, 16, 4, 64), mode=0),
-    Support(F16(2, 16, 4, 64), F16(1, 16, 1, 64), F16(1, 16, 1, 64), F16(2, 16, 4, 64), mode=1),
-    Support(BF16(2, 16, 4, 64), BF16(1, 16, 1, 64), BF16(1, 16, 1, 64), BF16(2, 16, 4, 64), mode=2),
-    Support(F32(2, 16, 4, 64), F32(1, 16, 1, 64), F32(1, 16, 1, 64), F32(2, 16, 4, 64), mode=3),
-    Support(F16(2, 16, 4, 64), F16(1, 16, 1, 64), F16(1, 16, 1, 64), None, mode=0),
-    # BNSD dy with 11SD and B1SD cos/sin.
-    Support(F32(2, 4, 16, 128), F32(1, 1, 16, 128), F32(1, 1, 16, 128), F32(2, 4, 16, 128), mode=0),
-    Support(F16(2, 4, 16, 128), F16(2, 1, 16, 128), F16(2, 1, 16, 128), F16(2, 4, 16, 128), mode=1),
-]
+#: (dy, cos, sin, x, mode), each valid on some target (SPEC section 1), from the constraint
+#: tables (:func:`~..constraints.rope_supported_cases`)
+SUPPORTED = [Support(tensor_spec(dt, dy), tensor_spec(dt, cos), tensor_spec(dt, cos),
+                     tensor_spec(dt, dy) if with_x else None, mode=mode)
+             for dt, dy, cos, with_x, mode in rope_supported_cases()]
 
 
 @declare_supported(SUPPORTED)
-@register_fx_node_ge_converter(torch.ops.npu_fusion.rotary_position_embedding_grad.default)
+@register_fx_node_ge_converter(OP.overload)
 def convert_rotary_position_embedding_grad(dy, cos, sin, x=None, mode: int = 0, meta_outputs=None):
     """NB: npu_fusion::rotary_position_embedding_grad(Tensor dy, Tensor cos, Tensor sin,
     Tensor? x=None, int mode=0) -> (Tensor, Tensor, Tensor)"""

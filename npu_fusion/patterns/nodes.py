@@ -1,0 +1,174 @@
+"""Reading a backward graph: a node's value (shape and dtype, sizes maybe symbolic), float
+casts and the dtypes that hold others, and walks over users and inputs. Every module
+of the pass reads graphs through these."""
+from __future__ import annotations
+
+import functools
+from typing import TYPE_CHECKING, Any, Dict, Iterable, List, Optional
+
+import torch
+import torch.fx as fx
+
+if TYPE_CHECKING:
+    from .evaluator import Provenance
+
+aten = torch.ops.aten
+prims = torch.ops.prims
+
+
+def val(node) -> Optional[torch.Tensor]:
+    v = node.meta.get("val") if isinstance(node, fx.Node) else None
+    return v if isinstance(v, torch.Tensor) else None
+
+def shape(node) -> Optional[tuple]:
+    v = val(node)
+    return v.shape if v is not None else None  # a torch.Size: a tuple
+
+def dtype(node) -> Optional[torch.dtype]:
+    v = val(node)
+    return v.dtype if v is not None else None
+
+def meta_value(arg):
+    """A node argument as a value: symbolic sizes are nodes in FX, their SymInt in meta."""
+    if isinstance(arg, fx.Node):
+        return arg.meta.get("val")
+    if isinstance(arg, (list, tuple)):
+        return type(arg)(meta_value(a) for a in arg)
+    return arg
+
+def normalize_dim(dim: int, rank: int) -> int:
+    return dim + rank if dim < 0 else dim
+
+def axis_order(target, args, rank: int) -> List[int]:
+    """For ``transpose(x, a, b)`` or ``permute(x, dims)``: the input axis each output axis
+    comes from (``args`` are the op's arguments after ``x``)."""
+    if target is aten.transpose.int:
+        order = list(range(rank))
+        a, b = normalize_dim(args[0], rank), normalize_dim(args[1], rank)
+        order[a], order[b] = order[b], order[a]
+        return order
+    return [normalize_dim(d, rank) for d in args[0]]
+
+CAST_TARGETS = {
+    aten._to_copy.default, prims.convert_element_type.default, aten.to.dtype,
+    aten.clone.default, aten.alias.default, aten.detach.default, aten.contiguous.default,
+    aten.lift_fresh_copy.default,
+}
+
+#: ops whose output is a view of their first input: it shares that input's storage
+VIEWS = {
+    aten.view.default, aten._unsafe_view.default, aten.expand.default, aten.slice.Tensor, aten.select.int,
+    aten.squeeze.dim, aten.squeeze.dims, aten.squeeze.default, aten.unsqueeze.default, aten.t.default,
+    aten.transpose.int, aten.permute.default, aten.alias.default, aten.detach.default,
+}
+
+
+def is_float_cast(node: fx.Node) -> bool:
+    """Casts between float dtypes, copies and aliases: the identity in real arithmetic, up
+    to the rounding of a narrowing cast."""
+    if node.op != "call_function" or node.target not in CAST_TARGETS:
+        return False
+    src, out = node.args[0] if node.args else None, node
+    if not isinstance(src, fx.Node) or dtype(src) is None or dtype(out) is None:
+        return False
+    if node.target is aten._to_copy.default:
+        extra = set(node.kwargs) - {"dtype", "layout", "device", "memory_format", "non_blocking"}
+        if extra or (val(src).device != val(out).device):
+            return False
+    if dtype(src).is_complex or dtype(out).is_complex:
+        return dtype(src) == dtype(out)
+    return dtype(src).is_floating_point and dtype(out).is_floating_point
+
+def is_value_preserving_cast(node: fx.Node) -> bool:
+    """A float cast, copy or alias that changes no value: to a dtype that holds every value
+    of its source, or back to the dtype its source was widened from (``x.float().to(x.dtype)``).
+    Any other float cast rounds; the evaluators see through it (they compute in real
+    arithmetic) and remember it (``MemoEvaluator.rounded``, :func:`rounding_problem`)."""
+    if not is_float_cast(node):
+        return False
+    out = dtype(node)
+    if out.is_complex:
+        return True
+    origin = node.args[0]
+    while True:
+        if holds(out, dtype(origin)):
+            return True
+        if not (is_float_cast(origin) and holds(dtype(origin), dtype(origin.args[0]))):
+            return False
+        origin = origin.args[0]
+
+def holds(wide: torch.dtype, narrow: torch.dtype) -> bool:
+    """Every value of float dtype ``narrow`` is a value of ``wide``."""
+    w, n = torch.finfo(wide), torch.finfo(narrow)
+    return wide == narrow or (w.bits >= n.bits and w.eps <= n.eps and w.max >= n.max and w.tiny <= n.tiny)
+
+def native_dtype(node: fx.Node, provenance: Optional["Provenance"] = None) -> torch.dtype:
+    """The dtype a value was stored in before a widening cast (a bf16 activation upcast to
+    float32 and saved for the backward is bf16 data)."""
+    definition = node
+    if node.op == "placeholder" and provenance is not None:
+        definition = provenance.forward_definition(node) or node
+    while is_float_cast(definition) and is_value_preserving_cast(definition):
+        definition = definition.args[0]
+    return dtype(definition) if dtype(definition) is not None else dtype(node)
+
+@functools.lru_cache(maxsize=None)
+def target_name(target: Any) -> str:
+    return getattr(target, "__name__", str(target))
+
+def last_of(graph: fx.Graph, nodes: Iterable[fx.Node]) -> fx.Node:
+    return max(nodes)  # fx nodes compare by their position in the graph
+
+def downstream(graph: fx.Graph, seeds: Iterable[fx.Node], depth: int) -> List[fx.Node]:
+    """Nodes at most ``depth`` uses away from the seeds (seeds included), in graph order."""
+    seen = set(seeds)
+    frontier = list(seen)
+    for _ in range(depth):
+        frontier = [u for n in frontier for u in n.users if u not in seen]
+        seen.update(frontier)
+    return sorted(seen)
+
+def outermost(items, node=lambda item: item, same=lambda outer, inner: True) -> list:
+    """Drop an item whose node's only user is another item's node (a cast or a view of the
+    same value), keeping the outermost of each such chain."""
+    by_node = {node(item): item for item in items}
+
+    def is_inner(item):
+        users = node(item).users
+        outer = by_node.get(next(iter(users))) if len(users) == 1 else None
+        return outer is not None and same(outer, item)
+
+    return [item for item in items if not is_inner(item)]
+
+def region_of(outputs: Iterable[fx.Node], interior) -> List[fx.Node]:
+    """The interpreted nodes the outputs are computed from, outputs included."""
+    seen: Dict[fx.Node, None] = {}
+    stack = list(outputs)
+    while stack:
+        node = stack.pop()
+        if node in seen or not interior(node):
+            continue
+        seen[node] = None
+        stack.extend(a for a in node.all_input_nodes)
+    return list(seen)
+
+def gradient_dependent(graph: fx.Graph) -> Optional[set]:
+    """The nodes of a backward graph whose value depends on an incoming gradient
+    (AOTAutograd's ``tangents_*`` placeholders), or None when the graph names none.
+
+    The others are forward values: saved, or recomputed in the backward (activation
+    checkpointing, the min-cut partitioner). A fused op reads them as inputs; they are
+    never part of the subgraph it replaces, so their other users keep them.
+    """
+    found = {n for n in graph.nodes if n.op == "placeholder" and n.name.startswith("tangents")}
+    if not found:
+        return None
+    for node in graph.nodes:
+        if node.op != "placeholder" and any(a in found for a in node.all_input_nodes):
+            found.add(node)
+    return found
+
+def outside_users(region: List[fx.Node], outputs: Iterable[fx.Node]) -> List[fx.Node]:
+    """Interior nodes (not outputs) used by nodes outside the region."""
+    inside, outs = set(region), set(outputs)
+    return [n for n in region if n not in outs and any(u not in inside for u in n.users)]

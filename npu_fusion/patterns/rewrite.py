@@ -1,0 +1,385 @@
+"""Rewriting a backward graph: one transaction per candidate, and the one emit both
+rules share.
+
+A rule's ``emit`` inserts the fused op's operands after the last of its inputs
+(:class:`Insertion`), then :func:`emit_fused_op` checks them with the op's own input
+checks, calls the op and casts each output as the program cast the value it
+replaces; :func:`commit` rewires the replaced outputs and erases what is dead.
+:class:`Rewrites` runs each candidate as a transaction: any failure before
+:func:`commit` costs only that candidate (a recorded miss, its inserted nodes
+erased); after it, the pass manager's whole-graph snapshot puts the graph back.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import operator
+from typing import Callable, Dict, Iterable, List, Optional, Sequence, Union
+
+import torch
+import torch.fx as fx
+
+from ..compat import outside_fake_mode
+from ..lowering.constraints import FusedOpInputError
+from ..lowering.fused_op import FusedOp
+from ..lowering.sizes import same_shape
+from .evaluator import MemoEvaluator, Unsupported
+from .nodes import aten, dtype, holds, is_float_cast, shape, target_name, val
+from .traffic import node_traffic
+
+log = logging.getLogger("npu_fusion")
+
+
+@dataclasses.dataclass
+class Miss:
+    """A subgraph that looked like a fusable backward but was left as it was."""
+    op: str
+    node: str
+    reason: str
+
+@dataclasses.dataclass
+class Site:
+    """A rewritten subgraph: which nodes it replaced and with what."""
+    op: str
+    mode: Optional[str]
+    outputs: Dict[str, str]
+    inputs: Dict[str, str]
+    replaced_nodes: List[str]
+    replaced_targets: Dict[str, int]
+    #: modelled memory traffic in bytes (each non-view node reads its inputs and writes
+    #: its output): of the replaced subgraph, of what replaced it, and the fused op's
+    #: minimum (each input read once, each output written once)
+    bytes_before: int = 0
+    bytes_after: int = 0
+    bytes_minimum: int = 0
+
+def exact_common_dtype(dtypes: Iterable[torch.dtype]) -> torch.dtype:
+    """The narrowest float dtype that holds every operand exactly: one of them when it holds
+    the others, else float32 (float16 and bfloat16 each hold only part of the other), so a
+    fused op never rounds data through a dtype the program did not use for it."""
+    dtypes = set(dtypes)
+    for candidate in sorted(dtypes | {torch.float32, torch.float64}, key=lambda t: torch.finfo(t).bits):
+        if all(holds(candidate, d) for d in dtypes):
+            return candidate
+    raise Unsupported(f"no float dtype holds {sorted(map(str, dtypes))}")
+
+def fake_mode_of(graph: fx.Graph):
+    for node in graph.nodes:
+        v = node.meta.get("val")
+        if isinstance(v, torch.Tensor) and hasattr(v, "fake_mode"):
+            return v.fake_mode
+    return None
+
+def call(graph: fx.Graph, fake_mode, target, args, kwargs=None, value=None) -> fx.Node:
+    """Insert a call (at the graph's current insertion point) with its fake value:
+    ``value`` when the caller knows it (the node replaces one it equals), else computed."""
+    kwargs = kwargs or {}
+    node = graph.call_function(target, tuple(args), kwargs)
+    _created(node)
+    if value is not None:
+        node.meta["val"] = value
+        return node
+    meta_args, meta_kwargs = fx.node.map_arg((tuple(args), kwargs), lambda n: n.meta.get("val"))
+    if fake_mode is None:
+        value = target(*meta_args, **meta_kwargs)
+    else:
+        value = _static_fake_value(fake_mode, target, meta_args, meta_kwargs)
+        if value is None:
+            with fake_mode:
+                value = target(*meta_args, **meta_kwargs)
+    node.meta["val"] = value
+    return node
+
+def _static_fake_value(fake_mode, target, args, kwargs):
+    """The fake value of ``target(*args, **kwargs)`` from its meta kernel, or None.
+
+    FakeTensorMode's dispatch costs ~0.1-0.5 ms a call, most of it bookkeeping that
+    only symbolic shapes need. With static shapes, running the op's meta kernel on
+    meta tensors of the same geometry and wrapping the results gives the same
+    shapes, strides and dtypes for a tenth of that. Anything else (symbolic sizes,
+    an explicit device, an op without a meta kernel) goes through the fake mode.
+    """
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    if "device" in kwargs:
+        return None
+    devices = []
+
+    def to_meta(v):
+        if not isinstance(v, torch.Tensor):
+            return v
+        if not (isinstance(v, FakeTensor) and v.fake_mode is fake_mode and v.storage_offset() == 0
+                and all(type(x) is int for x in (*v.shape, *v.stride()))):
+            raise Unsupported("not a static fake tensor")
+        devices.append(v.device)
+        return torch.empty_strided(v.shape, v.stride(), dtype=v.dtype, device="meta")
+
+    def convert(v):  # op arguments nest tensors in lists at most (cat, stack)
+        return type(v)(to_meta(x) for x in v) if isinstance(v, (list, tuple)) else to_meta(v)
+
+    try:
+        with outside_fake_mode():  # torch 2.6 and 2.7 call backward compilers inside the fake mode
+            meta_args = tuple(convert(a) for a in args)
+            meta_kwargs = {k: convert(v) for k, v in kwargs.items()}
+            if not devices:
+                return None
+            out = target(*meta_args, **meta_kwargs)
+    except Exception:  # the fake mode decides: it has decompositions and fallbacks
+        return None
+    outs = out if isinstance(out, (tuple, list)) else (out,)
+    if not all(isinstance(o, torch.Tensor) and o.device.type == "meta" for o in outs):
+        return None
+    fakes = [FakeTensor(fake_mode, o, devices[0]) for o in outs]
+    return type(out)(fakes) if isinstance(out, (tuple, list)) else fakes[0]
+
+def getitem(graph, fake_mode, node, index) -> fx.Node:
+    item = graph.call_function(operator.getitem, (node, index))
+    _created(item)
+    item.meta["val"] = node.meta["val"][index]
+    return item
+
+def cast(graph, fake_mode, node: fx.Node, to: torch.dtype) -> fx.Node:
+    if dtype(node) == to:
+        return node
+    return call(graph, fake_mode, aten._to_copy.default, (node,), {"dtype": to})
+
+class Insertion:
+    """Insert nodes right after ``anchor``, remembering which ones were inserted."""
+
+    def __init__(self, graph: fx.Graph, anchor: fx.Node):
+        self.graph, self.anchor, self.stop = graph, anchor, anchor.next
+        self._context = graph.inserting_before(self.stop)
+
+    def __enter__(self):
+        self._context.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        return self._context.__exit__(*exc)
+
+    def nodes(self) -> List[fx.Node]:
+        out, node = [], self.anchor.next
+        while node is not self.stop:
+            out.append(node)
+            node = node.next
+        return out
+
+def replacement_of(graph: fx.Graph, fake_mode, result: fx.Node, old: fx.Node) -> fx.Node:
+    """What replaces output ``old``: a fused op's ``result``, cast as the program casts the
+    value it computes on its way to ``old`` (the float casts ending at ``old``), so every
+    rounding the program does there happens here too; in ``old``'s shape."""
+    chain = []
+    while is_float_cast(old):
+        chain.append(old)
+        old = old.args[0]
+    matched = old
+    dtypes = [dtype(matched)] + [dtype(c) for c in reversed(chain)]
+    precision = dtype(result)
+    for d in dtypes[:-1]:  # keep the casts that round; widening ones change no value
+        if not holds(d, precision):
+            result, precision = cast(graph, fake_mode, result, d), d
+    result = cast(graph, fake_mode, result, dtypes[-1])
+    target = chain[0] if chain else matched
+    if not same_shape(shape(result), shape(target)):
+        result = call(graph, fake_mode, aten.view.default, (result, list(shape(target))))
+    return result
+
+def input_problem(fake_mode, check, *args) -> Optional[str]:
+    """The message of the fused op's own input ``check`` (a SPEC constraint it breaks) on the
+    values of ``args`` (nodes, None or plain values), under the graph's fake mode; None if none."""
+    values = [val(a) if isinstance(a, fx.Node) else a for a in args]
+    try:
+        with fake_mode if fake_mode is not None else contextlib.nullcontext():
+            check(*values)
+    except FusedOpInputError as exc:
+        return str(exc)
+    return None
+
+def commit(graph: fx.Graph, op: str, mode: Optional[str], region: List[fx.Node], outputs: Dict[str, fx.Node],
+           replacements: Dict[fx.Node, fx.Node], inputs: Dict[str, fx.Node], added: List[fx.Node],
+           fused: fx.Node) -> Site:
+    """Swap the replaced outputs for their new values, erase the dead region, describe it
+    (``outputs``: the fused op's output names and the nodes they replace)."""
+    counts: Dict[str, int] = {}
+    for n in region:
+        counts[target_name(n.target)] = counts.get(target_name(n.target), 0) + 1
+    site = Site(op, mode, outputs={name: old.name for name, old in outputs.items()},
+                inputs={k: v.name for k, v in inputs.items() if v is not None},
+                replaced_nodes=[n.name for n in region], replaced_targets=counts,
+                bytes_before=sum(node_traffic(n) for n in region),
+                bytes_after=sum(node_traffic(n) for n in added), bytes_minimum=node_traffic(fused))
+    if _OPEN:  # from here on the graph changes: a failure can no longer be undone per site
+        _OPEN[-1].committed = True
+        _OPEN[-1].replacements = replacements
+    for old, new in replacements.items():
+        old.replace_all_uses_with(new)
+    inputs = {a for n in region for a in n.all_input_nodes}
+    erase_dead(graph, region)
+    erase_unused_upstream(graph, inputs)
+    return site
+
+def erase_dead(graph: fx.Graph, nodes: Iterable[fx.Node]) -> List[fx.Node]:
+    """Erase the given nodes that no longer have users, users first."""
+    erased = []
+    for node in sorted({n for n in nodes if not n._erased}, reverse=True):  # users before what they use
+        if not node.users and node.op == "call_function":
+            graph.erase_node(node)
+            erased.append(node)
+    return erased
+
+def erase_unused_upstream(graph: fx.Graph, nodes: Iterable[fx.Node]) -> None:
+    """Erase the pure calls among ``nodes`` left without users, and then theirs: forward
+    values a replaced subgraph alone had recomputed."""
+    stack = list(nodes)
+    while stack:
+        node = stack.pop()
+        if node._erased or node.users or node.op != "call_function" or node.is_impure():
+            continue
+        stack.extend(node.all_input_nodes)
+        graph.erase_node(node)
+
+@dataclasses.dataclass
+class Transaction:
+    """The nodes one candidate's rewrite inserted, and whether it began to rewire the graph."""
+    nodes: List[fx.Node] = dataclasses.field(default_factory=list)
+    committed: bool = False
+    replacements: Dict[fx.Node, fx.Node] = dataclasses.field(default_factory=dict)
+
+_OPEN: List[Transaction] = []  # the transactions in progress, innermost last
+
+def _created(node: fx.Node) -> None:
+    if _OPEN:
+        _OPEN[-1].nodes.append(node)
+
+class Rewrites:
+    """One pattern's sites and misses in one graph; each candidate is its own transaction.
+
+    Examining a candidate (:meth:`examine`, :meth:`evaluated`) or rewriting it
+    (:meth:`rewrite`) may fail with any exception; that costs the candidate only: it
+    becomes a miss whose reason is the error, the nodes its rewrite had inserted are
+    erased, the other sites still fuse, and later rounds leave it alone. With
+    ``strict`` the error is raised instead, and so is one that happens after the graph
+    began to be rewired (the pass manager's whole-graph snapshot then puts it back).
+
+    The pass runs the patterns in rounds until nothing new fuses (a site whose dy is
+    another site's dx fuses once that one is a fused op): sites accumulate over the
+    rounds, misses are the last round's plus every internal error.
+    """
+
+    def __init__(self, graph: fx.Graph, op: str, strict: bool = False):
+        self.graph, self.op, self.strict = graph, op, strict
+        self.fake_mode = fake_mode_of(graph)
+        self.sites: List[Site] = []
+        self.round_misses: List[Miss] = []
+        #: candidates this round left undecided because they build on a site it matched
+        self.pending = 0
+        self.errors: List[Miss] = []
+        self._failed: set = set()  # names of the nodes whose candidates failed
+        self._replaced: Dict[fx.Node, fx.Node] = {}
+
+    @property
+    def misses(self) -> List[Miss]:
+        return self.errors + self.round_misses
+
+    def begin_round(self) -> None:
+        self.round_misses, self.pending = [], 0
+
+    def current(self, node: Optional[fx.Node]) -> Optional[fx.Node]:
+        """The node that now holds ``node``'s value (an earlier rewrite may have replaced it)."""
+        while node in self._replaced:
+            node = self._replaced[node]
+        return node
+
+    def _failed_at(self, node, exc: Exception) -> None:
+        name = getattr(node, "name", str(node))
+        reason = f"internal error, candidate left unfused: {type(exc).__name__}: {exc}"
+        log.warning("npu_fusion: %s at %s: %s", self.op, name, reason, exc_info=exc)
+        self._failed.add(name)
+        self.errors.append(Miss(self.op, name, reason))
+
+    def examine(self, node: fx.Node, fn, *args):
+        """``fn(*args)``, or None (a recorded miss) if it raises."""
+        if getattr(node, "name", None) in self._failed:
+            return None
+        try:
+            return fn(*args)
+        except Exception as exc:
+            if self.strict:
+                raise
+            self._failed_at(node, exc)
+            return None
+
+    def evaluated(self, ev: "MemoEvaluator") -> None:
+        """Report the nodes an evaluator could not evaluate (they stayed opaque leaves)."""
+        errors, ev.errors = ev.errors, []
+        for node, exc in errors:
+            if self.strict:
+                raise exc
+            if node.name not in self._failed:
+                self._failed_at(node, exc)
+
+    def rewrite(self, node: fx.Node, fn, *args) -> None:
+        """Run ``fn(*args)``, which returns a :class:`Site` (committed) or a :class:`Miss`."""
+        if node.name in self._failed:
+            return
+        tx = Transaction()
+        _OPEN.append(tx)
+        try:
+            done = fn(*args)
+        except Exception as exc:
+            if self.strict or tx.committed:
+                raise
+            erase_dead(self.graph, tx.nodes)  # nothing outside them uses them yet
+            self._failed_at(node, exc)
+            return
+        finally:
+            _OPEN.pop()
+        if isinstance(done, Miss):
+            erase_dead(self.graph, tx.nodes)
+            self.round_misses.append(done)
+        else:
+            self.sites.append(done)
+            self._replaced.update(tx.replacements)
+
+
+def emit_fused_op(rewrites: Rewrites, op: FusedOp, at: fx.Node, operands: Sequence,
+                  outputs: Dict[str, fx.Node]) -> Union[Miss, tuple]:
+    """Inside a rule's :class:`Insertion`: ``(fused call, {replaced output: its replacement})``
+    for ``op`` called on ``operands`` (nodes, None or plain values), ``outputs`` named as the
+    op names its outputs; or a :class:`Miss` at ``at`` when the operands break one of the
+    op's own input checks."""
+    graph, fake_mode = rewrites.graph, rewrites.fake_mode
+    problem = input_problem(fake_mode, op.check_inputs, *operands)
+    if problem is not None:
+        return Miss(op.name, at.name, problem)
+    fused = call(graph, fake_mode, op.overload, tuple(operands))
+    replacements = {}
+    for index, name in enumerate(op.outputs):
+        old = outputs.get(name)
+        if old is not None:
+            replacements[old] = replacement_of(graph, fake_mode, getitem(graph, fake_mode, fused, index), old)
+    return fused, replacements
+
+
+@dataclasses.dataclass(frozen=True)
+class Rule:
+    """One fused op's pattern: how the pass finds the op's sites and emits the op.
+
+    ``find(graph, provenance, rewrites)`` gives ``(matches, misses)`` (each match names its
+    ``dx`` node); ``emit(rewrites, match, provenance, target)`` rewrites one match into a
+    :class:`Site`, or leaves it as a :class:`Miss`; ``unexplained(graph, provenance,
+    misses)`` names, after the last round, what looks like the op's forward in the graph
+    but no form matched and no miss accounts for.
+    """
+    op: FusedOp
+    find: Callable
+    emit: Callable
+    unexplained: Callable
+
+    def rewrite(self, graph: fx.Graph, target: str, provenance, rewrites: Rewrites) -> None:
+        """One round: find the sites, then emit each one as its own transaction."""
+        matches, misses = self.find(graph, provenance, rewrites)
+        rewrites.round_misses += misses
+        for match in matches:
+            rewrites.rewrite(match.dx, self.emit, rewrites, match, provenance, target)
