@@ -29,12 +29,14 @@ import logging
 import sys
 import types
 
-from .. import rms_norm, rope  # noqa: F401  (the ops must exist before their converters)
-
 log = logging.getLogger(__name__)
 
-#: the converter module of each fused op, relative to this package.
-CONVERTER_MODULES = (".rotary_position_embedding_grad", ".rms_norm_grad")
+
+def converter_modules():
+    """The converter module of each fused op, relative to this package: named after the op."""
+    from .. import FUSED_OPS  # defined before lowering imports this package
+
+    return tuple(f".{op.name}" for op in FUSED_OPS)
 
 _REGISTERED = False
 
@@ -62,11 +64,11 @@ def register() -> bool:
     if not _torchair_available():
         return False
     try:
-        for name in CONVERTER_MODULES:  # each registers its converter when imported
+        for name in converter_modules():  # each registers its converter when imported
             importlib.import_module(name, __name__)
     except Exception as error:  # torchair present but unusable (CANN missing, API drift)
         log.debug("npu_fusion: torchair GE converters not registered: %s", error)
-        for name in CONVERTER_MODULES:  # a later call imports (and registers) them again
+        for name in converter_modules():  # a later call imports (and registers) them again
             sys.modules.pop(__name__ + name, None)
         return False
     _REGISTERED = True
@@ -77,4 +79,4 @@ def registered() -> bool:
     return _REGISTERED
 
 
-__all__ = ["register", "registered", "CONVERTER_MODULES"]
+__all__ = ["converter_modules", "register", "registered"]
