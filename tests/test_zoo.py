@@ -22,8 +22,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(
 
 pytest.importorskip("transformers")
 import zoo_coverage as zoo  # noqa: E402
-from reference import assert_close_as_unfused  # noqa: E402
-from support import Capture  # noqa: E402
+from npu_fusion.testing.capture import Capture
+from npu_fusion.testing.grads import assert_close_as_unfused
 
 ROPE, NORM = "rotary_position_embedding_grad", "rms_norm_grad"
 F32, BF16 = torch.float32, torch.bfloat16
