@@ -259,32 +259,21 @@ def profile_pass(layers: int, top: int = 25) -> str:
     """cProfile of the pass alone on the backward graph of a ``layers``-layer model."""
     import copy
 
-    from torch._dynamo.backends.common import aot_autograd
-    from torch._functorch.aot_autograd import make_boxed_func
-
     from npu_fusion.plugin.pass_manager import fuse_backward
-
-    captured = {}
-
-    def fw(gm, _):
-        captured["fw"] = gm.graph
-        return make_boxed_func(gm.forward)
-
-    def bw(gm, _):
-        captured["bw"] = copy.deepcopy(gm)
-        return make_boxed_func(gm.forward)
+    from npu_fusion.testing.capture import Capture
 
     model = bundled("llama", num_layers=layers)
     ids = torch.randint(0, model.config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
     torch._dynamo.reset()
-    torch.compile(lambda i: model.loss(i), backend=aot_autograd(fw_compiler=fw, bw_compiler=bw))(ids).backward()
-    gm = captured["bw"]
+    capture = Capture(fuse=False)  # the backward graph as the partitioner made it: profiled below
+    torch.compile(lambda i: model.loss(i), backend=capture)(ids).backward()
+    gm, forward = copy.deepcopy(capture.backwards[0]), capture.partition_forwards[0]
     gc.collect()
     gc.disable()  # collector pauses would land on whichever function allocates: measured above
     try:
         profiler = cProfile.Profile()
         profiler.enable()
-        result = fuse_backward(gm, {"target": "generic"}, forward=captured["fw"])
+        result = fuse_backward(gm, {"target": "generic"}, forward=forward)
         profiler.disable()
     finally:
         gc.enable()
