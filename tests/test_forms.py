@@ -1,4 +1,4 @@
-"""The RoPE and RMSNorm spellings real models use beyond Llama's (issue 3): every mode,
+"""The RoPE and RMSNorm spellings real models use beyond Llama's: every mode,
 partial rotary, every layout and table shape, Gemma/T5/weightless/per-head/multi-axis
 RMSNorm, and per-target gating. Each is compiled through the real pass and checked for
 fusion, leftovers and gradients against eager and float64."""

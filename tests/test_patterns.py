@@ -1,4 +1,4 @@
-"""The pass on the RoPE and RMSNorm forms of issue 2 under every graph variant:
+"""The pass on transformers' rotate_half RoPE and the RMSNorm forms under every graph variant:
 AOTAutograd's default and core-ATen decompositions, default and min-cut
 partitioners, static and dynamic shapes, fp32/fp16/bf16; and near misses."""
 import pytest
