@@ -120,6 +120,26 @@ def shrink(config, layers: int = 2):
             old_head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         except Exception:
             old_head_dim = None
+    _set_sizes(config, sizes)
+    if _has(config, "kv_lora_rank") and _has(config, "num_key_value_heads"):
+        config.num_key_value_heads = config.num_attention_heads  # MLA: every head has its own k and v
+    _fit_mamba_heads(config)
+    if _has(config, "rotary_dim") and isinstance(getattr(config, "rotary_dim", None), int) and old_head_dim:
+        # GPT-J style partial rotary: keep the original fraction of the head
+        frac = config.rotary_dim / old_head_dim
+        config.rotary_dim = max(2, int(round(16 * frac / 2)) * 2)
+    if original_layers and isinstance(original_layers, int):
+        _keep_layers(config, original_layers, n_layers, keep)
+    _tiny_ids_no_cache_no_dropout(config)
+    config._attn_implementation = "eager"
+    # MoE experts as indexed batched matmuls: grouped_mm has no float64 kernel, and the eager
+    # experts loop is data-dependent (graph breaks)
+    config._experts_implementation = "batched_mm"
+    return config
+
+
+def _set_sizes(config, sizes) -> None:
+    """The tiny sizes the config has (None often means "off" and stays, unless SET_WHEN_NONE)."""
     for name, value in sizes.items():
         if not _has(config, name):
             continue
@@ -140,8 +160,10 @@ def shrink(config, layers: int = 2):
             setattr(config, name, value)
         except (AttributeError, NotImplementedError):
             pass  # a derived property (Falcon's head_dim): it follows the sizes it derives from
-    if _has(config, "kv_lora_rank") and _has(config, "num_key_value_heads"):
-        config.num_key_value_heads = config.num_attention_heads  # MLA: every head has its own k and v
+
+
+def _fit_mamba_heads(config) -> None:
+    """Mamba-2 style mixers: heads of size 16 that fill the inner width."""
     hidden = getattr(config, "hidden_size", None) if _has(config, "hidden_size") else None
     expand = getattr(config, "mamba_expand", None) or getattr(config, "expand", None)
     if isinstance(hidden, int) and isinstance(expand, (int, float)):
@@ -151,15 +173,18 @@ def shrink(config, layers: int = 2):
             if hasattr(config, heads) and hasattr(config, size):
                 setattr(config, size, 16)
                 setattr(config, heads, inner // 16)
-    if _has(config, "rotary_dim") and isinstance(getattr(config, "rotary_dim", None), int) and old_head_dim:
-        # GPT-J style partial rotary: keep the original fraction of the head
-        frac = config.rotary_dim / old_head_dim
-        config.rotary_dim = max(2, int(round(16 * frac / 2)) * 2)
-    if original_layers and isinstance(original_layers, int):
-        for name, value in list(vars(config).items()):
-            if isinstance(value, (list, tuple)) and len(value) == original_layers and original_layers > n_layers:
-                chosen = keep if keep is not None else list(range(n_layers))
-                setattr(config, name, type(value)(value[i] for i in chosen))
+
+
+def _keep_layers(config, original_layers: int, n_layers: int, keep) -> None:
+    """Per-layer lists of the config keep the chosen layers (or the first ``n_layers``)."""
+    for name, value in list(vars(config).items()):
+        if isinstance(value, (list, tuple)) and len(value) == original_layers and original_layers > n_layers:
+            chosen = keep if keep is not None else list(range(n_layers))
+            setattr(config, name, type(value)(value[i] for i in chosen))
+
+
+def _tiny_ids_no_cache_no_dropout(config) -> None:
+    """Token ids inside the tiny vocabulary, no cache, no dropout (compiled and eager runs must agree)."""
     vocab = getattr(config, "vocab_size", 128) or 128
     for name in TOKEN_IDS:
         value = getattr(config, name, None)
@@ -173,11 +198,6 @@ def shrink(config, layers: int = 2):
     for name, value in list(vars(config).items()):  # no dropout: compiled and eager runs must agree
         if ("dropout" in name or name.endswith("_pdrop")) and isinstance(value, float):
             setattr(config, name, 0.0)
-    config._attn_implementation = "eager"
-    # MoE experts as indexed batched matmuls: grouped_mm has no float64 kernel, and the eager
-    # experts loop is data-dependent (graph breaks)
-    config._experts_implementation = "batched_mm"
-    return config
 
 
 def rope_function_names(module) -> List[str]:
@@ -213,7 +233,6 @@ def norm_class_names(module) -> List[str]:
 def discover(model_types: Optional[List[str]] = None, layers: int = 2) -> List[Entry]:
     """The causal-LM entries, tiny-configured; those that cannot be built carry a skip reason."""
     import transformers
-    from transformers import AutoConfig
 
     mapping = causal_lm_types()
     wanted = model_types or list(mapping)
@@ -233,38 +252,8 @@ def discover(model_types: Optional[List[str]] = None, layers: int = 2) -> List[E
         except Exception as exc:
             entry.skip = f"model class unavailable: {type(exc).__name__}: {str(exc)[:120]}"
             continue
-        try:
-            config = AutoConfig.for_model(mt)
-            expected = getattr(cls, "config_class", None)
-            if expected is not None and not isinstance(config, expected):
-                text = config.get_text_config() if hasattr(config, "get_text_config") else None
-                if text is not None and isinstance(text, expected):
-                    config = text
-            if getattr(config, "sub_configs", None) and any(
-                    getattr(config, k, None) is not None for k in config.sub_configs if k != "text_config"):
-                entry.skip = "composite (multimodal) config; its text model is swept under its own type"
-                continue
-            entry.config = shrink(config, layers)
-        except Exception as exc:
-            entry.skip = f"config: {type(exc).__name__}: {str(exc)[:160]}"
-            continue
-        entry.rope_functions = rope_function_names(entry.module)
-        own_norms = norm_class_names(entry.module)
-        # torch.nn.RMSNorm too, wherever a model uses it (DiffLlama's per-head groupnorm)
-        entry.norm_classes = own_norms + ([] if "RMSNorm" in own_norms else ["RMSNorm"])
-        entry.uses_rope = bool(entry.rope_functions) or any(
-            inspect.isclass(c) and ROPE_CLASS.search(n) for n, c in vars(entry.module).items())
-        if not entry.uses_rope and not own_norms:
-            entry.skip = "uses neither RoPE nor RMSNorm"
-            continue
-        try:
-            with torch.device("meta"):
-                params = sum(p.numel() for p in cls(copy.deepcopy(entry.config)).parameters())
-        except Exception as exc:
-            entry.skip = f"build: {type(exc).__name__}: {str(exc).splitlines()[0][:160] if str(exc) else ''}"
-            continue
-        if params > MAX_PARAMS:
-            entry.skip = f"still {params / 1e6:.0f}M parameters after shrinking (sizes not found by name)"
+        _configure(entry, cls, layers)
+        if entry.skip:
             continue
         key = (entry.class_name, type(entry.config).__name__)
         if key in seen:
@@ -276,6 +265,52 @@ def discover(model_types: Optional[List[str]] = None, layers: int = 2) -> List[E
             continue
         seen[key] = entry
     return entries
+
+
+def _configure(entry: Entry, cls, layers: int) -> None:
+    """The entry's tiny config, its RoPE functions and RMSNorm classes, or its skip reason."""
+    entry.config = _tiny_config(entry, cls, layers)
+    if entry.skip:
+        return
+    entry.rope_functions = rope_function_names(entry.module)
+    own_norms = norm_class_names(entry.module)
+    # torch.nn.RMSNorm too, wherever a model uses it (DiffLlama's per-head groupnorm)
+    entry.norm_classes = own_norms + ([] if "RMSNorm" in own_norms else ["RMSNorm"])
+    entry.uses_rope = bool(entry.rope_functions) or any(
+        inspect.isclass(c) and ROPE_CLASS.search(n) for n, c in vars(entry.module).items())
+    if not entry.uses_rope and not own_norms:
+        entry.skip = "uses neither RoPE nor RMSNorm"
+        return
+    try:
+        with torch.device("meta"):
+            params = sum(p.numel() for p in cls(copy.deepcopy(entry.config)).parameters())
+    except Exception as exc:
+        entry.skip = f"build: {type(exc).__name__}: {str(exc).splitlines()[0][:160] if str(exc) else ''}"
+        return
+    if params > MAX_PARAMS:
+        entry.skip = f"still {params / 1e6:.0f}M parameters after shrinking (sizes not found by name)"
+
+
+def _tiny_config(entry: Entry, cls, layers: int):
+    """The model type's default config (its text config where the class wants that), shrunk;
+    None with ``entry.skip`` set when it is composite or cannot be made."""
+    from transformers import AutoConfig
+
+    try:
+        config = AutoConfig.for_model(entry.model_type)
+        expected = getattr(cls, "config_class", None)
+        if expected is not None and not isinstance(config, expected):
+            text = config.get_text_config() if hasattr(config, "get_text_config") else None
+            if text is not None and isinstance(text, expected):
+                config = text
+        if getattr(config, "sub_configs", None) and any(
+                getattr(config, k, None) is not None for k in config.sub_configs if k != "text_config"):
+            entry.skip = "composite (multimodal) config; its text model is swept under its own type"
+            return None
+        return shrink(config, layers)
+    except Exception as exc:
+        entry.skip = f"config: {type(exc).__name__}: {str(exc)[:160]}"
+        return None
 
 
 def build(entry: Entry, dtype=torch.float32, seed: int = 0):
@@ -315,20 +350,42 @@ def count_sites(model, entry: Entry):
     """
     counts = {"rms_norm": 0, "rope": 0, "where": collections.Counter(),
               "forward": {"rms_norm": 0, "rope": 0}}
-    depth, stack = [0], []
+    stack = []  # module paths of the forwards running now
     names = {m: n for n, m in model.named_modules()}
+    watch = functools.partial(_watch_output, counts)
+    hooks = _norm_hooks(model, entry, counts, watch, names)
+    hooks += [m.register_forward_pre_hook(functools.partial(_push, stack, names)) for m in model.modules()]
+    hooks += [m.register_forward_hook(functools.partial(_pop, stack), always_call=True) for m in model.modules()]
+    originals = {}
+    depth = [0]
+    for name in entry.rope_functions:
+        originals[name] = getattr(entry.module, name)
+        setattr(entry.module, name, _counting_rope(originals[name], watch, depth, stack))
+    try:
+        yield counts
+    finally:
+        for name, fn in originals.items():
+            setattr(entry.module, name, fn)
+        for h in hooks:
+            h.remove()
 
-    def watch(kind, where, out):
-        tensors = grad_tensors(out)
-        counts["forward"][kind] += len(tensors)
 
-        def reached(_grad):
-            counts[kind] += 1
-            counts["where"][(kind, where)] += 1
+def _watch_output(counts, kind, where, out) -> None:
+    """Count the output's tensors that require grad, and each site when a gradient reaches it."""
+    tensors = grad_tensors(out)
+    counts["forward"][kind] += len(tensors)
 
-        for t in tensors:
-            t.register_hook(reached)
+    def reached(_grad):
+        counts[kind] += 1
+        counts["where"][(kind, where)] += 1
 
+    for t in tensors:
+        t.register_hook(reached)
+
+
+def _norm_hooks(model, entry: Entry, counts, watch, names) -> list:
+    """Forward hooks on the innermost norm modules: a norm module that wraps another
+    (AXK2GatedRMSNorm: norm, then a sigmoid gate) is not a site of its own."""
     def on_norm(module, inputs, output):
         x = inputs[0] if inputs and isinstance(inputs[0], torch.Tensor) else None
         if (isinstance(output, torch.Tensor) and x is not None and output.dim() and x.dim()
@@ -339,46 +396,35 @@ def count_sites(model, entry: Entry):
             return
         watch("rms_norm", names.get(module, "?"), output)
 
-    def push(module, *_):
-        stack.append(names.get(module, "?"))
-
-    def pop(*_):
-        stack.pop()
-
     def is_norm(m):
         return type(m).__name__ in entry.norm_classes
 
-    # a norm module that wraps another (AXK2GatedRMSNorm: norm, then a sigmoid gate) is not a
-    # site of its own: only the innermost norm modules count
-    hooks = [m.register_forward_hook(on_norm) for m in model.modules()
-             if is_norm(m) and not any(is_norm(c) for c in m.modules() if c is not m)]
-    hooks += [m.register_forward_pre_hook(push) for m in model.modules()]
-    hooks += [m.register_forward_hook(pop, always_call=True) for m in model.modules()]
-    originals = {}
+    return [m.register_forward_hook(on_norm) for m in model.modules()
+            if is_norm(m) and not any(is_norm(c) for c in m.modules() if c is not m)]
 
-    def wrap(fn):
-        @functools.wraps(fn)
-        def counting(*args, **kwargs):
-            depth[0] += 1
-            try:
-                out = fn(*args, **kwargs)
-            finally:
-                depth[0] -= 1
-            if depth[0] == 0:  # an apply function calling another is one application
-                watch("rope", stack[-1] if stack else "?", out)
-            return out
-        return counting
 
-    for name in entry.rope_functions:
-        originals[name] = getattr(entry.module, name)
-        setattr(entry.module, name, wrap(originals[name]))
-    try:
-        yield counts
-    finally:
-        for name, fn in originals.items():
-            setattr(entry.module, name, fn)
-        for h in hooks:
-            h.remove()
+def _push(stack, names, module, *_):
+    stack.append(names.get(module, "?"))
+
+
+def _pop(stack, *_):
+    stack.pop()
+
+
+def _counting_rope(fn, watch, depth, stack):
+    """``fn`` (an apply-rotary function) watching its output, attributed to the module whose
+    forward called it; an apply function calling another is one application."""
+    @functools.wraps(fn)
+    def counting(*args, **kwargs):
+        depth[0] += 1
+        try:
+            out = fn(*args, **kwargs)
+        finally:
+            depth[0] -= 1
+        if depth[0] == 0:
+            watch("rope", stack[-1] if stack else "?", out)
+        return out
+    return counting
 
 
 def _module_path(dynamo_path: str) -> str:
