@@ -17,11 +17,11 @@ small and the percentage an upper bound of what it is under torchair.
 ``--torchair`` measures the same ratio compiling the way Ascend users do, through
 torchair's real Python backend: ``torchair.get_npu_backend(compiler_config=config)``
 with ``npu_fusion.install(config, target=...)`` (target ``a2`` unless ``--target``).
-There is no CANN here, so this mode depends on the test harness in
-``tests/torchair`` (put on ``sys.path``): ``torchair_harness.load_torchair()``
+There is no CANN here, so this mode depends on the test harness
+``npu_fusion.testing.torchair``: ``harness.load_torchair()``
 unpacks torchair from the torch_npu wheel (downloaded once into a cache; needs the
 package index the first time) and stubs its four compiled CANN modules
-(``tests/torchair/cann_stub.py``). The config sets ``debug.run_eagerly``, as the
+(``npu_fusion.testing.torchair.cann_stub``). The config sets ``debug.run_eagerly``, as the
 torchair tests do: torchair converts every FX graph to a GE graph and runs its GE
 graph passes, then runs the FX graph eagerly on CPU, so forward and backward run
 for real. The "compile time" is then the first forward + backward call of the
@@ -135,17 +135,11 @@ def measure(layers: int, dtype=torch.float32, seq: int = 16, batch: int = 2, tar
             "nodes_after": r.nodes_after, "sites": len(r.sites)}
 
 
-TORCHAIR_HARNESS = os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, "tests", "torchair")
-
-
 def load_torchair():
     """torchair from the torch_npu wheel with CANN stubbed, through the test harness."""
-    path = os.path.normpath(TORCHAIR_HARNESS)
-    if path not in sys.path:
-        sys.path.insert(0, path)
-    import torchair_harness
+    from npu_fusion.testing.torchair import harness
 
-    torchair = torchair_harness.load_torchair()
+    torchair = harness.load_torchair()
     from npu_fusion.lowering import ge_converters
 
     if not ge_converters.register():
@@ -265,32 +259,21 @@ def profile_pass(layers: int, top: int = 25) -> str:
     """cProfile of the pass alone on the backward graph of a ``layers``-layer model."""
     import copy
 
-    from torch._dynamo.backends.common import aot_autograd
-    from torch._functorch.aot_autograd import make_boxed_func
-
     from npu_fusion.plugin.pass_manager import fuse_backward
-
-    captured = {}
-
-    def fw(gm, _):
-        captured["fw"] = gm.graph
-        return make_boxed_func(gm.forward)
-
-    def bw(gm, _):
-        captured["bw"] = copy.deepcopy(gm)
-        return make_boxed_func(gm.forward)
+    from npu_fusion.testing.capture import Capture
 
     model = bundled("llama", num_layers=layers)
     ids = torch.randint(0, model.config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
     torch._dynamo.reset()
-    torch.compile(lambda i: model.loss(i), backend=aot_autograd(fw_compiler=fw, bw_compiler=bw))(ids).backward()
-    gm = captured["bw"]
+    capture = Capture(fuse=False)  # the backward graph as the partitioner made it: profiled below
+    torch.compile(lambda i: model.loss(i), backend=capture)(ids).backward()
+    gm, forward = copy.deepcopy(capture.backwards[0]), capture.partition_forwards[0]
     gc.collect()
     gc.disable()  # collector pauses would land on whichever function allocates: measured above
     try:
         profiler = cProfile.Profile()
         profiler.enable()
-        result = fuse_backward(gm, {"target": "generic"}, forward=captured["fw"])
+        result = fuse_backward(gm, {"target": "generic"}, forward=forward)
         profiler.disable()
     finally:
         gc.enable()

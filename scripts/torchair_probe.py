@@ -2,39 +2,34 @@
 
 Loads the torchair of the newest torch_npu release of the installed torch's line (the
 test harness: downloaded wheel, CANN stubbed), installs the pass, trains the Llama-style
-block of ``tests/torchair/test_llama_backward.py`` one step through torchair and counts
+block of :mod:`npu_fusion.testing.torchair.llama_block` one step through torchair and counts
 the fused GE nodes in the backward graph torchair built (1 RmsNormGrad and 2
 RotaryPositionEmbeddingGrad expected). Prints one JSON object.
 """
 from __future__ import annotations
 
 import json
-import sys
 import tempfile
 import traceback
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path[:0] = [str(ROOT / "tests" / "torchair"), str(ROOT / "tests")]
+import torch
 
-import torch  # noqa: E402
-
-import torchair_harness  # noqa: E402
+from npu_fusion.testing.torchair import harness
 
 
 def probe() -> dict:
     found = {"torch": torch.__version__, "torch_npu": None, "install": None, "ge_nodes": None}
     try:
-        torchair = torchair_harness.load_torchair()
-    except torchair_harness.TorchairUnavailable as error:
+        torchair = harness.load_torchair()
+    except harness.TorchairUnavailable as error:
         found["torch_npu"] = "none published" if error.unpublished else f"unavailable: {error}"[:200]
         return found
     marker = Path(torchair.__file__).parent.parent / ".complete"
     found["torch_npu"] = marker.read_text().split("\n")[0] if marker.exists() else "?"
     import npu_fusion
-    from ge_graph_view import GeCapture
-
-    import test_llama_backward as llama
+    from npu_fusion.testing.torchair import llama_block as llama
+    from npu_fusion.testing.torchair.ge_graph_view import GeCapture
 
     with tempfile.TemporaryDirectory() as tmp:
         ge = GeCapture(torchair, Path(tmp))

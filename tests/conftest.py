@@ -1,9 +1,7 @@
 import os
 import sys
 
-sys.path.insert(0, os.path.dirname(__file__))
-
-from hypothesis import HealthCheck, settings  # noqa: E402
+from hypothesis import HealthCheck, settings
 
 # Profiles of the property tests (tests/test_properties.py): "ci" is deterministic and
 # sized for about 4 minutes on 2 cores; NPU_FUSION_PROPERTY_PROFILE=long runs thousands

@@ -5,7 +5,6 @@ fused counts and compares every parameter gradient with ``backend="aot_eager"``.
 import json
 import os
 import socket
-import sys
 
 import pytest
 import torch
@@ -95,8 +94,7 @@ def _calls(prof, name: str) -> int:
 
 
 def _worker(rank, port, scenario, out_path):
-    sys.path.insert(0, os.path.dirname(__file__))
-    from support import Capture
+    from npu_fusion.testing.capture import Capture
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=2)

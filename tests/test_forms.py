@@ -1,4 +1,4 @@
-"""The RoPE and RMSNorm spellings real models use beyond Llama's (issue 3): every mode,
+"""The RoPE and RMSNorm spellings real models use beyond Llama's: every mode,
 partial rotary, every layout and table shape, Gemma/T5/weightless/per-head/multi-axis
 RMSNorm, and per-target gating. Each is compiled through the real pass and checked for
 fusion, leftovers and gradients against eager and float64."""
@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from npu_fusion.models import rotate_every_two, rotate_half
-from support import compile_and_compare, decomposed_leftovers
+from npu_fusion.testing.capture import compile_and_compare, decomposed_leftovers
 
 pytestmark = pytest.mark.smoke  # in the version matrix's smoke set: a sample of forms
 

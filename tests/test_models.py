@@ -9,8 +9,8 @@ import transformers.models.llama.modeling_llama as modeling_llama
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from npu_fusion.plugin.pass_manager import COUNTER, HISTORY
-from reference import assert_close_as_unfused
-from support import Capture, decomposed_leftovers
+from npu_fusion.testing.capture import Capture, decomposed_leftovers
+from npu_fusion.testing.grads import assert_close_as_unfused
 
 def tiny_llama(dtype, layers=2, seed=0):
     config = LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=layers,

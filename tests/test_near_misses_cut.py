@@ -19,8 +19,8 @@ import torch
 from torch.utils.checkpoint import checkpoint
 from transformers.models.llama.modeling_llama import rotate_half
 
-from reference import assert_close_as_unfused
-from support import Capture, _float64_grads, compile_and_compare, run_grads
+from npu_fusion.testing.capture import Capture, compile_and_compare
+from npu_fusion.testing.grads import assert_close_as_unfused, float64_grads, run_grads
 
 ROPE, RMS = "rotary_position_embedding_grad", "rms_norm_grad"
 BF16 = torch.bfloat16
@@ -271,7 +271,7 @@ def compare_dynamic(fn, inputs, partitioner):
     torch._dynamo.reset()
     got, grad_outputs = run_grads(torch.compile(fn, backend=capture, dynamic=True), inputs)
     eager, _ = run_grads(fn, inputs, grad_outputs=grad_outputs)
-    exact = _float64_grads(fn, inputs, (), grad_outputs)
+    exact = float64_grads(fn, inputs, (), grad_outputs)
     for g, e, x in zip(got, eager, exact):
         assert g.dtype == e.dtype and g.shape == e.shape
         assert_close_as_unfused(g, e, x, factor=4.0)

@@ -1,4 +1,4 @@
-"""The pass on the RoPE and RMSNorm forms of issue 2 under every graph variant:
+"""The pass on transformers' rotate_half RoPE and the RMSNorm forms under every graph variant:
 AOTAutograd's default and core-ATen decompositions, default and min-cut
 partitioners, static and dynamic shapes, fp32/fp16/bf16; and near misses."""
 import pytest
@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from transformers.models.llama.modeling_llama import LlamaRMSNorm, apply_rotary_pos_emb
 
 from npu_fusion.plugin.pass_manager import COUNTER
-from support import VARIANTS, compile_and_compare
+from npu_fusion.testing.capture import VARIANTS, Capture, compile_and_compare
 
 ROPE = "rotary_position_embedding_grad"
 RMS = "rms_norm_grad"
@@ -192,28 +192,16 @@ def test_rms_norm_near_misses_stay_unfused(cls, variant):
 def test_inductor_decompositions_and_no_false_diagnostics():
     """Inductor's decomposition table (prims.convert_element_type, full + slice_scatter, decomposed
     softmax backward): every site fuses and softmax's backward is not reported as a near miss."""
-    from torch._dynamo.backends.common import aot_autograd
-    from torch._functorch.aot_autograd import make_boxed_func
     from torch._inductor.decomposition import select_decomp_table
 
     from npu_fusion.models import bundled
-    from npu_fusion.plugin.pass_manager import fuse_backward
-
-    forwards, results, seen = [], [], set()
-
-    def fw(gm, _):
-        forwards.append(gm.graph)
-        return make_boxed_func(gm.forward)
-
-    def bw(gm, _):
-        seen.update(getattr(n.target, "__name__", "") for n in gm.graph.nodes)
-        results.append(fuse_backward(gm, {"strict": True}, forward=forwards[-1]))
-        return make_boxed_func(gm.forward)
 
     model = bundled("llama", dtype=torch.bfloat16)
     torch._dynamo.reset()
-    backend = aot_autograd(fw_compiler=fw, bw_compiler=bw, decompositions=select_decomp_table())
-    torch.compile(model.loss, backend=backend)(torch.randint(0, 128, (2, 16))).backward()
+    capture = Capture(decompositions=select_decomp_table())
+    torch.compile(model.loss, backend=capture)(torch.randint(0, 128, (2, 16))).backward()
+    results = capture.results
+    seen = {getattr(n.target, "__name__", "") for n in capture.before[0].nodes}
     assert {"convert_element_type.default", "slice_scatter.default"} <= seen
     assert results[0].fused(RMS) == 5 and results[0].fused(ROPE) == 4
     assert results[0].misses == []

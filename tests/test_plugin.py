@@ -117,25 +117,15 @@ def _graph_record(gm):
 def test_failure_after_rewrites_rebuilds_the_graph_as_it_was(monkeypatch):
     """A failure after some sites were already rewritten in place (RMSNorm's, then
     RoPE's, then an error) still leaves the graph, its code and its results as they were."""
-    from torch._dynamo.backends.common import aot_autograd
-    from torch._functorch.aot_autograd import make_boxed_func
-
     from npu_fusion.models import bundled
-
-    graphs = {}
-
-    def keep(kind):
-        def compiler(gm, _):
-            graphs[kind] = gm
-            return make_boxed_func(gm.forward)
-        return compiler
+    from npu_fusion.testing.capture import Capture
 
     model = bundled("llama", num_layers=1)
     ids = torch.randint(0, model.config.vocab_size, (2, 8), generator=torch.Generator().manual_seed(0))
     torch._dynamo.reset()
-    backend = aot_autograd(fw_compiler=keep("forward"), bw_compiler=keep("backward"))
-    torch.compile(lambda i: model.loss(i), backend=backend)(ids).backward()
-    gm, forward = graphs["backward"], graphs["forward"].graph
+    capture = Capture(fuse=False)  # the backward graph as the partitioner made it: the test runs the pass
+    torch.compile(lambda i: model.loss(i), backend=capture)(ids).backward()
+    gm, forward = capture.backwards[0], capture.partition_forwards[0]
     before_code, before_nodes = gm.code, _graph_record(gm)
     values = {n.name: n.meta.get("val") for n in gm.graph.nodes}
     real_rewrite = Rule.rewrite

@@ -33,10 +33,9 @@ import torch
 from hypothesis import currently_in_test_context, event, given, note, strategies as st
 
 from npu_fusion.models import rotate_half
-from npu_fusion.plugin.backend import aot_backend
-from programs import F16, BF16, F32, Program, rms_norm_programs, rope_programs
-from reference import assert_close_as_unfused
-from support import Capture, run_grads
+from npu_fusion.testing.capture import Capture
+from npu_fusion.testing.grads import assert_close_as_unfused, run_grads
+from npu_fusion.testing.programs import F16, BF16, F32, Program, rms_norm_programs, rope_programs
 
 ROPE = "rotary_position_embedding_grad"
 RMS = "rms_norm_grad"
@@ -218,9 +217,7 @@ class Compiled:
         torch._dynamo.reset()
         torch._dynamo.utils.counters.clear()
         if config.route == "aot":
-            from torch._functorch.aot_autograd import aot_function
-
-            self.fn = aot_function(fn, **aot_backend(self.capture.options, self.capture._around_pass).kwargs)
+            self.fn = self.capture.aot_function(fn)
         elif config.route == "capture":
             self.fn = torch.compile(fn, backend=self.capture, dynamic=True if config.dynamic == "all" else None)
         else:

@@ -68,7 +68,7 @@ def test_llama_every_site_fused_and_gradients_close(llama_one_layer):
     assert g["passed"] and not g["failures"]
     row = g["per_dtype"]["float32"]
     assert row["params"] == len(list(bundled("llama", 1).parameters()))
-    assert row["within_tolerance"] and row["as_close_to_fp64_as_eager"]
+    assert row["as_close_to_fp64_as_eager"]
     assert row["max_abs_diff_vs_eager"] <= 1e-4
     assert abs(g["loss"]["compiled"] - g["loss"]["eager"]) < 1e-5
 
@@ -110,7 +110,7 @@ def test_bfloat16_dynamic_min_cut(capsys):
     for op, count in bundled("llama", 1).expected_sites.items():
         assert r["ops"][op]["fused"] == count
     row = r["gradients"]["per_dtype"]["bfloat16"]
-    assert row["within_tolerance"] and row["as_close_to_fp64_as_eager"]
+    assert row["as_close_to_fp64_as_eager"]
 
 
 def test_transformers_model_counted_independently(capsys):
@@ -154,7 +154,7 @@ def test_gradient_check_detects_a_wrong_gradient():
     wrong[3, 4] += 0.01
     bad = report.compare_gradients({"w": wrong}, eager, exact)
     assert not bad["passed"] and bad["failures"][0]["param"] == "w"
-    assert not bad["per_dtype"]["float32"]["within_tolerance"]
+    assert not bad["per_dtype"]["float32"]["as_close_to_fp64_as_eager"]
     assert not report.compare_gradients({}, eager, exact)["passed"]  # a missing gradient fails too
 
 

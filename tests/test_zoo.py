@@ -3,27 +3,23 @@ full forward and backward of the causal-LM loss, compiled with the real pass.
 
 For each model, in float32 and bfloat16 (and with dynamic batch and sequence for some):
 every RoPE application and RMSNorm call, counted independently in an eager run, is one fused
-op; nothing of the decomposed RoPE/RMSNorm backward is left (tests/support.py's
+op; nothing of the decomposed RoPE/RMSNorm backward is left (npu_fusion.testing.capture's
 ``decomposed_leftovers``, attributed to the forward code each node came from: GELU-tanh's pow or
 partial rotary's ``x[..., :w]``/``x[..., w:]`` split around a fused op of width w are not RoPE's or
 RMSNorm's); every parameter gradient is as close to float64 as eager's.
 
 Model building, the independent counts and the attribution live in
-``benchmarks/zoo_coverage.py`` (the sweep over the whole zoo).
+``npu_fusion.testing.zoo`` (``benchmarks/zoo_coverage.py`` sweeps the whole zoo with it).
 """
 import copy
-import os
-import sys
 
 import pytest
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
-
 pytest.importorskip("transformers")
-import zoo_coverage as zoo  # noqa: E402
-from reference import assert_close_as_unfused  # noqa: E402
-from support import Capture  # noqa: E402
+from npu_fusion.testing import zoo  # noqa: E402
+from npu_fusion.testing.capture import Capture  # noqa: E402
+from npu_fusion.testing.grads import assert_close_as_unfused  # noqa: E402
 
 ROPE, NORM = "rotary_position_embedding_grad", "rms_norm_grad"
 F32, BF16 = torch.float32, torch.bfloat16
@@ -51,7 +47,7 @@ ZOO = {
 }
 
 #: models whose forms the matchers do not cover yet: strict, so a fix shows up as XPASS.
-#: Diagnoses and minimal repros: benchmarks/zoo_coverage.py's report and the issue.
+#: Diagnoses: benchmarks/zoo_coverage.py's report.
 XFAIL = {}
 
 

@@ -58,7 +58,8 @@ def aot_backend(options: FusionOptions, around_pass: Optional[Callable] = None):
 
     ``around_pass(bw_gm, run)``, if given, wraps the pass call (the report, the tests and
     the benchmarks record graphs or time it); ``run()`` runs the pass and returns its
-    :class:`~npu_fusion.plugin.pass_manager.FusionResult`.
+    :class:`~npu_fusion.plugin.pass_manager.FusionResult`, and ``run.forward`` is the forward
+    graph it gives the pass.
     """
     partition = _partition_fn(options.partitioner)
 
@@ -68,6 +69,7 @@ def aot_backend(options: FusionOptions, around_pass: Optional[Callable] = None):
         def run():
             result.append(fuse_backward(bw_gm, options, forward=forward))
             return result[-1]
+        run.forward = forward  # for an ``around_pass`` that keeps the graphs
 
         if around_pass is None:
             run()

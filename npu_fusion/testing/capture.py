@@ -1,13 +1,21 @@
 """A torch.compile backend for tests and benchmarks: AOTAutograd with the real pass on each
-backward graph, keeping every backward graph before and after the pass and the pass's results."""
+backward graph, keeping every backward graph before and after the pass and the pass's results;
+and what the pass tests check with it (:func:`compile_and_compare`, :func:`decomposed_leftovers`)."""
 from __future__ import annotations
 
 import collections
 import copy
 import functools
 
+import torch
+
 from ..plugin.backend import aot_backend
 from ..plugin.options import FusionOptions
+from .grads import MODEL_FACTOR, assert_close_as_unfused, float64_grads, run_grads
+
+VARIANTS = [  # (partitioner, decompositions)
+    ("default", "none"), ("min_cut", "none"), ("default", "core"), ("min_cut", "core"),
+]
 
 
 def op_counts(graph):
@@ -33,24 +41,50 @@ class Capture:
     """A torch.compile backend running ``fuse_backward`` on each backward graph.
 
     ``strict`` defaults to True (an internal error of the pass raises) so that tests see it;
-    benchmarks that must go on pass ``strict=False`` and read ``results[i].error``."""
+    benchmarks that must go on pass ``strict=False`` and read ``results[i].error``.
 
-    def __init__(self, partitioner="default", decompositions="none", **options):
+    ``decompositions`` is the backend option (``"none"``, ``"core"``) or a decomposition table
+    of its own for AOTAutograd (Inductor's ``select_decomp_table()``). ``fuse=False`` keeps the
+    backward graph modules (``backwards``) and their forward graphs (``partition_forwards``)
+    without running the pass: for tests and profiles that run ``fuse_backward`` themselves."""
+
+    def __init__(self, partitioner="default", decompositions="none", fuse=True, **options):
+        table = None if isinstance(decompositions, str) else decompositions
         self.options = FusionOptions.from_mapping(dict({"strict": True}, **options, partitioner=partitioner,
-                                                       decompositions=decompositions))
+                                                       decompositions="none" if table is not None else decompositions))
+        self.table, self.fuse = table, fuse
         self.before, self.after, self.results = [], [], []
         self.forwards = []  # the forward graphs dynamo handed over, one per compiled graph
+        #: the backward graph modules and the forward graph of each one's partition
+        self.backwards, self.partition_forwards = [], []
         #: how many times each backward graph's forward ran (parallel to ``results``): a graph
         #: dynamo reuses for several layers holds each of its sites once but runs them once per layer
         self.runs = []
 
+    def backend(self):
+        """The AOTAutograd backend (``.kwargs`` are its compilers, partitioner and decompositions)."""
+        backend = aot_backend(self.options, self._around_pass)
+        if self.table is not None:
+            backend.kwargs["decompositions"] = self.table
+        return backend
+
     def __call__(self, gm, example_inputs):
         self.forwards.append(gm.graph)
         first = len(self.results)
-        compiled = aot_backend(self.options, self._around_pass)(gm, example_inputs)
+        compiled = self.backend()(gm, example_inputs)
         return counting_runs(compiled, self.runs, range(first, len(self.results)))
 
+    def aot_function(self, fn):
+        """``fn`` through AOTAutograd alone (no dynamo), with the pass as in :meth:`__call__`."""
+        from torch._functorch.aot_autograd import aot_function
+
+        return aot_function(fn, **self.backend().kwargs)
+
     def _around_pass(self, bw_gm, run):
+        self.backwards.append(bw_gm)
+        self.partition_forwards.append(run.forward)
+        if not self.fuse:
+            return
         self.before.append(copy.deepcopy(bw_gm.graph))
         self.results.append(run())
         self.after.append(bw_gm.graph)
@@ -72,3 +106,42 @@ class Capture:
 
     def misses(self):
         return [m for r in self.results for m in r.misses]
+
+
+def compile_and_compare(fn, inputs, params=(), dynamic_dims=None, **capture_options):
+    """Compile ``fn`` with the pass, and check every gradient against eager in the same
+    dtype and against float64: the fused result must be as close as the unfused one."""
+    capture = Capture(**capture_options)
+    torch._dynamo.reset()
+    compiled = torch.compile(fn, backend=capture)
+    for index, dims in (dynamic_dims or {}).items():
+        for d in dims:
+            torch._dynamo.mark_dynamic(inputs[index], d)
+    got, grad_outputs = run_grads(compiled, inputs, params)
+    eager, _ = run_grads(fn, inputs, params, grad_outputs)
+    exact = float64_grads(fn, inputs, params, grad_outputs)
+    for g, e, x in zip(got, eager, exact):
+        assert g.dtype == e.dtype and g.shape == e.shape
+        assert_close_as_unfused(g, e, x, factor=MODEL_FACTOR)
+    return capture
+
+
+def decomposed_leftovers(graph):
+    """Nodes of the kinds the RoPE and RMSNorm backwards decompose into: negations, powers,
+    rsqrt/mean, and slice_backward/slice_scatter along the last axis (rotate_half's transpose).
+    Slices of other axes (GQA's repeat_kv with dynamic shapes) are not RoPE's."""
+    fused_ops = {torch.ops.npu_fusion.rotary_position_embedding_grad.default,
+                 torch.ops.npu_fusion.rms_norm_grad.default}
+    left = []
+    for n in graph.nodes:
+        if n.op != "call_function" or (n.users and all(u.target in fused_ops for u in n.users)):
+            continue  # an input the pass prepared for a fused op (a negated table) is none of them
+        name = getattr(n.target, "__name__", str(n.target)).split(".")[0]
+        if name in ("neg", "pow", "rsqrt", "mean"):
+            left.append(n.name)
+        elif name in ("slice_backward", "slice_scatter"):
+            rank = len(n.meta["val"].shape)
+            dim = n.args[2] if len(n.args) > 2 else n.kwargs.get("dim", 0)
+            if dim % rank == rank - 1:
+                left.append(n.name)
+    return left

@@ -1,27 +1,56 @@
-"""The gradient criterion of the tests and benchmarks: a compiled (fused) gradient is at least as
-close to the float64 gradient as the eager (unfused) one, up to a factor, with a per-dtype floor."""
+"""The gradient criterion of the tests, the benchmarks and ``npu-fusion report``: a compiled (fused)
+gradient is at least as close to the float64 gradient as the eager (unfused) one, up to a factor,
+with a per-dtype floor; and the helpers that compute the three gradients it compares."""
 from __future__ import annotations
 
+import dataclasses
 from typing import Dict, List
 
 import torch
 
 #: absolute floor per dtype, scaled by ``max(1, max |float64 result|) / 2``
 TOLERANCE = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2, torch.float64: 1e-12}
+#: the factor for whole models and compiled functions: a compiled gradient may be this many times
+#: further from float64 than eager's (single fused ops are held to the default 2)
+MODEL_FACTOR = 4.0
+
+
+@dataclasses.dataclass(frozen=True)
+class GradError:
+    """The criterion's quantities for one gradient: ``max |g - float64|`` of the fused and the
+    unfused result, the floor and the factor."""
+    fused: float
+    unfused: float
+    floor: float
+    factor: float
+
+    @property
+    def bound(self) -> float:
+        return self.factor * self.unfused + self.floor
+
+    @property
+    def ok(self) -> bool:
+        return self.fused <= self.bound  # False for a non-finite error
+
+
+def grad_error(fused, unfused, exact, factor=2.0) -> GradError:
+    """:class:`GradError` of ``fused`` and ``unfused`` against the float64 result ``exact``."""
+    exact = exact.double()
+    floor = TOLERANCE[fused.dtype] * max(1.0, exact.abs().max().item()) * 0.5
+    err_fused = (fused.double() - exact).abs().max().item() if exact.numel() else 0.0
+    err_unfused = (unfused.double() - exact).abs().max().item() if exact.numel() else 0.0
+    return GradError(err_fused, err_unfused, floor, factor)
 
 
 def assert_close_as_unfused(fused, unfused, exact, factor=2.0):
     """The fused result is at least as close to the float64 result as the unfused one, up to
     ``factor``, with a per-dtype absolute floor scaled by the reference's magnitude."""
-    exact = exact.double()
-    floor = TOLERANCE[fused.dtype] * max(1.0, exact.abs().max().item()) * 0.5
-    err_fused = (fused.double() - exact).abs().max().item() if exact.numel() else 0.0
-    err_unfused = (unfused.double() - exact).abs().max().item() if exact.numel() else 0.0
-    assert err_fused <= factor * err_unfused + floor, (err_fused, err_unfused, floor)
+    error = grad_error(fused, unfused, exact, factor)
+    assert error.ok, (error.fused, error.unfused, error.floor)
 
 
 def grad_failures(fused: Dict[str, torch.Tensor], eager: Dict[str, torch.Tensor],
-                  exact: Dict[str, torch.Tensor], factor: float = 4.0) -> List[str]:
+                  exact: Dict[str, torch.Tensor], factor: float = MODEL_FACTOR) -> List[str]:
     """Parameters whose compiled gradient fails the float64 criterion, is missing, or has
     another dtype or shape than eager's; empty when every gradient passes."""
     bad = [f"{name}: gradient in the compiled run only" for name in sorted(set(fused) - set(eager))]
@@ -37,3 +66,37 @@ def grad_failures(fused: Dict[str, torch.Tensor], eager: Dict[str, torch.Tensor]
             except AssertionError as exc:
                 bad.append(f"{name}: err fused/unfused/floor {exc}")
     return bad
+
+
+def run_grads(fn, inputs, params=(), grad_outputs=None):
+    """Forward + backward; returns the grads of the leaves that require grad, in order, and the
+    output gradients used (random with a fixed seed unless given)."""
+    leaves = [t for t in list(inputs) + list(params) if t.requires_grad]
+    for t in leaves:
+        t.grad = None
+    out = fn(*inputs)
+    outs = out if isinstance(out, (tuple, list)) else (out,)
+    if grad_outputs is None:
+        gen = torch.Generator().manual_seed(123)
+        grad_outputs = [torch.randn(o.shape, generator=gen).to(o.dtype) for o in outs]
+    torch.autograd.backward(outs, grad_outputs)
+    grads = [t.grad.clone() for t in leaves]
+    for t in leaves:
+        t.grad = None
+    return grads, grad_outputs
+
+
+def float64_grads(fn, inputs, params, grad_outputs):
+    """:func:`run_grads` of ``fn`` with the inputs, the parameters and the output gradients in
+    float64 (the parameters are restored afterwards)."""
+    params = list(params)
+    saved = [p.data for p in params]
+    try:
+        for p in params:
+            p.data = p.data.double()
+        wide = [t.detach().double().requires_grad_(t.requires_grad) for t in inputs]
+        grads, _ = run_grads(fn, wide, params, [g.double() for g in grad_outputs])
+    finally:
+        for p, s in zip(params, saved):
+            p.data = s
+    return grads

@@ -103,12 +103,10 @@ def test_installed_pass_runs_on_every_torchair_graph(ge, recorded_pass):
 
 
 NO_HOOK_SCRIPT = """
-import sys
-sys.path.insert(0, {harness_dir!r})
-import torchair_harness
+from npu_fusion.testing.torchair import harness
 try:
-    torchair = torchair_harness.load_torchair()
-except torchair_harness.TorchairUnavailable as error:
+    torchair = harness.load_torchair()
+except harness.TorchairUnavailable as error:
     print("UNAVAILABLE", error.offline)
     raise SystemExit(0)
 import npu_fusion
@@ -130,9 +128,8 @@ def test_install_names_a_torchair_without_a_hook(tmp_path):
     import os
     import subprocess
 
-    here = os.path.dirname(os.path.abspath(__file__))
     env = dict(os.environ, NPU_FUSION_TORCH_NPU_VERSION="2.7.1")
-    done = subprocess.run([sys.executable, "-c", NO_HOOK_SCRIPT.format(harness_dir=here)], env=env,
+    done = subprocess.run([sys.executable, "-c", NO_HOOK_SCRIPT], env=env,
                           capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]
     if done.stdout.startswith("UNAVAILABLE True"):

@@ -7,9 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-import npu_contracts
-import torchair_harness
 from npu_fusion.lowering import npu, rms_norm
+from npu_fusion.testing.torchair import harness, npu_contracts
 
 ROPE_CASES_WITH_X_IN_EAGER_MODES = sum(
     1 for *_, x, mode in npu_contracts.rope_cases() if x is not None and mode in npu.TORCH_NPU_ROTARY_MODES)
@@ -19,8 +18,8 @@ RMS_NORM_CASES = sum(1 for _ in npu_contracts.rms_norm_cases())
 @pytest.fixture(scope="module")
 def sources():
     try:
-        return torchair_harness.contract_sources()
-    except torchair_harness.TorchairUnavailable as error:
+        return harness.contract_sources()
+    except harness.TorchairUnavailable as error:
         if error.offline:
             pytest.skip(f"the contract check needs the torch_npu wheel and the package index is unreachable: {error}")
         raise

@@ -12,11 +12,11 @@ without CANN), so :func:`load_torchair`:
 2. unpacks only ``torch_npu/dynamo/torchair/**`` (its Python files and data, not
    its compiled extension modules) into ``<cache>/torchair-<line>-newest/torchair``
    and byte-compiles it;
-3. puts that directory on ``sys.path`` so the package imports as top-level
-   ``torchair`` (how its own sources refer to themselves), with an import hook
-   that serves torchair's four CANN-facing extension modules from
-   :mod:`cann_stub`;
-4. imports it.
+3. imports ``<that directory>/torchair`` as the top-level package ``torchair``
+   (how its own sources refer to themselves: ``import torchair.x`` resolves
+   through the package's ``__path__``), without putting the directory on
+   ``sys.path``, with an import hook that serves torchair's four CANN-facing
+   extension modules from :mod:`.cann_stub`.
 
 :func:`contract_sources` reads, from the same cached wheel, what the NPU-side
 contract check (:mod:`npu_contracts`) compares our code with: torch_npu's op
@@ -51,7 +51,7 @@ import zipfile
 from pathlib import Path
 from typing import Optional
 
-import cann_stub
+from . import cann_stub
 
 WHEEL_PREFIX = "torch_npu/dynamo/torchair/"
 #: pip messages that mean the package index could not be reached at all.
@@ -191,7 +191,7 @@ def wheel_file(version: Optional[str] = None) -> Path:
 
 
 def ensure_torchair_sources(version: Optional[str] = None) -> Path:
-    """The directory to put on sys.path (it holds ``torchair/``), unpacking it if needed: the
+    """The directory that holds the unpacked ``torchair/``, unpacking it if needed: the
     torchair of an exact torch_npu ``version``, or (None) of the line's newest release."""
     root = cache_root()
     key = cache_key() if version is None else f"torchair-{version}"
@@ -306,6 +306,23 @@ class _CannStubFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         pass
 
 
+def _import_package(name: str, directory: Path):
+    """Import the package ``directory/name`` as the top-level package ``name`` (its own absolute
+    imports of ``name.x`` then resolve through its ``__path__``), without ``directory`` on sys.path."""
+    package = directory / name
+    spec = importlib.util.spec_from_file_location(name, package / "__init__.py",
+                                                  submodule_search_locations=[str(package)])
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    try:
+        spec.loader.exec_module(module)
+    except BaseException:
+        for loaded in [n for n in sys.modules if n == name or n.startswith(name + ".")]:
+            del sys.modules[loaded]
+        raise
+    return module
+
+
 _TORCHAIR = None
 
 
@@ -319,7 +336,7 @@ def load_torchair():
         raise TorchairUnavailable(f"a torchair is already imported from {existing.__file__}", offline=False)
     if existing is not None:
         # A namespace package: with tests/ on sys.path (pytest's rootdir
-        # insertion), this very directory, tests/torchair, looks like one.
+        # insertion), the directory tests/torchair looks like one.
         for name in [n for n in sys.modules if n == "torchair" or n.startswith("torchair.")]:
             del sys.modules[name]
     if importlib.util.find_spec("google.protobuf") is None:
@@ -327,8 +344,6 @@ def load_torchair():
     sources = ensure_torchair_sources()
     if not any(isinstance(f, _CannStubFinder) for f in sys.meta_path):
         sys.meta_path.insert(0, _CannStubFinder())
-    if str(sources) not in sys.path:
-        sys.path.insert(0, str(sources))
     # torchair installs SIGINT/SIGTERM handlers that finalize GE and re-raise;
     # keep the test runner's own.
     handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
@@ -336,7 +351,7 @@ def load_torchair():
         with warnings.catch_warnings():  # its sources' invalid escapes, torch.jit deprecations
             warnings.simplefilter("ignore", DeprecationWarning)
             warnings.simplefilter("ignore", SyntaxWarning)
-            import torchair
+            torchair = _import_package("torchair", sources)
     finally:
         for sig, handler in handlers.items():
             if handler is not None:

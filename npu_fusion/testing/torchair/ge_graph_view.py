@@ -238,6 +238,6 @@ class GeCapture:
     @staticmethod
     def loaded():
         """The graphs torchair handed to GE (``TorchNpuGraphBase.load``), oldest first."""
-        import cann_stub
+        from . import cann_stub
 
         return [GeGraphView.from_model_bytes(data, name) for name, data, _ in cann_stub.LOADED_GRAPHS]

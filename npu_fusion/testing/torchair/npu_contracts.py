@@ -1,7 +1,7 @@
 """The NPU-side contracts of npu-fusion, checked on the CPU against one torch_npu wheel.
 
 What only runs on an Ascend host is checked against what the torch_npu wheel of
-a release line says (read by :func:`torchair_harness.contract_sources`):
+a release line says (read by :func:`harness.contract_sources`):
 
 * eager kernels (:func:`check_eager_kernels`): ``npu_fusion.lowering.npu``'s
   kernels run on the CPU against stand-in ``torch.ops.npu`` ops defined from the
@@ -16,8 +16,8 @@ a release line says (read by :func:`torchair_harness.contract_sources`):
   compared with the ``REG_OP`` definitions torchair generated in that wheel.
 
 Each check returns a list of problems (empty: the contract holds) and what it saw.
-Run as a script for one line (``NPU_FUSION_TORCH_NPU_VERSION``), it prints that
-line's results as JSON; ``scripts/check_npu_contracts.py`` runs it for every line.
+Run as a module for one line (``python -m npu_fusion.testing.torchair.npu_contracts LINE``,
+``NPU_FUSION_TORCH_NPU_VERSION``), it prints that line's results as JSON; ``scripts/check_npu_contracts.py`` runs it for every line.
 """
 from __future__ import annotations
 
@@ -32,9 +32,9 @@ from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 
-import torchair_harness
-from npu_fusion.lowering import npu, rms_norm, rope
-from npu_fusion.lowering.constraints import ROPE_MODES
+from ...lowering import npu, rms_norm, rope
+from ...lowering.constraints import ROPE_MODES
+from . import harness
 
 ROPE_OP = torch.ops.npu_fusion.rotary_position_embedding_grad.default
 RMS_OP = torch.ops.npu_fusion.rms_norm_grad.default
@@ -367,12 +367,12 @@ def builders_in_use() -> Dict[str, str]:
 def line_report(line: str) -> dict:
     """Both checks for torch_npu ``line``, GE nodes built by the torchair this process loads
     (``NPU_FUSION_TORCH_NPU_VERSION``; the line's own unless it does not import with this torch)."""
-    sources = torchair_harness.contract_sources(line)
+    sources = harness.contract_sources(line)
     eager_problems, eager = check_eager_kernels(sources)
     report = {"line": line, "wheel": sources["wheel"], "eager_problems": eager_problems, "eager": eager,
-              "torchair": torchair_harness.torch_npu_version()}
+              "torchair": harness.torch_npu_version()}
     try:
-        torchair_harness.load_torchair()
+        harness.load_torchair()
     except Exception as error:  # noqa: BLE001  (an old torchair against this torch: reported, not fatal)
         report["torchair_error"] = f"{type(error).__name__}: {error}"
         return report
@@ -386,5 +386,5 @@ def line_report(line: str) -> dict:
 
 
 if __name__ == "__main__":
-    print(json.dumps(line_report(sys.argv[1] if len(sys.argv) > 1 else torchair_harness.torch_npu_version()),
+    print(json.dumps(line_report(sys.argv[1] if len(sys.argv) > 1 else harness.torch_npu_version()),
                      default=sorted))
