@@ -25,9 +25,10 @@ from typing import Dict, List, Optional
 
 import torch
 
+from npu_fusion.lowering import FUSED_OPS
 from npu_fusion.testing.frameworks import FRAMEWORKS, measure
 
-LABELS = {"rope": "RoPE", "rms_norm": "RMSNorm"}
+LABELS = {op.option: op.label for op in FUSED_OPS}
 
 
 @dataclasses.dataclass

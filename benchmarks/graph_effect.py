@@ -31,6 +31,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 import npu_fusion  # noqa: F401  (registers the ops)
+from npu_fusion.lowering import RMS_NORM_GRAD, ROPE_GRAD
 from npu_fusion.models import RMSNorm, TinyConfig, TinyDecoder
 from npu_fusion.patterns.nodes import is_float_cast
 from npu_fusion.patterns.traffic import node_traffic
@@ -120,7 +121,7 @@ def main(argv=None) -> int:
     print(f"| change | {len(after.nodes) - len(before.nodes):+d} | "
           f"{100 * (whole_after - whole_before) / whole_before:+.1f}% |\n")
 
-    expected = {"rms_norm_grad": norms, "rotary_position_embedding_grad": 2 * args.layers}
+    expected = {RMS_NORM_GRAD.name: norms, ROPE_GRAD.name: 2 * args.layers}
     by_op = collections.defaultdict(list)
     for site in result.sites:
         by_op[site.op].append(site)
@@ -128,7 +129,7 @@ def main(argv=None) -> int:
     print("| fused op | sites (expected) | replaced nodes | traffic before | after | fused-op minimum | "
           "after / minimum | saved |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|")
-    for op in ("rms_norm_grad", "rotary_position_embedding_grad"):
+    for op in (RMS_NORM_GRAD.name, ROPE_GRAD.name):
         sites = by_op.get(op, [])
         b = sum(s.bytes_before for s in sites)
         a = final.get(op, 0)

@@ -26,12 +26,14 @@ from typing import Any, Callable, Dict, List, Optional
 
 import torch
 
+from ..lowering import FUSED_OPS as LOWERED_OPS
+from ..lowering import RMS_NORM_GRAD, ROPE_GRAD
 from ..testing.grads import MODEL_FACTOR, grad_error
 from .backend import aot_backend
 from .options import TARGETS, FusionOptions
 from .pass_manager import FusionResult
 
-FUSED_OPS = ("rms_norm_grad", "rotary_position_embedding_grad")
+FUSED_OPS = tuple(op.name for op in LOWERED_OPS)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 #: the compiled gradient may be this many times further from float64 than eager's is (the tests'
@@ -234,12 +236,12 @@ class _count_hf_sites:
     in one call, GPT-J's one tensor per call) in an eager run."""
 
     def __init__(self, model):
-        self.model, self.counts = model, {"rms_norm_grad": 0, "rotary_position_embedding_grad": 0}
+        self.model, self.counts = model, dict.fromkeys(FUSED_OPS, 0)
         self.hooks, self.patched = [], []
 
     def __enter__(self):
         def norm_hook(*_):
-            self.counts["rms_norm_grad"] += 1
+            self.counts[RMS_NORM_GRAD.name] += 1
 
         modules = set()
         for m in self.model.modules():
@@ -253,7 +255,7 @@ class _count_hf_sites:
 
                     def counting(*a, __original=original, **k):
                         out = __original(*a, **k)
-                        self.counts["rotary_position_embedding_grad"] += len(out) if isinstance(out, tuple) else 1
+                        self.counts[ROPE_GRAD.name] += len(out) if isinstance(out, tuple) else 1
                         return out
 
                     setattr(module, name, counting)

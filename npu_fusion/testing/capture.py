@@ -9,6 +9,7 @@ import functools
 
 import torch
 
+from ..lowering import FUSED_OPS
 from ..plugin.backend import aot_backend
 from ..plugin.options import FusionOptions
 from .grads import MODEL_FACTOR, assert_close_as_unfused, float64_grads, run_grads
@@ -130,8 +131,7 @@ def decomposed_leftovers(graph):
     """Nodes of the kinds the RoPE and RMSNorm backwards decompose into: negations, powers,
     rsqrt/mean, and slice_backward/slice_scatter along the last axis (rotate_half's transpose).
     Slices of other axes (GQA's repeat_kv with dynamic shapes) are not RoPE's."""
-    fused_ops = {torch.ops.npu_fusion.rotary_position_embedding_grad.default,
-                 torch.ops.npu_fusion.rms_norm_grad.default}
+    fused_ops = {op.overload for op in FUSED_OPS}
     left = []
     for n in graph.nodes:
         if n.op != "call_function" or (n.users and all(u.target in fused_ops for u in n.users)):

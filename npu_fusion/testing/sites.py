@@ -23,10 +23,12 @@ from typing import Dict, List, Sequence, Tuple
 
 import torch
 
-ROPE_OP = "rotary_position_embedding_grad"
-NORM_OP = "rms_norm_grad"
-#: the counter's kinds and the fused op each one should become
-KINDS = {"rope": ROPE_OP, "rms_norm": NORM_OP}
+from ..lowering import FUSED_OPS, RMS_NORM_GRAD, ROPE_GRAD
+
+ROPE_OP, NORM_OP = ROPE_GRAD.name, RMS_NORM_GRAD.name
+#: the counter's kinds (each fused op's option: one site per forward call) and the fused op
+#: each one should become
+KINDS = {op.option: op.name for op in FUSED_OPS}
 
 _MODULE_CALL = ("torch/nn/modules/module.py", __file__)
 
