@@ -1,4 +1,5 @@
-"""Helpers the rewrites rely on: fake values of inserted nodes."""
+"""What the rewrites and the evaluators rely on: fake values of inserted nodes (the rewrite),
+and saved tensors seen as their forward expressions (provenance)."""
 import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
