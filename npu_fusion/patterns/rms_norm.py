@@ -67,8 +67,9 @@ BINARY_OPS = {aten.add.Tensor: operator.add, aten.add.Scalar: operator.add,
               aten.sub.Tensor: operator.sub, aten.sub.Scalar: operator.sub,
               aten.mul.Tensor: operator.mul, aten.mul.Scalar: operator.mul,
               aten.div.Tensor: operator.truediv, aten.div.Scalar: operator.truediv}
-#: ops read even where their shape neither spans the normalized axes nor is 1 along them
-SHAPE_CHANGING = {aten.sum.dim_IntList, aten.view.default, aten.reshape.default, aten._unsafe_view.default}
+#: ops read even where their shape neither spans the normalized axes nor is 1 along them:
+#: their interpreters check shapes themselves
+SHAPE_CHECK_EXEMPT = {aten.sum.dim_IntList, aten.view.default, aten.reshape.default, aten._unsafe_view.default}
 
 
 class NormEvaluator(MemoEvaluator):
@@ -237,7 +238,7 @@ class NormEvaluator(MemoEvaluator):
             if v is None:
                 raise Unsupported("cast of opaque")
             return v
-        if self.spans(out.shape) is None and t not in SHAPE_CHANGING:
+        if self.spans(out.shape) is None and t not in SHAPE_CHECK_EXEMPT:
             raise Unsupported("shape")
         if t in self.FORWARD_SAFE:
             return getattr(self, self.FORWARD_SAFE[t])(node, forward)
