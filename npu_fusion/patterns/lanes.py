@@ -2,13 +2,16 @@
 
 RoPE's backward is bilinear and only moves elements along the last axis, so a
 node's value can be written, for every position ``i`` of its trailing axes, as
-a small polynomial in leaf elements ``leaf[..., p]``. Leading axes never mix:
-every op the interpreter accepts either acts element-wise with PyTorch's
-right-aligned broadcasting or works on the trailing axes only. So two nodes
-whose per-position polynomials are equal compute the same function of their
-leaves, whatever the (possibly symbolic) leading sizes are. That is what makes
-a match a proof rather than a resemblance: signs, split points, which table
-feeds which term and the broadcast axes are all part of the compared value.
+a small polynomial in leaf elements ``leaf[..., p]``. Besides float casts and
+complex views and products, the ops read are those of
+:attr:`LaneEvaluator.INTERPRETERS`, a table of one small interpreter per aten
+op; any other op is a leaf. Leading axes never mix: every op the interpreter
+accepts either acts element-wise with PyTorch's right-aligned broadcasting or
+works on the trailing axes only. So two nodes whose per-position polynomials are
+equal compute the same function of their leaves, whatever the (possibly
+symbolic) leading sizes are. That is what makes a match a proof rather than a
+resemblance: signs, split points, which table feeds which term and the broadcast
+axes are all part of the compared value.
 
 Coefficients are exact rationals (:func:`~.algebra.graph_constant`), so equal
 means equal, never "within a tolerance". Casts between float dtypes count as the
@@ -49,6 +52,8 @@ def _is_complex(node) -> bool:
 CONJ_TARGETS = {aten._conj.default, aten.conj.default, aten.conj_physical.default}
 COMPLEX_VIEWS = {aten.view_as_complex.default, aten.view_as_real.default, aten.resolve_conj.default,
                  aten.resolve_neg.default}
+ADDITIVE_TARGETS = {aten.add.Tensor, aten.sub.Tensor, aten.add.Scalar, aten.sub.Scalar}
+SCALING_TARGETS = {aten.mul.Tensor, aten.mul.Scalar, aten.div.Tensor, aten.div.Scalar}
 
 Var = Tuple[int, int]            # (leaf id, flattened position in the leaf's trailing axes)
 Mono = Tuple[Var, ...]           # sorted product of vars; () is the constant monomial
@@ -258,7 +263,8 @@ class LaneEvaluator(MemoEvaluator):
         raise Unsupported("reshape crosses leading axes")
 
     def _interpret(self, node: fx.Node, forward: bool = False) -> Lanes:
-        t, kw = node.target, node.kwargs
+        """Read ``node`` through :attr:`INTERPRETERS`, after the checks that hold for every op."""
+        t = node.target
         # tensors stay nodes; symbolic sizes and indices become their SymInt values
         args = tuple(a if isinstance(a, fx.Node) and isinstance(val(a), torch.Tensor) else meta_value(a)
                      for a in node.args)
@@ -269,159 +275,172 @@ class LaneEvaluator(MemoEvaluator):
             if v is None:
                 raise Unsupported("cast of opaque")
             return v
-        if t in (aten.add.Tensor, aten.sub.Tensor, aten.add.Scalar, aten.sub.Scalar):
-            alpha = kw.get("alpha", 1)
-            alpha = graph_constant(alpha)
-            if alpha is None:
-                raise Unsupported("alpha")
-            sign = (-1 if t in (aten.sub.Tensor, aten.sub.Scalar) else 1) * alpha
-            if t in (aten.add.Tensor, aten.sub.Tensor) and all(
-                    isinstance(a, fx.Node) and _degree(self._checked(a)) <= 1 for a in args[:2]):
-                raise Unsupported("gradient accumulation: the sum is an input of the pattern")
-            return self._elementwise(node, args[:2], lambda a, b: _add(a, b, sign))
-        if _is_complex(node) or any(_is_complex(a) for a in args[:1]):
+        # add and sub are read position by position even on complex values' (re, im) view
+        if t not in ADDITIVE_TARGETS and (_is_complex(node) or any(_is_complex(a) for a in args[:1])):
             return self._complex(node, args)
-        scaling = t in (aten.mul.Tensor, aten.mul.Scalar, aten.div.Tensor, aten.div.Scalar) and (
-            graph_constant(args[1]) is not None or graph_constant(args[0]) is not None)
-        if scaling and not forward:
-            tensor = args[0] if graph_constant(args[1]) is not None else args[1]
-            if isinstance(tensor, fx.Node) and _degree(self._checked(tensor)) <= 1:
-                # a scaled gradient (q * scale after RoPE, SDPA's scaled q) is the pattern's dy
-                raise Unsupported("scaled input: a leaf")
-        if t in (aten.mul.Tensor, aten.mul.Scalar):
-            return self._product(node, args[:2])
-        if t in (aten.div.Tensor, aten.div.Scalar) and graph_constant(args[1]) not in (None, 0):
-            inv = exact_number(1 / Fraction(graph_constant(args[1])))
-            return self._elementwise(node, args[:1], lambda a: _add({}, a, inv))
-        if t is aten.neg.default:
-            return self._elementwise(node, args[:1], lambda a: _add({}, a, -1))
-        if t is aten.slice.Tensor:
-            v = self._checked(args[0])
-            axis = self._inner_dim(args[0], v, args[1] if len(args) > 1 else 0)
-            size = v.inner[axis]
-            start, end, step = (list(args[2:5]) + [None, None, 1])[:3]
-            start, end, step = (_index_arg(x) for x in (start, end, step))
-            return self._select_positions(v, axis, list(range(size))[slice(start, end, step)])
-        if t is aten.select.int:
-            v = self._checked(args[0])
-            axis = self._inner_dim(args[0], v, args[1])
-            picked = self._select_positions(v, axis, [_index_arg(args[2]) % v.inner[axis]])
-            inner = picked.inner[:axis] + picked.inner[axis + 1:]
-            if not inner:
-                raise Unsupported("select removes the last tracked axis")
-            return Lanes(inner, picked.polys)
-        if t is aten.slice_backward.default:
-            grad, sizes, dim, start, end, step = args
-            start, end, step = (_index_arg(x) for x in (start, end, step))
-            v = self._checked(grad)
-            axis = self._inner_dim(grad, v, dim)
-            full = static_int(sizes[normalize_dim(dim, len(sizes))])
-            if full is None or not same_shape(sizes[:len(sizes) - len(v.inner)],
-                                             shape(grad)[:len(sizes) - len(v.inner)]):
-                raise Unsupported("slice_backward sizes")
-            inner = v.inner[:axis] + (full,) + v.inner[axis + 1:]
-            zero = Lanes(inner, [{} for _ in range(math.prod(inner))])
-            return self._scatter(zero, v, axis, list(range(full))[slice(start, end, step)])
-        if t is aten.select_backward.default:
-            return self._select_backward(node, args)
-        if t is aten.slice_scatter.default:
-            base, src = self._checked(args[0]), self._checked(args[1])
-            dim = args[2] if len(args) > 2 else kw.get("dim", 0)
-            start = args[3] if len(args) > 3 else kw.get("start")
-            end = args[4] if len(args) > 4 else kw.get("end")
-            step = args[5] if len(args) > 5 else kw.get("step", 1)
-            start, end, step = (_index_arg(x) for x in (start, end, step))
-            axis = self._inner_dim(args[0], base, dim)
-            base = self._broadcast(base, shape(args[0]), base.inner)
-            picks = list(range(base.inner[axis]))[slice(start, end, step)]
-            if src.inner[:axis] + src.inner[axis + 1:] != base.inner[:axis] + base.inner[axis + 1:] or \
-                    src.inner[axis] != len(picks):
-                raise Unsupported("slice_scatter sizes")
-            return self._scatter(base, src, axis, picks)
-        if t in (aten.full.default, aten.zeros.default, aten.full_like.default, aten.zeros_like.default,
-                 aten.new_zeros.default):
-            fill = 0 if "zeros" in str(t) else graph_constant(args[1])
-            if fill is None:
-                raise Unsupported("fill")
-            d = static_int(shape(node)[-1]) if shape(node) else None
-            if d is None:
-                raise Unsupported("a 0-dim or dynamic last axis")
-            return Lanes((d,), [({(): fill} if fill else {}) for _ in range(d)])
-        if t is aten.cat.default:
-            tensors = args[0]
-            dim = args[1] if len(args) > 1 else kw.get("dim", 0)
-            vals = [self._checked(a) for a in tensors]
-            axis = self._inner_dim(tensors[0], vals[0], dim)
-            inner = vals[0].inner
-            if any(len(v.inner) != len(inner) for v in vals):
-                raise Unsupported("cat ranks")
-            total = sum(v.inner[axis] for v in vals)
-            new_inner = inner[:axis] + (total,) + inner[axis + 1:]
-            out = Lanes(new_inner, [{} for _ in range(math.prod(new_inner))])
-            offset = 0
-            for v in vals:
-                if v.inner[:axis] + v.inner[axis + 1:] != inner[:axis] + inner[axis + 1:]:
-                    raise Unsupported("cat sizes")
-                out = self._scatter(out, v, axis, list(range(offset, offset + v.inner[axis])))
-                offset += v.inner[axis]
-            return out
-        if t is aten.stack.default:
-            tensors = args[0]
-            dim = args[1] if len(args) > 1 else kw.get("dim", 0)
-            vals = [self._checked(a) for a in tensors]
-            rank = len(shape(node))
-            dim = normalize_dim(dim, rank)
-            inner = vals[0].inner
-            if any(v.inner != inner for v in vals) or dim < rank - len(inner) - 1:
-                raise Unsupported("stack")
-            axis = dim - (rank - len(inner) - 1)
-            new_inner = inner[:axis] + (len(vals),) + inner[axis:]
-            out = Lanes(new_inner, [{} for _ in range(math.prod(new_inner))])
-            for k, v in enumerate(vals):
-                expanded = Lanes(inner[:axis] + (1,) + inner[axis:], v.polys)
-                out = self._scatter(out, expanded, axis, [k])
-            return out
-        if t in (aten.view.default, aten.reshape.default, aten._unsafe_view.default,
-                 aten.flatten.using_ints, aten.unflatten.int):
-            v = self.value(args[0])
-            if v is None:
-                raise Unsupported("view of opaque")
-            if v.reduction is not None:
-                return self._reduced_view(node, v)
-            return self._reshape(node, v)
-        if t in (aten.squeeze.dims, aten.squeeze.dim, aten.unsqueeze.default):
-            v = self.value(args[0])
-            if v is not None and v.reduction is not None:
-                return self._reduced_view(node, v)
-            if v is None:
-                raise Unsupported("view of opaque")
-            return self._reshape(node, v)
-        if t in (aten.transpose.int, aten.permute.default):
-            v = self._checked(args[0])
-            rank = len(shape(args[0]))
-            first = rank - len(v.inner)
-            order = axis_order(t, args[1:], rank)
-            if order[:first] != list(range(first)):
-                raise Unsupported("permutes leading axes")
-            perm = [d - first for d in order[first:]]
-            new_inner = tuple(v.inner[p] for p in perm)
-            polys = []
-            for flat in range(math.prod(new_inner)):
-                idx = _index(new_inner, flat)
-                src = [0] * len(perm)
-                for out_axis, in_axis in enumerate(perm):
-                    src[in_axis] = idx[out_axis]
-                polys.append(v.polys[_flat(v.inner, src)])
-            return Lanes(new_inner, polys)
-        if t is aten.expand.default:
-            v = self._checked(args[0])
-            return self._broadcast(v, shape(args[0]), tuple(
-                static_int(s) for s in shape(node)[len(shape(node)) - len(v.inner):]))
-        if t is operator.getitem:
-            return self._getitem(node)
-        if t in (aten.sum.dim_IntList, aten.sum.default):
-            return self._sum(node)
-        raise Unsupported(f"op {t}")
+        if t in SCALING_TARGETS and not forward:
+            self._refuse_scaled_input(args)
+        interpreter = self.INTERPRETERS.get(t)
+        if interpreter is None:
+            raise Unsupported(f"op {t}")
+        return getattr(self, interpreter)(node, args)
+
+    # -- interpreters, one per op (see INTERPRETERS); each takes the node and its read args --
+    def _additive(self, node, args) -> Lanes:
+        t = node.target
+        alpha = node.kwargs.get("alpha", 1)
+        alpha = graph_constant(alpha)
+        if alpha is None:
+            raise Unsupported("alpha")
+        sign = (-1 if t in (aten.sub.Tensor, aten.sub.Scalar) else 1) * alpha
+        if t in (aten.add.Tensor, aten.sub.Tensor) and all(
+                isinstance(a, fx.Node) and _degree(self._checked(a)) <= 1 for a in args[:2]):
+            raise Unsupported("gradient accumulation: the sum is an input of the pattern")
+        return self._elementwise(node, args[:2], lambda a, b: _add(a, b, sign))
+
+    def _refuse_scaled_input(self, args) -> None:
+        """A product or quotient by a constant of a degree-one value is a leaf."""
+        if graph_constant(args[1]) is None and graph_constant(args[0]) is None:
+            return
+        tensor = args[0] if graph_constant(args[1]) is not None else args[1]
+        if isinstance(tensor, fx.Node) and _degree(self._checked(tensor)) <= 1:
+            # a scaled gradient (q * scale after RoPE, SDPA's scaled q) is the pattern's dy
+            raise Unsupported("scaled input: a leaf")
+
+    def _multiply(self, node, args) -> Lanes:
+        return self._product(node, args[:2])
+
+    def _divide(self, node, args) -> Lanes:
+        if graph_constant(args[1]) in (None, 0):
+            raise Unsupported(f"op {node.target}")  # a quotient by a tensor is no polynomial
+        inv = exact_number(1 / Fraction(graph_constant(args[1])))
+        return self._elementwise(node, args[:1], lambda a: _add({}, a, inv))
+
+    def _negate(self, node, args) -> Lanes:
+        return self._elementwise(node, args[:1], lambda a: _add({}, a, -1))
+
+    def _slice(self, node, args) -> Lanes:
+        v = self._checked(args[0])
+        axis = self._inner_dim(args[0], v, args[1] if len(args) > 1 else 0)
+        size = v.inner[axis]
+        start, end, step = (list(args[2:5]) + [None, None, 1])[:3]
+        start, end, step = (_index_arg(x) for x in (start, end, step))
+        return self._select_positions(v, axis, list(range(size))[slice(start, end, step)])
+
+    def _select(self, node, args) -> Lanes:
+        v = self._checked(args[0])
+        axis = self._inner_dim(args[0], v, args[1])
+        picked = self._select_positions(v, axis, [_index_arg(args[2]) % v.inner[axis]])
+        inner = picked.inner[:axis] + picked.inner[axis + 1:]
+        if not inner:
+            raise Unsupported("select removes the last tracked axis")
+        return Lanes(inner, picked.polys)
+
+    def _slice_backward(self, node, args) -> Lanes:
+        grad, sizes, dim, start, end, step = args
+        start, end, step = (_index_arg(x) for x in (start, end, step))
+        v = self._checked(grad)
+        axis = self._inner_dim(grad, v, dim)
+        full = static_int(sizes[normalize_dim(dim, len(sizes))])
+        if full is None or not same_shape(sizes[:len(sizes) - len(v.inner)],
+                                         shape(grad)[:len(sizes) - len(v.inner)]):
+            raise Unsupported("slice_backward sizes")
+        inner = v.inner[:axis] + (full,) + v.inner[axis + 1:]
+        zero = Lanes(inner, [{} for _ in range(math.prod(inner))])
+        return self._scatter(zero, v, axis, list(range(full))[slice(start, end, step)])
+
+    def _slice_scatter(self, node, args) -> Lanes:
+        kw = node.kwargs
+        base, src = self._checked(args[0]), self._checked(args[1])
+        dim = args[2] if len(args) > 2 else kw.get("dim", 0)
+        start = args[3] if len(args) > 3 else kw.get("start")
+        end = args[4] if len(args) > 4 else kw.get("end")
+        step = args[5] if len(args) > 5 else kw.get("step", 1)
+        start, end, step = (_index_arg(x) for x in (start, end, step))
+        axis = self._inner_dim(args[0], base, dim)
+        base = self._broadcast(base, shape(args[0]), base.inner)
+        picks = list(range(base.inner[axis]))[slice(start, end, step)]
+        if src.inner[:axis] + src.inner[axis + 1:] != base.inner[:axis] + base.inner[axis + 1:] or \
+                src.inner[axis] != len(picks):
+            raise Unsupported("slice_scatter sizes")
+        return self._scatter(base, src, axis, picks)
+
+    def _fill(self, node, args) -> Lanes:
+        fill = 0 if "zeros" in str(node.target) else graph_constant(args[1])
+        if fill is None:
+            raise Unsupported("fill")
+        d = static_int(shape(node)[-1]) if shape(node) else None
+        if d is None:
+            raise Unsupported("a 0-dim or dynamic last axis")
+        return Lanes((d,), [({(): fill} if fill else {}) for _ in range(d)])
+
+    def _cat(self, node, args) -> Lanes:
+        tensors = args[0]
+        dim = args[1] if len(args) > 1 else node.kwargs.get("dim", 0)
+        vals = [self._checked(a) for a in tensors]
+        axis = self._inner_dim(tensors[0], vals[0], dim)
+        inner = vals[0].inner
+        if any(len(v.inner) != len(inner) for v in vals):
+            raise Unsupported("cat ranks")
+        total = sum(v.inner[axis] for v in vals)
+        new_inner = inner[:axis] + (total,) + inner[axis + 1:]
+        out = Lanes(new_inner, [{} for _ in range(math.prod(new_inner))])
+        offset = 0
+        for v in vals:
+            if v.inner[:axis] + v.inner[axis + 1:] != inner[:axis] + inner[axis + 1:]:
+                raise Unsupported("cat sizes")
+            out = self._scatter(out, v, axis, list(range(offset, offset + v.inner[axis])))
+            offset += v.inner[axis]
+        return out
+
+    def _stack(self, node, args) -> Lanes:
+        tensors = args[0]
+        dim = args[1] if len(args) > 1 else node.kwargs.get("dim", 0)
+        vals = [self._checked(a) for a in tensors]
+        rank = len(shape(node))
+        dim = normalize_dim(dim, rank)
+        inner = vals[0].inner
+        if any(v.inner != inner for v in vals) or dim < rank - len(inner) - 1:
+            raise Unsupported("stack")
+        axis = dim - (rank - len(inner) - 1)
+        new_inner = inner[:axis] + (len(vals),) + inner[axis:]
+        out = Lanes(new_inner, [{} for _ in range(math.prod(new_inner))])
+        for k, v in enumerate(vals):
+            expanded = Lanes(inner[:axis] + (1,) + inner[axis:], v.polys)
+            out = self._scatter(out, expanded, axis, [k])
+        return out
+
+    def _view(self, node, args) -> Lanes:
+        """view, reshape, flatten, squeeze and their kin."""
+        v = self.value(args[0])
+        if v is None:
+            raise Unsupported("view of opaque")
+        if v.reduction is not None:
+            return self._reduced_view(node, v)
+        return self._reshape(node, v)
+
+    def _permute(self, node, args) -> Lanes:
+        v = self._checked(args[0])
+        rank = len(shape(args[0]))
+        first = rank - len(v.inner)
+        order = axis_order(node.target, args[1:], rank)
+        if order[:first] != list(range(first)):
+            raise Unsupported("permutes leading axes")
+        perm = [d - first for d in order[first:]]
+        new_inner = tuple(v.inner[p] for p in perm)
+        polys = []
+        for flat in range(math.prod(new_inner)):
+            idx = _index(new_inner, flat)
+            src = [0] * len(perm)
+            for out_axis, in_axis in enumerate(perm):
+                src[in_axis] = idx[out_axis]
+            polys.append(v.polys[_flat(v.inner, src)])
+        return Lanes(new_inner, polys)
+
+    def _expand(self, node, args) -> Lanes:
+        v = self._checked(args[0])
+        return self._broadcast(v, shape(args[0]), tuple(
+            static_int(s) for s in shape(node)[len(shape(node)) - len(v.inner):]))
 
     def _select_backward(self, node, args) -> Lanes:
         """``select_backward(grad, sizes, dim, index)``: grad placed at ``index`` of a new axis
@@ -502,7 +521,8 @@ class LaneEvaluator(MemoEvaluator):
             raise Unsupported("operand")
         return v
 
-    def _getitem(self, node) -> Lanes:
+    def _getitem(self, node, _args) -> Lanes:
+        """An output of unbind, split or chunk, read from the parent's own arguments."""
         parent, index = node.args
         if not isinstance(parent, fx.Node) or parent.op != "call_function":
             raise Unsupported("getitem")
@@ -531,7 +551,7 @@ class LaneEvaluator(MemoEvaluator):
             return self._select_positions(v, axis, list(range(start, start + sizes[index])))
         raise Unsupported("getitem")
 
-    def _sum(self, node) -> Lanes:
+    def _sum(self, node, _args) -> Lanes:
         src = node.args[0]
         v = self._checked(src)
         rank = len(shape(src))
@@ -553,3 +573,28 @@ class LaneEvaluator(MemoEvaluator):
         if not same_shape(squeezed(shape(node)), squeezed(shape(node.args[0]))):
             return self._reshape(node, self._checked(node.args[0]))
         return v
+
+    #: aten op -> the name of its interpreter, looked up on the instance (so a subclass or a
+    #: test can replace one); ops not listed are leaves, ``Unsupported("op ...")``
+    INTERPRETERS = {
+        **dict.fromkeys(ADDITIVE_TARGETS, "_additive"),
+        aten.mul.Tensor: "_multiply", aten.mul.Scalar: "_multiply",
+        aten.div.Tensor: "_divide", aten.div.Scalar: "_divide",
+        aten.neg.default: "_negate",
+        aten.slice.Tensor: "_slice",
+        aten.select.int: "_select",
+        aten.slice_backward.default: "_slice_backward",
+        aten.select_backward.default: "_select_backward",
+        aten.slice_scatter.default: "_slice_scatter",
+        **dict.fromkeys([aten.full.default, aten.zeros.default, aten.full_like.default,
+                         aten.zeros_like.default, aten.new_zeros.default], "_fill"),
+        aten.cat.default: "_cat",
+        aten.stack.default: "_stack",
+        **dict.fromkeys([aten.view.default, aten.reshape.default, aten._unsafe_view.default,
+                         aten.flatten.using_ints, aten.unflatten.int, aten.squeeze.dims,
+                         aten.squeeze.dim, aten.unsqueeze.default], "_view"),
+        aten.transpose.int: "_permute", aten.permute.default: "_permute",
+        aten.expand.default: "_expand",
+        operator.getitem: "_getitem",
+        aten.sum.dim_IntList: "_sum", aten.sum.default: "_sum",
+    }

@@ -14,7 +14,9 @@ Fused::
     dx, dgamma = npu_fusion.rms_norm_grad(dy, x, rstd, gamma)
 
 How a match is found: nodes are evaluated symbolically (exact Laurent
-polynomials, :mod:`.algebra`) with the normalized axes as an abstract index: a
+polynomials, :mod:`.algebra`; one small interpreter per aten op, in the tables
+:attr:`NormEvaluator.FORWARD_SAFE` and :attr:`NormEvaluator.BACKWARD_ONLY`, with
+any other op a leaf) with the normalized axes as an abstract index: a
 leaf is a symbol, ``x_i`` when it spans the normalized axes and ``r`` when it is
 constant along them (``rstd``), and a sum over the normalized axes becomes a
 symbol ``S[monomial]`` after expanding its summand. A node is dx when its expression equals, for some leaves,
@@ -64,6 +66,9 @@ BINARY_OPS = {aten.add.Tensor: operator.add, aten.add.Scalar: operator.add,
               aten.sub.Tensor: operator.sub, aten.sub.Scalar: operator.sub,
               aten.mul.Tensor: operator.mul, aten.mul.Scalar: operator.mul,
               aten.div.Tensor: operator.truediv, aten.div.Scalar: operator.truediv}
+#: ops read even where their shape neither spans the normalized axes nor is 1 along them:
+#: their interpreters check shapes themselves
+SHAPE_CHECK_EXEMPT = {aten.sum.dim_IntList, aten.view.default, aten.reshape.default, aten._unsafe_view.default}
 
 
 class NormEvaluator(MemoEvaluator):
@@ -219,60 +224,77 @@ class NormEvaluator(MemoEvaluator):
         return Expr(terms) + Expr(constant) * self.n
 
     def _interpret(self, node: fx.Node, forward: bool) -> NormValue:
-        t, args = node.target, node.args
+        """Read ``node`` through :attr:`FORWARD_SAFE` or :attr:`BACKWARD_ONLY`, after the checks
+        that hold for every op."""
+        t = node.target
         out = val(node)
         if out is None or not out.dtype.is_floating_point:
             raise Unsupported("not a float tensor")
         if t in self.POLICY_LEAVES:
             raise Unsupported("policy leaf")
         if is_float_cast(node):
-            v = self.value(args[0])
+            v = self.value(node.args[0])
             if v is None:
                 raise Unsupported("cast of opaque")
             return v
-        if self.spans(out.shape) is None and t not in (aten.sum.dim_IntList, aten.view.default,
-                                                       aten.reshape.default, aten._unsafe_view.default):
+        if self.spans(out.shape) is None and t not in SHAPE_CHECK_EXEMPT:
             raise Unsupported("shape")
-        if t in BINARY_OPS and all(len(shape(a)) <= self.k for a in args[:2] if isinstance(a, fx.Node)):
-            # parameter arithmetic such as Gemma's (1 + weight): the result is gamma, an input
-            raise Unsupported("gamma arithmetic")
-        if t in BINARY_OPS:
-            alpha = node.kwargs.get("alpha", 1)
-            a, b = self._arg(args[0]), self._arg(args[1])
-            if t in (aten.add.Tensor, aten.sub.Tensor) and (forward or not self.depends_on_gradient(node)):
-                # a saved or recomputed residual sum is x itself, not something to see through
-                raise Unsupported("forward sum: an input")
-            if self._is_input_arithmetic(t, args, a, b):
-                raise Unsupported("scaled input: the product is an input of the pattern")
-            if t in (aten.add.Tensor, aten.sub.Tensor) and not forward and self._is_accumulation(a, b):
-                raise Unsupported("gradient accumulation: the sum is an input of the pattern")
-            if t in (aten.add.Tensor, aten.sub.Tensor):
-                b = b * graph_constant(alpha)
-            return self._bounded(BINARY_OPS[t](a, b))
+        if t in self.FORWARD_SAFE:
+            return getattr(self, self.FORWARD_SAFE[t])(node, forward)
         if forward:  # saved-tensor provenance: only value-preserving arithmetic, no reductions
             raise Unsupported("forward op")
-        if t is aten.neg.default:
-            return NormValue(-self._arg(args[0]))
-        if t is aten.pow.Tensor_Scalar and graph_constant(args[1]) is not None:
-            return self._bounded(self._arg(args[0]).power(graph_constant(args[1]), self.nonnegative))
-        if t is aten.sqrt.default:
-            return self._bounded(self._arg(args[0]).sqrt(self.nonnegative))
-        if t is aten.reciprocal.default:
-            return self._bounded(1 / self._arg(args[0]))
-        if t is aten.expand.default:
-            return NormValue(self._arg(args[0]))
-        if t in (aten.sum.dim_IntList, aten.mean.dim):
-            return self._reduce(node)
-        if t in (aten.view.default, aten.reshape.default, aten._unsafe_view.default):
-            v = self.value(args[0])
-            if v is not None and v.lead_sum is not None:
-                squeezed = lambda s: [x for x in s if static_int(x) != 1]  # noqa: E731
-                if same_shape(squeezed(shape(node)), squeezed(shape(args[0]))):
-                    return v
-            if v is not None and same_shape(shape(node), shape(args[0])):
+        interpreter = self.BACKWARD_ONLY.get(t)
+        if interpreter is None:
+            raise Unsupported(f"op {t}")
+        return getattr(self, interpreter)(node)
+
+    # -- interpreters, one per op (see FORWARD_SAFE and BACKWARD_ONLY) --------
+    def _binary(self, node, forward: bool) -> NormValue:
+        t, args = node.target, node.args
+        if all(len(shape(a)) <= self.k for a in args[:2] if isinstance(a, fx.Node)):
+            # parameter arithmetic such as Gemma's (1 + weight): the result is gamma, an input
+            raise Unsupported("gamma arithmetic")
+        alpha = node.kwargs.get("alpha", 1)
+        a, b = self._arg(args[0]), self._arg(args[1])
+        if t in (aten.add.Tensor, aten.sub.Tensor) and (forward or not self.depends_on_gradient(node)):
+            # a saved or recomputed residual sum is x itself, not something to see through
+            raise Unsupported("forward sum: an input")
+        if self._is_input_arithmetic(t, args, a, b):
+            raise Unsupported("scaled input: the product is an input of the pattern")
+        if t in (aten.add.Tensor, aten.sub.Tensor) and not forward and self._is_accumulation(a, b):
+            raise Unsupported("gradient accumulation: the sum is an input of the pattern")
+        if t in (aten.add.Tensor, aten.sub.Tensor):
+            b = b * graph_constant(alpha)
+        return self._bounded(BINARY_OPS[t](a, b))
+
+    def _negate(self, node) -> NormValue:
+        return NormValue(-self._arg(node.args[0]))
+
+    def _power(self, node) -> NormValue:
+        exponent = graph_constant(node.args[1])
+        if exponent is None:
+            raise Unsupported(f"op {node.target}")  # a tensor exponent is no Laurent polynomial
+        return self._bounded(self._arg(node.args[0]).power(exponent, self.nonnegative))
+
+    def _sqrt(self, node) -> NormValue:
+        return self._bounded(self._arg(node.args[0]).sqrt(self.nonnegative))
+
+    def _reciprocal(self, node) -> NormValue:
+        return self._bounded(1 / self._arg(node.args[0]))
+
+    def _expand(self, node) -> NormValue:
+        return NormValue(self._arg(node.args[0]))
+
+    def _view(self, node) -> NormValue:
+        src = node.args[0]
+        v = self.value(src)
+        if v is not None and v.lead_sum is not None:
+            squeezed = lambda s: [x for x in s if static_int(x) != 1]  # noqa: E731
+            if same_shape(squeezed(shape(node)), squeezed(shape(src))):
                 return v
-            raise Unsupported("view")
-        raise Unsupported(f"op {t}")
+        if v is not None and same_shape(shape(node), shape(src)):
+            return v
+        raise Unsupported("view")
 
     def _is_input_arithmetic(self, t, args, a, b) -> bool:
         """c * grad (a logits scale before the LM head, a residual scale): a leaf scaled by a
@@ -322,6 +344,20 @@ class NormEvaluator(MemoEvaluator):
         if node.target is aten.sum.dim_IntList and all(d < rank - self.k for d in dims):
             return NormValue(body, lead_sum=(src, dims))
         raise Unsupported("reduction axes")
+
+    #: aten op -> the name of its interpreter, looked up on the instance (so a subclass or a
+    #: test can replace one). FORWARD_SAFE interpreters take (node, forward) and may read
+    #: forward nodes; BACKWARD_ONLY ones take (node). Ops in neither are leaves.
+    FORWARD_SAFE = dict.fromkeys(BINARY_OPS, "_binary")
+    BACKWARD_ONLY = {
+        aten.neg.default: "_negate",
+        aten.pow.Tensor_Scalar: "_power",
+        aten.sqrt.default: "_sqrt",
+        aten.reciprocal.default: "_reciprocal",
+        aten.expand.default: "_expand",
+        aten.sum.dim_IntList: "_reduce", aten.mean.dim: "_reduce",
+        aten.view.default: "_view", aten.reshape.default: "_view", aten._unsafe_view.default: "_view",
+    }
 
 
 # -- matching -----------------------------------------------------------------
