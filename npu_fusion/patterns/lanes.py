@@ -293,6 +293,9 @@ class LaneEvaluator(MemoEvaluator):
         if alpha is None:
             raise Unsupported("alpha")
         sign = (-1 if t in (aten.sub.Tensor, aten.sub.Scalar) else 1) * alpha
+        if _is_complex(node) and not all(_is_complex(a) for a in args[:2]):
+            # a real operand adds to the real parts only; read lane by lane it would add to both
+            raise Unsupported("complex sum with a real operand")
         if t in (aten.add.Tensor, aten.sub.Tensor) and all(
                 isinstance(a, fx.Node) and _degree(self._checked(a)) <= 1 for a in args[:2]):
             raise Unsupported("gradient accumulation: the sum is an input of the pattern")
