@@ -44,6 +44,7 @@ ZOO = {
     "bitnet": [(F32, False)],
     "ministral3": [(F32, False)],
     "nanochat": [(F32, False)],  # cat(x2, -x1) rotation: mode 0 with sin negated
+    "hrm_text": [(F32, False)],  # a weightless norm whose dy is the sum of three other norms' dx
 }
 
 #: models whose forms the matchers do not cover yet: strict, so a fix shows up as XPASS.

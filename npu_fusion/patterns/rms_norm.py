@@ -596,7 +596,8 @@ def find_sites(graph: fx.Graph, provenance, forced_leaves=(), rewrites: Optional
 def _near_misses(ev: NormEvaluator, nodes, matched: List[NormMatch], rewrites: Rewrites) -> List[Miss]:
     """Nodes that sum over the normalized axes once, as an RMSNorm dx does, yet matched nothing.
     One built on a matched site's sum outside that site (a post-norm whose dy is the next
-    norm's dx) is pending: the next round, with that site fused, decides it."""
+    norm's dx, or the sum of several norms' dx) is pending: the next round, with those sites
+    fused, decides it."""
     done, inside = set(), set()
     for site in matched:
         summand = ev.value_of(site.dy) * ev.value_of(site.gamma) * ev.value_of(site.x)
@@ -609,6 +610,11 @@ def _near_misses(ev: NormEvaluator, nodes, matched: List[NormMatch], rewrites: R
                 shape(n)[len(shape(n)) - ev.k:], ev.norm_shape) or len(shape(n)) <= ev.k:
             continue
         sums = {s for s in v.expr.free_symbols if s in ev.sum_body}
+        if len(sums) > 1 and sums & done and sums - done and n not in inside:
+            # its own sum over a gradient that expands into matched sites' dx (a norm whose dy
+            # is several norms' dx summed): the next round reads that dy as their fused outputs
+            rewrites.pending += 1
+            continue
         # a norm's dx scales by a saved statistic and has a term x * sum(product) with the
         # product of degree >= 2 (dy*g*x): (log-)softmax's backward has no statistic or sums
         # the gradient alone, normalizing by a plain sum (MoE routing weights) has no x there
