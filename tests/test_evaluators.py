@@ -68,3 +68,57 @@ def test_lane_values_equal_what_the_graph_computes(name):
     values = node_values(gm, inputs)
     expected = real_view(values[output]).reshape(-1)
     torch.testing.assert_close(lanes_value(ev, lanes, values), expected.double())
+
+
+# -- random programs: the evaluator is exact on whatever it does not make a leaf ----------
+
+from hypothesis import given, settings, strategies as st  # noqa: E402
+
+#: expressions over 4-element vectors ``x`` and ``y``, each ``{}`` an operand of the same shape
+UNARY = [
+    "-({})", "({}) * 2.0", "({}) * -0.5", "({}) / 4.0", "({}) + 1.0", "({}) - 0.25",
+    "torch.cat((-({0})[2:], ({0})[:2]), -1)",                                     # rotate half
+    "torch.stack((-({0})[1::2], ({0})[::2]), -1).flatten(-2)",                   # rotate pairs
+    "torch.cat((({0})[::2], ({0})[1::2]), -1)",                                   # de-interleave
+    "({}).view(2, 2).transpose(0, 1).reshape(4)",
+    "({}).view(2, 2).flip(-1).reshape(4)",                                         # not in the table
+    "torch.view_as_real(torch.view_as_complex(({}).view(2, 2)).conj().resolve_conj()).flatten()",
+    "torch.view_as_real(torch.view_as_complex(({}).view(2, 2)) + 1.0).flatten()",
+    "torch.view_as_real(torch.view_as_complex(({}).view(2, 2)) * 3.0).flatten()",
+    "({}).view(2, 2).sum(-1, keepdim=True).expand(2, 2).reshape(4)",
+    "torch.stack((({0})[0], ({0})[3], ({0})[1], ({0})[2]))",
+]
+BINARY = [
+    "({}) + ({})", "({}) - ({})", "({}) * ({})",
+    "torch.view_as_real(torch.view_as_complex(({}).view(2, 2)) * torch.view_as_complex(({}).view(2, 2))).flatten()",
+    "torch.view_as_real(torch.view_as_complex(({}).view(2, 2)) - torch.view_as_complex(({}).view(2, 2))).flatten()",
+    "torch.where(torch.tensor([True, False, True, False]), {}, {})",
+]
+
+
+def expressions(depth):
+    leaf = st.sampled_from(["x", "y"])
+    if depth == 0:
+        return leaf
+    below = expressions(depth - 1)
+    unary = st.tuples(st.sampled_from(UNARY), below).map(lambda t: t[0].format(t[1]))
+    binary = st.tuples(st.sampled_from(BINARY), below, below).map(lambda t: t[0].format(t[1], t[2]))
+    return st.one_of(leaf, unary, binary)
+
+
+@settings(max_examples=150, deadline=None)
+@given(expressions(4))
+def test_random_programs_evaluate_exactly(source):
+    program = eval(f"lambda x, y: {source}", {"torch": torch})  # noqa: S307  (drawn from the lists above)
+    inputs = [torch.randn(4, dtype=torch.float64, generator=torch.Generator().manual_seed(i)) for i in range(2)]
+    gm = make_fx(program, tracing_mode="fake")(*inputs)
+    output = next(n for n in gm.graph.nodes if n.op == "output").args[0]
+    if isinstance(output, (list, tuple)):
+        (output,) = output
+    ev = LaneEvaluator(None)
+    lanes = ev.value(output)
+    if lanes is None:
+        return  # not a float tensor with tracked lanes: nothing to compare
+    values = node_values(gm, inputs)
+    expected = real_view(values[output]).reshape(-1)
+    torch.testing.assert_close(lanes_value(ev, lanes, values), expected.double(), msg=source)
