@@ -1,6 +1,7 @@
-"""The lane evaluator's values are the tensors the graph computes: each position's
-polynomial in the leaves, evaluated on the leaves' values, equals that position of the
-node's value (or the node is a leaf, which is its own value)."""
+"""The evaluators are exact: the lane evaluator's per-position polynomials and the RMSNorm
+evaluator's expressions (sums over the normalized axis as symbols), evaluated on the leaves'
+values, equal the tensors the graph computes wherever they do not make a node a leaf (a leaf
+is its own value). Hand-picked programs first, then random ones over each evaluator's ops."""
 import pytest
 import torch
 import torch.fx as fx
@@ -122,3 +123,76 @@ def test_random_programs_evaluate_exactly(source):
     values = node_values(gm, inputs)
     expected = real_view(values[output]).reshape(-1)
     torch.testing.assert_close(lanes_value(ev, lanes, values), expected.double(), msg=source)
+
+
+# -- the RMSNorm evaluator: symbolic over the normalized (last) axis, sums as symbols ------
+
+from npu_fusion.patterns.rms_norm import NormEvaluator  # noqa: E402
+
+ROWS, N = 3, 4
+
+
+def symbol_value(ev, sym, values):
+    """A symbol's tensor: a leaf's value, or a sum over the normalized axis of its body."""
+    if sym in ev.node_of:
+        return values[ev.node_of[sym]].double()
+    body = ev.sum_body[sym]
+    product = torch.ones(ROWS, N, dtype=torch.float64)
+    for s, e in body:
+        product = product * symbol_value(ev, s, values) ** float(e)
+    return product.sum(-1, keepdim=True)
+
+
+def norm_value(ev, expr, values):
+    total = torch.zeros(ROWS, N, dtype=torch.float64)
+    for mono, coef in expr.split_terms():
+        term = torch.full((ROWS, N), float(coef), dtype=torch.float64)
+        for s, e in mono:
+            term = term * symbol_value(ev, s, values) ** float(e)
+        total = total + term
+    return total
+
+
+#: expressions over ``x`` and ``y`` (``[3, 4]``, normalized over the last axis) and ``r``
+#: (``[3, 1]``, positive), each ``{}`` a ``[3, 4]`` operand
+NORM_UNARY = [
+    "-({})", "({}) * 2.0", "({}) / 4.0", "({}) ** 2", "({}) ** 3", "({}) * r", "({}) / r",
+    "({}) * torch.rsqrt(({0}).pow(2).mean(-1, keepdim=True) + 1e-6)",
+    "({}) * torch.sqrt(torch.rsqrt(({0}).pow(2).mean(-1, keepdim=True) + 1e-6))",
+    "({}).sum(-1, keepdim=True).expand(3, 4)", "({}).mean(-1, keepdim=True).expand(3, 4)",
+    "({}) * ({}).sum(-1, keepdim=True)", "torch.sqrt(({}) * ({}))", "torch.reciprocal(r).expand(3, 4) * ({})",
+    "({}).view(12).view(3, 4)", "({}).clone()",  # (a rounding cast is an identity, its rounding tracked apart)
+]
+NORM_BINARY = ["({}) + ({})", "({}) - ({})", "({}) * ({})", "({}) / ({})"]
+
+
+def norm_expressions(depth):
+    leaf = st.sampled_from(["x", "y"])
+    if depth == 0:
+        return leaf
+    below = norm_expressions(depth - 1)
+    unary = st.tuples(st.sampled_from(NORM_UNARY), below).map(lambda t: t[0].replace("{0}", t[1]).format(t[1], t[1]))
+    binary = st.tuples(st.sampled_from(NORM_BINARY), below, below).map(lambda t: t[0].format(t[1], t[2]))
+    return st.one_of(leaf, unary, binary)
+
+
+@settings(max_examples=150, deadline=None)
+@given(norm_expressions(3))
+def test_random_norm_programs_evaluate_exactly(source):
+    program = eval(f"lambda x, y, r: {source}", {"torch": torch})  # noqa: S307  (drawn from the lists above)
+    gen = torch.Generator().manual_seed(0)
+    inputs = [torch.randn(ROWS, N, dtype=torch.float64, generator=gen),
+              torch.randn(ROWS, N, dtype=torch.float64, generator=gen),
+              torch.rand(ROWS, 1, dtype=torch.float64, generator=gen) + 0.5]
+    gm = make_fx(program, tracing_mode="fake")(*inputs)
+    output = next(n for n in gm.graph.nodes if n.op == "output").args[0]
+    if isinstance(output, (list, tuple)):
+        (output,) = output
+    ev = NormEvaluator((N,), None)
+    value = ev.value(output)
+    if value is None or value.lead_sum is not None or tuple(output.meta["val"].shape) != (ROWS, N):
+        return
+    values = node_values(gm, inputs)
+    expected = values[output].double()
+    got = norm_value(ev, value.expr, values)
+    torch.testing.assert_close(got, expected, rtol=1e-9, atol=1e-9, equal_nan=True, msg=source)
