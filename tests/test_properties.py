@@ -321,9 +321,12 @@ FRAMEWORK_SPELLINGS = {
     "tune": (framework_form("tune"), (), 2),
     "tune_cache_lanes_swapped": (framework_form("tune"), ("lanes_swapped",), 2),
     "tune_near_miss_two_caches": (framework_form("tune", with_k=False), ("cache_other",), 0),
+    "tune_near_miss_one_read_of_another_cache": (framework_form("tune", with_k=False), ("cache_other_cos",), 0),
     "half_computed_copies": (framework_form("half_computed", mode=0, layout="BNSD", table_layout="SD"), (), 2),
     "half_computed_near_miss_scaled_copy": (
         framework_form("half_computed", mode=0, layout="BNSD", table_layout="SD", with_k=False), ("copy_scaled",), 0),
+    "half_computed_near_miss_one_copy_of_another_table": (
+        framework_form("half_computed", mode=0, layout="BNSD", table_layout="SD", with_k=False), ("copy_other_cos",), 0),
     "complex_plain_then_exp": (framework_form("complex_plain", after="exp"), (), 2),
     "megatron_half": (framework_form("megatron", mode=0, layout="SBND", table_layout="S11D"), (), 2),
     "megatron_interleaved_then_times": (

@@ -176,10 +176,10 @@ HALF_TABLE_PERTURBATIONS = [  # in x1 * cos - x2 * sin, x2 * cos + x1 * sin
     ["abs_x", "sqrt_square_x"], "detach_x", ["swap_tables", "same_table"], ["term_sign", "coef"], "extra_term"]
 COMPLEX_PERTURBATIONS = [["conj", "conj_x"], "extra_term", "swap_parts"]
 #: half_computed: the second lane's tables are another table, or a multiple of the first's copy
-COPY_PERTURBATIONS = [["copy_other", "copy_scaled"]]
+COPY_PERTURBATIONS = [["copy_other", "copy_other_cos", "copy_scaled"]]
 TUNE_PERTURBATIONS = [  # in stack([x0 * c - x1 * s, x1 * c + x0 * s], -1)
     ["no_negation", "both_negated", "unrotated_pair", "conj_x", "lanes_out_swapped"],
-    ["cache_other", "cache_scaled"], "lanes_swapped", ["abs_x", "sqrt_square_x"], "detach_x", "coef"]
+    ["cache_other", "cache_other_cos", "cache_scaled", "cache_scaled_sin"], "lanes_swapped", ["abs_x", "sqrt_square_x"], "detach_x", "coef"]
 #: Megatron's rotate_half pair (-x2, x1) and its near misses, then x * cos + rot(x) * sin's
 MEGATRON_PERTURBATIONS = [["rot_sign", "unrotated_pair", "pair_not_swapped"]] + TERM_PERTURBATIONS
 #: an elementwise use of each RoPE output, so that dy is computed (not a tangent as it is)
@@ -356,6 +356,8 @@ def half_computed_terms(form: RopeForm, p) -> List[str]:
     second = first
     if "copy_other" in p:
         second = (f"freqs.roll(1, 0).cos(){cast}", f"freqs.roll(1, 0).sin(){cast}")
+    if "copy_other_cos" in p:  # one of the four reads differs
+        second = (f"freqs.roll(1, 0).cos(){cast}", first[1])
     if "copy_scaled" in p:
         second = (f"(2.0 * {first[0]})", first[1])
     return half_table_terms(p, form.width // 2, first, second)
@@ -367,6 +369,9 @@ def tune_terms(p) -> List[str]:
     the second lane reading another cache or a multiple of it (copies that differ)."""
     c, s = ("1", "0") if "lanes_swapped" in p else ("0", "1")  # benign: RoPE with the tables swapped
     other = "other" if "cache_other" in p else ("(cache * 2.0)" if "cache_scaled" in p else "cache")
+    # one of the four reads differs: the second lane's cos from the other cache, its sin doubled
+    other_c = "other" if "cache_other_cos" in p else other
+    other_s = "(cache * 2.0)" if "cache_scaled_sin" in p else other
     x0 = {"abs_x": "xs[..., 0].abs()", "sqrt_square_x": "torch.sqrt(xs[..., 0] * xs[..., 0])"}
     x0 = next((spelled for name, spelled in x0.items() if name in p), "xs[..., 0]")
     x1 = "xs[..., 1].detach()" if "detach_x" in p else "xs[..., 1]"
@@ -375,9 +380,9 @@ def tune_terms(p) -> List[str]:
     a = (f"{x0} * cache[..., {c}] {'+' if {'no_negation', 'conj_x'} & set(p) else '-'} "
          f"{coef}{a_pair} * cache[..., {s}]")
     if "conj_x" in p:  # conj(x) * (cos + i sin)
-        b = f"{b_pair} * {other}[..., {s}] - {x1} * {other}[..., {c}]"
+        b = f"{b_pair} * {other_s}[..., {s}] - {x1} * {other_c}[..., {c}]"
     else:
-        b = f"{x1} * {other}[..., {c}] {'-' if 'both_negated' in p else '+'} {b_pair} * {other}[..., {s}]"
+        b = f"{x1} * {other_c}[..., {c}] {'-' if 'both_negated' in p else '+'} {b_pair} * {other_s}[..., {s}]"
     lanes = f"{b}, {a}" if "lanes_out_swapped" in p else f"{a}, {b}"
     return ["xs = x.reshape(*x.shape[:-1], -1, 2)", f"return torch.stack([{lanes}], -1).flatten(-2)"]
 
@@ -426,7 +431,7 @@ def rope_inputs(form: RopeForm, p) -> List[Input]:
         inputs += [make("pos", form.position_axis, F32, False, 3.0), make("inv_freq", "R", F32, table_grad)]
     else:
         names = {"complex": ("angles",), "complex_plain": ("angles",), "megatron": ("freqs",),
-                 "tune": ("cache", "cache2") if "cache_other" in p else ("cache",)}.get(form.spelling, ("cos", "sin"))
+                 "tune": ("cache", "cache2") if {"cache_other", "cache_other_cos"} & set(p) else ("cache",)}.get(form.spelling, ("cos", "sin"))
         for name in names:
             inputs.append(make(name, t_dims, form.table_dtype, table_grad, form.table_scale))
     if "table_reuse" in p:
@@ -457,7 +462,8 @@ def rope_helpers(form: RopeForm, p) -> List[str]:
     if form.spelling == "half_computed":
         return helpers + function_source("rope", ["x", "freqs"], half_computed_terms(form, p))
     if form.spelling == "tune":
-        return helpers + function_source("rope", ["x", "cache"] + (["other"] if "cache_other" in p else []),
+        two = {"cache_other", "cache_other_cos"} & set(p)
+        return helpers + function_source("rope", ["x", "cache"] + (["other"] if two else []),
                                          tune_terms(p))
     if form.spelling == "megatron":
         return helpers + megatron_helpers(form, p)
@@ -492,7 +498,7 @@ def rope_body(form: RopeForm, p) -> List[str]:
         lines.append("freqs = torch.polar(torch.ones_like(angles), angles)")
         tables = ["freqs"]
     elif form.spelling == "tune":
-        tables = ["cache", "cache2"] if "cache_other" in p else ["cache"]
+        tables = ["cache", "cache2"] if {"cache_other", "cache_other_cos"} & set(p) else ["cache"]
     elif form.spelling == "megatron":  # emb = cat((freqs, freqs)), or interleaved: each frequency twice in a row
         lines.append("emb = " + ("torch.cat((freqs, freqs), dim=-1)" if form.mode == 0
                                  else "torch.stack((freqs, freqs), dim=-1).flatten(-2)"))
