@@ -3,9 +3,10 @@
 Hypothesis draws forward programs around RoPE and RMSNorm (npu_fusion/testing/programs.py):
 every supported form (with the framework spellings: torchtune's selects on a (cos, sin) cache,
 Megatron's [S, B, H, D] with tables from freqs, complex RoPE in float32 followed by an
-elementwise use, tables computed again at each use so that copies are saved), and perturbations that make them *almost* RoPE or RMSNorm (a flipped
-sign, a wrong split point, ``sqrt(x*x)`` for ``x``, an extra output, mixed fp16/bf16
-operands, ...). Each is compiled with the real pass (strict, so an internal error of the
+elementwise use, tables computed again at each use so that copies are saved), and
+perturbations that make them *almost* RoPE or RMSNorm (a flipped sign, a wrong split point,
+``sqrt(x*x)`` for ``x``, an extra output, mixed fp16/bf16 operands, copies of a table that
+differ, ...). Each is compiled with the real pass (strict, so an internal error of the
 pass raises) through torch.compile or AOTAutograd directly, under either partitioner,
 with static or dynamic shapes; then every gradient is compared with eager in the same
 dtype and with the program's own math in float64 (README: at most 4x further from float64
@@ -326,7 +327,8 @@ FRAMEWORK_SPELLINGS = {
     "half_computed_near_miss_scaled_copy": (
         framework_form("half_computed", mode=0, layout="BNSD", table_layout="SD", with_k=False), ("copy_scaled",), 0),
     "half_computed_near_miss_one_copy_of_another_table": (
-        framework_form("half_computed", mode=0, layout="BNSD", table_layout="SD", with_k=False), ("copy_other_cos",), 0),
+        framework_form("half_computed", mode=0, layout="BNSD", table_layout="SD", with_k=False),
+        ("copy_other_cos",), 0),
     "complex_plain_then_exp": (framework_form("complex_plain", after="exp"), (), 2),
     "megatron_half": (framework_form("megatron", mode=0, layout="SBND", table_layout="S11D"), (), 2),
     "megatron_interleaved_then_times": (

@@ -179,7 +179,8 @@ COMPLEX_PERTURBATIONS = [["conj", "conj_x"], "extra_term", "swap_parts"]
 COPY_PERTURBATIONS = [["copy_other", "copy_other_cos", "copy_scaled"]]
 TUNE_PERTURBATIONS = [  # in stack([x0 * c - x1 * s, x1 * c + x0 * s], -1)
     ["no_negation", "both_negated", "unrotated_pair", "conj_x", "lanes_out_swapped"],
-    ["cache_other", "cache_other_cos", "cache_scaled", "cache_scaled_sin"], "lanes_swapped", ["abs_x", "sqrt_square_x"], "detach_x", "coef"]
+    ["cache_other", "cache_other_cos", "cache_scaled", "cache_scaled_sin"], "lanes_swapped",
+    ["abs_x", "sqrt_square_x"], "detach_x", "coef"]
 #: Megatron's rotate_half pair (-x2, x1) and its near misses, then x * cos + rot(x) * sin's
 MEGATRON_PERTURBATIONS = [["rot_sign", "unrotated_pair", "pair_not_swapped"]] + TERM_PERTURBATIONS
 #: an elementwise use of each RoPE output, so that dy is computed (not a tangent as it is)
@@ -245,7 +246,8 @@ def rope_forms(draw) -> RopeForm:
     dtype = F32 if spelling == "complex_plain" else draw(DTYPES)  # view_as_complex of float32 only
     table_layout = draw(st.sampled_from(ROPE_LAYOUTS[layout]))
     # complex_plain is drawn with a use after it: the form the widening was for
-    after = draw(st.sampled_from((["none", "none"] if spelling != "complex_plain" else []) + ["exp", "square", "times"]))
+    afters = (["none", "none"] if spelling != "complex_plain" else []) + ["exp", "square", "times"]
+    after = draw(st.sampled_from(afters))
     return RopeForm(
         spelling=spelling, mode=mode, layout=layout, table_layout=table_layout, head_dim=head_dim,
         width=head_dim if mode == 2 and width % 4 else width,
@@ -430,8 +432,9 @@ def rope_inputs(form: RopeForm, p) -> List[Input]:
     if form.spelling in ("computed", "half_computed"):  # positions (of the S or T axis) and inverse frequencies
         inputs += [make("pos", form.position_axis, F32, False, 3.0), make("inv_freq", "R", F32, table_grad)]
     else:
+        caches = ("cache", "cache2") if {"cache_other", "cache_other_cos"} & set(p) else ("cache",)
         names = {"complex": ("angles",), "complex_plain": ("angles",), "megatron": ("freqs",),
-                 "tune": ("cache", "cache2") if {"cache_other", "cache_other_cos"} & set(p) else ("cache",)}.get(form.spelling, ("cos", "sin"))
+                 "tune": caches}.get(form.spelling, ("cos", "sin"))
         for name in names:
             inputs.append(make(name, t_dims, form.table_dtype, table_grad, form.table_scale))
     if "table_reuse" in p:
