@@ -1,9 +1,12 @@
 """Property tests: the pass must never change a gradient.
 
-Hypothesis draws forward programs around RoPE and RMSNorm (tests/programs.py): every
-supported form, and perturbations that make them *almost* RoPE or RMSNorm (a flipped
-sign, a wrong split point, ``sqrt(x*x)`` for ``x``, an extra output, mixed fp16/bf16
-operands, ...). Each is compiled with the real pass (strict, so an internal error of the
+Hypothesis draws forward programs around RoPE and RMSNorm (npu_fusion/testing/programs.py):
+every supported form (with the framework spellings: torchtune's selects on a (cos, sin) cache,
+Megatron's [S, B, H, D] with tables from freqs, complex RoPE in float32 followed by an
+elementwise use, tables computed again at each use so that copies are saved), and
+perturbations that make them *almost* RoPE or RMSNorm (a flipped sign, a wrong split point,
+``sqrt(x*x)`` for ``x``, an extra output, mixed fp16/bf16 operands, copies of a table that
+differ, ...). Each is compiled with the real pass (strict, so an internal error of the
 pass raises) through torch.compile or AOTAutograd directly, under either partitioner,
 with static or dynamic shapes; then every gradient is compared with eager in the same
 dtype and with the program's own math in float64 (README: at most 4x further from float64
@@ -18,7 +21,8 @@ example is recorded and the run goes on (no shrinking), so every failure is coun
 ``NPU_FUSION_PROPERTY_LOG=path`` appends each failing example to ``path`` as it happens
 and keeps the counts so far in ``path.counts``.
 
-The named regression tests at the end reproduce known bugs of the pass.
+The framework-spelling tests check that the generator's spelling of each widened matcher
+reaches it; the named regression tests at the end reproduce known bugs of the pass.
 """
 from __future__ import annotations
 
@@ -35,7 +39,8 @@ from hypothesis import currently_in_test_context, event, given, note, strategies
 from npu_fusion.models import rotate_half
 from npu_fusion.testing.capture import Capture
 from npu_fusion.testing.grads import assert_close_as_unfused, run_grads
-from npu_fusion.testing.programs import F16, BF16, F32, Program, rms_norm_programs, rope_programs
+from npu_fusion.testing.programs import (F16, BF16, F32, Program, RopeForm, rms_norm_programs, rope_program,
+                                         rope_programs)
 
 ROPE = "rotary_position_embedding_grad"
 RMS = "rms_norm_grad"
@@ -301,6 +306,45 @@ def test_rope_programs_keep_gradients(program, config):
 @given(program=rms_norm_programs(), config=configs())
 def test_rms_norm_programs_keep_gradients(program, config):
     check_program(program, config)
+
+
+# -- the framework spellings the generator draws: exact ones fuse, differing copies don't --
+
+def framework_form(spelling, mode=1, layout="BSND", table_layout="1S1D", after="none", with_k=True):
+    return RopeForm(spelling=spelling, mode=mode, layout=layout, table_layout=table_layout, head_dim=16, width=16,
+                    sizes=(2, 2, 4, 3), dtype=F32, table_dtype=F32, table_grad=False, table_scale=1.0,
+                    with_k=with_k, k_one_head=False, upcast=False, deinterleave="slices", after=after)
+
+
+#: (form, perturbations, sites expected fused): the generator's spelling of each widened
+#: matcher must reach it (else the property test only ever draws misses of it)
+FRAMEWORK_SPELLINGS = {
+    "tune": (framework_form("tune"), (), 2),
+    "tune_cache_lanes_swapped": (framework_form("tune"), ("lanes_swapped",), 2),
+    "tune_near_miss_two_caches": (framework_form("tune", with_k=False), ("cache_other",), 0),
+    "tune_near_miss_one_read_of_another_cache": (framework_form("tune", with_k=False), ("cache_other_cos",), 0),
+    "half_computed_copies": (framework_form("half_computed", mode=0, layout="BNSD", table_layout="SD"), (), 2),
+    "half_computed_near_miss_scaled_copy": (
+        framework_form("half_computed", mode=0, layout="BNSD", table_layout="SD", with_k=False), ("copy_scaled",), 0),
+    "half_computed_near_miss_one_copy_of_another_table": (
+        framework_form("half_computed", mode=0, layout="BNSD", table_layout="SD", with_k=False),
+        ("copy_other_cos",), 0),
+    "complex_plain_then_exp": (framework_form("complex_plain", after="exp"), (), 2),
+    "megatron_half": (framework_form("megatron", mode=0, layout="SBND", table_layout="S11D"), (), 2),
+    "megatron_interleaved_then_times": (
+        framework_form("megatron", layout="SBND", table_layout="S11D", after="times"), (), 2),
+}
+
+
+@pytest.mark.parametrize("name", list(FRAMEWORK_SPELLINGS))
+def test_framework_spellings_drawn_by_the_generator(name):
+    form, perturbations, expected = FRAMEWORK_SPELLINGS[name]
+    program = rope_program(form, perturbations)
+    compiled = Compiled(program.build(), Config(route="capture", partitioner="default", decompositions="none",
+                                                dynamic="static", target="generic", seed=0))
+    check_gradients(compiled, program.build(), program.tensors(), wide=program.build(wide=True),
+                    names=[i.name for i in program.inputs])
+    assert compiled.fused(ROPE) == expected, f"{program}\n{compiled.capture.misses()}"
 
 
 # -- regressions: known unsound rewrites ---------------------------------------------

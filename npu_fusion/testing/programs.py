@@ -150,9 +150,16 @@ ROPE_LAYOUTS = {  # q/k axes: the cos/sin axes allowed with them (README "Suppor
 }
 #: how the program writes RoPE, and the width of its tables (W: rotary_dim, R: half of it);
 #: "computed": cos/sin computed in the program from positions and inverse frequencies (HF's
-#: rotary embedding inside the compiled region: no table is an input)
-ROPE_SPELLINGS = {"full": "W", "rebuilt": "R", "half": "R", "complex": "R", "function": "W", "computed": "R"}
+#: rotary embedding inside the compiled region: no table is an input); "half_computed": the
+#: half-table formula with ``freqs.cos()``/``freqs.sin()`` written at each use (the forward
+#: computes each table twice and the partitioner saves copies); "tune": torchtune's
+#: selects and stack on a [.., R, 2] cache of (cos, sin); "complex_plain": complex RoPE in
+#: float32 with no casts (``reshape``); "megatron": Megatron-core's [S, B, H, D] with cos/sin
+#: computed from ``freqs`` inside each call (two calls: two copies of each table)
+ROPE_SPELLINGS = {"full": "W", "rebuilt": "R", "half": "R", "complex": "R", "function": "W", "computed": "R",
+                  "half_computed": "R", "tune": "R2", "complex_plain": "R", "megatron": "R"}
 USES_ROT = ("full", "rebuilt", "function", "computed")
+COMPLEX = ("complex", "complex_plain")
 
 # Perturbation slots (see some_of): a list holds alternatives for one place in the program.
 ROTATION_PERTURBATIONS = {  # in the rotate helper, per mode
@@ -167,7 +174,17 @@ TERM_PERTURBATIONS = [  # in x * cos + rot(x) * sin
     "rounding_cast"]
 HALF_TABLE_PERTURBATIONS = [  # in x1 * cos - x2 * sin, x2 * cos + x1 * sin
     ["abs_x", "sqrt_square_x"], "detach_x", ["swap_tables", "same_table"], ["term_sign", "coef"], "extra_term"]
-COMPLEX_PERTURBATIONS = ["conj", "extra_term", "swap_parts"]
+COMPLEX_PERTURBATIONS = [["conj", "conj_x"], "extra_term", "swap_parts"]
+#: half_computed: the second lane's tables are another table, or a multiple of the first's copy
+COPY_PERTURBATIONS = [["copy_other", "copy_other_cos", "copy_scaled"]]
+TUNE_PERTURBATIONS = [  # in stack([x0 * c - x1 * s, x1 * c + x0 * s], -1)
+    ["no_negation", "both_negated", "unrotated_pair", "conj_x", "lanes_out_swapped"],
+    ["cache_other", "cache_other_cos", "cache_scaled", "cache_scaled_sin"], "lanes_swapped",
+    ["abs_x", "sqrt_square_x"], "detach_x", "coef"]
+#: Megatron's rotate_half pair (-x2, x1) and its near misses, then x * cos + rot(x) * sin's
+MEGATRON_PERTURBATIONS = [["rot_sign", "unrotated_pair", "pair_not_swapped"]] + TERM_PERTURBATIONS
+#: an elementwise use of each RoPE output, so that dy is computed (not a tangent as it is)
+ROPE_AFTER = {"none": "{}", "exp": "({}).exp()", "square": "({}).square()", "times": "({}) * o"}
 FUNCTION_PERTURBATIONS = [  # in a hand-written backward
     ["bw_swap_tables", "bw_sqrt_square"], ["bw_sign", "bw_missing_rot"], "bw_extra"]
 ROPE_WRAPPERS = [SCALINGS, "extra_output", "transpose_in", ["transpose_out", "flatten_out"], "table_reuse",
@@ -195,6 +212,7 @@ class RopeForm:
     k_one_head: bool       # GQA-like k (not with per-head tables)
     upcast: bool           # HF: rotate in float32, cast back
     deinterleave: str      # mode 3: "slices" or "view"
+    after: str = "none"    # a key of ROPE_AFTER
 
     @property
     def position_axis(self) -> str:
@@ -202,45 +220,54 @@ class RopeForm:
 
     def size(self, letter: str) -> int:
         return {"B": self.sizes[0], "N": self.sizes[1], "S": self.sizes[2], "T": self.sizes[3], "D": self.head_dim,
-                "W": self.width, "R": self.width // 2, "1": 1}[letter]
+                "W": self.width, "R": self.width // 2, "1": 1, "2": 2}[letter]
 
     def __str__(self):
         spelled = {"full": "", "rebuilt": " rebuilt tables", "half": " half-width tables",
                    "complex": " complex freqs", "function": " autograd.Function",
-                   "computed": " computed tables"}[self.spelling]
-        tables = "" if self.spelling == "computed" else f"/{self.table_layout}"
+                   "computed": " computed tables", "half_computed": " half-width tables computed at each use",
+                   "tune": " torchtune cache", "complex_plain": " complex freqs in float32",
+                   "megatron": " Megatron freqs"}[self.spelling]
+        tables = "" if self.spelling in ("computed", "half_computed") else f"/{self.table_layout}"
+        after = "" if self.after == "none" else f", then {self.after}"
         return (f"mode {self.mode}{spelled}{' in float32' if self.upcast else ''} {self.layout}{tables}"
-                f" D={self.head_dim}" + (f" rotary_dim={self.width}" if self.width < self.head_dim else ""))
+                f" D={self.head_dim}" + (f" rotary_dim={self.width}" if self.width < self.head_dim else "") + after)
 
 
 @st.composite
 def rope_forms(draw) -> RopeForm:
     spelling = draw(st.sampled_from(list(ROPE_SPELLINGS)))
-    modes = {"half": [0], "complex": [1], "function": [0, 1, 2]}.get(spelling, [0, 1, 2, 3])
+    modes = {"half": [0], "half_computed": [0], "complex": [1], "complex_plain": [1], "tune": [1],
+             "megatron": [0, 1], "function": [0, 1, 2]}.get(spelling, [0, 1, 2, 3])
     mode = draw(st.sampled_from(modes))
-    layout = draw(st.sampled_from(list(ROPE_LAYOUTS)))
+    layout = "SBND" if spelling == "megatron" else draw(st.sampled_from(list(ROPE_LAYOUTS)))
     head_dim = draw(st.sampled_from([8, 16]))
     width = draw(st.sampled_from([head_dim, head_dim // 2]))
-    dtype = draw(DTYPES)
+    dtype = F32 if spelling == "complex_plain" else draw(DTYPES)  # view_as_complex of float32 only
     table_layout = draw(st.sampled_from(ROPE_LAYOUTS[layout]))
+    # complex_plain is drawn with a use after it: the form the widening was for
+    afters = (["none", "none"] if spelling != "complex_plain" else []) + ["exp", "square", "times"]
+    after = draw(st.sampled_from(afters))
     return RopeForm(
         spelling=spelling, mode=mode, layout=layout, table_layout=table_layout, head_dim=head_dim,
         width=head_dim if mode == 2 and width % 4 else width,
         sizes=(draw(SIZES), draw(st.sampled_from([1, 2])), draw(SIZES), draw(SIZES)), dtype=dtype,
-        table_dtype=F32 if spelling == "complex" else draw(second_dtype(dtype)),  # torch.polar needs float32
+        # torch.polar needs float32; Megatron's freqs are float32 (cast to x's dtype in the call)
+        table_dtype=F32 if spelling in COMPLEX + ("megatron",) else draw(second_dtype(dtype)),
         table_grad=spelling != "function" and draw(st.booleans()),
         table_scale=draw(st.sampled_from([1.0, 1.0, 1e-5, 3e4])),
         with_k=draw(st.sampled_from([False, True, True])),
         k_one_head="N" not in table_layout and draw(st.booleans()),
-        upcast=spelling != "complex" and draw(st.booleans()),
-        deinterleave=draw(st.sampled_from(["slices", "view"])))
+        upcast=spelling not in COMPLEX and draw(st.booleans()),
+        deinterleave=draw(st.sampled_from(["slices", "view"])), after=after)
 
 
 def rope_perturbation_slots(form: RopeForm):
     """(near-miss slots, wrapper slots) that make sense for the form."""
     core = {"full": TERM_PERTURBATIONS, "rebuilt": TERM_PERTURBATIONS, "computed": TERM_PERTURBATIONS,
-            "half": HALF_TABLE_PERTURBATIONS, "complex": COMPLEX_PERTURBATIONS,
-            "function": FUNCTION_PERTURBATIONS}[form.spelling]
+            "half": HALF_TABLE_PERTURBATIONS, "half_computed": HALF_TABLE_PERTURBATIONS + COPY_PERTURBATIONS,
+            "complex": COMPLEX_PERTURBATIONS, "complex_plain": COMPLEX_PERTURBATIONS, "tune": TUNE_PERTURBATIONS,
+            "megatron": MEGATRON_PERTURBATIONS, "function": FUNCTION_PERTURBATIONS}[form.spelling]
     if form.spelling in USES_ROT:
         core = ROTATION_PERTURBATIONS[form.mode] + core
     wrappers = [w for w in ROPE_WRAPPERS if not (
@@ -305,16 +332,75 @@ def rope_terms(p) -> str:
     return f"{first} {'-' if 'term_sign' in p else '+'} {second}" + (f" + x * {s}" if "extra_term" in p else "")
 
 
-def half_table_terms(p, h: int) -> List[str]:
-    """``x1 * cos - x2 * sin, x2 * cos + x1 * sin`` with half-width tables, and near misses."""
-    c, s = ("sin", "cos") if "swap_tables" in p else ("cos", "sin")
-    if "same_table" in p:
-        s = c
+def half_table_terms(p, h: int, tables=("cos", "sin"), second=None) -> List[str]:
+    """``x1 * cos - x2 * sin, x2 * cos + x1 * sin`` with half-width tables, and near misses.
+    ``tables``: the (cos, sin) expressions of the first lane; ``second``: the second lane's,
+    when each use spells its own (computed again: the partitioner saves copies)."""
+    def arranged(c, s):
+        c, s = (s, c) if "swap_tables" in p else (c, s)
+        return c, c if "same_table" in p else s
+
+    c, s = arranged(*tables)
+    c2, s2 = arranged(*(second or tables))
     x1 = "x1.abs()" if "abs_x" in p else ("torch.sqrt(x1 * x1)" if "sqrt_square_x" in p else "x1")
     x2 = "x2.detach()" if "detach_x" in p else "x2"
     first = (f"{x1} * {c} {'+' if 'term_sign' in p else '-'} {'2.0 * ' if 'coef' in p else ''}{x2} * {s}"
-             + (" + x1 * sin" if "extra_term" in p else ""))
-    return [f"x1, x2 = x[..., :{h}], x[..., {h}:]", f"return torch.cat(({first}, x2 * {c} + x1 * {s}), dim=-1)"]
+             + (f" + x1 * {tables[1]}" if "extra_term" in p else ""))
+    return [f"x1, x2 = x[..., :{h}], x[..., {h}:]", f"return torch.cat(({first}, x2 * {c2} + x1 * {s2}), dim=-1)"]
+
+
+def half_computed_terms(form: RopeForm, p) -> List[str]:
+    """The half-table formula with ``freqs.cos()``/``freqs.sin()`` spelled at each use; near
+    misses: the second lane's copies are another table's (freqs one position off) or a
+    multiple of the first's."""
+    cast = f".to({DTYPE_NAME_TORCH[form.table_dtype]})"
+    first = (f"freqs.cos(){cast}", f"freqs.sin(){cast}")
+    second = first
+    if "copy_other" in p:
+        second = (f"freqs.roll(1, 0).cos(){cast}", f"freqs.roll(1, 0).sin(){cast}")
+    if "copy_other_cos" in p:  # one of the four reads differs
+        second = (f"freqs.roll(1, 0).cos(){cast}", first[1])
+    if "copy_scaled" in p:
+        second = (f"(2.0 * {first[0]})", first[1])
+    return half_table_terms(p, form.width // 2, first, second)
+
+
+def tune_terms(p) -> List[str]:
+    """torchtune's selects and stack on a cache of (cos, sin) lanes, and near misses: the
+    negation missing or doubled, the pair unrotated, x conjugated, the output lanes swapped,
+    the second lane reading another cache or a multiple of it (copies that differ)."""
+    c, s = ("1", "0") if "lanes_swapped" in p else ("0", "1")  # benign: RoPE with the tables swapped
+    other = "other" if "cache_other" in p else ("(cache * 2.0)" if "cache_scaled" in p else "cache")
+    # one of the four reads differs: the second lane's cos from the other cache, its sin doubled
+    other_c = "other" if "cache_other_cos" in p else other
+    other_s = "(cache * 2.0)" if "cache_scaled_sin" in p else other
+    x0 = {"abs_x": "xs[..., 0].abs()", "sqrt_square_x": "torch.sqrt(xs[..., 0] * xs[..., 0])"}
+    x0 = next((spelled for name, spelled in x0.items() if name in p), "xs[..., 0]")
+    x1 = "xs[..., 1].detach()" if "detach_x" in p else "xs[..., 1]"
+    a_pair, b_pair = ("xs[..., 0]", "xs[..., 1]") if "unrotated_pair" in p else ("xs[..., 1]", "xs[..., 0]")
+    coef = "2.0 * " if "coef" in p else ""
+    a = (f"{x0} * cache[..., {c}] {'+' if {'no_negation', 'conj_x'} & set(p) else '-'} "
+         f"{coef}{a_pair} * cache[..., {s}]")
+    if "conj_x" in p:  # conj(x) * (cos + i sin)
+        b = f"{b_pair} * {other_s}[..., {s}] - {x1} * {other_c}[..., {c}]"
+    else:
+        b = f"{x1} * {other_c}[..., {c}] {'-' if 'both_negated' in p else '+'} {b_pair} * {other_s}[..., {s}]"
+    lanes = f"{b}, {a}" if "lanes_out_swapped" in p else f"{a}, {b}"
+    return ["xs = x.reshape(*x.shape[:-1], -1, 2)", f"return torch.stack([{lanes}], -1).flatten(-2)"]
+
+
+def megatron_helpers(form: RopeForm, p) -> List[str]:
+    """Megatron-core's rotate_half on [S, B, H, D] (chunks, or strided slices stacked for
+    interleaved) and its RoPE computing cos/sin from freqs inside each call."""
+    pair = {"rot_sign": "(x2, -x1)", "unrotated_pair": "(-x1, x2)", "pair_not_swapped": "(x1, -x2)"}
+    pair = next((spelled for name, spelled in pair.items() if name in p), "(-x2, x1)")
+    if form.mode == 0:
+        rot = ["x1, x2 = torch.chunk(x, 2, dim=-1)", f"return torch.cat({pair}, dim=-1)"]
+    else:
+        rot = ["x1, x2 = x[:, :, :, ::2], x[:, :, :, 1::2]", f"x_new = torch.stack({pair}, dim=-1)",
+               "return x_new.view(x_new.shape[0], x_new.shape[1], x_new.shape[2], -1)"]
+    return function_source("rot", ["x"], rot) + function_source("rope", ["x", "freqs"], [
+        "cos, sin = torch.cos(freqs).to(x.dtype), torch.sin(freqs).to(x.dtype)", f"return {rope_terms(p)}"])
 
 
 def rope_function(p) -> List[str]:
@@ -343,10 +429,13 @@ def rope_inputs(form: RopeForm, p) -> List[Input]:
         inputs.append(make("k", q_in.replace("N", "1") if form.k_one_head else q_in, form.dtype, True))
     table_grad = form.table_grad and not {"same_table", "missing_table"} & set(p)  # an unused sin has no grad
     t_dims = form.table_layout[:-1] + ROPE_SPELLINGS[form.spelling]
-    if form.spelling == "computed":  # positions (of the S or T axis) and inverse frequencies
+    if form.spelling in ("computed", "half_computed"):  # positions (of the S or T axis) and inverse frequencies
         inputs += [make("pos", form.position_axis, F32, False, 3.0), make("inv_freq", "R", F32, table_grad)]
     else:
-        for name in ("angles",) if form.spelling == "complex" else ("cos", "sin"):
+        caches = ("cache", "cache2") if {"cache_other", "cache_other_cos"} & set(p) else ("cache",)
+        names = {"complex": ("angles",), "complex_plain": ("angles",), "megatron": ("freqs",),
+                 "tune": caches}.get(form.spelling, ("cos", "sin"))
+        for name in names:
             inputs.append(make(name, t_dims, form.table_dtype, table_grad, form.table_scale))
     if "table_reuse" in p:
         inputs.append(make("v", q_dims, form.dtype, True))
@@ -356,6 +445,8 @@ def rope_inputs(form: RopeForm, p) -> List[Input]:
         inputs.append(make("wq", "D", form.dtype, True))
     if "projected" in p:
         inputs.append(make("wp", "DD", form.dtype, True))
+    if form.after == "times":
+        inputs.append(make("o", "D", form.dtype, True))
     return inputs
 
 
@@ -371,11 +462,25 @@ def rope_helpers(form: RopeForm, p) -> List[str]:
                                                             ["return Rope.apply(x, cos, sin)"])
     if form.spelling == "half":
         return helpers + function_source("rope", ["x", "cos", "sin"], half_table_terms(p, form.width // 2))
+    if form.spelling == "half_computed":
+        return helpers + function_source("rope", ["x", "freqs"], half_computed_terms(form, p))
+    if form.spelling == "tune":
+        two = {"cache_other", "cache_other_cos"} & set(p)
+        return helpers + function_source("rope", ["x", "cache"] + (["other"] if two else []),
+                                         tune_terms(p))
+    if form.spelling == "megatron":
+        return helpers + megatron_helpers(form, p)
+    if form.spelling == "complex_plain":
+        xc = "torch.view_as_complex(x.reshape(*x.shape[:-1], -1, 2)" + (".flip(-1)" if "swap_parts" in p else "") + ")"
+        freqs = "freqs.conj()" if "conj" in p else "freqs"
+        return helpers + function_source("rope", ["x", "freqs"], [
+            f"xc = {xc}" + (".conj()" if "conj_x" in p else ""),
+            f"return torch.view_as_real(xc * {freqs}{' + xc' if 'extra_term' in p else ''}).flatten(-2)"])
     if form.spelling == "complex":
         pairs = "x.to(torch.float32).unflatten(-1, (-1, 2))" + (".flip(-1)" if "swap_parts" in p else "")
         freqs = "freqs.conj()" if "conj" in p else "freqs"
         return helpers + function_source("rope", ["x", "freqs"], [
-            f"xc = torch.view_as_complex({pairs})",
+            f"xc = torch.view_as_complex({pairs})" + (".conj()" if "conj_x" in p else ""),
             f"return torch.view_as_real(xc * {freqs}{' + xc' if 'extra_term' in p else ''}).flatten(-2).type_as(x)"])
     body = (["x = deinterleave(x)"] if form.mode == 3 else []) + [f"return {rope_terms(p)}"]
     return helpers + function_source("rope", ["x", "cos", "sin"], body)
@@ -390,8 +495,19 @@ def rope_body(form: RopeForm, p) -> List[str]:
         lines += ["q = q @ wp"] + (["k = k @ wp"] if form.with_k else [])
     if "qk_norm" in p:
         lines += ["q = qk_norm(q, wq)"] + (["k = qk_norm(k, wq)"] if form.with_k else [])
-    if form.spelling == "complex":
+    after_s = form.layout.index("D") - 1 - form.layout.index(form.position_axis)
+    index = "[:" + ", None" * after_s + ", :]" if after_s else ""  # computed tables broadcast over the axes after S
+    if form.spelling in COMPLEX:
         lines.append("freqs = torch.polar(torch.ones_like(angles), angles)")
+        tables = ["freqs"]
+    elif form.spelling == "tune":
+        tables = ["cache", "cache2"] if {"cache_other", "cache_other_cos"} & set(p) else ["cache"]
+    elif form.spelling == "megatron":  # emb = cat((freqs, freqs)), or interleaved: each frequency twice in a row
+        lines.append("emb = " + ("torch.cat((freqs, freqs), dim=-1)" if form.mode == 0
+                                 else "torch.stack((freqs, freqs), dim=-1).flatten(-2)"))
+        tables = ["emb"]
+    elif form.spelling == "half_computed":
+        lines.append(f"freqs = (pos[:, None] * inv_freq[None, :]){index}")
         tables = ["freqs"]
     else:
         tables = ["cos", "sin"]
@@ -399,8 +515,6 @@ def rope_body(form: RopeForm, p) -> List[str]:
         if form.spelling == "rebuilt":  # HF: emb = cat((freqs, freqs)); GPT-J: repeat_interleave
             lines += [f"{t} = {rebuild.format(t=t)}" for t in tables]
         if form.spelling == "computed":  # HF's rotary embedding, broadcast over the axes after S
-            after = form.layout.index("D") - 1 - form.layout.index(form.position_axis)
-            index = "[:" + ", None" * after + ", :]" if after else ""
             lines += ["freqs = pos[:, None] * inv_freq[None, :]", f"emb = {rebuild.format(t='freqs')}{index}",
                       f"cos, sin = emb.cos().to({DTYPE_NAME_TORCH[form.table_dtype]}), "
                       f"emb.sin().to({DTYPE_NAME_TORCH[form.table_dtype]})"]
@@ -427,6 +541,7 @@ def rope_body(form: RopeForm, p) -> List[str]:
             rest = f"{x}[..., {w - 2}:{d - 2}]" if "rest_overlap" in p else f"{x}[..., {w}:]"
             y = f"torch.cat(({rope(f'{xin}[..., :{w}]')}, {rest}), dim=-1)"
         y = scaled(f"({y}).to({x}.dtype)" if form.upcast else y, p)
+        y = ROPE_AFTER[form.after].format(y)
         if "transpose_out" in p:
             y = f"({y}).transpose(1, 2)"
         return f"({y}).flatten(-2)" if "flatten_out" in p else y
@@ -436,8 +551,9 @@ def rope_body(form: RopeForm, p) -> List[str]:
         whole = form.spelling in USES_ROT and form.width == form.head_dim
         outs.append("rot(q)" if whole else "q * 2.0")
     if "table_reuse" in p:  # a table used by something else too
-        cos_width = form.width // 2 if form.spelling == "half" else form.width
-        outs.append(f"(v[..., :{cos_width}] * cos)[..., :4]" if form.spelling != "complex" else "v * 2.0")
+        table = {"tune": "cache[..., 0]", "megatron": "emb", "half_computed": "freqs"}.get(form.spelling, "cos")
+        cos_width = form.width // 2 if form.spelling in ("half", "half_computed", "tune") else form.width
+        outs.append(f"(v[..., :{cos_width}] * {table})[..., :4]" if form.spelling not in COMPLEX else "v * 2.0")
     return lines + [f"return {', '.join(outs)}"]
 
 
