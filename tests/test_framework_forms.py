@@ -75,6 +75,18 @@ def two_cache_rope(x, cache, other):
     return out.flatten(3)
 
 
+def half_table_rope(x, cos, sin, sign=-1):
+    """``x1*cos - x2*sin`` with half-width input tables (``sign=1``: a near miss)."""
+    x1, x2 = x[..., :D // 2], x[..., D // 2:]
+    return torch.cat((x1 * cos + sign * x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+def half_table_inputs():
+    gen = torch.Generator().manual_seed(0)
+    theta = angles(gen)[:, None, :]
+    return [_randn(gen, B, S, H, D), theta.cos(), theta.sin()]
+
+
 # -- Megatron-core: _apply_rotary_pos_emb_bshd on [S, B, H, D] -------------------------
 
 def megatron_rotate_half(x, interleaved, pair=lambda x1, x2: (-x2, x1)):
@@ -174,6 +186,15 @@ CASES = {
     # the cache's lanes swapped is RoPE with the tables swapped: tables are whatever leaves
     "tune_rope_cache_lanes_swapped": Case(lambda q, c: tune_rope(q, c, lanes=(1, 0)), tune_q_cache, rope=1),
     "tune_near_miss_two_caches": Case(lambda q, c: two_cache_rope(q, c, c.flip(0)), tune_q_cache, rope=0),
+    # a computed dy: the gradient of an elementwise use after RoPE, read in pieces (selects,
+    # slices, a negation) by the rotation's backward, is one dy
+    "tune_rope_then_exp": Case(lambda q, c: tune_rope(q, c).exp(), tune_q_cache, rope=1),
+    "tune_rope_then_square": Case(lambda q, c: tune_rope(q, c).square(), tune_q_cache, rope=1),
+    "tune_near_miss_no_negation_then_square": Case(lambda q, c: tune_rope(q, c, first=(1, 1)).square(),
+                                                   tune_q_cache, rope=0),
+    "half_tables_then_square": Case(lambda q, c, s: half_table_rope(q, c, s).square(), half_table_inputs, rope=1),
+    "half_tables_near_miss_sign_then_square": Case(
+        lambda q, c, s: half_table_rope(q, c, s, sign=1).square(), half_table_inputs, rope=0),
     # Megatron-core: [S, B, H, D], tables computed from freqs in the program
     "megatron_half": Case(megatron_qk(False), lambda: megatron_inputs(False), rope=2),
     "megatron_interleaved": Case(megatron_qk(True), lambda: megatron_inputs(True), rope=2),

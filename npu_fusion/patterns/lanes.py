@@ -60,6 +60,12 @@ Mono = Tuple[Var, ...]           # sorted product of vars; () is the constant mo
 Poly = Dict[Mono, Number]
 
 MAX_DEGREE = 2
+#: one-input ops that only move (or negate) elements: a wide factor is cut above them
+MOVES_LANES = {
+    aten.slice.Tensor, aten.select.int, aten.neg.default, aten.view.default, aten.reshape.default,
+    aten._unsafe_view.default, aten.transpose.int, aten.permute.default, aten.unsqueeze.default,
+    aten.squeeze.dim, aten.squeeze.dims, aten.expand.default,
+}
 MAX_TERMS = 8
 #: the widest trailing extent worth tracking: no target accepts a RoPE head dim D above it
 MAX_LANES = ROPE_MAX_D
@@ -148,6 +154,8 @@ class LaneEvaluator(MemoEvaluator):
         super().__init__(provenance, forced_leaves)
         #: nodes cut into leaves where they are used (reductions, wide factors), beside their value
         self.cut_leaves: Dict[fx.Node, Optional[Lanes]] = {}
+        #: wide factors cut from a product, as values of their wide root (see _cut_value)
+        self.cut_values: Dict[fx.Node, Lanes] = {}
         self.leaf_ids: Dict[fx.Node, int] = {}
         self.leaves: List[fx.Node] = []
 
@@ -213,7 +221,7 @@ class LaneEvaluator(MemoEvaluator):
         out_shape = shape(node)
         if out_shape is None or not out_shape:
             raise Unsupported("no shape")
-        operands = [self._as_leaf(a) if a in cut else self._operand(a, node) for a in args]
+        operands = [self._cut_value(a) if a in cut else self._operand(a, node) for a in args]
         width = max(len(o.inner) for o in operands)
         inner = tuple(static_int(s) for s in out_shape[len(out_shape) - width:])
         if len(inner) != width or None in inner:
@@ -488,7 +496,7 @@ class LaneEvaluator(MemoEvaluator):
 
     def _complex_product(self, node, args, cut=()) -> Lanes:
         inner = tuple(static_int(x) for x in shape(node)[-2:])
-        a, b = (self._broadcast(self._as_leaf(x) if x in cut else self._checked(x), shape(x), inner) for x in args)
+        a, b = (self._broadcast(self._cut_value(x) if x in cut else self._checked(x), shape(x), inner) for x in args)
         polys = []
         for j in range(0, len(a.polys), 2):
             (ar, ai), (br, bi) = a.polys[j:j + 2], b.polys[j:j + 2]
@@ -506,6 +514,48 @@ class LaneEvaluator(MemoEvaluator):
         except DegreeExceeded:
             wide = [a for a in args if isinstance(a, fx.Node) and _degree(self._checked(a)) >= 2]
             return self._elementwise(node, args, _mul, cut=wide)
+
+    def _cut_value(self, node: fx.Node) -> Lanes:
+        """A wide factor cut from a product: a leaf, or, when it only moves the elements of a
+        wider value (a slice, a negation, a view of ``2 * grad * y``), that movement of the wide
+        value made a leaf, so that every piece of one dy reads one leaf. Exact either way: the
+        moving ops are interpreted on the leaf, which is its own value."""
+        if node not in self.cut_values:
+            root, chain = self._wide_root(node)
+            self.cut_values[node] = self._as_leaf(node) if not chain else self._over_leaf(root, chain)
+        return self.cut_values[node]
+
+    def _wide_root(self, node: fx.Node):
+        """The value ``node`` moves the elements of, through one-input moving ops whose input
+        is still of degree two or more, and those ops (``node`` first)."""
+        chain = []
+        while node.op == "call_function" and (node.target in MOVES_LANES or is_float_cast(node)) \
+                and isinstance(node.args[0], fx.Node):
+            parent = self.memo.get(node.args[0])
+            if parent is None or parent.reduction is not None or _degree(parent) < 2:
+                break
+            chain.append(node)
+            node = node.args[0]
+        return node, chain
+
+    def _over_leaf(self, root: fx.Node, chain: List[fx.Node]) -> Lanes:
+        """``chain[0]``'s value with ``root`` a leaf; the memo keeps their values as they were."""
+        nodes = [root, *chain]
+        memo, rounded = {n: self.memo.pop(n) for n in nodes if n in self.memo}, \
+            {n: self.rounded.pop(n) for n in nodes if n in self.rounded}
+        self.forced_leaves.add(root)
+        try:
+            value = self.value(chain[0])
+        finally:
+            self.forced_leaves.discard(root)
+            for n in nodes:
+                self.memo.pop(n, None)
+                self.rounded.pop(n, None)
+            self.memo.update(memo)
+            self.rounded.update(rounded)
+        if value is None:
+            raise Unsupported("no leaf")
+        return value
 
     def _as_leaf(self, node: fx.Node) -> Lanes:
         if node not in self.cut_leaves:

@@ -25,6 +25,7 @@ wrong split point, a swapped table) simply do not match.
 from __future__ import annotations
 
 import dataclasses
+import operator
 from typing import Dict, List, Optional, Tuple
 
 import torch
@@ -35,8 +36,8 @@ from ..lowering.rope import OP
 from ..lowering.sizes import same_shape, static_int
 from .evaluator import Provenance, rounding_problem
 from .lanes import Lanes, LaneEvaluator, MAX_LANES
-from .nodes import (aten, axis_order, downstream, dtype, gradient_dependent, last_of, outermost, outside_users,
-                    region_of, shape)
+from .nodes import (VIEWS, aten, axis_order, downstream, dtype, gradient_dependent, is_float_cast, last_of,
+                    outermost, outside_users, region_of, shape)
 from .rewrite import Insertion, Miss, Rewrites, Rule, call, cast, commit, emit_fused_op, exact_common_dtype
 
 #: (leaf id, the leaf position that plays each position of the fused op's operand)
@@ -517,7 +518,17 @@ def _table_product(node: fx.Node, gradient: set, provenance) -> bool:
     if len(operands) != 2 or sum(a in gradient for a in operands) != 1:
         return False
     table = operands[0] if operands[1] in gradient else operands[1]
-    return _is_rotary_table(table, provenance)
+    grad = operands[1] if table is operands[0] else operands[0]
+    return _is_rotary_table(table, provenance) and not _is_fused_table_gradient(grad)
+
+
+def _is_fused_table_gradient(node: fx.Node) -> bool:
+    """A fused op's dcos or dsin (through casts and views): times a table it is the chain rule
+    into the angles the tables were computed from (``cos(freqs)``), not a RoPE application."""
+    while node.op == "call_function" and (is_float_cast(node) or node.target in VIEWS):
+        node = node.args[0]
+    return (node.op == "call_function" and node.target is operator.getitem and node.args[1] in (1, 2)
+            and getattr(node.args[0], "target", None) is OP.overload)
 
 
 def _nearest_difference(ev: LaneEvaluator, graph: fx.Graph, anchor: fx.Node) -> str:
@@ -575,7 +586,7 @@ def emit(rewrites: Rewrites, site: RopeMatch, provenance, target: str):
     """The rule's ``emit``: the site rewritten into one fused call (a :class:`Site`), or a
     :class:`Miss` saying why not."""
     graph, ev = rewrites.graph, site.ev
-    outputs = {k: n for k, n in (("dx", site.dx), ("dcos", site.dcos), ("dsin", site.dsin)) if n is not None}
+    outputs = _outputs(site)
     region = _region(ev, site, outputs)
     shared = outside_users(region, outputs.values())
     if shared:
@@ -584,10 +595,13 @@ def emit(rewrites: Rewrites, site: RopeMatch, provenance, target: str):
         # The new evaluator and its leaf numbering belong to this site only.
         ev, again, _ = find_sites(graph, provenance, forced_leaves=shared, rewrites=rewrites)
         again = [m for m in again if m.dx is site.dx and m.mode == site.mode]
-        if not again or not _same_tables(site, again[0]):
+        if not again or not _keeps_tables(site, again[0]):
             return Miss(OP.name, site.dx.name, f"intermediate {shared[0].name} has a user "
                                                f"outside the pattern ({next(iter(shared[0].users)).name})")
+        # the shared value is a role now (a slice of a wide dy that dcos and dsin read too):
+        # the match may have found the table gradients it could not see before
         site = again[0]
+        outputs = _outputs(site)
         region = _region(ev, site, outputs)
         if outside_users(region, outputs.values()):
             return Miss(OP.name, site.dx.name, "intermediates have users outside the pattern")
@@ -601,8 +615,13 @@ def _region(ev: LaneEvaluator, site: RopeMatch, outputs) -> List[fx.Node]:
                      and ev.depends_on_gradient(n))
 
 
-def _same_tables(a: RopeMatch, b: RopeMatch) -> bool:
-    return (a.dcos is b.dcos) and (a.dsin is b.dsin)
+def _outputs(site: RopeMatch) -> Dict[str, fx.Node]:
+    return {k: n for k, n in (("dx", site.dx), ("dcos", site.dcos), ("dsin", site.dsin)) if n is not None}
+
+
+def _keeps_tables(first: RopeMatch, again: RopeMatch) -> bool:
+    """The match found again keeps every table gradient the first one had."""
+    return all(getattr(first, t) is None or getattr(first, t) is getattr(again, t) for t in ("dcos", "dsin"))
 
 
 def _emit(rewrites: Rewrites, ev, site: RopeMatch, outputs, region, target):
