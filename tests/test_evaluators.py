@@ -41,6 +41,15 @@ def node_values(gm, inputs):
     return values
 
 
+def traced(program, inputs):
+    """``program`` traced to ATen, its output node and every node's value on ``inputs``."""
+    gm = make_fx(program, tracing_mode="fake")(*inputs)
+    output = next(n for n in gm.graph.nodes if n.op == "output").args[0]
+    if isinstance(output, (list, tuple)):
+        (output,) = output
+    return output, node_values(gm, inputs)
+
+
 PROGRAMS = {
     "complex plus a real constant": lambda z: torch.view_as_complex(z) + 1.5,
     "complex minus a real constant": lambda z: torch.view_as_complex(z) - 2.0,
@@ -61,12 +70,10 @@ def test_lane_values_equal_what_the_graph_computes(name):
     names = program.__code__.co_varnames[:program.__code__.co_argcount]
     inputs = [torch.randn(ARGS[n], dtype=torch.float64, generator=torch.Generator().manual_seed(i))
               for i, n in enumerate(names)]
-    gm = make_fx(program, tracing_mode="fake")(*inputs)
-    output = next(n for n in gm.graph.nodes if n.op == "output").args[0]
+    output, values = traced(program, inputs)
     ev = LaneEvaluator(None)
     lanes = ev.value(output)
     assert lanes is not None
-    values = node_values(gm, inputs)
     expected = real_view(values[output]).reshape(-1)
     torch.testing.assert_close(lanes_value(ev, lanes, values), expected.double())
 
@@ -75,52 +82,48 @@ def test_lane_values_equal_what_the_graph_computes(name):
 
 from hypothesis import given, settings, strategies as st  # noqa: E402
 
-#: expressions over 4-element vectors ``x`` and ``y``, each ``{}`` an operand of the same shape
+#: expressions over 4-element vectors ``x`` and ``y``, ``{0}`` and ``{1}`` operands of the same shape
 UNARY = [
-    "-({})", "({}) * 2.0", "({}) * -0.5", "({}) / 4.0", "({}) + 1.0", "({}) - 0.25",
+    "-({0})", "({0}) * 2.0", "({0}) * -0.5", "({0}) / 4.0", "({0}) + 1.0", "({0}) - 0.25",
     "torch.cat((-({0})[2:], ({0})[:2]), -1)",                                     # rotate half
     "torch.stack((-({0})[1::2], ({0})[::2]), -1).flatten(-2)",                   # rotate pairs
     "torch.cat((({0})[::2], ({0})[1::2]), -1)",                                   # de-interleave
-    "({}).view(2, 2).transpose(0, 1).reshape(4)",
-    "({}).view(2, 2).flip(-1).reshape(4)",                                         # not in the table
-    "torch.view_as_real(torch.view_as_complex(({}).view(2, 2)).conj().resolve_conj()).flatten()",
-    "torch.view_as_real(torch.view_as_complex(({}).view(2, 2)) + 1.0).flatten()",
-    "torch.view_as_real(torch.view_as_complex(({}).view(2, 2)) * 3.0).flatten()",
-    "({}).view(2, 2).sum(-1, keepdim=True).expand(2, 2).reshape(4)",
+    "({0}).view(2, 2).transpose(0, 1).reshape(4)",
+    "({0}).view(2, 2).flip(-1).reshape(4)",                                         # not in the table
+    "torch.view_as_real(torch.view_as_complex(({0}).view(2, 2)).conj().resolve_conj()).flatten()",
+    "torch.view_as_real(torch.view_as_complex(({0}).view(2, 2)) + 1.0).flatten()",
+    "torch.view_as_real(torch.view_as_complex(({0}).view(2, 2)) * 3.0).flatten()",
+    "({0}).view(2, 2).sum(-1, keepdim=True).expand(2, 2).reshape(4)",
     "torch.stack((({0})[0], ({0})[3], ({0})[1], ({0})[2]))",
 ]
 BINARY = [
-    "({}) + ({})", "({}) - ({})", "({}) * ({})",
-    "torch.view_as_real(torch.view_as_complex(({}).view(2, 2)) * torch.view_as_complex(({}).view(2, 2))).flatten()",
-    "torch.view_as_real(torch.view_as_complex(({}).view(2, 2)) - torch.view_as_complex(({}).view(2, 2))).flatten()",
-    "torch.where(torch.tensor([True, False, True, False]), {}, {})",
+    "({0}) + ({1})", "({0}) - ({1})", "({0}) * ({1})",
+    "torch.view_as_real(torch.view_as_complex(({0}).view(2, 2)) * torch.view_as_complex(({1}).view(2, 2))).flatten()",
+    "torch.view_as_real(torch.view_as_complex(({0}).view(2, 2)) - torch.view_as_complex(({1}).view(2, 2))).flatten()",
+    "torch.where(torch.tensor([True, False, True, False]), {0}, {1})",
 ]
 
 
-def expressions(depth):
+def expressions(unary, binary, depth):
+    """Programs over ``x`` and ``y`` nested ``depth`` deep: templates filled with ``format``."""
     leaf = st.sampled_from(["x", "y"])
     if depth == 0:
         return leaf
-    below = expressions(depth - 1)
-    unary = st.tuples(st.sampled_from(UNARY), below).map(lambda t: t[0].format(t[1]))
-    binary = st.tuples(st.sampled_from(BINARY), below, below).map(lambda t: t[0].format(t[1], t[2]))
-    return st.one_of(leaf, unary, binary)
+    below = expressions(unary, binary, depth - 1)
+    return st.one_of(leaf, st.tuples(st.sampled_from(unary), below).map(lambda t: t[0].format(t[1])),
+                     st.tuples(st.sampled_from(binary), below, below).map(lambda t: t[0].format(t[1], t[2])))
 
 
 @settings(max_examples=150, deadline=None)
-@given(expressions(4))
+@given(expressions(UNARY, BINARY, 4))
 def test_random_programs_evaluate_exactly(source):
     program = eval(f"lambda x, y: {source}", {"torch": torch})  # noqa: S307  (drawn from the lists above)
     inputs = [torch.randn(4, dtype=torch.float64, generator=torch.Generator().manual_seed(i)) for i in range(2)]
-    gm = make_fx(program, tracing_mode="fake")(*inputs)
-    output = next(n for n in gm.graph.nodes if n.op == "output").args[0]
-    if isinstance(output, (list, tuple)):
-        (output,) = output
+    output, values = traced(program, inputs)
     ev = LaneEvaluator(None)
     lanes = ev.value(output)
     if lanes is None:
         return  # not a float tensor with tracked lanes: nothing to compare
-    values = node_values(gm, inputs)
     expected = real_view(values[output]).reshape(-1)
     torch.testing.assert_close(lanes_value(ev, lanes, values), expected.double(), msg=source)
 
@@ -154,45 +157,31 @@ def norm_value(ev, expr, values):
 
 
 #: expressions over ``x`` and ``y`` (``[3, 4]``, normalized over the last axis) and ``r``
-#: (``[3, 1]``, positive), each ``{}`` a ``[3, 4]`` operand
+#: (``[3, 1]``, positive), ``{0}`` and ``{1}`` ``[3, 4]`` operands
 NORM_UNARY = [
-    "-({})", "({}) * 2.0", "({}) / 4.0", "({}) ** 2", "({}) ** 3", "({}) * r", "({}) / r",
-    "({}) * torch.rsqrt(({0}).pow(2).mean(-1, keepdim=True) + 1e-6)",
-    "({}) * torch.sqrt(torch.rsqrt(({0}).pow(2).mean(-1, keepdim=True) + 1e-6))",
-    "({}).sum(-1, keepdim=True).expand(3, 4)", "({}).mean(-1, keepdim=True).expand(3, 4)",
-    "({}) * ({}).sum(-1, keepdim=True)", "torch.sqrt(({}) * ({}))", "torch.reciprocal(r).expand(3, 4) * ({})",
-    "({}).view(12).view(3, 4)", "({}).clone()",  # (a rounding cast is an identity, its rounding tracked apart)
+    "-({0})", "({0}) * 2.0", "({0}) / 4.0", "({0}) ** 2", "({0}) ** 3", "({0}) * r", "({0}) / r",
+    "({0}) * torch.rsqrt(({0}).pow(2).mean(-1, keepdim=True) + 1e-6)",
+    "({0}) * torch.sqrt(torch.rsqrt(({0}).pow(2).mean(-1, keepdim=True) + 1e-6))",
+    "({0}).sum(-1, keepdim=True).expand(3, 4)", "({0}).mean(-1, keepdim=True).expand(3, 4)",
+    "({0}) * ({0}).sum(-1, keepdim=True)", "torch.sqrt(({0}) * ({0}))", "torch.reciprocal(r).expand(3, 4) * ({0})",
+    "({0}).view(12).view(3, 4)", "({0}).clone()",  # (a rounding cast is an identity, its rounding tracked apart)
 ]
-NORM_BINARY = ["({}) + ({})", "({}) - ({})", "({}) * ({})", "({}) / ({})"]
-
-
-def norm_expressions(depth):
-    leaf = st.sampled_from(["x", "y"])
-    if depth == 0:
-        return leaf
-    below = norm_expressions(depth - 1)
-    unary = st.tuples(st.sampled_from(NORM_UNARY), below).map(lambda t: t[0].replace("{0}", t[1]).format(t[1], t[1]))
-    binary = st.tuples(st.sampled_from(NORM_BINARY), below, below).map(lambda t: t[0].format(t[1], t[2]))
-    return st.one_of(leaf, unary, binary)
+NORM_BINARY = ["({0}) + ({1})", "({0}) - ({1})", "({0}) * ({1})", "({0}) / ({1})"]
 
 
 @settings(max_examples=150, deadline=None)
-@given(norm_expressions(3))
+@given(expressions(NORM_UNARY, NORM_BINARY, 3))
 def test_random_norm_programs_evaluate_exactly(source):
     program = eval(f"lambda x, y, r: {source}", {"torch": torch})  # noqa: S307  (drawn from the lists above)
     gen = torch.Generator().manual_seed(0)
     inputs = [torch.randn(ROWS, N, dtype=torch.float64, generator=gen),
               torch.randn(ROWS, N, dtype=torch.float64, generator=gen),
               torch.rand(ROWS, 1, dtype=torch.float64, generator=gen) + 0.5]
-    gm = make_fx(program, tracing_mode="fake")(*inputs)
-    output = next(n for n in gm.graph.nodes if n.op == "output").args[0]
-    if isinstance(output, (list, tuple)):
-        (output,) = output
+    output, values = traced(program, inputs)
     ev = NormEvaluator((N,), None)
     value = ev.value(output)
     if value is None or value.lead_sum is not None or tuple(output.meta["val"].shape) != (ROWS, N):
         return
-    values = node_values(gm, inputs)
     expected = values[output].double()
     got = norm_value(ev, value.expr, values)
     torch.testing.assert_close(got, expected, rtol=1e-9, atol=1e-9, equal_nan=True, msg=source)
