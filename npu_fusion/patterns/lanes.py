@@ -33,7 +33,7 @@ from ..lowering.constraints import ROPE_MAX_D
 from ..lowering.sizes import same_shape, static_int
 from .algebra import Number, accumulate, exact_number, graph_constant
 from .evaluator import MemoEvaluator, Provenance, Unsupported
-from .nodes import aten, axis_order, is_float_cast, meta_value, normalize_dim, val
+from .nodes import VIEWS, aten, axis_order, is_float_cast, meta_value, normalize_dim, val
 from .nodes import shape as node_shape
 
 
@@ -61,11 +61,7 @@ Poly = Dict[Mono, Number]
 
 MAX_DEGREE = 2
 #: one-input ops that only move (or negate) elements: a wide factor is cut above them
-MOVES_LANES = {
-    aten.slice.Tensor, aten.select.int, aten.neg.default, aten.view.default, aten.reshape.default,
-    aten._unsafe_view.default, aten.transpose.int, aten.permute.default, aten.unsqueeze.default,
-    aten.squeeze.dim, aten.squeeze.dims, aten.expand.default,
-}
+MOVES_LANES = VIEWS | {aten.reshape.default, aten.neg.default}
 MAX_TERMS = 8
 #: the widest trailing extent worth tracking: no target accepts a RoPE head dim D above it
 MAX_LANES = ROPE_MAX_D
