@@ -360,7 +360,3 @@ def load_torchair():
         raise TorchairUnavailable(f"imported torchair from {torchair.__file__}, not {sources}", offline=False)
     _TORCHAIR = torchair
     return torchair
-
-
-def sources_dir() -> Optional[Path]:
-    return None if _TORCHAIR is None else Path(_TORCHAIR.__file__).parent
