@@ -168,6 +168,17 @@ def gradient_dependent(graph: fx.Graph) -> Optional[set]:
             found.add(node)
     return found
 
+def gradient_product(node: fx.Node, gradient: set) -> Optional[tuple]:
+    """``(gradient operand, other operand)`` of a tensor product of a value that depends on an
+    incoming gradient and one that does not (a forward value); else None."""
+    if node.op != "call_function" or node.target is not aten.mul.Tensor:
+        return None
+    operands = [a for a in node.args[:2] if isinstance(a, fx.Node)]
+    if len(operands) != 2 or sum(a in gradient for a in operands) != 1:
+        return None
+    return tuple(operands) if operands[0] in gradient else (operands[1], operands[0])
+
+
 def outside_users(region: List[fx.Node], outputs: Iterable[fx.Node]) -> List[fx.Node]:
     """Interior nodes (not outputs) used by nodes outside the region."""
     inside, outs = set(region), set(outputs)

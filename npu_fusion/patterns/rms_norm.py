@@ -41,7 +41,7 @@ from ..lowering.rms_norm import OP
 from ..lowering.sizes import same_shape, static_int
 from .algebra import Expr, accumulate, graph_constant
 from .evaluator import MemoEvaluator, Provenance, Unsupported, rounding_problem
-from .nodes import (CAST_TARGETS, VIEWS, aten, downstream, dtype, gradient_dependent, is_float_cast,
+from .nodes import (CAST_TARGETS, VIEWS, aten, downstream, dtype, gradient_dependent, gradient_product, is_float_cast,
                     is_value_preserving_cast, last_of, normalize_dim, outermost, outside_users, region_of, shape, val)
 from .rewrite import Insertion, Miss, Rewrites, Rule, call, cast, commit, emit_fused_op, exact_common_dtype
 MAX_SYMBOLS = 16
@@ -644,13 +644,8 @@ def unexplained(graph: fx.Graph, provenance: Optional[Provenance], misses: List[
     missed = {m.node for m in misses}
     found, reached = [], set()
     for node in graph.nodes:
-        if node.op != "call_function" or node.target is not aten.mul.Tensor or node in reached:
-            continue
-        operands = [a for a in node.args[:2] if isinstance(a, fx.Node)]
-        if len(operands) != 2 or sum(a in gradient for a in operands) != 1:
-            continue
-        statistic = operands[0] if operands[1] in gradient else operands[1]
-        if not _is_rms_statistic(statistic, provenance):
+        product = gradient_product(node, gradient) if node not in reached else None
+        if product is None or not _is_rms_statistic(product[1], provenance):
             continue
         reach = set(downstream(graph, [node], 2 * DX_DEPTH))
         reached |= reach

@@ -28,7 +28,6 @@ import dataclasses
 import operator
 from typing import Dict, List, Optional, Tuple
 
-import torch
 import torch.fx as fx
 
 from ..lowering.constraints import ROPE_MODES, rope_divisor, rope_target_problem
@@ -36,8 +35,8 @@ from ..lowering.rope import OP
 from ..lowering.sizes import same_shape, static_int
 from .evaluator import Provenance, rounding_problem
 from .lanes import Lanes, LaneEvaluator, MAX_LANES
-from .nodes import (VIEWS, aten, axis_order, downstream, dtype, gradient_dependent, is_float_cast, last_of,
-                    outermost, outside_users, region_of, shape)
+from .nodes import (CAST_TARGETS, VIEWS, aten, axis_order, downstream, dtype, gradient_dependent, gradient_product,
+                    is_float_cast, last_of, outermost, outside_users, region_of, shape)
 from .rewrite import Insertion, Miss, Rewrites, Rule, call, cast, commit, emit_fused_op, exact_common_dtype
 
 #: (leaf id, the leaf position that plays each position of the fused op's operand)
@@ -437,15 +436,11 @@ ROTARY_SOURCES = {aten.cos.default, aten.sin.default, aten.polar.default}
 #: ops that only shape a table on its way to a product (select positions, broadcast, cast,
 #: repeat, concatenate, negate, scale): a value reached from cos/sin through other ops (the
 #: residual stream after a RoPE'd attention) is an activation, not a table
-TABLE_SHAPING = {
-    aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.unsqueeze.default,
-    aten.squeeze.dim, aten.squeeze.dims, aten.expand.default, aten.permute.default, aten.transpose.int,
-    aten.t.default, aten.slice.Tensor, aten.select.int, aten.index.Tensor, aten.index_select.default,
-    aten.embedding.default, aten._to_copy.default, aten.clone.default, aten.detach.default,
-    aten.alias.default, aten.cat.default, aten.stack.default, aten.repeat_interleave.self_int,
-    aten.repeat.default, aten.neg.default, aten.mul.Scalar, aten.view_as_complex.default,
-    aten.view_as_real.default, aten._conj.default, aten.resolve_conj.default, aten.flatten.using_ints,
-    aten.unflatten.int, torch.ops.prims.convert_element_type.default,
+TABLE_SHAPING = VIEWS | CAST_TARGETS | {
+    aten.reshape.default, aten.index.Tensor, aten.index_select.default, aten.embedding.default,
+    aten.cat.default, aten.stack.default, aten.repeat_interleave.self_int, aten.repeat.default,
+    aten.neg.default, aten.mul.Scalar, aten.view_as_complex.default, aten.view_as_real.default,
+    aten._conj.default, aten.resolve_conj.default, aten.flatten.using_ints, aten.unflatten.int,
 }
 #: how far above a product to look for them (through saved tensors' forward definitions)
 TABLE_SEARCH_DEPTH = 12
@@ -486,14 +481,14 @@ def _is_rotary_table(node: fx.Node, provenance: Optional[Provenance]) -> bool:
 
 def unexplained(graph: fx.Graph, provenance: Optional[Provenance], misses: List[Miss]) -> List[Miss]:
     """No silent misses: a gradient multiplied by a rotary table (a forward value shaped from
-    cos, sin or a complex polar by views, casts, repeats and concatenation) that is left in the graph after the pass, and that no recorded
-    miss accounts for, is a RoPE application no form matched. Each connected group of such
-    products becomes a miss naming where the lane evaluator stopped, the nearest difference."""
+    cos, sin or a complex polar by views, casts, repeats and concatenation) that is left in the
+    graph after the pass, and that no recorded miss accounts for, is a RoPE application no form
+    matched. Each connected group of such products becomes a miss naming where the lane
+    evaluator stopped, the nearest difference."""
     gradient = gradient_dependent(graph)
     if gradient is None:
         return []
-    anchors = [n for n in graph.nodes if n.op == "call_function" and n.target is aten.mul.Tensor
-               and _table_product(n, gradient, provenance)]
+    anchors = [n for n in graph.nodes if _table_product(n, gradient, provenance)]
     missed = {m.node for m in misses}
     groups: List[Tuple[fx.Node, set]] = []
     for anchor in anchors:
@@ -514,12 +509,9 @@ def unexplained(graph: fx.Graph, provenance: Optional[Provenance], misses: List[
 
 
 def _table_product(node: fx.Node, gradient: set, provenance) -> bool:
-    operands = [a for a in node.args[:2] if isinstance(a, fx.Node)]
-    if len(operands) != 2 or sum(a in gradient for a in operands) != 1:
-        return False
-    table = operands[0] if operands[1] in gradient else operands[1]
-    grad = operands[1] if table is operands[0] else operands[0]
-    return _is_rotary_table(table, provenance) and not _is_fused_table_gradient(grad)
+    product = gradient_product(node, gradient)
+    return product is not None and _is_rotary_table(product[1], provenance) \
+        and not _is_fused_table_gradient(product[0])
 
 
 def _is_fused_table_gradient(node: fx.Node) -> bool:
