@@ -40,10 +40,10 @@ from ..lowering.constraints import RMS_NORM_DTYPES, rms_norm_target_problem
 from ..lowering.rms_norm import OP
 from ..lowering.sizes import same_shape, static_int
 from .algebra import Expr, accumulate, graph_constant
-from .evaluator import MemoEvaluator, Provenance, Unsupported, rounding_problem
+from .evaluator import MemoEvaluator, Provenance, Unsupported, kept_precision, rounding_problem
 from .nodes import (CAST_TARGETS, VIEWS, aten, downstream, dtype, gradient_dependent, gradient_product, is_float_cast,
                     is_value_preserving_cast, last_of, normalize_dim, outermost, outside_users, region_of, shape, val)
-from .rewrite import Insertion, Miss, Rewrites, Rule, call, cast, commit, emit_fused_op, exact_common_dtype
+from .rewrite import Insertion, Miss, Rewrites, Rule, Site, call, cast, commit, emit_fused_op, exact_common_dtype
 MAX_SYMBOLS = 16
 
 
@@ -721,6 +721,12 @@ def emit(rewrites: Rewrites, site: NormMatch, provenance, target: str):
     site.rest = [current(n) for n in site.rest]
     site.dy, site.x, site.rstd, site.gamma = (current(n) for n in site.roles)
     outputs = {"dx": site.dx, **({"dgamma": site.dgamma} if site.dgamma is not None else {})}
+    # a dgamma the program computes from a value it rounded more coarsely than it keeps dgamma
+    # (autocast: a bf16 normalized x times an fp32 weight) is left to the program; dx still fuses
+    dgamma_left = site.dgamma is not None and rounding_problem(site.ev, {"dgamma": site.dgamma},
+                                                               [*site.roles, *site.rest])
+    if dgamma_left:
+        del outputs["dgamma"]
     region = _region(site, outputs)
     shared = outside_users(region, outputs.values())
     if shared:
@@ -731,7 +737,10 @@ def emit(rewrites: Rewrites, site: NormMatch, provenance, target: str):
                                                f"the pattern ({next(iter(shared[0].users)).name})")
         site = again[0]
         region = _region(site, outputs)
-    return _emit(rewrites, site, outputs, region, target, provenance)
+    done = _emit(rewrites, site, outputs, region, target, provenance)
+    if dgamma_left and isinstance(done, Site):
+        done.note = f"dgamma ({site.dgamma.name}) left to the program: {dgamma_left}"
+    return done
 
 
 def _emit(rewrites: Rewrites, site: NormMatch, outputs, region, target, provenance):
@@ -739,9 +748,9 @@ def _emit(rewrites: Rewrites, site: NormMatch, outputs, region, target, provenan
     dy_dtype, x_dtype = dtype(site.dy), dtype(site.x)
     wide = exact_common_dtype((dy_dtype, x_dtype))
     compute = dy_dtype if (x_dtype == wide and _widened_from(site.x, dy_dtype, provenance)) else wide
+    compute = exact_common_dtype((compute, kept_precision(site.dx)))  # dx is returned in this dtype
     gamma_dtype = _gamma_dtype(compute, dtype(site.gamma) if site.gamma is not None else compute)
-    problem = rms_norm_target_problem(target, compute, gamma_dtype) or rounding_problem(
-        site.ev, [*outputs.values(), *site.roles], site.roles)
+    problem = rms_norm_target_problem(target, compute, gamma_dtype) or rounding_problem(site.ev, outputs, [*site.roles, *site.rest])
     if problem is not None:
         return Miss(OP.name, site.dx.name, problem)
     anchor = last_of(graph, [n for n in (site.dy, site.x, site.rstd, site.gamma) if n is not None])
