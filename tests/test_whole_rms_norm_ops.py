@@ -1,0 +1,185 @@
+"""``aten._fused_rms_norm_backward``, the whole RMSNorm backward torch keeps where the device has
+its own ``_fused_rms_norm`` kernel (CUDA, MPS, XPU; no torch_npu line registers one, see the
+README), rewritten into ``npu_fusion.rms_norm_grad`` or left with its reason.
+
+The routing is simulated on the CPU as a device with its own kernels would have it: CPU kernels for
+``aten::_fused_rms_norm`` and ``aten::_fused_rms_norm_backward`` (torch's own decompositions of the
+two ops, run below autograd) are registered for the module's tests only. With a CPU kernel, autograd
+records ``_fused_rms_norm``'s own derivative and AOTAutograd keeps both ops whole, as on such a device.
+"""
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.fx.experimental.proxy_tensor import make_fx
+
+from npu_fusion.compat import FUSED_RMS_NORM, FUSED_RMS_NORM_BACKWARD
+from npu_fusion.lowering import RMS_NORM_GRAD
+from npu_fusion.patterns.rms_norm import WHOLE_FORWARD_REASON
+from npu_fusion.plugin.pass_manager import fuse_backward
+from npu_fusion.testing.capture import compile_and_compare
+from npu_fusion.testing.grads import assert_close_as_unfused
+
+pytestmark = pytest.mark.skipif(FUSED_RMS_NORM_BACKWARD is None, reason="this torch has no aten._fused_rms_norm_backward")
+
+PARTITIONERS = ("default", "min_cut")
+
+
+@pytest.fixture(autouse=True, scope="module")
+def device_kernels():
+    """CPU kernels for the two whole ops while this module runs; afterwards the CPU decomposes
+    ``F.rms_norm`` again (CompositeImplicitAutograd), as it does without them."""
+    from torch._decomp import decompositions
+
+    library = torch.library.Library("aten", "IMPL")
+    library.impl("_fused_rms_norm", decompositions._fused_rms_norm, "CPU")
+    library.impl("_fused_rms_norm_backward", decompositions._fused_rms_norm_backward, "CPU")
+    torch._dynamo.reset()
+    probe = torch.ones(2, 4, requires_grad=True)
+    assert type(F.rms_norm(probe, (4,)).grad_fn).__name__ == "FusedRmsNormBackward0"
+    yield
+    library._destroy()
+    torch._dynamo.reset()
+    assert type(F.rms_norm(probe, (4,)).grad_fn).__name__ != "FusedRmsNormBackward0"
+
+
+def whole_ops_left(capture):
+    return [n.name for g in capture.after for n in g.nodes if n.op == "call_function"
+            and n.target in (FUSED_RMS_NORM_BACKWARD, FUSED_RMS_NORM)]
+
+
+def only_forward_misses(capture):
+    """The misses other than the whole forward's (which has no fused op yet)."""
+    forward = [m for m in capture.misses() if m.reason == WHOLE_FORWARD_REASON]
+    assert forward, "the forward aten._fused_rms_norm left in the graph is recorded"
+    return [m for m in capture.misses() if m.reason != WHOLE_FORWARD_REASON]
+
+
+def norm_then_tanh(x, w):
+    return F.rms_norm(x * 2, (x.shape[-1],), w, 1e-6).tanh()
+
+
+@pytest.mark.parametrize("partitioner", PARTITIONERS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_whole_backward_fuses(partitioner, dtype):
+    x = torch.randn(2, 8, 64, dtype=dtype, requires_grad=True)
+    w = (1 + 0.1 * torch.randn(64)).to(dtype).requires_grad_()
+    capture = compile_and_compare(norm_then_tanh, [x, w], partitioner=partitioner, target="a2")
+    assert capture.fused(RMS_NORM_GRAD.name) == 1
+    assert [n.name for g in capture.before for n in g.nodes if n.target is FUSED_RMS_NORM_BACKWARD]
+    assert not [n for n in whole_ops_left(capture) if "backward" in n]
+    assert only_forward_misses(capture) == []
+    site = capture.results[0].sites[0]
+    assert site.replaced_targets.get("_fused_rms_norm_backward.default") == 1
+
+
+@pytest.mark.parametrize("partitioner", PARTITIONERS)
+def test_module_over_two_axes_and_weightless(partitioner):
+    """nn.RMSNorm over the last two axes, then one without weight (gamma of ones)."""
+    torch.manual_seed(0)
+    affine, plain = torch.nn.RMSNorm((4, 32), eps=1e-5), torch.nn.RMSNorm(32, elementwise_affine=False)
+    with torch.no_grad():
+        affine.weight.add_(0.1 * torch.randn(4, 32))
+
+    def program(x):
+        return plain(affine(x).relu() + x)
+
+    x = torch.randn(3, 4, 32, requires_grad=True)
+    capture = compile_and_compare(program, [x], params=list(affine.parameters()), partitioner=partitioner,
+                                  target="a3")
+    assert capture.fused(RMS_NORM_GRAD.name) == 2
+    assert not [n for n in whole_ops_left(capture) if "backward" in n]
+    assert only_forward_misses(capture) == []
+
+
+@pytest.mark.parametrize("partitioner", PARTITIONERS)
+@pytest.mark.parametrize("wants", ["dx", "dgamma"])
+def test_output_mask_chooses_the_outputs(partitioner, wants):
+    """Only x or only the weight requires grad: output_mask asks for one output, the other is
+    never wired (and dgamma keeps the weight's dtype)."""
+    x = torch.randn(2, 8, 64, dtype=torch.bfloat16, requires_grad=wants == "dx")
+    w = (1 + 0.1 * torch.randn(64)).to(torch.bfloat16).requires_grad_(wants == "dgamma")
+    capture = compile_and_compare(norm_then_tanh, [x, w], partitioner=partitioner, target="a2")
+    (whole,) = [n for g in capture.before for n in g.nodes if n.target is FUSED_RMS_NORM_BACKWARD]
+    assert whole.args[5] == [wants == "dx", wants == "dgamma"]
+    assert capture.fused(RMS_NORM_GRAD.name) == 1
+    assert list(capture.results[0].sites[0].outputs) == [wants]
+    assert only_forward_misses(capture) == []
+
+
+@pytest.mark.parametrize("partitioner", PARTITIONERS)
+@pytest.mark.parametrize("target, dtype, reason", [
+    ("950", torch.bfloat16, "not documented for Ascend 950"),
+    ("a2", torch.float64, "dtype combination dy/x=torch.float64"),
+    ("generic", torch.float64, "dtype combination dy/x=torch.float64"),
+])
+def test_near_misses_stay_whole_with_their_reason(partitioner, target, dtype, reason):
+    x = torch.randn(2, 8, 64, dtype=dtype, requires_grad=True)
+    w = (1 + 0.1 * torch.randn(64)).to(dtype).requires_grad_()
+    capture = compile_and_compare(norm_then_tanh, [x, w], partitioner=partitioner, target=target)
+    assert capture.fused(RMS_NORM_GRAD.name) == 0
+    assert [n for n in whole_ops_left(capture) if "backward" in n]
+    (miss,) = only_forward_misses(capture)
+    assert miss.node.startswith("_fused_rms_norm_backward") and reason in miss.reason
+    assert miss.reason.startswith("aten._fused_rms_norm_backward: ")
+
+
+def test_core_decompositions_take_the_decomposed_path():
+    """With decompositions='core' both whole ops decompose (they are core decompositions):
+    the value matcher fuses the backward and no whole forward is left to report."""
+    x = torch.randn(2, 8, 64, dtype=torch.bfloat16, requires_grad=True)
+    w = (1 + 0.1 * torch.randn(64)).to(torch.bfloat16).requires_grad_()
+    capture = compile_and_compare(norm_then_tanh, [x, w], decompositions="core", target="a2")
+    assert capture.fused(RMS_NORM_GRAD.name) == 1
+    assert not whole_ops_left(capture) and capture.misses() == []
+
+
+def backward_graph(rstd_shape, x_shape=(2, 8, 64)):
+    """A graph calling ``_fused_rms_norm_backward`` with rstd in ``rstd_shape`` (keep-dim
+    ``[2, 8, 1]``, plain ``[2, 8]``, or one torch takes and RmsNormGrad does not)."""
+    def program(dy, x, rstd, w):
+        return torch.ops.aten._fused_rms_norm_backward(dy, x, [64], rstd, w, [True, True])
+
+    x = torch.randn(x_shape)
+    rstd = torch.rsqrt(x.pow(2).mean(-1) + 1e-6).reshape(rstd_shape)
+    inputs = [torch.randn(x_shape), x, rstd, 1 + 0.1 * torch.randn(64)]
+    return make_fx(program, tracing_mode="fake")(*inputs), program, inputs
+
+
+@pytest.mark.parametrize("rstd_shape", [(2, 8, 1), (2, 8)])
+def test_rstd_keep_dim_and_plain(rstd_shape):
+    """rstd is 1/RMS(x) with eps inside, in either shape: the rewritten graph computes what the
+    call computed, checked against the float64 call with the shared criterion."""
+    gm, program, inputs = backward_graph(rstd_shape)
+    result = fuse_backward(gm, {"target": "a2", "strict": True})
+    assert result.fused(RMS_NORM_GRAD.name) == 1 and result.misses == []
+    assert not [n for n in gm.graph.nodes if n.target is FUSED_RMS_NORM_BACKWARD]
+    fused, unfused = gm(*inputs), program(*inputs)
+    exact = program(*[t.double() for t in inputs])
+    for got, ref, wide in zip(fused, unfused, exact):
+        assert got.dtype == ref.dtype and got.shape == ref.shape
+        assert_close_as_unfused(got, ref, wide)
+
+
+def test_rstd_of_another_shape_is_a_miss():
+    """A 0-d rstd of a 1-D x (torch unsqueezes it; RmsNormGrad takes 1 to 8 axes)."""
+    gm, program, inputs = backward_graph((), x_shape=(64,))
+    result = fuse_backward(gm, {"target": "a2", "strict": True})
+    assert result.sites == []
+    (miss,) = result.misses
+    assert "rstd must have 1 to 8 dimensions" in miss.reason
+    assert all(torch.equal(a, b) for a, b in zip(gm(*inputs), program(*inputs)))
+    assert [n for n in gm.graph.nodes if n.target is FUSED_RMS_NORM_BACKWARD]
+
+
+def test_a_user_reading_the_result_whole_is_a_miss():
+    gm, _, _ = backward_graph((2, 8, 1))
+    whole = next(n for n in gm.graph.nodes if n.target is FUSED_RMS_NORM_BACKWARD)
+    with gm.graph.inserting_after(whole):
+        tupled = gm.graph.call_function(tuple, (whole,))
+    (output,) = [n for n in gm.graph.nodes if n.op == "output"]
+    output.args = (tuple(output.args[0]) + (tupled,),)
+    result = fuse_backward(gm, {"target": "a2"})
+    assert result.sites == []
+    (miss,) = result.misses
+    assert "other than by index" in miss.reason
+    assert whole in tupled.args and not whole._erased
