@@ -2,10 +2,9 @@
 its own ``_fused_rms_norm`` kernel (CUDA, MPS, XPU; no torch_npu line registers one, see the
 README), rewritten into ``npu_fusion.rms_norm_grad`` or left with its reason.
 
-The routing is simulated on the CPU as a device with its own kernels would have it: CPU kernels for
-``aten::_fused_rms_norm`` and ``aten::_fused_rms_norm_backward`` (torch's own decompositions of the
-two ops, run below autograd) are registered for the module's tests only. With a CPU kernel, autograd
-records ``_fused_rms_norm``'s own derivative and AOTAutograd keeps both ops whole, as on such a device.
+The routing is simulated on the CPU as a device with its own kernels would have it
+(:mod:`npu_fusion.testing.whole_rms_norm`: CPU kernels for the two ops, for this module's tests
+only): autograd records ``_fused_rms_norm``'s own derivative and AOTAutograd keeps both ops whole.
 """
 import pytest
 import torch
@@ -18,6 +17,7 @@ from npu_fusion.patterns.rms_norm import WHOLE_FORWARD_REASON
 from npu_fusion.plugin.pass_manager import fuse_backward
 from npu_fusion.testing.capture import compile_and_compare
 from npu_fusion.testing.grads import assert_close_as_unfused
+from npu_fusion.testing.whole_rms_norm import device_rms_norm_kernels, forward_decomposition, routes_whole
 
 pytestmark = pytest.mark.skipif(FUSED_RMS_NORM_BACKWARD is None, reason="this torch has no aten._fused_rms_norm_backward")
 
@@ -26,20 +26,11 @@ PARTITIONERS = ("default", "min_cut")
 
 @pytest.fixture(autouse=True, scope="module")
 def device_kernels():
-    """CPU kernels for the two whole ops while this module runs; afterwards the CPU decomposes
-    ``F.rms_norm`` again (CompositeImplicitAutograd), as it does without them."""
-    from torch._decomp import decompositions
-
-    library = torch.library.Library("aten", "IMPL")
-    library.impl("_fused_rms_norm", decompositions._fused_rms_norm, "CPU")
-    library.impl("_fused_rms_norm_backward", decompositions._fused_rms_norm_backward, "CPU")
-    torch._dynamo.reset()
-    probe = torch.ones(2, 4, requires_grad=True)
-    assert type(F.rms_norm(probe, (4,)).grad_fn).__name__ == "FusedRmsNormBackward0"
-    yield
-    library._destroy()
-    torch._dynamo.reset()
-    assert type(F.rms_norm(probe, (4,)).grad_fn).__name__ != "FusedRmsNormBackward0"
+    """The routing of a device with its own kernels while this module runs, and not after."""
+    with device_rms_norm_kernels():
+        assert routes_whole()
+        yield
+    assert not routes_whole()
 
 
 def whole_ops_left(capture):
@@ -131,6 +122,18 @@ def test_core_decompositions_take_the_decomposed_path():
     capture = compile_and_compare(norm_then_tanh, [x, w], decompositions="core", target="a2")
     assert capture.fused(RMS_NORM_GRAD.name) == 1
     assert not whole_ops_left(capture) and capture.misses() == []
+
+
+@pytest.mark.parametrize("partitioner", PARTITIONERS)
+def test_forward_decomposed_backward_whole(partitioner):
+    """The whole forward decomposed alone (what torchair needs: it has no converter for it): no
+    forward left to report, and the whole backward fuses."""
+    x = torch.randn(2, 8, 64, dtype=torch.bfloat16, requires_grad=True)
+    w = (1 + 0.1 * torch.randn(64)).to(torch.bfloat16).requires_grad_()
+    capture = compile_and_compare(norm_then_tanh, [x, w], partitioner=partitioner, target="a2",
+                                  decompositions=forward_decomposition())
+    assert capture.fused(RMS_NORM_GRAD.name) == 1 and capture.misses() == [] and not whole_ops_left(capture)
+    assert capture.results[0].sites[0].replaced_targets.get("_fused_rms_norm_backward.default") == 1
 
 
 def backward_graph(rstd_shape, x_shape=(2, 8, 64)):

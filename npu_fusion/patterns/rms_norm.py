@@ -849,10 +849,11 @@ def emit_whole_backward(rewrites: Rewrites, match: WholeBackwardMatch, target: s
 
 #: why a whole forward RMSNorm stays as it is (issue 24 adds a fused forward op)
 WHOLE_FORWARD_REASON = (
-    "aten._fused_rms_norm (the whole forward torch keeps where the device has its own kernel) has no "
-    "fused forward op in npu-fusion yet, and no torchair from torch_npu 2.6.0 to 2.14.0 has a converter for "
-    "it: a torchair graph holding it will not lower; compile with decompositions='core' (it decomposes, "
-    "and the backward still fuses)")
+    "aten._fused_rms_norm (the whole forward torch keeps where the device has its own kernel) has no fused "
+    "forward op in npu-fusion yet, and no torchair from torch_npu 2.6.0 to 2.14.0 has a converter for it "
+    "(torchair stops with 'Failed to auto-generated converter'): decompose it, with the backend option "
+    "decompositions='core' or torchair's custom_decompositions="
+    "torch._decomp.get_decompositions([torch.ops.aten._fused_rms_norm]); its backward still fuses")
 
 
 def whole_forward_misses(graph: fx.Graph, provenance: Optional[Provenance]) -> List[Miss]:
