@@ -55,6 +55,7 @@ FORMS = [
     (RMS_NORM_GRAD.name, "float32 statistics with a bf16 weight (gamma widened exactly, dgamma narrowed back)", "torchtitan Qwen3 qk-norms in bf16"),
     (RMS_NORM_GRAD.name, "symbolic hidden size (`dynamic=True` with the size from an input)", "dynamic shapes"),
     (RMS_NORM_GRAD.name, "inside training graphs: activation checkpointing (full, selective), compiled autograd, DDP, FSDP2", "torchtitan, transformers' `gradient_checkpointing_enable`"),
+    (RMS_NORM_GRAD.name, "`aten._fused_rms_norm_backward` kept whole (the outputs its `output_mask` asks for; with or without weight)", "`F.rms_norm` on a device with its own RMSNorm kernel (CUDA, XPU; none on torch_npu yet)"),
 ]
 
 

@@ -24,6 +24,21 @@ symbol ``S[monomial]`` after expanding its summand. A node is dx when its expres
 ``dy * x * r`` summed over exactly the leading axes to gamma's shape. Equality is
 algebraic, so eps outside the square root, a wrong exponent or a missing term
 do not match.
+
+The whole ops (last section). torch 2.13 routes ``F.rms_norm`` to
+``aten._fused_rms_norm``, which decomposes (CompositeImplicitAutograd) except on a
+device with its own kernel (CUDA, MPS, XPU); there autograd's backward is
+``aten._fused_rms_norm_backward(dy, x, normalized_shape, rstd, weight,
+output_mask) -> (dx, dweight)`` and AOTAutograd keeps it whole. Its rstd is
+``rsqrt(mean(x**2) + eps)`` (float32 for fp16/bf16/fp32 x, keep-dim shaped; the
+plain ``x.shape[:n]`` is taken too), the same 1/RMS as RmsNormGrad's, so each call
+is rewritten into ``rms_norm_grad(dy, x, rstd, weight or ones)`` with the outputs
+``output_mask`` asks for, cast back to the call's dtypes and shapes, under the same
+dtype table and chip limits, or left whole as a miss with the reason. No torch_npu
+line from 2.6.0 to 2.14.0 registers an NPU kernel for either op (read in the
+wheels; the README has the table), so on torch_npu the decomposed form is what the
+pass sees today. A whole forward ``_fused_rms_norm`` has no fused op yet and no
+torchair converter: each one is recorded as a miss.
 """
 from __future__ import annotations
 
