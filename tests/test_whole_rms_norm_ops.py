@@ -10,13 +10,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch.fx.experimental.proxy_tensor import make_fx
+from torch.utils.checkpoint import checkpoint
 
 from npu_fusion.compat import FUSED_RMS_NORM, FUSED_RMS_NORM_BACKWARD
 from npu_fusion.lowering import RMS_NORM_GRAD
 from npu_fusion.patterns.rms_norm import WHOLE_FORWARD_REASON
 from npu_fusion.plugin.pass_manager import fuse_backward
-from npu_fusion.testing.capture import compile_and_compare
-from npu_fusion.testing.grads import assert_close_as_unfused
+from npu_fusion.testing.capture import Capture, compile_and_compare
+from npu_fusion.testing.grads import assert_close_as_unfused, float64_grads, grad_failures, run_grads
 from npu_fusion.testing.whole_rms_norm import device_rms_norm_kernels, forward_decomposition, routes_whole
 
 pytestmark = pytest.mark.skipif(FUSED_RMS_NORM_BACKWARD is None, reason="this torch has no aten._fused_rms_norm_backward")
@@ -134,6 +135,52 @@ def test_forward_decomposed_backward_whole(partitioner):
                                   decompositions=forward_decomposition())
     assert capture.fused(RMS_NORM_GRAD.name) == 1 and capture.misses() == [] and not whole_ops_left(capture)
     assert capture.results[0].sites[0].replaced_targets.get("_fused_rms_norm_backward.default") == 1
+
+
+def checkpointed_block(seed=0):
+    torch.manual_seed(seed)
+    norm, linear = torch.nn.RMSNorm(32), torch.nn.Linear(32, 32)
+    with torch.no_grad():
+        norm.weight.add_(0.1 * torch.randn(32))
+
+    def block(x):
+        return x + linear(norm(x)).tanh()
+
+    return block, list(norm.parameters()) + list(linear.parameters())
+
+
+@pytest.mark.parametrize("partitioner", PARTITIONERS)
+def test_activation_checkpointing(partitioner):
+    """The whole forward is recomputed in the backward graph: its miss names both graphs, and the
+    whole backward fuses on the recomputed rstd."""
+    block, params = checkpointed_block()
+    x = torch.randn(2, 5, 32, requires_grad=True)
+    capture = compile_and_compare(lambda h: checkpoint(block, h, use_reentrant=False), [x], params=params,
+                                  partitioner=partitioner, target="a2")
+    assert capture.fused(RMS_NORM_GRAD.name) == 1 and not [n for n in whole_ops_left(capture) if "backward" in n]
+    assert sorted(m.node for m in capture.misses()) == ["_fused_rms_norm", "_fused_rms_norm (forward graph)"]
+    assert {m.reason for m in capture.misses()} == {WHOLE_FORWARD_REASON}
+
+
+def test_compiled_autograd():
+    """Fused at the partition; the compiled-autograd graph that inlines it finds the fused op."""
+    block, params = checkpointed_block()
+    x = torch.randn(2, 5, 32, requires_grad=True)
+    _, grad_outputs = run_grads(block, [x], params)
+    eager = dict(zip("xabc", run_grads(block, [x], params, grad_outputs)[0]))
+    exact = dict(zip("xabc", float64_grads(block, [x], params, grad_outputs)))
+    capture = Capture(target="a2")
+
+    def step(h):
+        torch.autograd.backward(block(h), grad_outputs)
+
+    with torch._dynamo.config.patch(compiled_autograd=True):
+        torch.compile(step, backend=capture)(x)
+    got = dict(zip("xabc", [t.grad for t in [x] + params]))
+    assert grad_failures(got, eager, exact) == []
+    assert [r.fused(RMS_NORM_GRAD.name) for r in capture.results] == [1, 0]
+    assert any(n.target is RMS_NORM_GRAD.overload for n in capture.after[1].nodes)
+    assert not [n for n in whole_ops_left(capture) if "backward" in n]
 
 
 def backward_graph(rstd_shape, x_shape=(2, 8, 64)):

@@ -872,11 +872,13 @@ WHOLE_FORWARD_REASON = (
 
 
 def whole_forward_misses(graph: fx.Graph, provenance: Optional[Provenance]) -> List[Miss]:
-    """A miss for every ``aten._fused_rms_norm`` call in the graph or in the forward graph of
-    its partition: it stays as it is, never silently."""
-    graphs = [graph] + ([provenance.forward] if provenance is not None and provenance.forward is not None else [])
-    return [Miss(OP.name, n.name, WHOLE_FORWARD_REASON) for g in graphs for n in g.nodes
-            if _is_call(n, FUSED_RMS_NORM)]
+    """A miss for every ``aten._fused_rms_norm`` call in the graph (recomputed there under
+    activation checkpointing) or in the forward graph of its partition (named so): it stays as
+    it is, never silently."""
+    forward = provenance.forward if provenance is not None and provenance.forward is not None else None
+    misses = [Miss(OP.name, n.name, WHOLE_FORWARD_REASON) for n in graph.nodes if _is_call(n, FUSED_RMS_NORM)]
+    return misses + [Miss(OP.name, f"{n.name} (forward graph)", WHOLE_FORWARD_REASON)
+                     for n in (forward.nodes if forward is not None else ()) if _is_call(n, FUSED_RMS_NORM)]
 
 
 def _find_with_whole_backward(graph: fx.Graph, provenance: Optional[Provenance], rewrites: Rewrites):
