@@ -65,6 +65,35 @@ def test_whole_backward_fuses(partitioner, dtype):
 
 
 @pytest.mark.parametrize("partitioner", PARTITIONERS)
+@pytest.mark.parametrize("weight_dtype", [torch.float32, torch.float16])
+def test_direct_call_with_a_weight_of_another_dtype(partitioner, weight_dtype):
+    """``F.rms_norm`` takes the composite for a weight of another dtype; a direct call keeps the
+    whole op: gamma is widened exactly to float32 (SPEC's (bf16, fp32) row), each output is cast
+    back to the dtype the call declares."""
+    def program(x, w):
+        return torch.ops.aten._fused_rms_norm(x, [64], w, 1e-5)[0].tanh()
+
+    x = torch.randn(2, 8, 64, dtype=torch.bfloat16, requires_grad=True)
+    w = (1 + 0.1 * torch.randn(64)).to(weight_dtype).requires_grad_()
+    capture = compile_and_compare(program, [x, w], partitioner=partitioner, target="a2")
+    assert capture.fused(RMS_NORM_GRAD.name) == 1 and only_forward_misses(capture) == []
+    (fused,) = [n for n in capture.after[0].nodes if n.target is RMS_NORM_GRAD.overload]
+    assert [a.meta["val"].dtype for a in fused.args] == [torch.bfloat16, torch.bfloat16, torch.float32,
+                                                         torch.float32]
+
+
+@pytest.mark.parametrize("partitioner", PARTITIONERS)
+def test_dynamic_batch_and_sequence(partitioner):
+    x = torch.randn(3, 5, 64, dtype=torch.bfloat16, requires_grad=True)
+    w = (1 + 0.1 * torch.randn(64)).to(torch.bfloat16).requires_grad_()
+    capture = compile_and_compare(norm_then_tanh, [x, w], dynamic_dims={0: (0, 1)}, partitioner=partitioner,
+                                  target="a2")
+    assert capture.fused(RMS_NORM_GRAD.name) == 1 and only_forward_misses(capture) == []
+    (fused,) = [n for n in capture.after[0].nodes if n.target is RMS_NORM_GRAD.overload]
+    assert [isinstance(d, torch.SymInt) for d in fused.args[0].meta["val"].shape] == [True, True, False]
+
+
+@pytest.mark.parametrize("partitioner", PARTITIONERS)
 def test_module_over_two_axes_and_weightless(partitioner):
     """nn.RMSNorm over the last two axes, then one without weight (gamma of ones)."""
     torch.manual_seed(0)
