@@ -18,10 +18,10 @@ from npu_fusion.patterns.rms_norm import WHOLE_FORWARD_REASON
 from npu_fusion.plugin.pass_manager import fuse_backward
 from npu_fusion.testing.capture import Capture, compile_and_compare
 from npu_fusion.testing.grads import assert_close_as_unfused, float64_grads, grad_failures, run_grads
-from npu_fusion.testing.whole_rms_norm import device_rms_norm_kernels, forward_decomposition, routes_whole
+from npu_fusion.testing.whole_rms_norm import (device_rms_norm_kernels, forward_decomposition, routes_whole,
+                                                  unavailable)
 
-pytestmark = pytest.mark.skipif(FUSED_RMS_NORM_BACKWARD is None,
-                                reason="this torch has no aten._fused_rms_norm_backward")
+pytestmark = pytest.mark.skipif(bool(unavailable()), reason=unavailable())
 
 PARTITIONERS = ("default", "min_cut")
 

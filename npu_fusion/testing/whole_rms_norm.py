@@ -18,6 +18,17 @@ import contextlib
 import torch
 
 
+def unavailable() -> str:
+    """Why this torch cannot simulate the routing ('' when it can): it needs both ops and
+    torch's decompositions of them (the CPU kernels)."""
+    from torch._decomp import decompositions
+
+    for name in ("_fused_rms_norm", "_fused_rms_norm_backward"):
+        if not hasattr(torch.ops.aten, name) or not hasattr(decompositions, name):
+            return f"this torch has no aten.{name} or no decomposition of it"
+    return ""
+
+
 def routes_whole(probe_shape=(2, 4)) -> bool:
     """Whether ``F.rms_norm`` on the CPU records the whole op's derivative right now."""
     probe = torch.ones(probe_shape, requires_grad=True)

@@ -14,10 +14,9 @@ import torch.nn.functional as F
 import npu_fusion
 from npu_fusion.plugin import pass_manager
 from npu_fusion.testing.grads import assert_close_as_unfused, float64_grads, run_grads
-from npu_fusion.testing.whole_rms_norm import device_rms_norm_kernels, forward_decomposition
+from npu_fusion.testing.whole_rms_norm import device_rms_norm_kernels, forward_decomposition, unavailable
 
-pytestmark = pytest.mark.skipif(npu_fusion.compat.FUSED_RMS_NORM_BACKWARD is None,
-                                reason="this torch has no aten._fused_rms_norm_backward")
+pytestmark = pytest.mark.skipif(bool(unavailable()), reason=unavailable())
 
 
 def norm_then_tanh(x, w):
