@@ -57,6 +57,7 @@ FORMS = [
     (RMS_NORM_GRAD.name, "autocast with fp32 weights; a bf16 input's normalized value rounded to bf16 before an fp32 weight (dx fused, dgamma left to the program)", "Trainer `bf16=True`; Qwen3 q/k norms under autocast"),
     (RMS_NORM_GRAD.name, "symbolic hidden size (`dynamic=True` with the size from an input)", "dynamic shapes"),
     (RMS_NORM_GRAD.name, "inside training graphs: activation checkpointing (full, selective), compiled autograd, DDP, FSDP2", "torchtitan, transformers' `gradient_checkpointing_enable`"),
+    (RMS_NORM_GRAD.name, "`aten._fused_rms_norm_backward` kept whole (the outputs its `output_mask` asks for; with or without weight)", "`F.rms_norm` on a device with its own RMSNorm kernel (CUDA, XPU; none on torch_npu yet)"),
 ]
 
 
