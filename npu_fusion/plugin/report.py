@@ -130,6 +130,8 @@ class Subject:
     counts_outside: bool = False
     #: a float64 copy of the model (when a deep copy cast with ``.double()`` is not one)
     reference: Optional[Callable[[], torch.nn.Module]] = None
+    #: the step's inputs for the float64 copy (floating inputs widened; token ids stay as they are)
+    widen: Callable[[Any], Any] = lambda batch: batch
 
 
 def _bundled_subject(args) -> Subject:
@@ -336,20 +338,35 @@ def collect(args: argparse.Namespace) -> Dict[str, Any]:
                else _hf_subject(args) if args.hf else _bundled_subject(args))
     ids = torch.randint(0, subject.vocab_size, (args.batch, args.seq),
                         generator=torch.Generator().manual_seed(args.seed + 1))
-    exact = _float64_step(subject, ids)
-    progress(f"eager step in {args.dtype}...")
+    return analyse(subject, ids, options, _settings(args))
+
+
+def _settings(args: argparse.Namespace) -> Dict[str, Any]:
+    return {"model": args.hf or args.model, "source": "transformers" if args.hf else "bundled",
+            "layers": args.layers, "dtype": args.dtype, "batch": args.batch, "seq": args.seq,
+            "dynamic": args.dynamic, "target": args.target, "partitioner": args.partitioner,
+            "checkpointing": args.checkpointing, "compiled_autograd": args.compiled_autograd,
+            "seed": args.seed}
+
+
+def analyse(subject: Subject, batch, options: FusionOptions, settings: Dict[str, Any]) -> Dict[str, Any]:
+    """One training step of ``subject`` on ``batch`` in float64, eagerly, and compiled with the
+    pass (``settings["dynamic"]``, ``settings["compiled_autograd"]``): the report as plain data.
+    The command line and :func:`npu_fusion.explain` both end here."""
+    exact = _float64_step(subject, batch)
+    progress("eager step...")
     counting = subject.counter(subject.model) if subject.counter is not None else None
-    eager_loss, eager = _step(subject, subject.model, ids, counting=counting or contextlib.nullcontext())
+    eager_loss, eager = _step(subject, subject.model, batch, counting=counting or contextlib.nullcontext())
     expected = dict(counting.counts) if counting is not None else subject.expected
 
     recorder = Recorder(options)
     outside = subject.counter(subject.model) if subject.counts_outside else contextlib.nullcontext()
-    seconds, compiled_loss, fused_grads = _measured_compiled_step(args, subject, recorder, ids, outside)
+    seconds, compiled_loss, fused_grads = _measured_compiled_step(settings, subject, recorder, batch, outside)
 
     progress("comparing gradients...")
     gradients = compare_gradients(fused_grads, eager, exact)
     gradients["loss"] = {"compiled": compiled_loss, "eager": eager_loss}
-    report = _assemble(args, subject, options, recorder, expected, gradients, seconds)
+    report = _assemble(settings, subject, options, recorder, expected, gradients, seconds)
     if subject.counts_outside:
         report["accounting"] = _accounting(counting, outside, recorder)
     return report
@@ -359,40 +376,40 @@ def _float64_step(subject: Subject, ids) -> Dict[str, torch.Tensor]:
     """The parameter gradients of an eager step in float64 (the reference)."""
     progress("eager step in float64 (reference)...")
     wide = subject.reference() if subject.reference else copy.deepcopy(subject.model).double()
-    _, exact = _step(subject, wide, ids)
+    _, exact = _step(subject, wide, subject.widen(ids))
     return exact
 
 
-def _measured_compiled_step(args, subject: Subject, recorder, ids, outside) -> tuple:
+def _measured_compiled_step(settings, subject: Subject, recorder, ids, outside) -> tuple:
     """The compiled step with the pass, inside ``outside`` (the site counter again: during the
     compiled run it sees only the sites that ran outside compiled graphs): (forward and backward
     seconds, loss, parameter gradients)."""
     model = subject.model
     torch._dynamo.reset()
-    step_ids = ids.clone()
-    if args.dynamic:
+    step_ids = ids.clone() if isinstance(ids, torch.Tensor) else tuple(_cloned(i) for i in ids)
+    if settings["dynamic"]:
         torch._dynamo.mark_dynamic(step_ids, 0)
         torch._dynamo.mark_dynamic(step_ids, 1)
     model.zero_grad(set_to_none=True)
     with outside:
-        forward_seconds, backward_seconds, loss = _compiled_step(args, subject, model, recorder, step_ids)
+        forward_seconds, backward_seconds, loss = _compiled_step(settings, subject, model, recorder, step_ids)
     fused_grads = _param_grads(model)
     model.zero_grad(set_to_none=True)
     return (forward_seconds, backward_seconds), float(loss.detach()), fused_grads
 
 
-def _assemble(args, subject: Subject, options: FusionOptions, recorder, expected, gradients,
+def _cloned(value):
+    """A copy of a step input that the compiled step may mark dynamic without touching the caller's."""
+    return value.detach().clone().requires_grad_(value.requires_grad) if isinstance(value, torch.Tensor) else value
+
+
+def _assemble(settings, subject: Subject, options: FusionOptions, recorder, expected, gradients,
               seconds) -> Dict[str, Any]:
     """The report's plain data from the recorded pass results and the gradient comparison."""
     results = recorder.results
     report = {
         "model": subject.name,
-        "settings": {"model": args.hf or args.model, "source": "transformers" if args.hf else "bundled",
-                     "layers": args.layers, "dtype": args.dtype, "batch": args.batch, "seq": args.seq,
-                     "dynamic": args.dynamic, "target": args.target,
-                     "resolved_target": options.resolved_target(), "partitioner": args.partitioner,
-                     "checkpointing": args.checkpointing, "compiled_autograd": args.compiled_autograd,
-                     "seed": args.seed},
+        "settings": dict(settings, resolved_target=options.resolved_target()),
         "backward_graphs": len(results),
         "ops": summarize_sites(results, expected, recorder.runs),
         "misses": [dataclasses.asdict(m) for r in results for m in r.misses],
@@ -409,9 +426,9 @@ def _assemble(args, subject: Subject, options: FusionOptions, recorder, expected
     return report
 
 
-def _compiled_step(args, subject: Subject, model, recorder, ids):
+def _compiled_step(settings, subject: Subject, model, recorder, ids):
     """Compile and run one forward and backward: (forward seconds, backward seconds, loss)."""
-    if args.compiled_autograd:
+    if settings["compiled_autograd"]:
         progress("compiling and running forward and backward (compiled autograd)...")
         return _compiled_autograd_step(subject, model, recorder, ids)
     compiled = torch.compile(lambda i: subject.loss(model, i), backend=recorder)
@@ -579,8 +596,9 @@ def format_text(report: Dict[str, Any]) -> str:
 def _format_header(report: Dict[str, Any]) -> str:
     s = report["settings"]
     shapes = "dynamic batch and sequence" if s["dynamic"] else "static shapes"
-    out = [f"npu-fusion report: {report['model']}, {s['layers']} layer(s), {s['dtype']}, "
-           f"batch {s['batch']} x seq {s['seq']}, {shapes}\n"
+    size = (f"inputs {', '.join(s['inputs'])}" if "inputs" in s
+            else f"{s['layers']} layer(s), {s['dtype']}, batch {s['batch']} x seq {s['seq']}")
+    out = [f"npu-fusion report: {report['model']}, {size}, {shapes}\n"
            f"target {s['resolved_target']} (asked: {s['target']}), partitioner {s['partitioner']}, "
            f"{report['backward_graphs']} backward graph(s)\n"]
     sec = report["seconds"]
