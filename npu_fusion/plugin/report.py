@@ -56,12 +56,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                        help="a tiny random model of a training framework's own code: "
                             + ", ".join(_framework_names()) + "; needs that library")
     parser.add_argument("--layers", type=int, default=2, help="decoder layers (default 2)")
-    parser.add_argument("--dtype", choices=tuple(DTYPES), default="float32")
+    parser.add_argument("--dtype", choices=tuple(DTYPES), default=None,
+                        help="parameter dtype (default float32; --hf-config: the config's torch_dtype)")
     parser.add_argument("--batch", type=int, default=2, help="batch size (default 2)")
     parser.add_argument("--seq", type=int, default=16, help="sequence length (default 16)")
     parser.add_argument("--dynamic", action="store_true", help="mark batch and sequence dynamic")
-    parser.add_argument("--target", choices=("auto",) + TARGETS, default="auto",
-                        help="which chip's forms the pass may emit (auto: detect, generic off an NPU host)")
+    parser.add_argument("--target", type=_targets, default=("auto",), metavar="{" + ",".join(("auto",) + TARGETS) + "}",
+                        help="which chip's forms the pass may emit (auto: detect, generic off an NPU host); "
+                             "--hf-config takes several, comma-separated")
     parser.add_argument("--partitioner", choices=("default", "min_cut"), default="default",
                         help="AOTAutograd partitioner")
     parser.add_argument("--checkpointing", choices=("none", "full", "selective"), default="none",
@@ -76,10 +78,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                      "3 the pass hit an internal error, 2 usage error")
 
 
-def run(args: argparse.Namespace) -> int:
+def _targets(text: str) -> tuple:
+    chosen = tuple(t.strip() for t in text.split(","))
+    unknown = [t for t in chosen if t not in ("auto",) + TARGETS]
+    if unknown or not chosen:
+        raise argparse.ArgumentTypeError(f"unknown target(s) {unknown}: choose from {('auto',) + TARGETS}")
+    return chosen
+
+
+def run(args: argparse.Namespace, sinks=()) -> int:
+    """Collect, print, and hand the report to each of ``sinks`` (the ``--html`` page's writer)."""
     try:
         with _framework_workarounds(args):
             report = collect(args)
+        for sink in sinks:
+            sink(report)
     except UsageError as exc:
         print(f"npu-fusion report: {exc}", file=sys.stderr)
         return EXIT_USAGE
@@ -293,6 +306,8 @@ class Recorder:
         self.after: List[collections.Counter] = []
         self.results: List[FusionResult] = []
         self.runs: List[int] = []  # per backward graph: runs of its forward (a graph reused per layer)
+        #: per backward graph: each node's module path, read before the pass replaces nodes
+        self.paths: List[Dict[str, str]] = []
 
     def __call__(self, gm, example_inputs):
         from ..testing.capture import counting_runs
@@ -303,6 +318,7 @@ class Recorder:
 
     def _around_pass(self, bw_gm, run):
         self.before.append(op_counts(bw_gm.graph))
+        self.paths.append({n.name: module_path(n) for n in bw_gm.graph.nodes if module_path(n)})
         progress(f"running the pass on a backward graph of {len(bw_gm.graph.nodes)} nodes...")
         self.results.append(run())
         self.after.append(op_counts(bw_gm.graph))
@@ -310,6 +326,39 @@ class Recorder:
 
     def fused_runs(self, op: str) -> int:
         return sum(r.fused(op) * n for r, n in zip(self.results, self.runs))
+
+
+def module_path(node: torch.fx.Node) -> str:
+    """The module whose forward made ``node`` (AOTAutograd copies the forward node's
+    ``nn_module_stack`` onto a backward node, as ``fwd_nn_module_stack`` or, recomputed, as
+    ``nn_module_stack``), relative to the outermost module of the stack: ``layers.0.attn``; ""
+    for none or for the outermost module itself."""
+    stack = node.meta.get("fwd_nn_module_stack") or node.meta.get("nn_module_stack")
+    if not stack:
+        return ""
+    paths = [entry[0] for entry in stack.values()]
+    root, inner = paths[0], paths[-1]
+    return inner[len(root) + 1:] if inner.startswith(root + ".") else ""
+
+
+def _placed(records: List[Dict[str, Any]], paths: Dict[str, str], nodes) -> List[Dict[str, Any]]:
+    """Sites or misses as dicts with the module they came from (the most common among ``nodes(record)``)."""
+    placed = []
+    for record in records:
+        row = dataclasses.asdict(record)
+        found = collections.Counter(paths[n] for n in nodes(record) if n in paths)
+        row["module"] = found.most_common(1)[0][0] if found else ""
+        placed.append(row)
+    return placed
+
+
+def _saved_summary(results: List[FusionResult]) -> Dict[str, int]:
+    """Bytes the forward saves for the backward, before and after the fused backward narrowed or
+    dropped some, over the graphs where the pass fused a site (the others keep their saved set)."""
+    changes = [r.saved for r in results if getattr(r, "saved", None) is not None]
+    return {"graphs": len(changes), "bytes_before": sum(c.bytes_before for c in changes),
+            "bytes_after": sum(c.bytes_after for c in changes),
+            "narrowed": sum(len(c.narrowed) for c in changes), "dropped": sum(len(c.dropped) for c in changes)}
 
 
 # --------------------------------------------------------------------------- the run
@@ -332,6 +381,9 @@ def collect(args: argparse.Namespace) -> Dict[str, Any]:
     """Run the report and return everything it found as plain data (what ``--json`` prints)."""
     if args.layers < 1 or args.batch < 1 or args.seq < 2:
         raise UsageError("--layers and --batch must be at least 1, --seq at least 2")
+    if len(args.target) != 1:
+        raise UsageError("one --target at a time (several only with --hf-config)")
+    args = argparse.Namespace(**dict(vars(args), target=args.target[0], dtype=args.dtype or "float32"))
     options = FusionOptions.from_mapping({"target": args.target, "partitioner": args.partitioner})
     progress("building the model...")
     subject = (_framework_subject(args) if getattr(args, "framework", None)
@@ -412,10 +464,12 @@ def _assemble(settings, subject: Subject, options: FusionOptions, recorder, expe
         "settings": dict(settings, resolved_target=options.resolved_target()),
         "backward_graphs": len(results),
         "ops": summarize_sites(results, expected, recorder.runs),
-        "misses": [dataclasses.asdict(m) for r in results for m in r.misses],
-        "sites": [dataclasses.asdict(s) for r in results for s in r.sites],
+        "misses": [m for r, p in zip(results, recorder.paths) for m in _placed(r.misses, p, lambda m: [m.node])],
+        "sites": [s for r, p in zip(results, recorder.paths)
+                  for s in _placed(r.sites, p, lambda s: s.replaced_nodes)],
         "op_counts": _op_count_table(recorder),
         "memory_traffic": summarize_bytes(results),
+        "saved_activations": _saved_summary(results),
         "gradients": gradients,
         "seconds": {"forward_first_call": seconds[0], "backward_first_call": seconds[1],
                     "pass": sum(r.seconds for r in results)},
