@@ -318,7 +318,7 @@ class Recorder:
 
     def _around_pass(self, bw_gm, run):
         self.before.append(op_counts(bw_gm.graph))
-        self.paths.append({n.name: module_path(n) for n in bw_gm.graph.nodes if module_path(n)})
+        self.paths.append({n.name: nearest_module_path(n) for n in bw_gm.graph.nodes})
         progress(f"running the pass on a backward graph of {len(bw_gm.graph.nodes)} nodes...")
         self.results.append(run())
         self.after.append(op_counts(bw_gm.graph))
@@ -341,12 +341,28 @@ def module_path(node: torch.fx.Node) -> str:
     return inner[len(root) + 1:] if inner.startswith(root + ".") else ""
 
 
+def nearest_module_path(node: torch.fx.Node, limit: int = 32) -> str:
+    """``node``'s module path, or the nearest one among its inputs (a gradient accumulation, the
+    node a miss names, often belongs to no module), looking at ``limit`` nodes at most."""
+    queue, seen, index = [node], {node}, 0
+    while index < min(len(queue), limit):
+        current, index = queue[index], index + 1
+        path = module_path(current)
+        if path:
+            return path
+        for source in current.all_input_nodes:
+            if source not in seen:
+                seen.add(source)
+                queue.append(source)
+    return ""
+
+
 def _placed(records: List[Dict[str, Any]], paths: Dict[str, str], nodes) -> List[Dict[str, Any]]:
     """Sites or misses as dicts with the module they came from (the most common among ``nodes(record)``)."""
     placed = []
     for record in records:
         row = dataclasses.asdict(record)
-        found = collections.Counter(paths[n] for n in nodes(record) if n in paths)
+        found = collections.Counter(paths[n] for n in nodes(record) if paths.get(n))
         row["module"] = found.most_common(1)[0][0] if found else ""
         placed.append(row)
     return placed

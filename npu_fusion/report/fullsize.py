@@ -18,8 +18,9 @@ Two things differ from a real step, both for the meta device's sake:
 - the loss is cross entropy written as ``log_softmax`` and ``gather``: compiled ``cross_entropy``
   on meta tensors loses its gradient (torch 2.13: ``nll_loss`` has no autograd kernel for the
   meta device's fake tensors, so the backward graph comes out empty);
-- MoE experts run as transformers' ``batched_mm`` (indexed batched matmuls): the eager experts
-  loop selects tokens with data-dependent shapes, which meta tensors cannot have.
+- MoE experts run as transformers' ``grouped_mm`` (one grouped matmul over the tokens sorted by
+  expert, as training runs them on an accelerator): the eager experts loop selects each expert's
+  tokens with data-dependent shapes, which meta tensors cannot have.
 """
 from __future__ import annotations
 
@@ -89,7 +90,7 @@ def build_on_meta(config, dtype: torch.dtype) -> torch.nn.Module:
     """The causal LM of ``config`` with meta parameters: shapes and dtypes, no storage."""
     from transformers import AutoModelForCausalLM
 
-    config._experts_implementation = "batched_mm"  # module docstring
+    config._experts_implementation = "grouped_mm"  # module docstring
     with torch.device("meta"):
         try:
             model = AutoModelForCausalLM.from_config(config, attn_implementation="eager")
