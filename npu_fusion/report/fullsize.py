@@ -90,7 +90,8 @@ def build_on_meta(config, dtype: torch.dtype) -> torch.nn.Module:
     """The causal LM of ``config`` with meta parameters: shapes and dtypes, no storage."""
     from transformers import AutoModelForCausalLM
 
-    config._experts_implementation = "grouped_mm"  # module docstring
+    if any(getattr(config, k, None) for k in ("n_routed_experts", "num_experts", "num_local_experts")):
+        config._experts_implementation = "grouped_mm"  # module docstring
     with torch.device("meta"):
         try:
             model = AutoModelForCausalLM.from_config(config, attn_implementation="eager")
