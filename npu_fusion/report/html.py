@@ -29,8 +29,9 @@ border-bottom: 2px solid #e0e0e0; } h3 { font-size: 15px; margin: 18px 0 6px 0; 
 .sub { color: #616161; font-size: 13px; } .ok { color: #2e7d32; } .bad { color: #c62828; }
 table { border-collapse: collapse; font-size: 12px; margin-top: 6px; }
 td, th { border: 1px solid #e0e0e0; padding: 3px 8px; text-align: left; }
-th { background: #f5f5f5; } tr.missed td { background: #ffebee; }
-svg text { font-family: inherit; }
+th { background: #f5f5f5; } td.n { white-space: nowrap; } tr.missed td { background: #ffebee; }
+svg text { font-family: inherit; } svg { display: block; margin-bottom: 8px; }
+.charts { display: flex; flex-wrap: wrap; gap: 24px; } .charts > div { flex: 1 1 430px; min-width: 0; }
 """
 
 
@@ -74,9 +75,8 @@ def _target_section(r: Dict[str, Any]) -> str:
     head += f"<div class='sub'>fused per op: {_e(per_op or 'no site found')}</div>"
     errors = "".join(f"<p class='bad'>PASS ERROR (graph left unchanged): {_e(e)}</p>" for e in r["pass_errors"])
     return "".join([head, errors, "<h3>Sites by layer (hover for the reason)</h3>", _layer_map(sites),
-                    _site_table(sites), "<h3>Backward graph ops, before and after the pass</h3>",
-                    _op_bars(r["op_counts"]), "<h3>Modelled memory traffic of the replaced subgraphs, "
-                    "and bytes saved for the backward</h3>", _traffic_bars(r)])
+                    _site_table(sites), "<div class='charts'><div><h3>Backward graph ops, before and after</h3>", _op_bars(r["op_counts"]), "</div><div><h3>Modelled traffic of the replaced subgraphs, "
+                    "and bytes saved for the backward</h3>", _traffic_bars(r), "</div></div>"])
 
 
 def _all_sites(r: Dict[str, Any]) -> List[Dict[str, Any]]:
@@ -102,7 +102,7 @@ def _layer_map(sites: List[Dict[str, Any]]) -> str:
     layers: Dict[str, List[Dict[str, Any]]] = {}
     for site in sites:
         layers.setdefault(site["layer"], []).append(site)
-    box_w, box_h, gap, label_w = 150, 34, 6, 130
+    box_w, box_h, gap, label_w = 132, 34, 6, 110
     width = label_w + max((len(v) for v in layers.values()), default=1) * (box_w + gap) + 10
     height = len(layers) * (box_h + gap) + 30
     parts = [f"<svg width='{width}' height='{height}' role='img'>"]
@@ -130,18 +130,18 @@ def _site_box(site: Dict[str, Any], x: int, y: int, w: int, h: int) -> str:
             f"fill='{FUSED if site['fused'] else MISSED}'/><text x='{x + 6}' y='{y + 14}' font-size='11' "
             f"fill='white' font-weight='bold'>{_e(SHORT.get(site['op'], site['op']))}"
             f"{' ' + _e(site['mode']) if site['mode'] else ''}</text><text x='{x + 6}' y='{y + 28}' "
-            f"font-size='11' fill='white'>{_e(_clip(where, 22))}</text></g>")
+            f"font-size='11' fill='white'>{_e(_clip(where, 19))}</text></g>")
 
 
 def _site_table(sites: List[Dict[str, Any]]) -> str:
     rows = []
     for s in sites:
-        status = "fused" if s["fused"] else "left unfused"
+        status = (f"fused ({s['mode']})" if s["mode"] else "fused") if s["fused"] else "left unfused"
         traffic = f"{_bytes(s['bytes_before'])} &rarr; {_bytes(s['bytes_after'])}" if s["fused"] else ""
         rows.append(f"<tr class='{'fused' if s['fused'] else 'missed'}'><td>{_e(s['layer'])}</td>"
-                    f"<td>{_e(s.get('module') or '?')}</td><td>{_e(s['op'])}</td><td>{status}</td>"
-                    f"<td>{_e(s['mode'] or '')}</td><td>{_e(s['reason'])}</td><td>{traffic}</td></tr>")
-    return ("<table><tr><th>layer</th><th>module</th><th>op</th><th>result</th><th>mode</th><th>reason</th>"
+                    f"<td>{_e(s.get('module') or '?')}</td><td title='{_e(s['op'])}'>{_e(SHORT.get(s['op'], s['op']))}"
+                    f"</td><td>{_e(status)}</td><td>{_e(s['reason'])}</td><td class='n'>{traffic}</td></tr>")
+    return ("<table><tr><th>layer</th><th>module</th><th>op</th><th>result</th><th>reason</th>"
             f"<th>modelled traffic</th></tr>{''.join(rows)}</table>")
 
 
@@ -149,9 +149,10 @@ def _op_bars(counts: Dict[str, Any]) -> str:
     """All nodes, then the ops whose count changed most, as before/after bar pairs."""
     names = set(counts["before"]) | set(counts["after"])
     changed = sorted((n for n in names if counts["before"].get(n, 0) != counts["after"].get(n, 0)),
-                     key=lambda n: (-abs(counts["before"].get(n, 0) - counts["after"].get(n, 0)), n))[:10]
+                     key=lambda n: (-abs(counts["before"].get(n, 0) - counts["after"].get(n, 0)), n))[:8]
     rows = [("all nodes", counts["nodes_before"], counts["nodes_after"])]
-    rows += [(n.replace(".default", ""), counts["before"].get(n, 0), counts["after"].get(n, 0)) for n in changed]
+    rows += [(n.replace(".default", "").replace("aten.", ""), counts["before"].get(n, 0), counts["after"].get(n, 0))
+             for n in changed]
     return _bar_chart(rows, ("before", "after"), (BEFORE, AFTER), str)
 
 
@@ -168,24 +169,24 @@ def _traffic_bars(r: Dict[str, Any]) -> str:
 
 def _bar_chart(rows: List[tuple], series: Tuple[str, ...], colours: Tuple[str, ...], fmt) -> str:
     """Horizontal bars, one group per row, each row's values scaled to the chart's largest."""
-    label_w, bar_max, bar_h = 260, 420, 14
+    label_w, bar_max, bar_h = 130, 220, 12
     top = max((v for row in rows for v in row[1:]), default=0) or 1
-    group_h = bar_h * len(series) + 10
+    group_h = bar_h * len(series) + 6
     height = len(rows) * group_h + 24
-    parts = [f"<svg width='{label_w + bar_max + 120}' height='{height}'>"]
+    parts = [f"<svg width='{label_w + bar_max + 80}' height='{height}'>"]
     for i, row in enumerate(rows):
         y = i * group_h
-        parts.append(f"<text x='0' y='{y + bar_h}' font-size='12'>{_e(_clip(row[0], 40))}</text>")
+        parts.append(f"<text x='0' y='{y + bar_h}' font-size='12'>{_e(_clip(row[0], 22))}</text>")
         for j, value in enumerate(row[1:]):
             w = max(1, round(bar_max * value / top))
             parts.append(f"<rect x='{label_w}' y='{y + j * bar_h}' width='{w}' height='{bar_h - 2}' "
                          f"fill='{colours[j]}'><title>{_e(series[j])}: {_e(fmt(value))}</title></rect>"
-                         f"<text x='{label_w + w + 4}' y='{y + j * bar_h + 11}' font-size='11'>{_e(fmt(value))}</text>")
+                         f"<text x='{label_w + w + 4}' y='{y + j * bar_h + 10}' font-size='10'>{_e(fmt(value))}</text>")
     x, y = 0, len(rows) * group_h + 14
     for name, colour in zip(series, colours):
         parts.append(f"<rect x='{x}' y='{y - 10}' width='12' height='12' fill='{colour}'/>"
                      f"<text x='{x + 16}' y='{y}' font-size='12'>{_e(name)}</text>")
-        x += 24 + 8 * len(name)
+        x += 24 + 7 * len(name)
     return "".join(parts) + "</svg>"
 
 
