@@ -136,3 +136,14 @@ def test_explain_serializes_like_the_command_line():
         assert {k: v for k, v in mine["ops"][op].items() if k != "expected"} == \
                {k: v for k, v in cli["ops"][op].items() if k != "expected"}
     assert mine["gradients"]["loss"] == pytest.approx(cli["gradients"]["loss"])
+
+
+@pytest.mark.xfail(strict=True, reason="known silent miss, found by explain(): an RMSNorm whose input takes no "
+                                       "gradient (only dgamma is needed) neither fuses nor records a miss")
+def test_a_norm_on_an_input_without_gradient_is_accounted_for():
+    torch.manual_seed(0)
+    model, x = UserModel(layers=1), torch.randn(2, 8, 32)
+    model.project = torch.nn.Identity()  # the first norm now reads the input, which needs no gradient
+    r = npu_fusion.explain(model, x, target="generic").report
+    assert r["accounting"][RMS]["expected"] == 3
+    assert r["accounting"][RMS]["unexplained"] == 0

@@ -57,7 +57,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                             + ", ".join(_framework_names()) + "; needs that library")
     parser.add_argument("--layers", type=int, default=2, help="decoder layers (default 2)")
     parser.add_argument("--dtype", choices=tuple(DTYPES), default=None,
-                        help="parameter dtype (default float32; --hf-config: the config's torch_dtype)")
+                        help="parameter dtype (default float32; --hf-config: the config's dtype, "
+                             "else bfloat16)")
     parser.add_argument("--batch", type=int, default=2, help="batch size (default 2)")
     parser.add_argument("--seq", type=int, default=16, help="sequence length (default 16)")
     parser.add_argument("--dynamic", action="store_true", help="mark batch and sequence dynamic")

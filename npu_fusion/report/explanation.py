@@ -81,11 +81,21 @@ def default_loss(output) -> torch.Tensor:
         return output
     if isinstance(getattr(output, "loss", None), torch.Tensor):
         return output.loss
-    leaves = [t for t in torch.utils._pytree.tree_leaves(output)
-              if isinstance(t, torch.Tensor) and t.is_floating_point() and t.requires_grad]
+    leaves = [t for t in _tensors(output) if t.is_floating_point() and t.requires_grad]
     if not leaves:
         raise ValueError("explain: the output has no floating tensor that requires grad; pass loss=")
     return sum(t.to(torch.promote_types(t.dtype, torch.float32)).pow(2).mean() for t in leaves)
+
+
+def _tensors(value) -> list:
+    """The tensors in an output: a tensor, or nested tuples, lists and dicts (a ModelOutput) of them."""
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, dict):
+        value = list(value.values())
+    if isinstance(value, (tuple, list)):
+        return [t for item in value for t in _tensors(item)]
+    return []
 
 
 class _Function(torch.nn.Module):

@@ -75,7 +75,8 @@ def _target_section(r: Dict[str, Any]) -> str:
     head += f"<div class='sub'>fused per op: {_e(per_op or 'no site found')}</div>"
     errors = "".join(f"<p class='bad'>PASS ERROR (graph left unchanged): {_e(e)}</p>" for e in r["pass_errors"])
     return "".join([head, errors, "<h3>Sites by layer (hover for the reason)</h3>", _layer_map(sites),
-                    _site_table(sites), "<div class='charts'><div><h3>Backward graph ops, before and after</h3>", _op_bars(r["op_counts"]), "</div><div><h3>Modelled traffic of the replaced subgraphs, "
+                    _site_table(sites), "<div class='charts'><div><h3>Backward graph ops, before and after</h3>",
+                    _op_bars(r["op_counts"]), "</div><div><h3>Modelled traffic of the replaced subgraphs, "
                     "and bytes saved for the backward</h3>", _traffic_bars(r), "</div></div>"])
 
 
