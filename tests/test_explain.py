@@ -102,6 +102,12 @@ def test_explain_a_user_module_against_an_independent_count():
     text = str(explained)
     assert "rms_norm_grad: all 5 sites fused" in text and "inputs float32[2, 8, 32]" in text
     assert json.loads(explained.to_json()) == explained.to_dict()
+    # each site is placed in the module that made it, on the page as in the data
+    assert sorted(s["module"] for s in r["sites"] if s["op"] == RMS) == [
+        "blocks.0.norm1", "blocks.0.norm2", "blocks.1.norm1", "blocks.1.norm2", "norm"]
+    page = explained.to_html()
+    assert page.count("<tr class='fused'>") == 9 and "blocks.1.norm2" in page and "layer 1" in page
+    assert "<span class='ok'>PASSED</span>" in page
 
 
 def test_explain_a_function_names_the_chip_refusal():

@@ -45,6 +45,12 @@ class Explanation:
     def to_json(self, indent: Optional[int] = 2) -> str:
         return json.dumps(self.to_dict(), indent=indent, allow_nan=False)
 
+    def to_html(self) -> str:
+        """The report as one self-contained page (``npu-fusion report --html``)."""
+        from .html import render
+
+        return render(self.report)
+
     def fused(self, op: str) -> int:
         return self.report["ops"][op]["fused"] if op in self.report["ops"] else 0
 

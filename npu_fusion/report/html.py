@@ -73,11 +73,22 @@ def _target_section(r: Dict[str, Any]) -> str:
             f"batch {s['batch'] or '-'} x seq {s['seq'] or '-'}</div>")
     per_op = ", ".join(f"{SHORT.get(op, op)} {o['fused']} of {o['found']}" for op, o in r["ops"].items() if o["found"])
     head += f"<div class='sub'>fused per op: {_e(per_op or 'no site found')}</div>"
+    head += _gradient_line(r["gradients"])
     errors = "".join(f"<p class='bad'>PASS ERROR (graph left unchanged): {_e(e)}</p>" for e in r["pass_errors"])
     return "".join([head, errors, "<h3>Sites by layer (hover for the reason)</h3>", _layer_map(sites),
                     _site_table(sites), "<div class='charts'><div><h3>Backward graph ops, before and after</h3>",
                     _op_bars(r["op_counts"]), "</div><div><h3>Modelled traffic of the replaced subgraphs, "
                     "and bytes saved for the backward</h3>", _traffic_bars(r), "</div></div>"])
+
+
+def _gradient_line(g: Dict[str, Any]) -> str:
+    """The gradient check's verdict (absent on the meta device, where there are no values)."""
+    if not g.get("per_dtype"):
+        return f"<div class='sub'>no gradient check: {_e(g.get('why', 'no parameter gradient'))}</div>"
+    worst = max(row["max_abs_diff_vs_eager"] for row in g["per_dtype"].values())
+    verdict = "<span class='ok'>PASSED</span>" if g["passed"] else "<span class='bad'>FAILED</span>"
+    return (f"<div class='sub'>gradient check against eager and float64: {verdict} (max |compiled - eager| "
+            f"{worst:.3g})</div>")
 
 
 def _all_sites(r: Dict[str, Any]) -> List[Dict[str, Any]]:
