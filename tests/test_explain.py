@@ -101,6 +101,7 @@ def test_explain_a_user_module_against_an_independent_count():
 
     text = str(explained)
     assert "rms_norm_grad: all 5 sites fused" in text and "inputs float32[2, 8, 32]" in text
+    assert "## Saved for the backward" in text and r["saved_activations"]["graphs"] == r["backward_graphs"] == 1
     assert json.loads(explained.to_json()) == explained.to_dict()
     # each site is placed in the module that made it, on the page as in the data
     assert sorted(s["module"] for s in r["sites"] if s["op"] == RMS) == [

@@ -75,6 +75,8 @@ def test_overrides_and_usage_errors(capsys):
     assert "does not know the model type" in capsys.readouterr().err
     assert fullsize.run(parse("--hf-config", "llama", "hidden_size")) == report.EXIT_USAGE
     assert "not key=value" in capsys.readouterr().err
+    assert fullsize.run(parse("--hf-config", "llama", "--dynamic")) == report.EXIT_USAGE
+    assert "--hf-config takes" in capsys.readouterr().err
     config = fullsize.load_config(os.path.join(EXAMPLES, "qwen3-32b.json"), ["hidden_size=1024"], 3)
     assert (config.hidden_size, config.num_hidden_layers, config.head_dim) == (1024, 3, 128)
     assert report.run(parse("--target", "a2,950")) == report.EXIT_USAGE  # several targets: --hf-config only

@@ -661,7 +661,7 @@ def _format_accounting(report: Dict[str, Any]) -> str:
 def format_text(report: Dict[str, Any]) -> str:
     return "".join([_format_header(report), _format_ops(report), _format_accounting(report),
                     _format_misses(report), _format_op_counts(report), _format_traffic(report),
-                    _format_gradients(report)])
+                    _format_saved(report), _format_gradients(report)])
 
 
 def _format_header(report: Dict[str, Any]) -> str:
@@ -725,6 +725,15 @@ def _format_traffic(report: Dict[str, Any]) -> str:
             "reads each input once and writes each output once)\n\n"
             + (_table(["op", "sites", "before", "after", "fused-op minimum", "after / before"], rows)
                if rows else "no site was fused\n"))
+
+
+def _format_saved(report: Dict[str, Any]) -> str:
+    saved = report.get("saved_activations")
+    if not saved or not saved["graphs"]:
+        return "\n## Saved for the backward\n\nunchanged: no site was fused\n"
+    return (f"\n## Saved for the backward\n\n{_bytes(saved['bytes_before'])} before the pass, "
+            f"{_bytes(saved['bytes_after'])} after ({saved['narrowed']} narrowed back to the input dtype, "
+            f"{saved['dropped']} no longer read), in the graphs where a site fused\n")
 
 
 def _format_gradients(report: Dict[str, Any]) -> str:

@@ -112,6 +112,9 @@ def collect(args: argparse.Namespace) -> Dict[str, Any]:
     """Everything ``--hf-config`` found, per target, as plain data (what ``--json`` prints)."""
     if args.layers < 1 or args.batch < 1 or args.seq < 2:
         raise UsageError("--layers and --batch must be at least 1, --seq at least 2")
+    if args.hf or getattr(args, "framework", None) or args.dynamic or args.compiled_autograd \
+            or args.checkpointing != "none":
+        raise UsageError("--hf-config takes --layers, --batch, --seq, --dtype, --target and --partitioner only")
     started = time.perf_counter()
     config = load_config(args.hf_config, args.overrides, args.layers)
     dtype_name = args.dtype or str(getattr(config, "dtype", None) or "bfloat16").replace("torch.", "")
@@ -204,7 +207,7 @@ def format_text(report: Dict[str, Any]) -> str:
         out += [f"PASS ERROR (graph left unchanged): {err}\n" for err in r["pass_errors"]]
         out.append(format_sites(r))
         out += [cli_report._format_ops(r), cli_report._format_accounting(r), cli_report._format_traffic(r),
-                format_saved(r)]
+                cli_report._format_saved(r)]
     return "".join(out)
 
 
@@ -219,12 +222,3 @@ def format_sites(report: Dict[str, Any]) -> str:
 
 def _module_order(path: str):
     return [(0, int(p), "") if p.isdigit() else (1, 0, p) for p in path.split(".")]
-
-
-def format_saved(report: Dict[str, Any]) -> str:
-    saved = report["saved_activations"]
-    if not saved["graphs"]:
-        return "\n## Saved for the backward\n\nunchanged: no site was fused\n"
-    return (f"\n## Saved for the backward\n\n{cli_report._bytes(saved['bytes_before'])} before the pass, "
-            f"{cli_report._bytes(saved['bytes_after'])} after ({saved['narrowed']} narrowed back to the "
-            f"input dtype, {saved['dropped']} no longer read)\n")
