@@ -20,7 +20,7 @@ Two things differ from a real step, both for the meta device's sake:
   meta device's fake tensors, so the backward graph comes out empty);
 - MoE experts run as transformers' ``grouped_mm`` (one grouped matmul over the tokens sorted by
   expert, as training runs them on an accelerator): the eager experts loop selects each expert's
-  tokens with data-dependent shapes, which meta tensors cannot have.
+  tokens with ``torch.nonzero``, whose output shape depends on the data (it raises on meta tensors).
 """
 from __future__ import annotations
 
