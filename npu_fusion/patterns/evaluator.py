@@ -263,7 +263,12 @@ def rounding_problem(ev: "MemoEvaluator", outputs: Mapping[str, fx.Node], roles:
     not take: the site stays unfused. Each output is judged by its own precision, never
     excused because another role is stored in the narrow dtype. Nor may the fused op read an
     input less rounded than the program does (a rounded copy of x bound to the unrounded x,
-    which it equals up to casts): that changes the function, not only its arithmetic."""
+    which it equals up to casts), which changes the function, not only its arithmetic, unless
+    the rounding is to the dtype of the gradient the site processes (tables cast to the
+    activations' dtype, ``cos.to(x.dtype)``: the program's working precision). ``roles``
+    come dy first."""
+    roles = list(roles)
+    gradient = dtype(roles[0])  # dy's: the precision the program processes the gradient in
     roles = [n for n in roles if n is not None]
     for name, output in outputs.items():
         if output is None:
@@ -275,7 +280,10 @@ def rounding_problem(ev: "MemoEvaluator", outputs: Mapping[str, fx.Node], roles:
             return (f"the program rounds a value inside the site to {', '.join(coarse)} (a narrowing cast), "
                     f"more coarsely than it keeps {name} ({output.name}, {kept}); the fused op would not "
                     f"round it")
-        if rounded_roles:
-            return (f"the site reads {rounded_roles[0].name}, a rounded copy of one of its inputs, where the fused op "
-                    f"would read the input unrounded")
+        # a table rounded to the gradient's own dtype (``cos.to(x.dtype)``) is the program's
+        # working precision; a rounding coarser than that makes another input
+        coarser = [n for n in rounded_roles if not all(holds(d, gradient) for d in ev.rounded[n])]
+        if coarser:
+            return (f"the site reads {coarser[0].name}, a copy of one of its inputs rounded more coarsely than its "
+                    f"gradient ({gradient}), where the fused op would read the input unrounded")
     return None
