@@ -25,6 +25,22 @@ symbol ``S[monomial]`` after expanding its summand. A node is dx when its expres
 algebraic, so eps outside the square root, a wrong exponent or a missing term
 do not match.
 
+A norm whose input takes no gradient (applied to a model input) has no dx: its
+backward is only ``dgamma = sum(dy * x_hat)`` over the leading axes, and the
+algebra cannot tell rstd from any other factor there. So the statistic is proven
+by its definition (:func:`rms_statistic_operand`, through casts, reshapes and
+saved tensors' forward definitions): rstd is ``rsqrt(mean(x*x, last k axes) + eps)``
+with a number eps inside the root, of the very tensor x the product reads (not a
+centred LayerNorm value). The backward holds either x and rstd (min-cut, or
+recomputed): dgamma is ``sum(dy * x * rstd)``; or only the saved normalized value
+``x_hat = x * rstd`` (default partitioner), proven so by its forward definition
+(:func:`normalized_operand`): dgamma is ``sum(dy * x_hat * 1)``, and the fused op
+reads x_hat as x with an rstd of ones. Either way the site is ``rms_norm_grad``
+with only its dgamma output used, through the dx form's emit path (dtype table,
+chip limits, gamma of ones, rounding rules). A norm a dx site covers (this round,
+or fused by an earlier one whose dgamma may be left to the program on purpose) is
+never read again as a dgamma-only site.
+
 The whole ops (last section). torch 2.13 routes ``F.rms_norm`` to
 ``aten._fused_rms_norm``, which decomposes (CompositeImplicitAutograd) except on a
 device with its own kernel (CUDA, MPS, XPU); there autograd's backward is
@@ -755,9 +771,11 @@ def rms_statistic_operand(node: fx.Node, provenance: Optional[Provenance]) -> Op
     if not (isinstance(shifted, fx.Node) and shifted.target in (aten.add.Tensor, aten.add.Scalar)
             and shifted.kwargs.get("alpha", 1) == 1):
         return None
-    mean, eps = shifted.args[:2] if isinstance(shifted.args[0], fx.Node) else shifted.args[1::-1]
-    eps = graph_constant(eps)
-    if not isinstance(mean, fx.Node) or eps is None or not eps > 0 or mean.target is not aten.mean.dim:
+    operands = [a for a in shifted.args[:2] if isinstance(a, fx.Node) and _definition(a, provenance).target is aten.mean.dim]
+    if len(operands) != 1:
+        return None
+    mean = _definition(operands[0], provenance)
+    if not _is_scalar_eps(next(a for a in shifted.args[:2] if a is not operands[0])):
         return None
     square, dims = mean.args[0], mean.args[1]
     keepdim = mean.args[2] if len(mean.args) > 2 else mean.kwargs.get("keepdim", False)
@@ -771,7 +789,24 @@ def rms_statistic_operand(node: fx.Node, provenance: Optional[Provenance]) -> Op
         return None
     rank = len(shape(y))
     dims = sorted(normalize_dim(d, rank) for d in dims)
-    return (y, len(dims)) if dims == list(range(rank - len(dims), rank)) and len(dims) < rank else None
+    if dims != list(range(rank - len(dims), rank)) or len(dims) == rank or _is_centred(y, provenance):
+        return None
+    return y, len(dims)
+
+
+def _is_scalar_eps(eps) -> bool:
+    """A number >= 0, or a one-element tensor (``dynamic=True`` passes a float as a graph input)."""
+    if isinstance(eps, fx.Node):
+        return val(eps) is not None and all(static_int(n) == 1 for n in shape(eps))
+    value = graph_constant(eps)
+    return value is not None and value >= 0
+
+
+def _is_centred(y: fx.Node, provenance: Optional[Provenance]) -> bool:
+    """``y`` is ``a - mean(a)`` (a LayerNorm's centred value: its statistic is a variance)."""
+    y = _definition(y, provenance, exact=True)
+    return y.op == "call_function" and y.target in (aten.sub.Tensor, aten.add.Tensor) and any(
+        isinstance(a, fx.Node) and _definition(a, provenance).target is aten.mean.dim for a in y.args[:2])
 
 
 def normalized_operand(node: fx.Node, provenance: Optional[Provenance]) -> Optional[tuple]:
@@ -970,16 +1005,16 @@ def _emit(rewrites: Rewrites, site: NormMatch, outputs, region, target, provenan
         dy, x = cast(graph, fake_mode, site.dy, compute), cast(graph, fake_mode, site.x, compute)
         rstd = cast(graph, fake_mode, site.rstd, torch.float32) if site.rstd is not None else None
         gamma = cast(graph, fake_mode, site.gamma, gamma_dtype) if site.gamma is not None else None
-        if gamma is None or rstd is None:
-            rstd_shape = list(shape(x)[:len(shape(x)) - site.ev.k]) + [1] * site.ev.k
-            if not all(isinstance(n, int) for n in [*site.ev.norm_shape, *rstd_shape]):
-                return Miss(OP.name, site.dx.name, "a norm without weight, or a weight's gradient from the saved "
-                                                   "normalized value alone, over a symbolic size: mark the sizes static")
-            ones = lambda size, dt: call(graph, fake_mode, aten.full.default, (size, 1.0),  # noqa: E731
-                                         {"dtype": dt, "device": val(site.dy).device})
-            gamma = gamma if gamma is not None else ones(list(site.ev.norm_shape), compute)
-            # dgamma from the normalized value x_hat alone: sum(dy * x_hat * 1)
-            rstd = rstd if rstd is not None else ones(rstd_shape, torch.float32)
+        if gamma is None and site.dgamma_only:  # dx unused: any gamma; ones need no static size
+            gamma = _ones_of_part(graph, fake_mode, x, site.ev.k, compute, gamma_part=True)
+        if gamma is None:
+            if not all(isinstance(x, int) for x in site.ev.norm_shape):
+                return Miss(OP.name, site.dx.name, "a norm without weight over a symbolic size: mark the "
+                                                   "hidden size static")
+            gamma = call(graph, fake_mode, aten.full.default, (list(site.ev.norm_shape), 1.0),
+                         {"dtype": compute, "device": val(site.dy).device})
+        if rstd is None:  # dgamma from the saved normalized value alone: sum(dy * x_hat * 1)
+            rstd = _ones_of_part(graph, fake_mode, x, site.ev.k, torch.float32, gamma_part=False)
         emitted = emit_fused_op(rewrites, OP, site.dx, (dy, x, rstd, gamma), outputs)
         if isinstance(emitted, Miss):
             return emitted
@@ -989,6 +1024,17 @@ def _emit(rewrites: Rewrites, site: NormMatch, outputs, region, target, provenan
         added += _add_back_accumulated(graph, fake_mode, site, replacements)
     return commit(graph, OP.name, None, region, outputs, replacements,
                   {"dy": site.dy, "x": site.x, "rstd": site.rstd, "gamma": site.gamma}, added, fused)
+
+
+def _ones_of_part(graph, fake_mode, x: fx.Node, k: int, to: torch.dtype, gamma_part: bool) -> fx.Node:
+    """Ones of rstd's keep-dim shape ``x.shape[:n] + [1] * k`` (x sliced to one element along
+    each normalized axis), or with ``gamma_part`` of gamma's ``x.shape[n:]`` (x's first element
+    along each leading axis): views of x, so symbolic sizes need no size nodes."""
+    part, n = x, len(shape(x)) - k
+    for d in range(n) if gamma_part else range(n, n + k):
+        part = call(graph, fake_mode, *((aten.select.int, (part, 0, 0)) if gamma_part
+                                        else (aten.slice.Tensor, (part, d, 0, 1))))
+    return call(graph, fake_mode, aten.full_like.default, (part, 1.0), {"dtype": to})
 
 
 def _add_back_accumulated(graph, fake_mode, site: NormMatch, replacements) -> List[fx.Node]:
