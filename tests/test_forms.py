@@ -260,6 +260,28 @@ def test_rms_norm_of_an_input_without_gradient_fuses_its_dgamma(form, dtype, par
     assert not decomposed_leftovers(capture.after[0])
 
 
+@pytest.mark.parametrize("partitioner", ["default", "min_cut"])
+def test_rms_norm_of_an_input_without_gradient_under_the_rounding_rules(partitioner):
+    """Autocast's spelling on an input without gradient: a bf16 x normalized in float32, rounded to
+    bf16, times a float32 weight; dgamma is float32. Saved as the rounded value (default), the
+    fused op reads that value as it is and fuses; recomputed from x and rstd (min_cut), the
+    rounding is inside the site, coarser than dgamma's float32: a recorded miss saying so."""
+    weight = torch.nn.Parameter(torch.randn(32, generator=torch.Generator().manual_seed(1)))
+
+    def fn(x):
+        h = x.float()
+        return weight * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6)).to(torch.bfloat16)
+
+    x = torch.randn(2, 5, 32, generator=torch.Generator().manual_seed(0)).bfloat16()
+    capture = compile_and_compare(fn, [x], params=[weight], partitioner=partitioner)
+    if partitioner == "default":
+        assert capture.fused(RMS) == 1 and not capture.misses()
+    else:
+        assert capture.fused(RMS) == 0
+        [miss] = capture.misses()
+        assert "rounds a value inside the site to torch.bfloat16" in miss.reason and "dgamma" in miss.reason
+
+
 @pytest.mark.parametrize("eps", [1e-5, 1e-6, 1e-12])
 def test_rms_norm_eps_values(eps):
     model = torch.nn.RMSNorm(32, eps=eps)
