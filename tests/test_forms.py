@@ -282,6 +282,22 @@ def test_rms_norm_of_an_input_without_gradient_under_the_rounding_rules(partitio
         assert "rounds a value inside the site to torch.bfloat16" in miss.reason and "dgamma" in miss.reason
 
 
+@pytest.mark.parametrize("partitioner", ["default", "min_cut"])
+def test_rms_norm_of_an_input_without_gradient_that_no_form_matches_is_a_miss(partitioner):
+    """A weight per position ([S, D] on [B, S, D]): its gradient sums dy * x_hat over the batch
+    only, no RmsNormGrad dgamma. It stays unfused, and the no-silent-miss scan records it."""
+    weight = torch.nn.Parameter(torch.randn(5, 32, generator=torch.Generator().manual_seed(1)))
+
+    def fn(x):
+        return weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6))
+
+    x = torch.randn(2, 5, 32, generator=torch.Generator().manual_seed(0))
+    capture = compile_and_compare(fn, [x], params=[weight], partitioner=partitioner)
+    assert capture.fused(RMS) == 0
+    [miss] = capture.misses()
+    assert "normalized value" in miss.reason and "summed as a weight's gradient" in miss.reason
+
+
 @pytest.mark.parametrize("eps", [1e-5, 1e-6, 1e-12])
 def test_rms_norm_eps_values(eps):
     model = torch.nn.RMSNorm(32, eps=eps)

@@ -204,6 +204,8 @@ CASES = {
     "dgamma_only_hf_norm": Case(rms, lambda: norm_xw(x_grad=False), rms=1),
     "dgamma_only_bf16": Case(rms, lambda: norm_xw(BF16, x_grad=False), rms=1),
     "dgamma_only_gated": Case(lambda x, g, w: plain_rms(x, w) * g, lambda: norm_xgw(x_grad=False), rms=1),
+    "dgamma_only_output_used_twice": Case(lambda x, g, w: (lambda h: h * g + h.exp())(plain_rms(x, w)),
+                                          lambda: norm_xgw(x_grad=False), rms=1),
     "dgamma_only_checkpointed": Case(lambda x, w: checkpoint(lambda a: rms(a, w), x, use_reentrant=False),
                                      lambda: norm_xw(x_grad=False), rms=1),
     "dgamma_only_two_axes": Case(rms_2d, lambda: norm_xw(shape=(3, 5, 4, 8), x_grad=False)[:1]

@@ -681,17 +681,43 @@ def unexplained(graph: fx.Graph, provenance: Optional[Provenance], misses: List[
         return []
     missed = {m.node for m in misses}
     found, reached = [], set()
+    weight_gradient = _unfused_weight_gradient(graph, provenance, missed)
     for node in graph.nodes:
         product = gradient_product(node, gradient) if node not in reached else None
-        if product is None or not _is_rms_statistic(product[1], provenance):
+        if product is None or not (_is_rms_statistic(product[1], provenance) or weight_gradient(node, product[1])):
             continue
         reach = set(downstream(graph, [node], 2 * DX_DEPTH))
         reached |= reach
         if not any(n.name in missed for n in reach):
             found.append(node)
-    return [Miss(OP.name, n.name, "a gradient scaled by an RMS statistic rsqrt(mean(x*x) + eps) that no "
+    return [Miss(OP.name, n.name, "a gradient scaled by an RMS statistic rsqrt(mean(x*x) + eps), or by the "
+                             "normalized value x*rsqrt(mean(x*x) + eps) and summed as a weight's gradient, that no "
                              "RMSNorm form matched (run with TORCH_LOGS=npu_fusion and dump_graphs to see it)")
             for n in found]
+
+
+def _unfused_weight_gradient(graph: fx.Graph, provenance: Optional[Provenance], missed: set):
+    """A test of (product, forward operand): a gradient times a normalized value
+    ``y * rsqrt(mean(y*y) + eps)`` summed over leading axes (a weight's gradient, as a norm
+    whose input takes no gradient has), of a norm neither a fused op in the graph covers (a
+    fused dx whose dgamma the rewrite left to the program, with a note) nor a recorded miss
+    (one at a node its statistic reaches: the norm's dx left unfused with the reason)."""
+    taken = _taken_norms(graph, provenance, [])
+    for node in graph.nodes:
+        stat = rms_statistic_operand(node, provenance) if node.op in ("placeholder", "call_function") else None
+        if stat is not None and any(n.name in missed for n in downstream(graph, [node], 2 * DX_DEPTH)):
+            taken.add(_source(stat[0], provenance))
+
+    def summed_over_leading_axes(node: fx.Node, k: int) -> bool:
+        rank = len(shape(node))
+        return any(s.op == "call_function" and s.target is aten.sum.dim_IntList and s.args[1]
+                   and len(shape(s.args[0])) == rank and all(normalize_dim(d, rank) < rank - k for d in s.args[1])
+                   for s in downstream(graph, [node], 2))
+
+    def test(node: fx.Node, operand: fx.Node) -> bool:
+        stat = normalized_operand(operand, provenance)
+        return stat is not None and _source(stat[0], provenance) not in taken and summed_over_leading_axes(node, stat[1])
+    return test
 
 
 #: ops an RMS statistic may pass through on its way to the backward: casts, copies and views
@@ -749,13 +775,6 @@ def _source(node: fx.Node, provenance: Optional[Provenance]) -> fx.Node:
     node = _definition(node, provenance, exact=True)
     saved = provenance.saved_in_backward(node) if provenance is not None and provenance.is_forward(node) else None
     return node if saved is None else _definition(saved, provenance, exact=True)
-
-
-def _exact_source(node) -> object:
-    """A value with its exact (widening) casts stripped: ``x.float()`` is ``x``."""
-    while isinstance(node, fx.Node) and is_value_preserving_cast(node):
-        node = node.args[0]
-    return node
 
 
 def rms_statistic_operand(node: fx.Node, provenance: Optional[Provenance]) -> Optional[tuple]:
@@ -817,7 +836,7 @@ def normalized_operand(node: fx.Node, provenance: Optional[Provenance]) -> Optio
         return None
     for a, b in (node.args[:2], node.args[1::-1]):
         stat = rms_statistic_operand(b, provenance) if isinstance(b, fx.Node) else None
-        if stat is not None and isinstance(a, fx.Node) and _exact_source(a) is _exact_source(stat[0]):
+        if stat is not None and isinstance(a, fx.Node) and _source(a, provenance) is _source(stat[0], provenance):
             return stat
     return None
 
@@ -877,7 +896,7 @@ def _match_dgamma_only(ev: NormEvaluator, node: fx.Node, candidates) -> Optional
     statistic of x (or ``sum(dy * x_hat)`` with x_hat proven x normalized by it: then x is x_hat
     and rstd is 1, which the rewrite passes as ones)."""
     v = ev.value(node)
-    if v is None or v.lead_sum is None or len(v.expr.terms) != 1:
+    if v is None or v.lead_sum is None:
         return None
     summand, dims = v.lead_sum
     rank = len(shape(summand))
