@@ -588,6 +588,7 @@ def find_sites(graph: fx.Graph, provenance, forced_leaves=(), rewrites: Optional
     rewrites = rewrites if rewrites is not None else Rewrites(graph, OP.name, strict=True)
     matches, misses = [], []
     gradient = gradient_dependent(graph)
+    with_dx = set()  # the statistics of the norms whose dx the graph computes (matched or not)
     for norm_shape, reductions in _norm_reductions(graph):
         try:
             ev = NormEvaluator(norm_shape, provenance, forced_leaves)
@@ -627,8 +628,23 @@ def find_sites(graph: fx.Graph, provenance, forced_leaves=(), rewrites: Optional
             matches.append(site)
         misses += rewrites.examine(graph, _near_misses, ev, nodes, [m for m in matches if m.ev is ev],
                                    rewrites) or []
+        with_dx |= _statistics_with_dx(ev)
         rewrites.evaluated(ev)
-    return matches + dgamma_only_sites(graph, provenance, rewrites, matches, forced_leaves), misses
+    return matches + dgamma_only_sites(graph, provenance, rewrites, matches, with_dx, forced_leaves), misses
+
+
+def _statistics_with_dx(ev: NormEvaluator) -> set:
+    """Leaves cubed beside a sum over the normalized axes in a gradient's value: the rstd of a
+    norm whose dx the graph computes (``r**3 * x * sum(dy*g*x) / N``), matched, pending or not.
+    (A norm feeding another norm as its x enters that one's dx with its rstd squared.)"""
+    found = set()
+    for node, v in ev.memo.items():
+        if v is None or v.lead_sum is not None or not ev.depends_on_gradient(node):
+            continue
+        for mono, _ in v.expr.split_terms():
+            if any(s in ev.sum_body for s, _ in mono):
+                found.update(ev.node_of[s] for s, e in mono if e == 3 and s in ev.node_of and s not in ev.varying)
+    return found
 
 
 def _near_misses(ev: NormEvaluator, nodes, matched: List[NormMatch], rewrites: Rewrites) -> List[Miss]:
@@ -779,9 +795,9 @@ def _source(node: fx.Node, provenance: Optional[Provenance]) -> fx.Node:
 
 def rms_statistic_operand(node: fx.Node, provenance: Optional[Provenance]) -> Optional[tuple]:
     """``(y, k)`` when ``node`` is ``rsqrt(mean(y*y, last k axes, keepdim) + eps)`` (or its
-    ``** -0.5``) with a number eps > 0 inside the root: the statistic of an RMSNorm of ``y``
-    over its last k axes. Structural, as the forward is no Laurent polynomial: a LayerNorm's
-    centred square, eps outside the root or another axis is none."""
+    ``** -0.5``) with eps inside the root (a number >= 0, or a one-element tensor): the statistic
+    of an RMSNorm of ``y`` over its last k axes. Structural, as the forward is no Laurent
+    polynomial: a LayerNorm's centred square, eps outside the root or another axis is none."""
     node = _definition(node, provenance)
     if node.op != "call_function" or not (node.target is aten.rsqrt.default or (
             node.target is aten.pow.Tensor_Scalar and node.args[1] == -0.5)):
@@ -920,12 +936,13 @@ def _match_dgamma_only(ev: NormEvaluator, node: fx.Node, candidates) -> Optional
 
 
 def dgamma_only_sites(graph: fx.Graph, provenance, rewrites: Rewrites, matches: List[NormMatch],
-                      forced_leaves=()) -> List[NormMatch]:
-    """Sites of norms whose input takes no gradient: only dgamma is computed, no dx (the
-    backward holds no sum over the normalized axes); each becomes ``rms_norm_grad`` with
-    only its dgamma output used."""
+                      with_dx=(), forced_leaves=()) -> List[NormMatch]:
+    """Sites of norms whose input takes no gradient: only dgamma is computed, no dx (no
+    statistic of theirs in ``with_dx``); each becomes ``rms_norm_grad`` with only its dgamma
+    output used."""
     gradient = gradient_dependent(graph)
     taken = _taken_norms(graph, provenance, matches)
+    taken |= {_source(stat[0], provenance) for stat in (rms_statistic_operand(n, provenance) for n in with_dx) if stat}
     claimed = {m.dgamma for m in matches}
     found = []
     for key, (norm_shape, candidates) in _statistic_candidates(graph, provenance, gradient).items():
