@@ -718,11 +718,14 @@ def _unfused_weight_gradient(graph: fx.Graph, provenance: Optional[Provenance], 
     whose input takes no gradient has), of a norm neither a fused op in the graph covers (a
     fused dx whose dgamma the rewrite left to the program, with a note) nor a recorded miss
     (one at a node its statistic reaches: the norm's dx left unfused with the reason)."""
-    taken = _taken_norms(graph, provenance, [])
-    for node in graph.nodes:
-        stat = rms_statistic_operand(node, provenance) if node.op in ("placeholder", "call_function") else None
-        if stat is not None and any(n.name in missed for n in downstream(graph, [node], 2 * DX_DEPTH)):
-            taken.add(_source(stat[0], provenance))
+    @functools.lru_cache(maxsize=None)  # computed once, and only where such a product is left
+    def covered() -> frozenset:
+        taken = _taken_norms(graph, provenance, [])
+        for node in graph.nodes:
+            stat = rms_statistic_operand(node, provenance) if node.op in ("placeholder", "call_function") else None
+            if stat is not None and any(n.name in missed for n in downstream(graph, [node], 2 * DX_DEPTH)):
+                taken.add(_source(stat[0], provenance))
+        return frozenset(taken)
 
     def summed_over_leading_axes(node: fx.Node, k: int) -> bool:
         rank = len(shape(node))
@@ -732,7 +735,8 @@ def _unfused_weight_gradient(graph: fx.Graph, provenance: Optional[Provenance], 
 
     def test(node: fx.Node, operand: fx.Node) -> bool:
         stat = normalized_operand(operand, provenance)
-        return stat is not None and _source(stat[0], provenance) not in taken and summed_over_leading_axes(node, stat[1])
+        return (stat is not None and summed_over_leading_axes(node, stat[1])
+                and _source(stat[0], provenance) not in covered())
     return test
 
 
