@@ -206,9 +206,9 @@ CASES = {
     "dgamma_only_gated": Case(lambda x, g, w: plain_rms(x, w) * g, lambda: norm_xgw(x_grad=False), rms=1),
     "dgamma_only_output_used_twice": Case(lambda x, g, w: (lambda h: h * g + h.exp())(plain_rms(x, w)),
                                           lambda: norm_xgw(x_grad=False), rms=1),
-    "dgamma_only_under_a_post_norm": Case(lambda x, g, w, w2: plain_rms(plain_rms(x, w), w2) * g,
-                                          lambda: norm_xgw(x_grad=False) + [_randn(torch.Generator().manual_seed(1), 32)],
-                                          rms=2),
+    "dgamma_only_under_a_post_norm": Case(
+        lambda x, g, w, w2: plain_rms(plain_rms(x, w), w2) * g,
+        lambda: norm_xgw(x_grad=False) + [_randn(torch.Generator().manual_seed(1), 32)], rms=2),
     "dgamma_only_checkpointed": Case(lambda x, w: checkpoint(lambda a: rms(a, w), x, use_reentrant=False),
                                      lambda: norm_xw(x_grad=False), rms=1),
     "dgamma_only_two_axes": Case(rms_2d, lambda: norm_xw(shape=(3, 5, 4, 8), x_grad=False)[:1]

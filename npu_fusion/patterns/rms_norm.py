@@ -690,8 +690,9 @@ def _near_misses(ev: NormEvaluator, nodes, matched: List[NormMatch], rewrites: R
 
 def unexplained(graph: fx.Graph, provenance: Optional[Provenance], misses: List[Miss]) -> List[Miss]:
     """No silent misses: a gradient multiplied by an RMS statistic (``rsqrt(mean(x*x) + eps)``,
-    saved or recomputed) that is left in the graph after the pass, and that no recorded miss
-    accounts for, is an RMSNorm no form matched; each becomes a miss."""
+    saved or recomputed), or by a normalized value and summed as a weight's gradient (a norm
+    whose input takes no gradient), that is left in the graph after the pass, and that no
+    recorded miss accounts for, is an RMSNorm no form matched; each becomes a miss."""
     gradient = gradient_dependent(graph)
     if gradient is None:
         return []
@@ -810,7 +811,8 @@ def rms_statistic_operand(node: fx.Node, provenance: Optional[Provenance]) -> Op
     if not (isinstance(shifted, fx.Node) and shifted.target in (aten.add.Tensor, aten.add.Scalar)
             and shifted.kwargs.get("alpha", 1) == 1):
         return None
-    operands = [a for a in shifted.args[:2] if isinstance(a, fx.Node) and _definition(a, provenance).target is aten.mean.dim]
+    operands = [a for a in shifted.args[:2]
+                if isinstance(a, fx.Node) and _definition(a, provenance).target is aten.mean.dim]
     if len(operands) != 1:
         return None
     mean = _definition(operands[0], provenance)
