@@ -236,6 +236,68 @@ def test_rms_norm_forms(form, dtype, partitioner):
     assert not decomposed_leftovers(capture.after[0])
 
 
+DGAMMA_ONLY_FORMS = {  # forms with a weight, applied to an input that takes no gradient
+    "llama": lambda dt: torch.nn.RMSNorm(32, eps=1e-6).to(dt),
+    **{name: RMS_FORMS[name] for name in ("gemma", "t5", "per_head", "two_axes")},
+}
+
+
+@pytest.mark.parametrize("form", list(DGAMMA_ONLY_FORMS))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("partitioner", ["default", "min_cut"])
+def test_rms_norm_of_an_input_without_gradient_fuses_its_dgamma(form, dtype, partitioner):
+    """A norm applied to a model input: the backward computes only the weight's gradient, from
+    the saved normalized value (default partitioner: rstd passed as ones) or from x and rstd
+    (min_cut). It becomes rms_norm_grad with only dgamma used; the gradient is checked."""
+    model = DGAMMA_ONLY_FORMS[form](dtype)
+    shape = (2, 5, 4, 8) if form == "two_axes" else (2, 5, 32)
+    x = torch.randn(shape, generator=torch.Generator().manual_seed(0)).to(dtype)
+    capture = compile_and_compare(model, [x], params=list(model.parameters()), partitioner=partitioner)
+    assert capture.fused(RMS) == 1, capture.misses()
+    [site] = capture.results[0].sites
+    assert set(site.outputs) == {"dgamma"} and not capture.misses()
+    assert ("rstd" in site.inputs) == (partitioner == "min_cut")
+    assert not decomposed_leftovers(capture.after[0])
+
+
+@pytest.mark.parametrize("partitioner", ["default", "min_cut"])
+def test_rms_norm_of_an_input_without_gradient_under_the_rounding_rules(partitioner):
+    """Autocast's spelling on an input without gradient: a bf16 x normalized in float32, rounded to
+    bf16, times a float32 weight; dgamma is float32. Saved as the rounded value (default), the
+    fused op reads that value as it is and fuses; recomputed from x and rstd (min_cut), the
+    rounding is inside the site, coarser than dgamma's float32: a recorded miss saying so."""
+    weight = torch.nn.Parameter(torch.randn(32, generator=torch.Generator().manual_seed(1)))
+
+    def fn(x):
+        h = x.float()
+        return weight * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6)).to(torch.bfloat16)
+
+    x = torch.randn(2, 5, 32, generator=torch.Generator().manual_seed(0)).bfloat16()
+    capture = compile_and_compare(fn, [x], params=[weight], partitioner=partitioner)
+    if partitioner == "default":
+        assert capture.fused(RMS) == 1 and not capture.misses()
+    else:
+        assert capture.fused(RMS) == 0
+        [miss] = capture.misses()
+        assert "rounds a value inside the site to torch.bfloat16" in miss.reason and "dgamma" in miss.reason
+
+
+@pytest.mark.parametrize("partitioner", ["default", "min_cut"])
+def test_rms_norm_of_an_input_without_gradient_that_no_form_matches_is_a_miss(partitioner):
+    """A weight per position ([S, D] on [B, S, D]): its gradient sums dy * x_hat over the batch
+    only, no RmsNormGrad dgamma. It stays unfused, and the no-silent-miss scan records it."""
+    weight = torch.nn.Parameter(torch.randn(5, 32, generator=torch.Generator().manual_seed(1)))
+
+    def fn(x):
+        return weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6))
+
+    x = torch.randn(2, 5, 32, generator=torch.Generator().manual_seed(0))
+    capture = compile_and_compare(fn, [x], params=[weight], partitioner=partitioner)
+    assert capture.fused(RMS) == 0
+    [miss] = capture.misses()
+    assert "normalized value" in miss.reason and "summed as a weight's gradient" in miss.reason
+
+
 @pytest.mark.parametrize("eps", [1e-5, 1e-6, 1e-12])
 def test_rms_norm_eps_values(eps):
     model = torch.nn.RMSNorm(32, eps=eps)

@@ -78,15 +78,16 @@ def rope_qkcs(dtype=torch.float32, table_grad=False):
     return [q, _randn(torch.Generator().manual_seed(1), 2, 4, 6, 16, dtype=dtype), cos, sin]
 
 
-def norm_xw(dtype=torch.float32, shape=(2, 5, 32), w_grad=True):
+def norm_xw(dtype=torch.float32, shape=(2, 5, 32), w_grad=True, x_grad=True):
     gen = torch.Generator().manual_seed(0)
-    return [_randn(gen, *shape, dtype=dtype), _randn(gen, *shape[-1:], dtype=dtype, grad=w_grad)]
+    return [_randn(gen, *shape, dtype=dtype, grad=x_grad), _randn(gen, *shape[-1:], dtype=dtype, grad=w_grad)]
 
 
-def norm_xgw(dtype=torch.float32):
+def norm_xgw(dtype=torch.float32, x_grad=True):
     """x, a gate or second input of x's shape, a weight."""
     gen = torch.Generator().manual_seed(0)
-    return [_randn(gen, 2, 5, 32, dtype=dtype), _randn(gen, 2, 5, 32, dtype=dtype), _randn(gen, 32, dtype=dtype)]
+    return [_randn(gen, 2, 5, 32, dtype=dtype, grad=x_grad), _randn(gen, 2, 5, 32, dtype=dtype),
+            _randn(gen, 32, dtype=dtype)]
 
 
 def norm_xgww(dtype=torch.float32):
@@ -199,6 +200,35 @@ CASES = {
         lambda x, w: w * x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) + rms_2d(x, w),
         lambda: norm_xw(shape=(3, 5, 4, 8))[:1] + [_randn(torch.Generator().manual_seed(4), 4, 8)], rms=1),
 
+    # 3b. a norm whose input takes no gradient: only dgamma, fused alone ----------------
+    "dgamma_only_hf_norm": Case(rms, lambda: norm_xw(x_grad=False), rms=1),
+    "dgamma_only_bf16": Case(rms, lambda: norm_xw(BF16, x_grad=False), rms=1),
+    "dgamma_only_gated": Case(lambda x, g, w: plain_rms(x, w) * g, lambda: norm_xgw(x_grad=False), rms=1),
+    "dgamma_only_output_used_twice": Case(lambda x, g, w: (lambda h: h * g + h.exp())(plain_rms(x, w)),
+                                          lambda: norm_xgw(x_grad=False), rms=1),
+    "dgamma_only_under_a_post_norm": Case(
+        lambda x, g, w, w2: plain_rms(plain_rms(x, w), w2) * g,
+        lambda: norm_xgw(x_grad=False) + [_randn(torch.Generator().manual_seed(1), 32)], rms=2),
+    "dgamma_only_checkpointed": Case(lambda x, w: checkpoint(lambda a: rms(a, w), x, use_reentrant=False),
+                                     lambda: norm_xw(x_grad=False), rms=1),
+    "dgamma_only_two_axes": Case(rms_2d, lambda: norm_xw(shape=(3, 5, 4, 8), x_grad=False)[:1]
+                                 + [_randn(torch.Generator().manual_seed(4), 4, 8)], rms=1),
+    # near misses: eps outside the root, a LayerNorm's centred statistic, another axis
+    "dgamma_only_eps_outside_root": Case(
+        lambda x, w: w * x / (x.pow(2).mean(-1, keepdim=True).sqrt() + 1e-6), lambda: norm_xw(x_grad=False), rms=0),
+    "dgamma_only_layer_norm_statistic": Case(
+        lambda x, w: (lambda c: w * (c * torch.rsqrt(c.pow(2).mean(-1, keepdim=True) + 1e-6)))(
+            x - x.mean(-1, keepdim=True)), lambda: norm_xw(x_grad=False), rms=0),
+    "dgamma_only_stat_over_wrong_axis": Case(
+        lambda x, w: w * x * torch.rsqrt(x.pow(2).mean(1, keepdim=True) + 1e-6), lambda: norm_xw(x_grad=False),
+        rms=0),
+    "dgamma_only_stat_over_equal_sized_axis": Case(
+        lambda x, w: w * x * torch.rsqrt(x.pow(2).mean(1, keepdim=True) + 1e-6),
+        lambda: [square_xw()[0].detach(), square_xw()[1]], rms=0),
+    "dgamma_only_rounded_normalized_value": Case(
+        lambda x, w: w * rounded(x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)),
+        lambda: norm_xw(x_grad=False)),
+
     # 4. forward values as cuts: activation checkpointing -------------------------------
     "checkpointed_gated_norm": Case(lambda x, g, w: checkpoint(lambda a: rms(a, w) * g, x + 1.0, use_reentrant=False),
                                     norm_xgw, rms=1),
@@ -231,6 +261,8 @@ CASES = {
     "dynamic_two_axes": Case(lambda x, w, z: rms_2d(x, w) + z, lambda: dyn_xwz((3, 5, 4, 7), 2), rms=1,
                              dynamic=True),
     "dynamic_sandwich": Case(lambda x, w, z: plain_rms(x + plain_rms(x, w), w) * z, dyn_xwz, rms=2, dynamic=True),
+    "dynamic_dgamma_only": Case(lambda x, w, z: plain_rms(x, w) * z,
+                                lambda: (lambda x, w, z: [x.detach(), w, z])(*dyn_xwz()), rms=1, dynamic=True),
     "dynamic_weightless": Case(lambda x, w, z: plain_rms(x) * z + w, dyn_xwz, rms=0, dynamic=True),
     "dynamic_stat_over_one_of_two_axes": Case(
         lambda x, w, z: w * x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) + z,

@@ -25,6 +25,22 @@ symbol ``S[monomial]`` after expanding its summand. A node is dx when its expres
 algebraic, so eps outside the square root, a wrong exponent or a missing term
 do not match.
 
+A norm whose input takes no gradient (applied to a model input) has no dx: its
+backward is only ``dgamma = sum(dy * x_hat)`` over the leading axes, and the
+algebra cannot tell rstd from any other factor there. So the statistic is proven
+by its definition (:func:`rms_statistic_operand`, through casts, reshapes and
+saved tensors' forward definitions): rstd is ``rsqrt(mean(x*x, last k axes) + eps)``
+with a number eps inside the root, of the very tensor x the product reads (not a
+centred LayerNorm value). The backward holds either x and rstd (min-cut, or
+recomputed): dgamma is ``sum(dy * x * rstd)``; or only the saved normalized value
+``x_hat = x * rstd`` (default partitioner), proven so by its forward definition
+(:func:`normalized_operand`): dgamma is ``sum(dy * x_hat * 1)``, and the fused op
+reads x_hat as x with an rstd of ones. Either way the site is ``rms_norm_grad``
+with only its dgamma output used, through the dx form's emit path (dtype table,
+chip limits, gamma of ones, rounding rules). A norm a dx site covers (this round,
+or fused by an earlier one whose dgamma may be left to the program on purpose) is
+never read again as a dgamma-only site.
+
 The whole ops (last section). torch 2.13 routes ``F.rms_norm`` to
 ``aten._fused_rms_norm``, which decomposes (CompositeImplicitAutograd) except on a
 device with its own kernel (CUDA, MPS, XPU); there autograd's backward is
@@ -395,6 +411,12 @@ class NormMatch:
     def roles(self):
         return (self.dy, self.x, self.rstd, self.gamma)
 
+    @property
+    def dgamma_only(self) -> bool:
+        """A norm whose input takes no gradient: the site is its dgamma (``dx`` names it too);
+        ``rstd`` None when the backward holds only the normalized value (then ``x``)."""
+        return self.dx is self.dgamma
+
 
 def expected_dx(ev: NormEvaluator, dy: Expr, x: Expr, r: Expr, g: Expr) -> Expr:
     return r * dy * g - r ** 3 * x * ev.sum_over_normalized(dy * g * x) / ev.n
@@ -566,6 +588,7 @@ def find_sites(graph: fx.Graph, provenance, forced_leaves=(), rewrites: Optional
     rewrites = rewrites if rewrites is not None else Rewrites(graph, OP.name, strict=True)
     matches, misses = [], []
     gradient = gradient_dependent(graph)
+    with_dx = set()  # the statistics of the norms whose dx the graph computes (matched or not)
     for norm_shape, reductions in _norm_reductions(graph):
         try:
             ev = NormEvaluator(norm_shape, provenance, forced_leaves)
@@ -605,8 +628,23 @@ def find_sites(graph: fx.Graph, provenance, forced_leaves=(), rewrites: Optional
             matches.append(site)
         misses += rewrites.examine(graph, _near_misses, ev, nodes, [m for m in matches if m.ev is ev],
                                    rewrites) or []
+        with_dx |= _statistics_with_dx(ev)
         rewrites.evaluated(ev)
-    return matches, misses
+    return matches + dgamma_only_sites(graph, provenance, rewrites, matches, with_dx, forced_leaves), misses
+
+
+def _statistics_with_dx(ev: NormEvaluator) -> set:
+    """Leaves cubed beside a sum over the normalized axes in a gradient's value: the rstd of a
+    norm whose dx the graph computes (``r**3 * x * sum(dy*g*x) / N``), matched, pending or not.
+    (A norm feeding another norm as its x enters that one's dx with its rstd squared.)"""
+    found = set()
+    for node, v in ev.memo.items():
+        if v is None or v.lead_sum is not None or not ev.depends_on_gradient(node):
+            continue
+        for mono, _ in v.expr.split_terms():
+            if any(s in ev.sum_body for s, _ in mono):
+                found.update(ev.node_of[s] for s, e in mono if e == 3 and s in ev.node_of and s not in ev.varying)
+    return found
 
 
 def _near_misses(ev: NormEvaluator, nodes, matched: List[NormMatch], rewrites: Rewrites) -> List[Miss]:
@@ -652,24 +690,55 @@ def _near_misses(ev: NormEvaluator, nodes, matched: List[NormMatch], rewrites: R
 
 def unexplained(graph: fx.Graph, provenance: Optional[Provenance], misses: List[Miss]) -> List[Miss]:
     """No silent misses: a gradient multiplied by an RMS statistic (``rsqrt(mean(x*x) + eps)``,
-    saved or recomputed) that is left in the graph after the pass, and that no recorded miss
-    accounts for, is an RMSNorm no form matched; each becomes a miss."""
+    saved or recomputed), or by a normalized value and summed as a weight's gradient (a norm
+    whose input takes no gradient), that is left in the graph after the pass, and that no
+    recorded miss accounts for, is an RMSNorm no form matched; each becomes a miss."""
     gradient = gradient_dependent(graph)
     if gradient is None:
         return []
     missed = {m.node for m in misses}
     found, reached = [], set()
+    weight_gradient = _unfused_weight_gradient(graph, provenance, missed)
     for node in graph.nodes:
         product = gradient_product(node, gradient) if node not in reached else None
-        if product is None or not _is_rms_statistic(product[1], provenance):
+        if product is None or not (_is_rms_statistic(product[1], provenance) or weight_gradient(node, product[1])):
             continue
         reach = set(downstream(graph, [node], 2 * DX_DEPTH))
         reached |= reach
         if not any(n.name in missed for n in reach):
             found.append(node)
-    return [Miss(OP.name, n.name, "a gradient scaled by an RMS statistic rsqrt(mean(x*x) + eps) that no "
+    return [Miss(OP.name, n.name, "a gradient scaled by an RMS statistic rsqrt(mean(x*x) + eps), or by the "
+                             "normalized value x*rsqrt(mean(x*x) + eps) and summed as a weight's gradient, that no "
                              "RMSNorm form matched (run with TORCH_LOGS=npu_fusion and dump_graphs to see it)")
             for n in found]
+
+
+def _unfused_weight_gradient(graph: fx.Graph, provenance: Optional[Provenance], missed: set):
+    """A test of (product, forward operand): a gradient times a normalized value
+    ``y * rsqrt(mean(y*y) + eps)`` summed over leading axes (a weight's gradient, as a norm
+    whose input takes no gradient has), of a norm neither a fused op in the graph covers (a
+    fused dx whose dgamma the rewrite left to the program, with a note) nor a recorded miss
+    (one at a node its statistic reaches: the norm's dx left unfused with the reason)."""
+    @functools.lru_cache(maxsize=None)  # computed once, and only where such a product is left
+    def covered() -> frozenset:
+        taken = _taken_norms(graph, provenance, [])
+        for node in graph.nodes:
+            stat = rms_statistic_operand(node, provenance) if node.op in ("placeholder", "call_function") else None
+            if stat is not None and any(n.name in missed for n in downstream(graph, [node], 2 * DX_DEPTH)):
+                taken.add(_source(stat[0], provenance))
+        return frozenset(taken)
+
+    def summed_over_leading_axes(node: fx.Node, k: int) -> bool:
+        rank = len(shape(node))
+        return any(s.op == "call_function" and s.target is aten.sum.dim_IntList and s.args[1]
+                   and len(shape(s.args[0])) == rank and all(normalize_dim(d, rank) < rank - k for d in s.args[1])
+                   for s in downstream(graph, [node], 2))
+
+    def test(node: fx.Node, operand: fx.Node) -> bool:
+        stat = normalized_operand(operand, provenance)
+        return (stat is not None and summed_over_leading_axes(node, stat[1])
+                and _source(stat[0], provenance) not in covered())
+    return test
 
 
 #: ops an RMS statistic may pass through on its way to the backward: casts, copies and views
@@ -697,6 +766,206 @@ def _is_rms_statistic(node: fx.Node, provenance: Optional[Provenance]) -> bool:
     return isinstance(square, fx.Node) and square.op == "call_function" and (
         (square.target is aten.pow.Tensor_Scalar and square.args[1] == 2)
         or (square.target is aten.mul.Tensor and square.args[0] is square.args[1]))
+
+
+# -- dgamma alone: a norm whose input takes no gradient ----------------------------
+
+#: ops a statistic or a normalized value keeps its values through (casts, copies, reshapes);
+#: slices, selections and transposes move elements and are not among them
+_SAME_VALUES = CAST_TARGETS | {aten.view.default, aten._unsafe_view.default, aten.reshape.default,
+                               aten.unsqueeze.default, aten.squeeze.dim, aten.squeeze.dims, aten.squeeze.default}
+
+
+def _definition(node: fx.Node, provenance: Optional[Provenance], exact: bool = False) -> fx.Node:
+    """``node`` seen through casts, reshapes and saved tensors' forward definitions (with
+    ``exact``, through the casts that change no value only)."""
+    for _ in range(8):
+        if node.op == "placeholder" and provenance is not None:
+            node = provenance.forward_definition(node) or node
+        if node.op != "call_function" or node.target not in _SAME_VALUES or not isinstance(node.args[0], fx.Node):
+            break
+        if exact and node.target in CAST_TARGETS and not is_value_preserving_cast(node):
+            break
+        node = node.args[0]
+    return node
+
+
+def _source(node: fx.Node, provenance: Optional[Provenance]) -> fx.Node:
+    """The tensor ``node`` holds exactly (through exact casts and reshapes), as a backward node
+    where the backward has it: one key for a forward value and its saved or recomputed copy."""
+    node = _definition(node, provenance, exact=True)
+    saved = provenance.saved_in_backward(node) if provenance is not None and provenance.is_forward(node) else None
+    return node if saved is None else _definition(saved, provenance, exact=True)
+
+
+def rms_statistic_operand(node: fx.Node, provenance: Optional[Provenance]) -> Optional[tuple]:
+    """``(y, k)`` when ``node`` is ``rsqrt(mean(y*y, last k axes, keepdim) + eps)`` (or its
+    ``** -0.5``) with eps inside the root (a number >= 0, or a one-element tensor): the statistic
+    of an RMSNorm of ``y`` over its last k axes. Structural, as the forward is no Laurent
+    polynomial: a LayerNorm's centred square, eps outside the root or another axis is none."""
+    node = _definition(node, provenance)
+    if node.op != "call_function" or not (node.target is aten.rsqrt.default or (
+            node.target is aten.pow.Tensor_Scalar and node.args[1] == -0.5)):
+        return None
+    shifted = node.args[0]
+    if not (isinstance(shifted, fx.Node) and shifted.target in (aten.add.Tensor, aten.add.Scalar)
+            and shifted.kwargs.get("alpha", 1) == 1):
+        return None
+    operands = [a for a in shifted.args[:2]
+                if isinstance(a, fx.Node) and _definition(a, provenance).target is aten.mean.dim]
+    if len(operands) != 1:
+        return None
+    mean = _definition(operands[0], provenance)
+    if not _is_scalar_eps(next(a for a in shifted.args[:2] if a is not operands[0])):
+        return None
+    square, dims = mean.args[0], mean.args[1]
+    keepdim = mean.args[2] if len(mean.args) > 2 else mean.kwargs.get("keepdim", False)
+    if not (isinstance(square, fx.Node) and keepdim and dims and mean.kwargs.get("dtype") is None):
+        return None
+    if square.target is aten.pow.Tensor_Scalar and square.args[1] == 2:
+        y = square.args[0]
+    elif square.target is aten.mul.Tensor and square.args[0] is square.args[1]:
+        y = square.args[0]
+    else:
+        return None
+    rank = len(shape(y))
+    dims = sorted(normalize_dim(d, rank) for d in dims)
+    if dims != list(range(rank - len(dims), rank)) or len(dims) == rank or _is_centred(y, provenance):
+        return None
+    return y, len(dims)
+
+
+def _is_scalar_eps(eps) -> bool:
+    """A number >= 0, or a one-element tensor (``dynamic=True`` passes a float as a graph input)."""
+    if isinstance(eps, fx.Node):
+        return val(eps) is not None and all(static_int(n) == 1 for n in shape(eps))
+    value = graph_constant(eps)
+    return value is not None and value >= 0
+
+
+def _is_centred(y: fx.Node, provenance: Optional[Provenance]) -> bool:
+    """``y`` is ``a - mean(a)`` (a LayerNorm's centred value: its statistic is a variance)."""
+    y = _definition(y, provenance, exact=True)
+    return y.op == "call_function" and y.target in (aten.sub.Tensor, aten.add.Tensor) and any(
+        isinstance(a, fx.Node) and _definition(a, provenance).target is aten.mean.dim for a in y.args[:2])
+
+
+def normalized_operand(node: fx.Node, provenance: Optional[Provenance]) -> Optional[tuple]:
+    """``(y, k)`` when ``node`` is ``y * rms_statistic(y)`` (the normalized value the forward
+    saves for the weight's gradient), seen as :func:`rms_statistic_operand` sees."""
+    node = _definition(node, provenance)
+    if node.op != "call_function" or node.target is not aten.mul.Tensor:
+        return None
+    for a, b in (node.args[:2], node.args[1::-1]):
+        stat = rms_statistic_operand(b, provenance) if isinstance(b, fx.Node) else None
+        if stat is not None and isinstance(a, fx.Node) and _source(a, provenance) is _source(stat[0], provenance):
+            return stat
+    return None
+
+
+def _statistic_candidates(graph: fx.Graph, provenance, gradient) -> Dict[tuple, tuple]:
+    """{norm shape key: (norm shape, [(node, y, has_rstd)])}: backward nodes (forward values)
+    that are an RMS statistic of y (has_rstd) or y normalized by it."""
+    found: Dict[tuple, tuple] = {}
+    for node in graph.nodes:
+        if node.op not in ("placeholder", "call_function") or (gradient is not None and node in gradient):
+            continue
+        if val(node) is None or not val(node).dtype.is_floating_point:
+            continue
+        stat, has_rstd = rms_statistic_operand(node, provenance), True
+        if stat is None:
+            stat, has_rstd = normalized_operand(node, provenance), False
+        if stat is None:
+            continue
+        y, k = stat
+        tail = tuple(shape(y)[len(shape(y)) - k:])
+        found.setdefault(tuple(size_key(x) for x in tail), (tail, []))[1].append((node, y, has_rstd))
+    return found
+
+
+def _taken_norms(graph: fx.Graph, provenance, matches: List[NormMatch]) -> set:
+    """The normalized inputs (exact sources) of the norms a dx site covers: matched this round,
+    or fused by an earlier one (whose dgamma may be left to the program deliberately)."""
+    rstds = [m.rstd for m in matches] + [n.args[2] for n in graph.nodes
+                                         if n.op == "call_function" and n.target is OP.overload]
+    taken = set()
+    for rstd in rstds:
+        stat = rms_statistic_operand(rstd, provenance) if isinstance(rstd, fx.Node) else None
+        if stat is not None:
+            taken.add(_source(stat[0], provenance))
+    return taken
+
+
+def _statistic_input(ev: NormEvaluator, y: fx.Node, symbols) -> Optional[fx.Node]:
+    """The leaf among ``symbols`` that holds ``y`` (the value an RMS statistic is of): the same
+    value to the evaluator, or the same tensor through exact casts and reshapes to y's shape."""
+    try:
+        value = ev.value(y)
+    except Unsupported:  # a forward value the backward cannot read (a view of a saved input)
+        value = None
+    if value is not None and value.lead_sum is None and value.expr.as_symbol() in symbols:
+        return ev.node_of.get(value.expr.as_symbol())
+    source = _source(y, ev.provenance)
+    for s in sorted(symbols & ev.varying):
+        node = ev.node_of.get(s)
+        if node is not None and same_shape(shape(node), shape(y)) and _source(node, ev.provenance) is source:
+            return node
+    return None
+
+
+def _match_dgamma_only(ev: NormEvaluator, node: fx.Node, candidates) -> Optional[NormMatch]:
+    """``node`` is ``sum(dy * x * rstd)`` over exactly the leading axes, with rstd proven the RMS
+    statistic of x (or ``sum(dy * x_hat)`` with x_hat proven x normalized by it: then x is x_hat
+    and rstd is 1, which the rewrite passes as ones)."""
+    v = ev.value(node)
+    if v is None or v.lead_sum is None:
+        return None
+    summand, dims = v.lead_sum
+    rank = len(shape(summand))
+    squeezed = lambda s: [x for x in s if static_int(x) != 1]  # noqa: E731
+    if not (all(d in dims or static_int(shape(summand)[d]) == 1 for d in range(rank - ev.k))
+            and same_shape(squeezed(shape(node)), squeezed(ev.norm_shape))):
+        return None
+    symbols = v.expr.free_symbols
+    for leaf, y, has_rstd in candidates:
+        if ev.symbol_of.get(leaf) not in symbols:
+            continue
+        x = _statistic_input(ev, y, symbols) if has_rstd else leaf
+        if x is None or not same_shape(shape(x), shape(summand)):
+            continue
+        rstd = leaf if has_rstd else None
+        norm = ev.value_of(x) * ev.value_of(rstd)
+        dy = ev.node_with_value(v.expr / norm, shape(summand))
+        if dy is not None and dy not in (x, rstd) and ev.depends_on_gradient(dy) and v.expr == ev.value_of(dy) * norm:
+            return NormMatch(node, dy, x, rstd, None, ev, dgamma=node)
+    return None
+
+
+def dgamma_only_sites(graph: fx.Graph, provenance, rewrites: Rewrites, matches: List[NormMatch],
+                      with_dx=(), forced_leaves=()) -> List[NormMatch]:
+    """Sites of norms whose input takes no gradient: only dgamma is computed, no dx (no
+    statistic of theirs in ``with_dx``); each becomes ``rms_norm_grad`` with only its dgamma
+    output used."""
+    gradient = gradient_dependent(graph)
+    taken = _taken_norms(graph, provenance, matches)
+    taken |= {_source(stat[0], provenance) for stat in (rms_statistic_operand(n, provenance) for n in with_dx) if stat}
+    claimed = {m.dgamma for m in matches}
+    found = []
+    for key, (norm_shape, candidates) in _statistic_candidates(graph, provenance, gradient).items():
+        candidates = [c for c in candidates if _source(c[1], provenance) not in taken]
+        if not candidates:
+            continue
+        try:
+            ev = NormEvaluator(norm_shape, provenance, forced_leaves)
+        except Unsupported:
+            continue
+        ev.gradient_nodes = gradient
+        grads = [n for n in _lead_sums(graph, len(norm_shape)) if n not in claimed and val(n) is not None
+                 and ev.depends_on_gradient(n)]
+        sites = [m for n in grads for m in [rewrites.examine(n, _match_dgamma_only, ev, n, candidates)] if m]
+        found += outermost(sites, node=lambda m: m.dx)
+        rewrites.evaluated(ev)
+    return found
 
 
 # -- the rewrite --------------------------------------------------------------
@@ -736,11 +1005,14 @@ def emit(rewrites: Rewrites, site: NormMatch, provenance, target: str):
     current = rewrites.current
     site.rest = [current(n) for n in site.rest]
     site.dy, site.x, site.rstd, site.gamma = (current(n) for n in site.roles)
-    outputs = {"dx": site.dx, **({"dgamma": site.dgamma} if site.dgamma is not None else {})}
+    if site.dgamma_only:
+        outputs = {"dgamma": site.dgamma}
+    else:
+        outputs = {"dx": site.dx, **({"dgamma": site.dgamma} if site.dgamma is not None else {})}
     # a dgamma the program computes from a value it rounded more coarsely than it keeps dgamma
     # (autocast: a bf16 normalized x times an fp32 weight) is left to the program; dx still fuses
-    dgamma_left = site.dgamma is not None and rounding_problem(site.ev, {"dgamma": site.dgamma},
-                                                               [*site.roles, *site.rest])
+    dgamma_left = site.dgamma is not None and not site.dgamma_only and rounding_problem(
+        site.ev, {"dgamma": site.dgamma}, [*site.roles, *site.rest])
     if dgamma_left:
         del outputs["dgamma"]
     region = _region(site, outputs)
@@ -764,7 +1036,8 @@ def _emit(rewrites: Rewrites, site: NormMatch, outputs, region, target, provenan
     dy_dtype, x_dtype = dtype(site.dy), dtype(site.x)
     wide = exact_common_dtype((dy_dtype, x_dtype))
     compute = dy_dtype if (x_dtype == wide and _widened_from(site.x, dy_dtype, provenance)) else wide
-    compute = exact_common_dtype((compute, kept_precision(site.dx)))  # dx is returned in this dtype
+    if "dx" in outputs:
+        compute = exact_common_dtype((compute, kept_precision(site.dx)))  # dx is returned in this dtype
     gamma_dtype = _gamma_dtype(compute, dtype(site.gamma) if site.gamma is not None else compute)
     problem = rms_norm_target_problem(target, compute, gamma_dtype) or rounding_problem(site.ev, outputs, [*site.roles, *site.rest])
     if problem is not None:
@@ -772,14 +1045,18 @@ def _emit(rewrites: Rewrites, site: NormMatch, outputs, region, target, provenan
     anchor = last_of(graph, [n for n in (site.dy, site.x, site.rstd, site.gamma) if n is not None])
     with Insertion(graph, anchor) as inserted:
         dy, x = cast(graph, fake_mode, site.dy, compute), cast(graph, fake_mode, site.x, compute)
-        rstd = cast(graph, fake_mode, site.rstd, torch.float32)
+        rstd = cast(graph, fake_mode, site.rstd, torch.float32) if site.rstd is not None else None
         gamma = cast(graph, fake_mode, site.gamma, gamma_dtype) if site.gamma is not None else None
+        if gamma is None and site.dgamma_only:  # dx unused: any gamma; ones need no static size
+            gamma = _ones_of_part(graph, fake_mode, x, site.ev.k, compute, gamma_part=True)
         if gamma is None:
             if not all(isinstance(x, int) for x in site.ev.norm_shape):
                 return Miss(OP.name, site.dx.name, "a norm without weight over a symbolic size: mark the "
                                                    "hidden size static")
             gamma = call(graph, fake_mode, aten.full.default, (list(site.ev.norm_shape), 1.0),
                          {"dtype": compute, "device": val(site.dy).device})
+        if rstd is None:  # dgamma from the saved normalized value alone: sum(dy * x_hat * 1)
+            rstd = _ones_of_part(graph, fake_mode, x, site.ev.k, torch.float32, gamma_part=False)
         emitted = emit_fused_op(rewrites, OP, site.dx, (dy, x, rstd, gamma), outputs)
         if isinstance(emitted, Miss):
             return emitted
@@ -789,6 +1066,17 @@ def _emit(rewrites: Rewrites, site: NormMatch, outputs, region, target, provenan
         added += _add_back_accumulated(graph, fake_mode, site, replacements)
     return commit(graph, OP.name, None, region, outputs, replacements,
                   {"dy": site.dy, "x": site.x, "rstd": site.rstd, "gamma": site.gamma}, added, fused)
+
+
+def _ones_of_part(graph, fake_mode, x: fx.Node, k: int, to: torch.dtype, gamma_part: bool) -> fx.Node:
+    """Ones of rstd's keep-dim shape ``x.shape[:n] + [1] * k`` (x sliced to one element along
+    each normalized axis), or with ``gamma_part`` of gamma's ``x.shape[n:]`` (x's first element
+    along each leading axis): views of x, so symbolic sizes need no size nodes."""
+    part, n = x, len(shape(x)) - k
+    for d in range(n) if gamma_part else range(n, n + k):
+        part = call(graph, fake_mode, *((aten.select.int, (part, 0, 0)) if gamma_part
+                                        else (aten.slice.Tensor, (part, d, 0, 1))))
+    return call(graph, fake_mode, aten.full_like.default, (part, 1.0), {"dtype": to})
 
 
 def _add_back_accumulated(graph, fake_mode, site: NormMatch, replacements) -> List[fx.Node]:
