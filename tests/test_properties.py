@@ -40,8 +40,9 @@ from hypothesis import currently_in_test_context, event, given, note, settings, 
 from npu_fusion.models import rotate_half
 from npu_fusion.testing.capture import Capture
 from npu_fusion.testing.grads import assert_close_as_unfused, run_grads
-from npu_fusion.testing.programs import (F16, BF16, F32, FP8, Program, RopeForm, precision_programs,
-                                         rms_norm_programs, rope_program, rope_programs)
+from npu_fusion.testing.programs import (F16, BF16, F32, FP8, PrecisionForm, Program, RopeForm,
+                                         norm_precision_program, precision_programs, rms_norm_programs,
+                                         rope_precision_program, rope_program, rope_programs)
 
 ROPE = "rotary_position_embedding_grad"
 RMS = "rms_norm_grad"
@@ -417,6 +418,48 @@ def test_framework_spellings_drawn_by_the_generator(name):
     check_gradients(compiled, program.build(), program.tensors(), wide=program.build(wide=True),
                     names=[i.name for i in program.inputs])
     assert compiled.fused(ROPE) == expected, f"{program}\n{compiled.capture.misses()}"
+
+
+def precision_form(family, **changes):
+    plain = PrecisionForm(family=family, x_dtype=F32, other_dtype=F32, autocast=None, projected=False,
+                          upcast=False, low=BF16, out_cast="none", after="none", other_grad=False, mode=0,
+                          table_layout="SD", rep=1, spelling="llama", sizes=(2, 2, 4, 16))
+    return dataclasses.replace(plain, **changes)
+
+
+#: (program, sites expected fused): the generator's spellings of issue 20's programs
+PRECISION_CASES = {
+    # a float32 program rounding dy to bf16 (fp8) with its tables or weight stored in that dtype
+    "rope_dy_rounded_bf16_tables_bf16": (
+        rope_precision_program(precision_form("rope"), ("tables_round", "output_round")), 0),
+    "rope_dy_rounded_fp8_tables_fp8": (
+        rope_precision_program(precision_form("rope", low=FP8), ("tables_round", "output_round")), 0),
+    "rms_norm_dy_rounded_bf16_weight_bf16": (
+        norm_precision_program(precision_form("rms_norm"), ("weight_round", "output_round")), 0),
+    # x.to(bf16).to(float32) inside a float32 program: quantization simulation, not a precision
+    "rms_norm_normalized_rounded_bf16": (norm_precision_program(precision_form("rms_norm"), ("normalized_round",)), 0),
+    "rope_product_rounded_bf16": (rope_precision_program(precision_form("rope"), ("product_round",)), 0),
+    # autocast GQA: k bf16 (an autocast linear's output), cos/sin float32, k repeated, then cast to bf16
+    "rope_autocast_gqa": (rope_precision_program(precision_form(
+        "rope", autocast=BF16, x_dtype=BF16, rep=2, out_cast="bfloat16"), ()), 2),
+    # q rounded to fp16, bf16 tables, the result cast to bf16: computes in float32
+    "rope_fp16_x_bf16_tables": (rope_precision_program(precision_form(
+        "rope", low=F16, other_dtype=BF16, out_cast="bfloat16"), ("x_round",)), 2),
+}
+
+
+@pytest.mark.parametrize("partitioner", ["default", "min_cut"])
+@pytest.mark.parametrize("name", list(PRECISION_CASES))
+def test_precision_cases_drawn_by_the_generator(name, partitioner):
+    """The hole programs stay unfused, the autocast and mixed-dtype ones fuse; every gradient
+    within the float64 criterion and an ulp of eager's at the program's final rounding."""
+    program, expected = PRECISION_CASES[name]
+    compiled = Compiled(program.build(), Config(route="capture", partitioner=partitioner, decompositions="none",
+                                                dynamic="static", target="generic", seed=0))
+    check_gradients(compiled, program.build(), program.tensors(), wide=program.build(wide=True),
+                    names=[i.name for i in program.inputs])
+    assert_safe_compute_dtypes(compiled.graphs())
+    assert sum(compiled.fused(op) for op in FUSED) == expected, f"{program}\n{compiled.capture.misses()}"
 
 
 # -- regressions: known unsound rewrites ---------------------------------------------
