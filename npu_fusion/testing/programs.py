@@ -878,7 +878,8 @@ def rope_precision_program(form: PrecisionForm, p) -> Program:
         body.append("cos, sin = rnd(cos), rnd(sin)")
     body += ["qo, ko = rope(q, cos, sin), rope(k, cos, sin)"]
     if form.rep > 1:  # repeat_kv of the rotated k, before the output cast
-        body.append(f"ko = ko[:, :, None].expand({b}, {n}, {form.rep}, {s}, {d}).reshape({b}, {nq}, {s}, {d})")
+        body += ["b, n, s, d = ko.shape",
+                 f"ko = ko[:, :, None].expand(b, n, {form.rep}, s, d).reshape(b, n * {form.rep}, s, d)"]
     if "output_round" in p:
         body.append("qo, ko = rnd(qo), rnd(ko)")
     body.append(f"qo, ko = {out_cast(form, 'qo', 'q')}, {out_cast(form, 'ko', 'k')}")
