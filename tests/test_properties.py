@@ -125,13 +125,17 @@ def parameter_names(fn, count: int) -> List[str]:
     return names if len(names) == count else [f"input {i}" for i in range(count)]
 
 
-def check_gradients(compiled: Callable, eager: Callable, inputs, wide: Optional[Callable] = None, names=None):
+def check_gradients(compiled: Callable, eager: Callable, inputs, wide: Optional[Callable] = None, names=None,
+                    rounded: Optional[Callable] = None):
     """Run ``compiled`` and ``eager`` forward and backward on ``inputs`` with the same output
     gradients; every compiled output must keep eager's dtype and shape, and every gradient
     must be within README's criterion of the float64 run of ``wide`` (default: ``eager`` on
-    float64 inputs). Positions where eager itself is not finite carry no claim; positions
-    where float64 is NaN must stay NaN. Exceptions from compiling are wrapped as
-    :class:`PassError` or :class:`CompiledRunError`."""
+    float64 inputs), and within an ulp of eager's as :func:`assert_within_ulps_of_eager`
+    says, ``rounded`` being the float64 run that keeps the program's explicit roundings
+    (default: ``eager`` on float64 inputs, whose casts to a narrower type round). Positions
+    where eager itself is not finite carry no claim; positions where float64 is NaN must
+    stay NaN. Exceptions from compiling are wrapped as :class:`PassError` or
+    :class:`CompiledRunError`."""
     expected_outputs = eager(*inputs)
     eager_grads, grad_outputs = run_grads(eager, inputs)
     exact, _ = run_grads(wide or eager, widened(inputs), grad_outputs=[g.double() for g in grad_outputs])
@@ -163,12 +167,15 @@ def check_gradients(compiled: Callable, eager: Callable, inputs, wide: Optional[
             raise WrongGradient(f"grad of {name} ({g.dtype}): max error vs float64 {err_fused:.4g}, "
                                 f"eager's {err_eager:.4g} (allowed {4 * err_eager + floor:.4g}); "
                                 f"largest float64 value {x[keep].abs().max().item():.4g}") from None
-    assert_within_ulps_of_eager(got, eager_grads, names)
+    assert_within_ulps_of_eager(got, eager_grads, grads_keeping_roundings(rounded or eager, inputs, grad_outputs),
+                                names)
     return got
 
 
-#: how many ulps of the program's final rounding a compiled gradient may be from eager's
+#: how many ulps of the program's final rounding a compiled gradient may be from eager's,
+#: beyond eager's own arithmetic error
 ULPS = 1.0
+LARGEST = "largest distance from eager beyond eager's own error (ulps of the final rounding)"
 
 
 def final_rounding(eager_grad: torch.Tensor) -> torch.dtype:
@@ -184,34 +191,50 @@ def final_rounding(eager_grad: torch.Tensor) -> torch.dtype:
     return eager_grad.dtype
 
 
-def ulps_from_eager(got: torch.Tensor, eager_grad: torch.Tensor):
-    """(largest |compiled - eager| in ulps of the final rounding, that dtype), over the
-    positions where eager is finite. The ulp is taken at the scale of eager's largest
-    magnitude: a fused op that computes a value exactly and rounds it once is within half an
-    ulp of it, and eager's own rounding error is at most as much again."""
-    keep = torch.isfinite(eager_grad)
-    if not keep.any():
-        return 0.0, eager_grad.dtype
-    dtype = final_rounding(eager_grad)
-    e, g = eager_grad[keep].double(), got[keep].double()
+def ulp_at(dtype: torch.dtype, magnitude: float) -> float:
     info = torch.finfo(dtype)
-    scale = max(e.abs().max().item(), info.tiny)
-    ulp = info.eps * 2.0 ** math.floor(math.log2(scale))
-    distance = (g - e).abs().max().item()
-    return (distance / ulp if math.isfinite(distance) else math.inf), dtype
+    return info.eps * 2.0 ** math.floor(math.log2(max(magnitude, info.tiny)))
 
 
-def assert_within_ulps_of_eager(got, eager_grads, names):
+def grads_keeping_roundings(fn, inputs, grad_outputs):
+    """The gradients of ``fn`` (a program with float32 read as float64 and its casts to
+    narrower types kept) on float64 inputs, each output gradient in its output's dtype."""
+    wide = widened(inputs)
+    outs = fn(*wide)
+    outs = outs if isinstance(outs, (tuple, list)) else (outs,)
+    leaves = [t for t in wide if t.requires_grad]
+    grads = torch.autograd.grad(outs, leaves, [g.double().to(o.dtype) for g, o in zip(grad_outputs, outs)],
+                                allow_unused=True)
+    return [torch.zeros_like(t) if g is None else g for g, t in zip(grads, leaves)]
+
+
+def assert_within_ulps_of_eager(got, eager_grads, rounded_grads, names):
     """The check the float64 criterion cannot make (it reads every rounding of the program
-    away): no compiled gradient is further from eager's than :data:`ULPS` ulps of the
-    program's final rounding of it."""
-    for name, g, e in zip(names, got, eager_grads):
-        ulps, dtype = ulps_from_eager(g, e)
-        STATS["largest distance from eager (ulps of the final rounding)"] = max(
-            STATS["largest distance from eager (ulps of the final rounding)"], round(ulps, 3))
-        if ulps > ULPS:
-            raise BeyondEagerRounding(f"grad of {name} ({g.dtype}): {ulps:.4g} ulps of {dtype} from eager "
-                                      f"(allowed {ULPS:g}); largest eager value {e.abs().max().item():.4g}")
+    away, so a rewrite that drops one looks *better* there): no compiled gradient is further
+    from eager's than :data:`ULPS` ulps of the program's final rounding of it, at the scale
+    of eager's largest magnitude, beyond eager's own arithmetic error (its largest distance
+    from ``rounded_grads``: the program's math in float64 with its explicit roundings kept).
+    The allowance is what lets a fused op compute better than a program whose backward
+    rounds at every step (an fp16 autograd.Function: 13 fp16 ulps from eager; plain bf16
+    RMSNorm's normalized value recomputed for a float32 dgamma: 5e4 float32 ulps); a dropped
+    explicit rounding is as far from ``rounded_grads`` as from eager, and is caught (the
+    issue 20 programs: 2e4 to 5e5 float32 ulps)."""
+    for name, g, e, r in zip(names, got, eager_grads, rounded_grads):
+        keep = torch.isfinite(e)
+        if not keep.any():
+            continue
+        dtype, grad_dtype = final_rounding(e), g.dtype
+        e, g, r = e[keep].double(), g[keep].double(), r[keep].double()
+        ulp = ulp_at(dtype, e.abs().max().item())
+        finite = torch.isfinite(r)
+        own = (e - r)[finite].abs().max().item() if finite.any() else 0.0
+        distance = (g - e).abs().max().item()
+        beyond = (distance - own) / ulp if math.isfinite(distance) else math.inf
+        STATS[LARGEST] = max(STATS[LARGEST], round(beyond, 3))
+        if beyond > ULPS:
+            raise BeyondEagerRounding(
+                f"grad of {name} ({grad_dtype}): {distance / ulp:.4g} ulps of {dtype} from eager, whose own error is "
+                f"{own / ulp:.4g} (allowed {ULPS:g} beyond it); largest eager value {e.abs().max().item():.4g}")
 
 
 def assert_safe_compute_dtypes(graphs):
@@ -323,7 +346,7 @@ def check_program(program: Program, config: Config):
     failure = None
     try:
         check_gradients(compiled, program.build(), inputs, wide=program.build(wide=True),
-                        names=[i.name for i in program.inputs])
+                        names=[i.name for i in program.inputs], rounded=program.build(wide=True, keep_narrowing=True))
         assert_safe_compute_dtypes(compiled.graphs())
     except (AssertionError, PassError, CompiledRunError) as exc:
         failure = exc
@@ -416,7 +439,7 @@ def test_framework_spellings_drawn_by_the_generator(name):
     compiled = Compiled(program.build(), Config(route="capture", partitioner="default", decompositions="none",
                                                 dynamic="static", target="generic", seed=0))
     check_gradients(compiled, program.build(), program.tensors(), wide=program.build(wide=True),
-                    names=[i.name for i in program.inputs])
+                    names=[i.name for i in program.inputs], rounded=program.build(wide=True, keep_narrowing=True))
     assert compiled.fused(ROPE) == expected, f"{program}\n{compiled.capture.misses()}"
 
 
@@ -457,7 +480,7 @@ def test_precision_cases_drawn_by_the_generator(name, partitioner):
     compiled = Compiled(program.build(), Config(route="capture", partitioner=partitioner, decompositions="none",
                                                 dynamic="static", target="generic", seed=0))
     check_gradients(compiled, program.build(), program.tensors(), wide=program.build(wide=True),
-                    names=[i.name for i in program.inputs])
+                    names=[i.name for i in program.inputs], rounded=program.build(wide=True, keep_narrowing=True))
     assert_safe_compute_dtypes(compiled.graphs())
     assert sum(compiled.fused(op) for op in FUSED) == expected, f"{program}\n{compiled.capture.misses()}"
 

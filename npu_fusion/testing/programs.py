@@ -52,9 +52,10 @@ class Program:
     #: axes that may be marked dynamic: letters of Input.dims
     dynamic_axes: str = "BST"
 
-    def build(self, wide: bool = False):
-        """The program's ``f``; with ``wide``, every float dtype the text names is float64."""
-        namespace = {"torch": wide_torch() if wide else torch, "__name__": "program"}
+    def build(self, wide: bool = False, keep_narrowing: bool = False):
+        """The program's ``f``; with ``wide``, every float dtype the text names is float64
+        (with ``keep_narrowing``, float32 only: its casts to a narrower type still round)."""
+        namespace = {"torch": wide_torch(keep_narrowing) if wide else torch, "__name__": "program"}
         exec(compile(self.source, "<program>", "exec"), namespace)
         return namespace["f"]
 
@@ -85,12 +86,15 @@ class Program:
         return f"# {head}\n# inputs:\n{inputs}\n{self.source}"
 
 
-def wide_torch():
+def wide_torch(keep_narrowing: bool = False):
     """``torch`` with float32/float16/bfloat16/float8_e4m3fn read as float64 and autocast
-    regions doing nothing: the program's own math, exactly."""
+    regions doing nothing: the program's own math, exactly. With ``keep_narrowing``, float32
+    only: the program's math with its explicit roundings (``.to(torch.bfloat16)``) kept."""
     wide = types.ModuleType("torch")
     wide.__dict__.update({k: v for k, v in vars(torch).items() if not k.startswith("__")})
-    wide.float32 = wide.float16 = wide.bfloat16 = wide.float8_e4m3fn = torch.float64
+    wide.float32 = torch.float64
+    if not keep_narrowing:
+        wide.float16 = wide.bfloat16 = wide.float8_e4m3fn = torch.float64
     wide.autocast = lambda *args, **kwargs: contextlib.nullcontext()
     return wide
 
