@@ -868,7 +868,8 @@ def rnd_helper(low: torch.dtype) -> List[str]:
 def rope_precision_program(form: PrecisionForm, p) -> Program:
     b, n, s, d = form.sizes
     nq = n * form.rep
-    inputs = [Input("q", "BNSD", (b, nq, s, d), form.x_dtype, True), Input("k", "BNSD", (b, n, s, d), form.x_dtype, True)]
+    inputs = [Input("q", "BNSD", (b, nq, s, d), form.x_dtype, True),
+              Input("k", "BNSD", (b, n, s, d), form.x_dtype, True)]
     table_shape = {"SD": (s, d), "11SD": (1, 1, s, d), "B1SD": (b, 1, s, d)}[form.table_layout]
     inputs += [Input(t, form.table_layout, table_shape, form.other_dtype, form.other_grad) for t in ("cos", "sin")]
     if form.projected:
@@ -886,19 +887,22 @@ def rope_precision_program(form: PrecisionForm, p) -> Program:
                  f"ko = ko[:, :, None].expand(b, n, {form.rep}, s, d).reshape(b, n * {form.rep}, s, d)"]
     if "output_round" in p:
         body.append("qo, ko = rnd(qo), rnd(ko)")
-    body.append(f"qo, ko = {out_cast(form, 'qo', 'q')}, {out_cast(form, 'ko', 'k')}")
+    body += [f"qo, ko = {out_cast(form, 'qo', 'q')}, {out_cast(form, 'ko', 'k')}"] if form.out_cast != "none" else []
     body.append("return qo @ ko.transpose(-1, -2)" if form.after == "scores" else "return qo, ko")
-    source = (rnd_helper(form.low) + rotate_helper(form.mode, d, ()) + function_source("rope", ["x", "cos", "sin"], rope)
+    source = (rnd_helper(form.low) + rotate_helper(form.mode, d, ())
+              + function_source("rope", ["x", "cos", "sin"], rope)
               + function_source("f", [i.name for i in inputs], region(form, body)))
     return Program("rope", f"precision: {form}", p, inputs, "\n".join(source) + "\n", dynamic_axes="BS")
 
 
 def norm_precision_program(form: PrecisionForm, p) -> Program:
     b, _, s, d = form.sizes
-    spelling = "functional" if form.spelling == "functional" and form.x_dtype == form.other_dtype \
-        and not {"x_round", "normalized_round"} & set(p) and not form.projected else (
-            "plain" if form.spelling == "functional" else form.spelling)
-    inputs = [Input("x", "BSD", (b, s, d), form.x_dtype, True), Input("w", "D", (d,), form.other_dtype, form.other_grad)]
+    # F.rms_norm takes one dtype and has no normalized value to round: else written out plainly
+    functional = (form.x_dtype == form.other_dtype and not form.projected
+                  and not {"x_round", "normalized_round"} & set(p))
+    spelling = "plain" if form.spelling == "functional" and not functional else form.spelling
+    inputs = [Input("x", "BSD", (b, s, d), form.x_dtype, True),
+              Input("w", "D", (d,), form.other_dtype, form.other_grad)]
     if form.projected:
         inputs.append(Input("wp", "DD", (d, d), F32, True))
     if form.after == "proj":
@@ -914,9 +918,10 @@ def norm_precision_program(form: PrecisionForm, p) -> Program:
     body.append("y = norm(x, w)")
     if "output_round" in p:
         body.append("y = rnd(y)")
-    body.append(f"y = {out_cast(form, 'y', 'x')}")
+    body += [f"y = {out_cast(form, 'y', 'x')}"] if form.out_cast != "none" else []
     body.append(("return y @ wo" if form.autocast else "return y @ wo.to(y.dtype)") if form.after == "proj"
                 else "return y")
     source = (rnd_helper(form.low) + function_source("norm", ["x", "w"], norm)
               + function_source("f", [i.name for i in inputs], region(form, body)))
-    return Program("rms_norm", f"precision: {form}", p, inputs, "\n".join(source) + "\n", dynamic_axes="BS")
+    return Program("rms_norm", f"precision: {dataclasses.replace(form, spelling=spelling)}", p, inputs,
+                   "\n".join(source) + "\n", dynamic_axes="BS")
