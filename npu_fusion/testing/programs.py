@@ -10,6 +10,9 @@ the program text printed on failure runs as it is (``exec`` it with ``torch`` in
 
 Casts are spelled ``.to(torch.float32)`` (never ``.float()``), so that the float64
 reference runs the same text with every float dtype read as float64 (:func:`wide_torch`).
+
+:func:`precision_programs` draws exact RoPE and RMSNorm that differ only in where they round
+(:class:`PrecisionForm`: autocast regions, mixed dtypes, round trips to bf16/fp16/fp8).
 """
 from __future__ import annotations
 
