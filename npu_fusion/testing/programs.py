@@ -922,8 +922,8 @@ def norm_precision_program(form: PrecisionForm, p) -> Program:
     if "output_round" in p:
         body.append("y = rnd(y)")
     body += [f"y = {out_cast(form, 'y', 'x')}"] if form.out_cast != "none" else []
-    body.append(("return y @ wo" if form.autocast else "return y @ wo.to(y.dtype)") if form.after == "proj"
-                else "return y")
+    # the weight cast as autocast casts it: the float64 run that keeps the program's roundings has no region
+    body.append("return y @ wo.to(y.dtype)" if form.after == "proj" else "return y")
     source = (rnd_helper(form.low) + function_source("norm", ["x", "w"], norm)
               + function_source("f", [i.name for i in inputs], region(form, body)))
     return Program("rms_norm", f"precision: {dataclasses.replace(form, spelling=spelling)}", p, inputs,
