@@ -11,3 +11,12 @@ def install(config=None, **options):
     from .plugin.torchair import install as _install
 
     return _install(config, **options)
+
+
+def explain(model_or_fn, *example_inputs, **kwargs):
+    """Compile ``model_or_fn`` with the pass, run one training step on ``example_inputs`` and
+    report what was fused, what was not and why, and whether the gradients are still right
+    (:func:`npu_fusion.report.explain`)."""
+    from .report import explain as _explain
+
+    return _explain(model_or_fn, *example_inputs, **kwargs)

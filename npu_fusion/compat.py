@@ -18,17 +18,26 @@ instead of reaching for a private name that only some releases have:
   torch_npu 2.7.1 itself has no user pass hook at all (its backward compiler is
   built inside the backend from the config, with no callback), so installing there
   raises :class:`UnsupportedTorchair` naming the release.
+* :data:`FUSED_RMS_NORM`, :data:`FUSED_RMS_NORM_BACKWARD`: ``aten._fused_rms_norm`` and
+  ``aten._fused_rms_norm_backward``, the whole RMSNorm ops torch routes ``F.rms_norm`` to
+  on a device with its own kernel (None on a torch without them).
 """
 from __future__ import annotations
 
 import json
 from typing import Any, Callable, Optional
 
+import torch
 from torch.fx.experimental import symbolic_shapes
 
 #: the CompilerConfig attribute torchair calls with ``fn(gm, example_inputs, config)``
 #: on every graph after the forward/backward partition (SPEC section 3).
 TORCHAIR_PASS_SLOT = "post_grad_custom_pre_pass"
+
+#: ``aten._fused_rms_norm.default`` and ``aten._fused_rms_norm_backward.default`` where this
+#: torch has them, else None (they are not in every torch the package supports)
+FUSED_RMS_NORM = getattr(getattr(torch.ops.aten, "_fused_rms_norm", None), "default", None)
+FUSED_RMS_NORM_BACKWARD = getattr(getattr(torch.ops.aten, "_fused_rms_norm_backward", None), "default", None)
 
 
 def _guard_or_true_by_guard(condition) -> bool:

@@ -245,7 +245,9 @@ def test_rms_norm_eps_values(eps):
 
 def test_rms_norm_gamma_widened_to_float32_when_the_table_needs_it():
     """fp16 activations with a bf16 weight: (fp16, bf16) is not in RmsNormGrad's table but
-    (fp16, fp32) is, and float32 holds every bf16 value, so gamma is cast up exactly."""
+    (fp16, fp32) is, and float32 holds every bf16 value, so gamma is cast up exactly. The
+    program's dgamma (bf16) reads the normalized x rounded to fp16, which does not hold every
+    bf16 value (range): dgamma is left to the program, with a note, and dx fuses."""
     weight = torch.nn.Parameter(torch.randn(32, dtype=torch.bfloat16))
 
     def fn(x):
@@ -259,6 +261,8 @@ def test_rms_norm_gamma_widened_to_float32_when_the_table_needs_it():
     fused = [n for n in capture.after[0].nodes if n.target == torch.ops.npu_fusion.rms_norm_grad.default]
     dy, x, rstd, gamma = (a.meta["val"].dtype for a in fused[0].args)
     assert (dy, gamma) == (x, torch.float32) and rstd == torch.float32
+    [site] = capture.results[0].sites
+    assert set(site.outputs) == {"dx"} and site.note.startswith("dgamma")
 
 
 def test_rms_norm_dtype_outside_the_table_stays_unfused():

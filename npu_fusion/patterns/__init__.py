@@ -40,6 +40,7 @@ FORMS = [
     (ROPE_GRAD.name, "one rotated head expanded over the heads, or GQA's k expanded after RoPE (dy a sum over the copies)", "torchtitan DeepSeek-V3 MLA `k_pe`, torchtune GQA, DeepSeek-V2"),
     (ROPE_GRAD.name, "one table saved several times (copies of one forward expression are one value)", "torchtune's `cache[..., 0]` in two products"),
     (ROPE_GRAD.name, "complex tables broadcast head-first (`freqs_cis[None, None, :T]` on `[B, H, T, D]`), under either partitioner", "torchtitan `ComplexRoPE`"),
+    (ROPE_GRAD.name, "autocast: a bf16 or fp16 x with float32 tables, GQA's k expanded while float32 (each term rounded to dk's dtype)", "Hugging Face Trainer `bf16=True`, `torch.autocast` training"),
     (ROPE_GRAD.name, "inside training graphs: activation checkpointing (full, selective), compiled autograd, DDP, FSDP2", "torchtitan, transformers' `gradient_checkpointing_enable`"),
     (RMS_NORM_GRAD.name, "fp32 statistics, `weight * x.to(dtype)`", "HF `LlamaRMSNorm` and its copies"),
     (RMS_NORM_GRAD.name, "`torch.nn.RMSNorm`, `F.rms_norm`, with or without weight", "PyTorch"),
@@ -53,8 +54,10 @@ FORMS = [
     (RMS_NORM_GRAD.name, "post- and sandwich norms: dy is another norm's dx (or the sum of several), x another norm's output", "Gemma 2/3, OLMo 2/3, GLM-4, EXAONE 4, nanochat, HRM"),
     (RMS_NORM_GRAD.name, "x a computed value (`norm(relu(g)**2 * up)`)", "BitNet"),
     (RMS_NORM_GRAD.name, "float32 statistics with a bf16 weight (gamma widened exactly, dgamma narrowed back)", "torchtitan Qwen3 qk-norms in bf16"),
+    (RMS_NORM_GRAD.name, "autocast with fp32 weights; a bf16 input's normalized value rounded to bf16 before an fp32 weight (dx fused, dgamma left to the program)", "Trainer `bf16=True`; Qwen3 q/k norms under autocast"),
     (RMS_NORM_GRAD.name, "symbolic hidden size (`dynamic=True` with the size from an input)", "dynamic shapes"),
     (RMS_NORM_GRAD.name, "inside training graphs: activation checkpointing (full, selective), compiled autograd, DDP, FSDP2", "torchtitan, transformers' `gradient_checkpointing_enable`"),
+    (RMS_NORM_GRAD.name, "`aten._fused_rms_norm_backward` kept whole (the outputs its `output_mask` asks for; with or without weight)", "`F.rms_norm` on a device with its own RMSNorm kernel (CUDA, XPU; none on torch_npu yet)"),
 ]
 
 

@@ -13,12 +13,12 @@ evaluator sees through them and remembers which ones rounded
 """
 from __future__ import annotations
 
-from typing import Any, Dict, Iterable, List, Optional
+from typing import Any, Dict, Iterable, List, Mapping, Optional
 
 import torch
 import torch.fx as fx
 
-from .nodes import dtype, holds, is_float_cast, is_value_preserving_cast, native_dtype, val
+from .nodes import dtype, holds, is_float_cast, is_value_preserving_cast, val
 
 
 class Unsupported(Exception):
@@ -141,7 +141,7 @@ class MemoEvaluator:
         self.unsupported: Dict[fx.Node, str] = {}
         #: the dtypes each value was rounded to by narrowing casts the evaluation saw through
         #: (casts are identities of real arithmetic; a site rounded inside more coarsely than
-        #: its inputs are stored is refused, see :func:`rounding_problem`)
+        #: the program keeps its result is refused, see :func:`rounding_problem`)
         self.rounded: Dict[fx.Node, frozenset] = {}
         #: :func:`gradient_dependent` of the graph (None: not known, every node may be)
         self.gradient_nodes: Optional[set] = None
@@ -196,12 +196,32 @@ class MemoEvaluator:
             out |= {dtype(definition)}
         return out
 
-    def rounded_inside(self, node: fx.Node) -> frozenset:
-        """:meth:`_rounding` of a site's output, not counting its own trailing casts (the fused
-        op's result is cast the same way)."""
-        while is_float_cast(node):
-            node = node.args[0]
-        return self.rounded.get(node, frozenset())
+    def roundings_inside(self, output: fx.Node, roles: Iterable[fx.Node]) -> set:
+        """The dtypes of the narrowing casts the evaluation saw through between a site's
+        ``output`` and its ``roles`` (the values the fused op reads), not counting the output's
+        own trailing casts (the fused op's result is cast the same way) nor any rounding that
+        made a role's value (the fused op reads that value as it is)."""
+        while is_float_cast(output):
+            output = output.args[0]
+        stop, seen, stack, found = set(roles), set(), [output], set()
+        while stack:
+            node = stack.pop()
+            if node in seen or node in stop or node not in self.rounded:  # a leaf: not interpreted
+                continue
+            seen.add(node)
+            saved = self.provenance.saved_in_backward(node) if self._is_forward(node) else None
+            if saved is not None:  # a forward value the backward reads as a saved tensor
+                stack.append(saved)
+                continue
+            definition = node
+            if node.op == "placeholder" and self.provenance is not None:
+                definition = self.provenance.forward_definition(node)
+            if definition is None or definition.op != "call_function":
+                continue
+            if is_float_cast(definition) and not is_value_preserving_cast(definition):
+                found.add(dtype(definition))
+            stack.extend(definition.all_input_nodes)
+        return found
 
     def _interpret(self, node: fx.Node, forward: bool):
         raise NotImplementedError
@@ -209,15 +229,41 @@ class MemoEvaluator:
     def _leaf(self, node: fx.Node):
         raise NotImplementedError
 
-def rounding_problem(ev: "MemoEvaluator", nodes: Iterable[fx.Node], roles: Iterable[fx.Node]) -> Optional[str]:
-    """Why a site cannot fuse because the program rounds a value inside it more coarsely than
-    any of its inputs is stored (``x.to(bf16)`` in a float32 program), which the fused op
-    would not do; None when every such cast is to a dtype an input already has (a bf16 or
-    fp16 model rounds to its own dtype everywhere: that is its precision, not a step)."""
-    stored = {native_dtype(n, ev.provenance) for n in roles if n is not None}
-    coarse = sorted({str(d) for n in nodes if n is not None for d in ev.rounded_inside(n)
-                     if not any(holds(d, s) for s in stored)})
-    if coarse:
-        return (f"the program rounds a value inside the site to {', '.join(coarse)} (a narrowing cast) "
-                f"more coarsely than its inputs are stored; the fused op would not round it")
+def kept_precision(output: fx.Node) -> torch.dtype:
+    """The precision at which the program keeps the value a site replaces: the dtype of the
+    first narrowing cast among the float casts that end at ``output`` (the program's own next
+    rounding of the value), else the dtype the value is computed in."""
+    chain = []
+    while is_float_cast(output):
+        chain.append(dtype(output))
+        output = output.args[0]
+    precision = dtype(output)
+    for d in reversed(chain):
+        if not holds(d, precision):
+            return d
+    return precision
+
+def rounding_problem(ev: "MemoEvaluator", outputs: Mapping[str, fx.Node], roles: Iterable[fx.Node]) -> Optional[str]:
+    """Why a site cannot fuse because the program rounds inside it more coarsely than it keeps
+    a value the site replaces; None when it does not.
+
+    The fused op computes each output exactly (in a dtype that holds its operands and the
+    output's :func:`kept_precision` R) and rounds it once to R. A value the program stores
+    in R is best rounded once from the exact result: nearest rounding gives the closest
+    value of R, so roundings inside to a dtype D that holds R (autocast rounding each term to
+    the bf16 gradient it forms, a bf16 model rounding to its own dtype) cost nothing to drop.
+    A rounding coarser than R (``dy.to(bf16)`` inside a float32 program; a round trip
+    through fp8 to simulate quantization) is the program's own step, which the fused op would
+    not take: the site stays unfused. Each output is judged by its own precision, never
+    excused because another role is stored in the narrow dtype."""
+    roles = [n for n in roles if n is not None]
+    for name, output in outputs.items():
+        if output is None:
+            continue
+        kept = kept_precision(output)
+        coarse = sorted(str(d) for d in ev.roundings_inside(output, roles) if not holds(d, kept))
+        if coarse:
+            return (f"the program rounds a value inside the site to {', '.join(coarse)} (a narrowing cast), "
+                    f"more coarsely than it keeps {name} ({output.name}, {kept}); the fused op would not "
+                    f"round it")
     return None

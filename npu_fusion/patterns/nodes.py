@@ -102,16 +102,6 @@ def holds(wide: torch.dtype, narrow: torch.dtype) -> bool:
     w, n = torch.finfo(wide), torch.finfo(narrow)
     return wide == narrow or (w.bits >= n.bits and w.eps <= n.eps and w.max >= n.max and w.tiny <= n.tiny)
 
-def native_dtype(node: fx.Node, provenance: Optional["Provenance"] = None) -> torch.dtype:
-    """The dtype a value was stored in before a widening cast (a bf16 activation upcast to
-    float32 and saved for the backward is bf16 data)."""
-    definition = node
-    if node.op == "placeholder" and provenance is not None:
-        definition = provenance.forward_definition(node) or node
-    while is_float_cast(definition) and is_value_preserving_cast(definition):
-        definition = definition.args[0]
-    return dtype(definition) if dtype(definition) is not None else dtype(node)
-
 @functools.lru_cache(maxsize=None)
 def target_name(target: Any) -> str:
     return getattr(target, "__name__", str(target))

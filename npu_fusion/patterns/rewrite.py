@@ -53,6 +53,8 @@ class Site:
     bytes_before: int = 0
     bytes_after: int = 0
     bytes_minimum: int = 0
+    #: what of the subgraph the rewrite left to the program, and why (None: nothing)
+    note: Optional[str] = None
 
 def exact_common_dtype(dtypes: Iterable[torch.dtype]) -> torch.dtype:
     """The narrowest float dtype that holds every operand exactly: one of them when it holds

@@ -24,6 +24,21 @@ symbol ``S[monomial]`` after expanding its summand. A node is dx when its expres
 ``dy * x * r`` summed over exactly the leading axes to gamma's shape. Equality is
 algebraic, so eps outside the square root, a wrong exponent or a missing term
 do not match.
+
+The whole ops (last section). torch 2.13 routes ``F.rms_norm`` to
+``aten._fused_rms_norm``, which decomposes (CompositeImplicitAutograd) except on a
+device with its own kernel (CUDA, MPS, XPU); there autograd's backward is
+``aten._fused_rms_norm_backward(dy, x, normalized_shape, rstd, weight,
+output_mask) -> (dx, dweight)`` and AOTAutograd keeps it whole. Its rstd is
+``rsqrt(mean(x**2) + eps)`` (float32 for fp16/bf16/fp32 x, keep-dim shaped; the
+plain ``x.shape[:n]`` is taken too), the same 1/RMS as RmsNormGrad's, so each call
+is rewritten into ``rms_norm_grad(dy, x, rstd, weight or ones)`` with the outputs
+``output_mask`` asks for, cast back to the call's dtypes and shapes, under the same
+dtype table and chip limits, or left whole as a miss with the reason. No torch_npu
+line from 2.6.0 to 2.14.0 registers an NPU kernel for either op (read in the
+wheels; the README has the table), so on torch_npu the decomposed form is what the
+pass sees today. A whole forward ``_fused_rms_norm`` has no fused op yet and no
+torchair converter: each one is recorded as a miss.
 """
 from __future__ import annotations
 
@@ -36,14 +51,15 @@ from typing import Dict, List, Optional
 import torch
 import torch.fx as fx
 
+from ..compat import FUSED_RMS_NORM, FUSED_RMS_NORM_BACKWARD
 from ..lowering.constraints import RMS_NORM_DTYPES, rms_norm_target_problem
 from ..lowering.rms_norm import OP
 from ..lowering.sizes import same_shape, static_int
 from .algebra import Expr, accumulate, graph_constant
-from .evaluator import MemoEvaluator, Provenance, Unsupported, rounding_problem
+from .evaluator import MemoEvaluator, Provenance, Unsupported, kept_precision, rounding_problem
 from .nodes import (CAST_TARGETS, VIEWS, aten, downstream, dtype, gradient_dependent, gradient_product, is_float_cast,
                     is_value_preserving_cast, last_of, normalize_dim, outermost, outside_users, region_of, shape, val)
-from .rewrite import Insertion, Miss, Rewrites, Rule, call, cast, commit, emit_fused_op, exact_common_dtype
+from .rewrite import Insertion, Miss, Rewrites, Rule, Site, call, cast, commit, emit_fused_op, exact_common_dtype
 MAX_SYMBOLS = 16
 
 
@@ -721,6 +737,12 @@ def emit(rewrites: Rewrites, site: NormMatch, provenance, target: str):
     site.rest = [current(n) for n in site.rest]
     site.dy, site.x, site.rstd, site.gamma = (current(n) for n in site.roles)
     outputs = {"dx": site.dx, **({"dgamma": site.dgamma} if site.dgamma is not None else {})}
+    # a dgamma the program computes from a value it rounded more coarsely than it keeps dgamma
+    # (autocast: a bf16 normalized x times an fp32 weight) is left to the program; dx still fuses
+    dgamma_left = site.dgamma is not None and rounding_problem(site.ev, {"dgamma": site.dgamma},
+                                                               [*site.roles, *site.rest])
+    if dgamma_left:
+        del outputs["dgamma"]
     region = _region(site, outputs)
     shared = outside_users(region, outputs.values())
     if shared:
@@ -731,7 +753,10 @@ def emit(rewrites: Rewrites, site: NormMatch, provenance, target: str):
                                                f"the pattern ({next(iter(shared[0].users)).name})")
         site = again[0]
         region = _region(site, outputs)
-    return _emit(rewrites, site, outputs, region, target, provenance)
+    done = _emit(rewrites, site, outputs, region, target, provenance)
+    if dgamma_left and isinstance(done, Site):
+        done.note = f"dgamma ({site.dgamma.name}) left to the program: {dgamma_left}"
+    return done
 
 
 def _emit(rewrites: Rewrites, site: NormMatch, outputs, region, target, provenance):
@@ -739,9 +764,9 @@ def _emit(rewrites: Rewrites, site: NormMatch, outputs, region, target, provenan
     dy_dtype, x_dtype = dtype(site.dy), dtype(site.x)
     wide = exact_common_dtype((dy_dtype, x_dtype))
     compute = dy_dtype if (x_dtype == wide and _widened_from(site.x, dy_dtype, provenance)) else wide
+    compute = exact_common_dtype((compute, kept_precision(site.dx)))  # dx is returned in this dtype
     gamma_dtype = _gamma_dtype(compute, dtype(site.gamma) if site.gamma is not None else compute)
-    problem = rms_norm_target_problem(target, compute, gamma_dtype) or rounding_problem(
-        site.ev, [*outputs.values(), *site.roles], site.roles)
+    problem = rms_norm_target_problem(target, compute, gamma_dtype) or rounding_problem(site.ev, outputs, [*site.roles, *site.rest])
     if problem is not None:
         return Miss(OP.name, site.dx.name, problem)
     anchor = last_of(graph, [n for n in (site.dy, site.x, site.rstd, site.gamma) if n is not None])
@@ -780,5 +805,105 @@ def _add_back_accumulated(graph, fake_mode, site: NormMatch, replacements) -> Li
     return added
 
 
+# -- aten._fused_rms_norm_backward: the whole backward torch keeps on some devices ----
+
+@dataclasses.dataclass
+class WholeBackwardMatch:
+    """One ``aten._fused_rms_norm_backward`` call; ``dx`` is the call itself (the key the rule
+    runs the site's transaction under)."""
+    dx: fx.Node
+
+
+def _is_call(node: fx.Node, target) -> bool:
+    return target is not None and node.op == "call_function" and node.target is target
+
+
+def whole_backward_sites(graph: fx.Graph) -> List[WholeBackwardMatch]:
+    """Every ``aten._fused_rms_norm_backward`` call of the graph: each is one RMSNorm site."""
+    return [WholeBackwardMatch(n) for n in graph.nodes if _is_call(n, FUSED_RMS_NORM_BACKWARD)]
+
+
+def _whole_backward_outputs(node: fx.Node):
+    """{"dx": getitem, "dgamma": getitem} of the outputs the program uses and its
+    ``output_mask`` asks for, or a Miss when something else reads the call."""
+    mask = node.args[5] if len(node.args) > 5 else node.kwargs["output_mask"]
+    outputs = {}
+    for user in node.users:
+        if user.target is not operator.getitem or user.args[1] not in (0, 1):
+            return Miss(OP.name, node.name, f"{user.name} reads aten._fused_rms_norm_backward's result "
+                                            f"other than by index")
+        if mask[user.args[1]] and user.users:
+            outputs[OP.outputs[user.args[1]]] = user
+    return outputs
+
+
+def emit_whole_backward(rewrites: Rewrites, match: WholeBackwardMatch, target: str):
+    """``aten._fused_rms_norm_backward(dy, x, normalized_shape, rstd, weight, output_mask)``
+    rewritten into ``rms_norm_grad(dy, x, rstd, gamma)``: the same formula, rstd the same
+    float32 ``1/RMS(x)`` (eps inside it), gamma the weight or ones; each output the program
+    uses cast back to the call's dtype and shape. A Miss when the target refuses."""
+    node, graph, fake_mode = match.dx, rewrites.graph, rewrites.fake_mode
+    dy, x, normalized_shape, rstd, weight = (node.args + (None,) * 5)[:5]
+    outputs = _whole_backward_outputs(node)
+    if isinstance(outputs, Miss) or not outputs:
+        return outputs or Miss(OP.name, node.name, "no output of aten._fused_rms_norm_backward is used")
+    compute = exact_common_dtype((dtype(dy), dtype(x)))
+    gamma_dtype = _gamma_dtype(compute, dtype(weight) if weight is not None else compute)
+    problem = rms_norm_target_problem(target, compute, gamma_dtype)
+    if problem is None and exact_common_dtype((torch.float32, dtype(rstd))) != torch.float32:
+        problem = f"rstd dtype {dtype(rstd)} does not fit RmsNormGrad's float32 rstd"
+    if problem is not None:
+        return Miss(OP.name, node.name, f"aten._fused_rms_norm_backward: {problem}")
+    with Insertion(graph, node.prev) as inserted:
+        operands = [cast(graph, fake_mode, dy, compute), cast(graph, fake_mode, x, compute),
+                    cast(graph, fake_mode, rstd, torch.float32)]
+        if weight is not None:
+            operands.append(cast(graph, fake_mode, weight, gamma_dtype))
+        else:  # a norm without weight: gamma of ones, as the decomposed form does
+            operands.append(call(graph, fake_mode, aten.full.default, (list(normalized_shape), 1.0),
+                                 {"dtype": compute, "device": val(x).device}))
+        emitted = emit_fused_op(rewrites, OP, node, operands, outputs)
+        if isinstance(emitted, Miss):
+            return emitted
+    fused, replacements = emitted
+    region = [node] + [u for u in node.users if u.target is operator.getitem]
+    return commit(graph, OP.name, None, region, outputs, replacements,
+                  {"dy": dy, "x": x, "rstd": rstd, "gamma": weight}, inserted.nodes(), fused)
+
+
+#: why a whole forward RMSNorm stays as it is (issue 24 adds a fused forward op)
+WHOLE_FORWARD_REASON = (
+    "aten._fused_rms_norm (the whole forward torch keeps where the device has its own kernel) has no fused "
+    "forward op in npu-fusion yet, and no torchair from torch_npu 2.6.0 to 2.14.0 has a converter for it "
+    "(torchair stops with 'Failed to auto-generated converter'): decompose it, with the backend option "
+    "decompositions='core' or torchair's custom_decompositions="
+    "torch._decomp.get_decompositions([torch.ops.aten._fused_rms_norm]); its backward still fuses")
+
+
+def whole_forward_misses(graph: fx.Graph, provenance: Optional[Provenance]) -> List[Miss]:
+    """A miss for every ``aten._fused_rms_norm`` call in the graph (recomputed there under
+    activation checkpointing) or in the forward graph of its partition (named so): it stays as
+    it is, never silently."""
+    forward = provenance.forward if provenance is not None and provenance.forward is not None else None
+    misses = [Miss(OP.name, n.name, WHOLE_FORWARD_REASON) for n in graph.nodes if _is_call(n, FUSED_RMS_NORM)]
+    return misses + [Miss(OP.name, f"{n.name} (forward graph)", WHOLE_FORWARD_REASON)
+                     for n in (forward.nodes if forward is not None else ()) if _is_call(n, FUSED_RMS_NORM)]
+
+
+def _find_with_whole_backward(graph: fx.Graph, provenance: Optional[Provenance], rewrites: Rewrites):
+    matches, misses = find(graph, provenance, rewrites)
+    return matches + whole_backward_sites(graph), misses
+
+
+def _emit_with_whole_backward(rewrites: Rewrites, site, provenance, target: str):
+    if isinstance(site, WholeBackwardMatch):
+        return emit_whole_backward(rewrites, site, target)
+    return emit(rewrites, site, provenance, target)
+
+
+def _unexplained_with_whole_ops(graph: fx.Graph, provenance: Optional[Provenance], misses: List[Miss]):
+    return unexplained(graph, provenance, misses) + whole_forward_misses(graph, provenance)
+
+
 #: the rule the pass manager runs
-RULE = Rule(OP, find, emit, unexplained)
+RULE = Rule(OP, _find_with_whole_backward, _emit_with_whole_backward, _unexplained_with_whole_ops)

@@ -33,7 +33,7 @@ import torch.fx as fx
 from ..lowering.constraints import ROPE_MODES, rope_divisor, rope_target_problem
 from ..lowering.rope import OP
 from ..lowering.sizes import same_shape, static_int
-from .evaluator import Provenance, rounding_problem
+from .evaluator import Provenance, kept_precision, rounding_problem
 from .lanes import Lanes, LaneEvaluator, MAX_LANES
 from .nodes import (CAST_TARGETS, VIEWS, aten, axis_order, downstream, dtype, gradient_dependent, gradient_product,
                     is_float_cast, last_of, outermost, outside_users, region_of, shape)
@@ -628,12 +628,12 @@ def _emit(rewrites: Rewrites, ev, site: RopeMatch, outputs, region, target):
                                            f"have different shapes")
     with Insertion(graph, last_of(graph, [n for n in leaves if n is not None])) as inserted:
         try:
-            operands = _operands(graph, fake_mode, site, leaves)
+            operands = _operands(graph, fake_mode, site, leaves, outputs)
         except TableLayoutError as exc:
             return Miss(OP.name, site.dx.name, str(exc))
         dy, cos, sin, x = operands
         problem = rope_target_problem(target, site.mode, shape(dy), shape(cos), x is not None, dtype(dy)) \
-            or rounding_problem(ev, [*outputs.values(), *leaves], leaves)
+            or rounding_problem(ev, outputs, leaves)
         if problem is None and x is not None and not same_shape(shape(x), shape(dy)):
             problem = f"x {list(shape(x))} and dy {list(shape(dy))} have different shapes"
         if problem is not None:
@@ -646,16 +646,19 @@ def _emit(rewrites: Rewrites, ev, site: RopeMatch, outputs, region, target):
                   {"dy": dy_leaf, "cos": cos_leaf, "sin": sin_leaf, "x": x_leaf}, inserted.nodes(), fused)
 
 
-def _operands(graph, fake_mode, site: RopeMatch, leaves) -> list:
+def _operands(graph, fake_mode, site: RopeMatch, leaves, outputs) -> list:
     """dy, cos, sin and x for the fused op, built from the role leaves, negated where the
-    site's table is the leaf negated, in the narrowest dtype that holds them all exactly."""
+    site's table is the leaf negated, in the narrowest dtype that holds them all exactly and
+    every output's :func:`kept_precision` (the op returns its outputs in dy's dtype, which must
+    not round them more coarsely than the program does before its own next rounding)."""
     roles = (site.dy, site.cos, site.sin, site.x)
     operands = [_role_node(graph, fake_mode, leaf, role[1]) if role is not None else None
                 for leaf, role in zip(leaves, roles)]
     for i, sign in ((1, site.signs[0]), (2, site.signs[1])):
         if sign < 0:
             operands[i] = call(graph, fake_mode, aten.neg.default, (operands[i],))
-    compute = exact_common_dtype(dtype(n) for n in operands if n is not None)
+    compute = exact_common_dtype([*(dtype(n) for n in operands if n is not None),
+                                  *(kept_precision(o) for o in outputs.values())])
     return [cast(graph, fake_mode, n, compute) if n is not None else None for n in operands]
 
 

@@ -210,6 +210,8 @@ def _record(result: FusionResult) -> None:
         counters[site.op] += 1
         log.info("npu_fusion: fused %s (%s) replacing %d nodes %s", site.op, site.mode or "-",
                  len(site.replaced_nodes), site.outputs)
+        if site.note:
+            log.info("npu_fusion:   %s", site.note)
         if log.isEnabledFor(logging.DEBUG):
             log.debug("npu_fusion:   inputs %s; replaced %s (%s); modelled bytes %d -> %d, fused-op minimum %d",
                       site.inputs, site.replaced_targets, ", ".join(site.replaced_nodes),

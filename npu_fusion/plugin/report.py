@@ -56,12 +56,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                        help="a tiny random model of a training framework's own code: "
                             + ", ".join(_framework_names()) + "; needs that library")
     parser.add_argument("--layers", type=int, default=2, help="decoder layers (default 2)")
-    parser.add_argument("--dtype", choices=tuple(DTYPES), default="float32")
+    parser.add_argument("--dtype", choices=tuple(DTYPES), default=None,
+                        help="parameter dtype (default float32; --hf-config: the config's dtype, "
+                             "else bfloat16)")
     parser.add_argument("--batch", type=int, default=2, help="batch size (default 2)")
     parser.add_argument("--seq", type=int, default=16, help="sequence length (default 16)")
     parser.add_argument("--dynamic", action="store_true", help="mark batch and sequence dynamic")
-    parser.add_argument("--target", choices=("auto",) + TARGETS, default="auto",
-                        help="which chip's forms the pass may emit (auto: detect, generic off an NPU host)")
+    parser.add_argument("--target", type=_targets, default=("auto",), metavar="{" + ",".join(("auto",) + TARGETS) + "}",
+                        help="which chip's forms the pass may emit (auto: detect, generic off an NPU host); "
+                             "--hf-config takes several, comma-separated")
     parser.add_argument("--partitioner", choices=("default", "min_cut"), default="default",
                         help="AOTAutograd partitioner")
     parser.add_argument("--checkpointing", choices=("none", "full", "selective"), default="none",
@@ -76,10 +79,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                      "3 the pass hit an internal error, 2 usage error")
 
 
-def run(args: argparse.Namespace) -> int:
+def _targets(text: str) -> tuple:
+    chosen = tuple(t.strip() for t in text.split(","))
+    unknown = [t for t in chosen if t not in ("auto",) + TARGETS]
+    if unknown or not chosen:
+        raise argparse.ArgumentTypeError(f"unknown target(s) {unknown}: choose from {('auto',) + TARGETS}")
+    return chosen
+
+
+def run(args: argparse.Namespace, sinks=()) -> int:
+    """Collect, print, and hand the report to each of ``sinks`` (the ``--html`` page's writer)."""
     try:
         with _framework_workarounds(args):
             report = collect(args)
+        for sink in sinks:
+            sink(report)
     except UsageError as exc:
         print(f"npu-fusion report: {exc}", file=sys.stderr)
         return EXIT_USAGE
@@ -130,6 +144,8 @@ class Subject:
     counts_outside: bool = False
     #: a float64 copy of the model (when a deep copy cast with ``.double()`` is not one)
     reference: Optional[Callable[[], torch.nn.Module]] = None
+    #: the step's inputs for the float64 copy (floating inputs widened; token ids stay as they are)
+    widen: Callable[[Any], Any] = lambda batch: batch
 
 
 def _bundled_subject(args) -> Subject:
@@ -291,6 +307,8 @@ class Recorder:
         self.after: List[collections.Counter] = []
         self.results: List[FusionResult] = []
         self.runs: List[int] = []  # per backward graph: runs of its forward (a graph reused per layer)
+        #: per backward graph: each node's module path, read before the pass replaces nodes
+        self.paths: List[Dict[str, str]] = []
 
     def __call__(self, gm, example_inputs):
         from ..testing.capture import counting_runs
@@ -301,6 +319,7 @@ class Recorder:
 
     def _around_pass(self, bw_gm, run):
         self.before.append(op_counts(bw_gm.graph))
+        self.paths.append({n.name: nearest_module_path(n) for n in bw_gm.graph.nodes})
         progress(f"running the pass on a backward graph of {len(bw_gm.graph.nodes)} nodes...")
         self.results.append(run())
         self.after.append(op_counts(bw_gm.graph))
@@ -308,6 +327,55 @@ class Recorder:
 
     def fused_runs(self, op: str) -> int:
         return sum(r.fused(op) * n for r, n in zip(self.results, self.runs))
+
+
+def module_path(node: torch.fx.Node) -> str:
+    """The module whose forward made ``node`` (AOTAutograd copies the forward node's
+    ``nn_module_stack`` onto a backward node, as ``fwd_nn_module_stack`` or, recomputed, as
+    ``nn_module_stack``), relative to the outermost module of the stack: ``layers.0.attn``; ""
+    for none or for the outermost module itself."""
+    stack = node.meta.get("fwd_nn_module_stack") or node.meta.get("nn_module_stack")
+    if not stack:
+        return ""
+    paths = [entry[0] for entry in stack.values()]
+    root, inner = paths[0], paths[-1]
+    return inner[len(root) + 1:] if inner.startswith(root + ".") else ""
+
+
+def nearest_module_path(node: torch.fx.Node, limit: int = 32) -> str:
+    """``node``'s module path, or the nearest one among its inputs (a gradient accumulation, the
+    node a miss names, often belongs to no module), looking at ``limit`` nodes at most."""
+    queue, seen, index = [node], {node}, 0
+    while index < min(len(queue), limit):
+        current, index = queue[index], index + 1
+        path = module_path(current)
+        if path:
+            return path
+        for source in current.all_input_nodes:
+            if source not in seen:
+                seen.add(source)
+                queue.append(source)
+    return ""
+
+
+def _placed(records: List[Dict[str, Any]], paths: Dict[str, str], nodes) -> List[Dict[str, Any]]:
+    """Sites or misses as dicts with the module they came from (the most common among ``nodes(record)``)."""
+    placed = []
+    for record in records:
+        row = dataclasses.asdict(record)
+        found = collections.Counter(paths[n] for n in nodes(record) if paths.get(n))
+        row["module"] = found.most_common(1)[0][0] if found else ""
+        placed.append(row)
+    return placed
+
+
+def _saved_summary(results: List[FusionResult]) -> Dict[str, int]:
+    """Bytes the forward saves for the backward, before and after the fused backward narrowed or
+    dropped some, over the graphs where the pass fused a site (the others keep their saved set)."""
+    changes = [r.saved for r in results if getattr(r, "saved", None) is not None]
+    return {"graphs": len(changes), "bytes_before": sum(c.bytes_before for c in changes),
+            "bytes_after": sum(c.bytes_after for c in changes),
+            "narrowed": sum(len(c.narrowed) for c in changes), "dropped": sum(len(c.dropped) for c in changes)}
 
 
 # --------------------------------------------------------------------------- the run
@@ -330,26 +398,44 @@ def collect(args: argparse.Namespace) -> Dict[str, Any]:
     """Run the report and return everything it found as plain data (what ``--json`` prints)."""
     if args.layers < 1 or args.batch < 1 or args.seq < 2:
         raise UsageError("--layers and --batch must be at least 1, --seq at least 2")
+    if len(args.target) != 1:
+        raise UsageError("one --target at a time (several only with --hf-config)")
+    args = argparse.Namespace(**dict(vars(args), target=args.target[0], dtype=args.dtype or "float32"))
     options = FusionOptions.from_mapping({"target": args.target, "partitioner": args.partitioner})
     progress("building the model...")
     subject = (_framework_subject(args) if getattr(args, "framework", None)
                else _hf_subject(args) if args.hf else _bundled_subject(args))
     ids = torch.randint(0, subject.vocab_size, (args.batch, args.seq),
                         generator=torch.Generator().manual_seed(args.seed + 1))
-    exact = _float64_step(subject, ids)
-    progress(f"eager step in {args.dtype}...")
+    return analyse(subject, ids, options, _settings(args))
+
+
+def _settings(args: argparse.Namespace) -> Dict[str, Any]:
+    return {"model": args.hf or args.model, "source": "transformers" if args.hf else "bundled",
+            "layers": args.layers, "dtype": args.dtype, "batch": args.batch, "seq": args.seq,
+            "dynamic": args.dynamic, "target": args.target, "partitioner": args.partitioner,
+            "checkpointing": args.checkpointing, "compiled_autograd": args.compiled_autograd,
+            "seed": args.seed}
+
+
+def analyse(subject: Subject, batch, options: FusionOptions, settings: Dict[str, Any]) -> Dict[str, Any]:
+    """One training step of ``subject`` on ``batch`` in float64, eagerly, and compiled with the
+    pass (``settings["dynamic"]``, ``settings["compiled_autograd"]``): the report as plain data.
+    The command line and :func:`npu_fusion.explain` both end here."""
+    exact = _float64_step(subject, batch)
+    progress("eager step...")
     counting = subject.counter(subject.model) if subject.counter is not None else None
-    eager_loss, eager = _step(subject, subject.model, ids, counting=counting or contextlib.nullcontext())
+    eager_loss, eager = _step(subject, subject.model, batch, counting=counting or contextlib.nullcontext())
     expected = dict(counting.counts) if counting is not None else subject.expected
 
     recorder = Recorder(options)
     outside = subject.counter(subject.model) if subject.counts_outside else contextlib.nullcontext()
-    seconds, compiled_loss, fused_grads = _measured_compiled_step(args, subject, recorder, ids, outside)
+    seconds, compiled_loss, fused_grads = _measured_compiled_step(settings, subject, recorder, batch, outside)
 
     progress("comparing gradients...")
     gradients = compare_gradients(fused_grads, eager, exact)
     gradients["loss"] = {"compiled": compiled_loss, "eager": eager_loss}
-    report = _assemble(args, subject, options, recorder, expected, gradients, seconds)
+    report = _assemble(settings, subject, options, recorder, expected, gradients, seconds)
     if subject.counts_outside:
         report["accounting"] = _accounting(counting, outside, recorder)
     return report
@@ -359,46 +445,48 @@ def _float64_step(subject: Subject, ids) -> Dict[str, torch.Tensor]:
     """The parameter gradients of an eager step in float64 (the reference)."""
     progress("eager step in float64 (reference)...")
     wide = subject.reference() if subject.reference else copy.deepcopy(subject.model).double()
-    _, exact = _step(subject, wide, ids)
+    _, exact = _step(subject, wide, subject.widen(ids))
     return exact
 
 
-def _measured_compiled_step(args, subject: Subject, recorder, ids, outside) -> tuple:
+def _measured_compiled_step(settings, subject: Subject, recorder, ids, outside) -> tuple:
     """The compiled step with the pass, inside ``outside`` (the site counter again: during the
     compiled run it sees only the sites that ran outside compiled graphs): (forward and backward
     seconds, loss, parameter gradients)."""
     model = subject.model
     torch._dynamo.reset()
-    step_ids = ids.clone()
-    if args.dynamic:
+    step_ids = ids.clone() if isinstance(ids, torch.Tensor) else tuple(_cloned(i) for i in ids)
+    if settings["dynamic"]:
         torch._dynamo.mark_dynamic(step_ids, 0)
         torch._dynamo.mark_dynamic(step_ids, 1)
     model.zero_grad(set_to_none=True)
     with outside:
-        forward_seconds, backward_seconds, loss = _compiled_step(args, subject, model, recorder, step_ids)
+        forward_seconds, backward_seconds, loss = _compiled_step(settings, subject, model, recorder, step_ids)
     fused_grads = _param_grads(model)
     model.zero_grad(set_to_none=True)
     return (forward_seconds, backward_seconds), float(loss.detach()), fused_grads
 
 
-def _assemble(args, subject: Subject, options: FusionOptions, recorder, expected, gradients,
+def _cloned(value):
+    """A copy of a step input that the compiled step may mark dynamic without touching the caller's."""
+    return value.detach().clone().requires_grad_(value.requires_grad) if isinstance(value, torch.Tensor) else value
+
+
+def _assemble(settings, subject: Subject, options: FusionOptions, recorder, expected, gradients,
               seconds) -> Dict[str, Any]:
     """The report's plain data from the recorded pass results and the gradient comparison."""
     results = recorder.results
     report = {
         "model": subject.name,
-        "settings": {"model": args.hf or args.model, "source": "transformers" if args.hf else "bundled",
-                     "layers": args.layers, "dtype": args.dtype, "batch": args.batch, "seq": args.seq,
-                     "dynamic": args.dynamic, "target": args.target,
-                     "resolved_target": options.resolved_target(), "partitioner": args.partitioner,
-                     "checkpointing": args.checkpointing, "compiled_autograd": args.compiled_autograd,
-                     "seed": args.seed},
+        "settings": dict(settings, resolved_target=options.resolved_target()),
         "backward_graphs": len(results),
         "ops": summarize_sites(results, expected, recorder.runs),
-        "misses": [dataclasses.asdict(m) for r in results for m in r.misses],
-        "sites": [dataclasses.asdict(s) for r in results for s in r.sites],
+        "misses": [m for r, p in zip(results, recorder.paths) for m in _placed(r.misses, p, lambda m: [m.node])],
+        "sites": [s for r, p in zip(results, recorder.paths)
+                  for s in _placed(r.sites, p, lambda s: s.replaced_nodes)],
         "op_counts": _op_count_table(recorder),
         "memory_traffic": summarize_bytes(results),
+        "saved_activations": _saved_summary(results),
         "gradients": gradients,
         "seconds": {"forward_first_call": seconds[0], "backward_first_call": seconds[1],
                     "pass": sum(r.seconds for r in results)},
@@ -409,9 +497,9 @@ def _assemble(args, subject: Subject, options: FusionOptions, recorder, expected
     return report
 
 
-def _compiled_step(args, subject: Subject, model, recorder, ids):
+def _compiled_step(settings, subject: Subject, model, recorder, ids):
     """Compile and run one forward and backward: (forward seconds, backward seconds, loss)."""
-    if args.compiled_autograd:
+    if settings["compiled_autograd"]:
         progress("compiling and running forward and backward (compiled autograd)...")
         return _compiled_autograd_step(subject, model, recorder, ids)
     compiled = torch.compile(lambda i: subject.loss(model, i), backend=recorder)
@@ -573,14 +661,15 @@ def _format_accounting(report: Dict[str, Any]) -> str:
 def format_text(report: Dict[str, Any]) -> str:
     return "".join([_format_header(report), _format_ops(report), _format_accounting(report),
                     _format_misses(report), _format_op_counts(report), _format_traffic(report),
-                    _format_gradients(report)])
+                    _format_saved(report), _format_gradients(report)])
 
 
 def _format_header(report: Dict[str, Any]) -> str:
     s = report["settings"]
     shapes = "dynamic batch and sequence" if s["dynamic"] else "static shapes"
-    out = [f"npu-fusion report: {report['model']}, {s['layers']} layer(s), {s['dtype']}, "
-           f"batch {s['batch']} x seq {s['seq']}, {shapes}\n"
+    size = (f"inputs {', '.join(s['inputs'])}" if "inputs" in s
+            else f"{s['layers']} layer(s), {s['dtype']}, batch {s['batch']} x seq {s['seq']}")
+    out = [f"npu-fusion report: {report['model']}, {size}, {shapes}\n"
            f"target {s['resolved_target']} (asked: {s['target']}), partitioner {s['partitioner']}, "
            f"{report['backward_graphs']} backward graph(s)\n"]
     sec = report["seconds"]
@@ -636,6 +725,15 @@ def _format_traffic(report: Dict[str, Any]) -> str:
             "reads each input once and writes each output once)\n\n"
             + (_table(["op", "sites", "before", "after", "fused-op minimum", "after / before"], rows)
                if rows else "no site was fused\n"))
+
+
+def _format_saved(report: Dict[str, Any]) -> str:
+    saved = report.get("saved_activations")
+    if not saved or not saved["graphs"]:
+        return "\n## Saved for the backward\n\nunchanged: no site was fused\n"
+    return (f"\n## Saved for the backward\n\n{_bytes(saved['bytes_before'])} before the pass, "
+            f"{_bytes(saved['bytes_after'])} after ({saved['narrowed']} narrowed back to the input dtype, "
+            f"{saved['dropped']} no longer read), in the graphs where a site fused\n")
 
 
 def _format_gradients(report: Dict[str, Any]) -> str:

@@ -15,6 +15,8 @@
 - :mod:`.frameworks`: tiny random models of torchtitan, torchtune and Megatron-core, measured
   with the above;
 - :mod:`.zoo`: the sweep over the causal LMs of the installed transformers;
+- :mod:`.whole_rms_norm`: CPU kernels for ``aten._fused_rms_norm`` and its backward, so that the
+  CPU routes ``F.rms_norm`` to the whole ops as a device with its own kernel does;
 - :mod:`.cpu_workarounds`: what those libraries need to run on a CPU-only machine at all;
 - :mod:`.torchair`: torchair's real Python sources with CANN stubbed, and the NPU contract check.
 

@@ -1,9 +1,11 @@
 """The gradient criterion of the tests, the benchmarks and ``npu-fusion report``: a compiled (fused)
 gradient is at least as close to the float64 gradient as the eager (unfused) one, up to a factor,
-with a per-dtype floor; and the helpers that compute the three gradients it compares."""
+with a per-dtype floor; :func:`ulps_apart`, which sees what the float64 run cannot (a rounding the
+program does and the compiled run dropped); and the helpers that compute the gradients compared."""
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Dict, List
 
 import torch
@@ -47,6 +49,21 @@ def assert_close_as_unfused(fused, unfused, exact, factor=2.0):
     ``factor``, with a per-dtype absolute floor scaled by the reference's magnitude."""
     error = grad_error(fused, unfused, exact, factor)
     assert error.ok, (error.fused, error.unfused, error.floor)
+
+
+def ulps_apart(got: torch.Tensor, ref: torch.Tensor, precision: torch.dtype, elementwise: bool = False) -> float:
+    """``max |got - ref|`` in units in the last place of ``precision`` (the program's final
+    rounding of the value): at the magnitude of ``ref``'s largest element, or with
+    ``elementwise`` at each element's own. A float64 run that reads every dtype as float64 has
+    no rounding to compare with; this compares with the program's own result instead."""
+    got, ref = got.double(), ref.double()
+    eps = torch.finfo(precision).eps
+    if elementwise:
+        ulp = torch.exp2(torch.floor(torch.log2(ref.abs().clamp_min(torch.finfo(precision).tiny)))) * eps
+        return (got - ref).abs().div(ulp).max().item() if ref.numel() else 0.0
+    scale = ref.abs().max().item() if ref.numel() else 0.0
+    ulp = 2.0 ** math.floor(math.log2(scale)) * eps if scale > 0 else torch.finfo(precision).tiny
+    return (got - ref).abs().max().item() / ulp if ref.numel() else 0.0
 
 
 def grad_failures(fused: Dict[str, torch.Tensor], eager: Dict[str, torch.Tensor],

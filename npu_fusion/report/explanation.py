@@ -1,0 +1,167 @@
+"""``npu_fusion.explain(model_or_fn, *example_inputs, loss=..., **options)``: what the pass does to
+the user's own model and training step, the way ``torch._dynamo.explain`` tells about graph breaks.
+
+It runs one step three times without touching the user's code: in float64 on a deep copy (the
+reference), eagerly (the baseline, while an independent counter counts the RoPE and RMSNorm sites),
+and compiled with the pass (the counter active again: it then sees only the sites that ran outside
+every compiled graph). The result is the command line's report for that step
+(:func:`npu_fusion.plugin.report.analyse`): sites fused per op and per mode, misses with reasons,
+backward ops before and after, modelled traffic, saved activations, the gradient check, and where
+each counted site ended.
+
+The independent counter, unless ``counter=`` names one, counts calls of module classes named
+``*RMSNorm`` and tensors returned by functions named ``apply_rotary_pos_emb*`` in the modules that
+define the model's classes (or the function): the transformers convention. A site it cannot see
+shows as ``expected`` lower than ``found``; pass ``counter=`` (a
+:class:`~npu_fusion.testing.sites.SiteCounter` factory) to name the classes and functions.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import sys
+from typing import Any, Callable, Dict, Optional, Sequence
+
+import torch
+
+from ..plugin.options import FusionOptions
+from ..plugin.report import Subject, _finite, analyse, format_text
+from ..testing.sites import SiteCounter
+
+
+@dataclasses.dataclass
+class Explanation:
+    """A report of one training step: ``str()`` is the text report, :meth:`to_json` the JSON
+    of ``npu-fusion report --json``, :attr:`report` the same as plain data."""
+    report: Dict[str, Any]
+
+    def __str__(self) -> str:
+        return format_text(self.report)
+
+    def to_dict(self) -> Dict[str, Any]:
+        """The report as JSON-safe data (a non-finite float becomes a string)."""
+        return _finite(self.report)
+
+    def to_json(self, indent: Optional[int] = 2) -> str:
+        return json.dumps(self.to_dict(), indent=indent, allow_nan=False)
+
+    def to_html(self) -> str:
+        """The report as one self-contained page (``npu-fusion report --html``)."""
+        from .html import render
+
+        return render(self.report)
+
+    def fused(self, op: str) -> int:
+        return self.report["ops"][op]["fused"] if op in self.report["ops"] else 0
+
+    @property
+    def passed(self) -> bool:
+        """The gradients meet the float64 criterion and the pass hit no internal error."""
+        return self.report["gradients"]["passed"] and not self.report["pass_errors"]
+
+
+def explain(model_or_fn: Callable, *example_inputs, loss: Optional[Callable[[Any], torch.Tensor]] = None,
+            counter: Optional[Callable[[torch.nn.Module], SiteCounter]] = None, name: Optional[str] = None,
+            compiled_autograd: bool = False, **options) -> Explanation:
+    """Compile ``model_or_fn`` with the pass, run one forward and backward on ``example_inputs``
+    and report it (see the module docstring).
+
+    ``loss(output)`` makes the step's scalar (default: the output itself when it is a scalar, its
+    ``.loss`` when it has one, else the sum of the mean squares of its floating tensors). A module's
+    parameter gradients are checked; for a plain function, the inputs that require grad (all floating
+    inputs when none does) play the parameters. ``options`` are the pass's
+    (:class:`~npu_fusion.plugin.options.FusionOptions`: ``target``, ``partitioner``, ``rope``, ...).
+    Runs ``torch._dynamo.reset()`` before compiling; dropout makes eager and compiled differ, so
+    pass a module in ``eval()`` mode or without dropout."""
+    fusion_options = FusionOptions.from_mapping(options)
+    subject, batch = _subject(model_or_fn, example_inputs, loss or default_loss, counter, name)
+    settings = {"model": subject.name, "source": "explain", "inputs": [_describe(a) for a in example_inputs],
+                "layers": None, "dtype": _dtype_name(subject.model), "batch": None, "seq": None,
+                "dynamic": False, "target": fusion_options.target, "partitioner": fusion_options.partitioner,
+                "checkpointing": "none", "compiled_autograd": compiled_autograd, "seed": None}
+    return Explanation(analyse(subject, batch, fusion_options, settings))
+
+
+def default_loss(output) -> torch.Tensor:
+    if isinstance(output, torch.Tensor) and output.dim() == 0:
+        return output
+    if isinstance(getattr(output, "loss", None), torch.Tensor):
+        return output.loss
+    leaves = [t for t in _tensors(output) if t.is_floating_point() and t.requires_grad]
+    if not leaves:
+        raise ValueError("explain: the output has no floating tensor that requires grad; pass loss=")
+    return sum(t.to(torch.promote_types(t.dtype, torch.float32)).pow(2).mean() for t in leaves)
+
+
+def _tensors(value) -> list:
+    """The tensors in an output: a tensor, or nested tuples, lists and dicts (a ModelOutput) of them."""
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, dict):
+        value = list(value.values())
+    if isinstance(value, (tuple, list)):
+        return [t for item in value for t in _tensors(item)]
+    return []
+
+
+class _Function(torch.nn.Module):
+    """A plain function as a module whose parameters are the inputs that take gradients."""
+
+    def __init__(self, fn: Callable, inputs: Sequence[Any]):
+        super().__init__()
+        self.fn = fn
+        wanted = [i for i, a in enumerate(inputs) if isinstance(a, torch.Tensor) and a.requires_grad]
+        self.positions = wanted or [i for i, a in enumerate(inputs)
+                                    if isinstance(a, torch.Tensor) and a.is_floating_point()]
+        for i in self.positions:
+            self.register_parameter(f"input{i}", torch.nn.Parameter(inputs[i].detach().clone()))
+
+    def forward(self, *others):
+        rest = iter(others)
+        count = len(self.positions) + len(others)
+        return self.fn(*(getattr(self, f"input{i}") if i in self.positions else next(rest) for i in range(count)))
+
+
+def _subject(model_or_fn, inputs, loss, counter, name) -> tuple:
+    """The report's :class:`~npu_fusion.plugin.report.Subject` and the step's inputs."""
+    if isinstance(model_or_fn, torch.nn.Module):
+        model, batch = model_or_fn, tuple(inputs)
+        label = name or f"{type(model).__name__} (explain)"
+    else:
+        model = _Function(model_or_fn, inputs)
+        batch = tuple(a for i, a in enumerate(inputs) if i not in model.positions)
+        label = name or f"{getattr(model_or_fn, '__qualname__', repr(model_or_fn))} (explain)"
+    return Subject(name=label, model=model, loss=lambda m, b: loss(m(*b)), vocab_size=0,
+                   counter=counter or conventional_counter, counts_outside=True,
+                   widen=_widened), batch
+
+
+def conventional_counter(model: torch.nn.Module) -> SiteCounter:
+    """A site counter for the transformers naming convention (module docstring). A plain function
+    is counted through the attribute that holds it, itself an apply-RoPE function or not."""
+    norm_types = tuple({type(m) for m in model.modules() if type(m).__name__.lower().endswith("rmsnorm")})
+    modules = {sys.modules.get(type(m).__module__) for m in model.modules()}
+    if isinstance(model, _Function):
+        modules.add(sys.modules.get(getattr(model.fn, "__module__", None)))
+    rope_functions = [(module, attr) for module in modules if module is not None for attr in dir(module)
+                      if attr.startswith("apply_rotary_pos_emb") and callable(getattr(module, attr))]
+    if isinstance(model, _Function) and getattr(model.fn, "__name__", "").startswith("apply_rotary_pos_emb"):
+        rope_functions.append((model, "fn"))
+    return SiteCounter(model, norm_types=norm_types, rope_functions=rope_functions)
+
+
+def _widened(batch):
+    """The float64 reference's inputs: floating tensors widened, everything else as it is."""
+    return tuple(a.detach().double().requires_grad_(a.requires_grad)
+                 if isinstance(a, torch.Tensor) and a.is_floating_point() else a for a in batch)
+
+
+def _describe(value) -> str:
+    if isinstance(value, torch.Tensor):
+        return f"{str(value.dtype).replace('torch.', '')}{list(value.shape)}"
+    return type(value).__name__
+
+
+def _dtype_name(model: torch.nn.Module) -> str:
+    dtypes = sorted({str(p.dtype).replace("torch.", "") for p in model.parameters()})
+    return "/".join(dtypes) or "-"

@@ -1,0 +1,60 @@
+"""Whether each torch_npu line registers an NPU kernel for torch's whole RMSNorm ops
+(``aten._fused_rms_norm``, ``aten._fused_rms_norm_backward``), read from the wheels by
+``npu_fusion.testing.torchair.whole_ops`` (never installed; downloaded once into
+``~/.cache/npu_fusion/wheels``), printed as the README's table.
+
+    python scripts/whole_rms_norm_registrations.py            # every line of check_npu_contracts.LINES
+    python scripts/whole_rms_norm_registrations.py 2.13.0     # some lines
+Exit status 1 when a wheel's control registration (``native_layer_norm``) was not seen.
+"""
+from __future__ import annotations
+
+import sys
+
+from check_npu_contracts import LINES
+
+from npu_fusion.testing.torchair.harness import wheel_file
+from npu_fusion.testing.torchair.whole_ops import OPS, read_wheel
+
+
+def readable(text: str) -> str:
+    """A mangled C++ name (``_ZN2at25compositeimplicitautograd15_fused_rms_norm...``) as its
+    qualified name (``at::compositeimplicitautograd::_fused_rms_norm``); anything else as it is."""
+    if not text.startswith("_ZN"):
+        return text
+    parts, rest = [], text[3:]
+    while rest[:1].isdigit():
+        digits = len(rest) - len(rest.lstrip("0123456789"))
+        size = int(rest[:digits])
+        parts.append(rest[digits:digits + size])
+        rest = rest[digits + size:]
+    return "::".join(parts) + " (C++ symbol)"
+
+
+def cell(entries) -> str:
+    return "none" if not entries else "; ".join(f"`{readable(e.split(': ', 1)[-1])}`" for e in entries)
+
+
+def row(line: str, report: dict) -> str:
+    ops = report["ops"]
+    kernels = " / ".join(cell(ops[op]["registrations"] + ops[op]["yaml"]) for op in OPS)
+    converters = cell(sorted({c for op in OPS for c in ops[op]["torchair_converters"]}))
+    python = cell(sorted({p for op in OPS for p in ops[op]["python"]}))
+    mentions = cell(report["library_mentions"])
+    return f"| {line} | {kernels} | {converters} | {python} | {mentions} |"
+
+
+def main(lines) -> int:
+    print("| torch_npu | NPU kernel for `_fused_rms_norm` / `_fused_rms_norm_backward` | torchair converter "
+          "| Python files naming them | other library strings naming them |")
+    print("|---|---|---|---|---|")
+    failed = False
+    for line in lines:
+        report = read_wheel(wheel_file(line))
+        failed |= not report["control_registration_seen"]
+        print(row(line, report), flush=True)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:] or LINES))

@@ -1,0 +1,113 @@
+"""``npu-fusion report --hf-config`` on the meta device, and ``--html`` rendered in headless Chromium.
+
+The configs here are small versions of the shipped examples (the full sizes trace in the same code
+path; their timings are in the README), so each test compiles a step in seconds."""
+import argparse
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from npu_fusion.plugin import report
+from npu_fusion.report import fullsize, html, screenshot
+
+pytest.importorskip("transformers")
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+EXAMPLES = os.path.join(ROOT, "examples", "configs")
+ROPE, RMS = "rotary_position_embedding_grad", "rms_norm_grad"
+SMALL = ["hidden_size=256", "intermediate_size=512", "num_attention_heads=4", "num_key_value_heads=2",
+         "vocab_size=512"]
+
+
+def parse(*argv):
+    parser = argparse.ArgumentParser()
+    report.add_arguments(parser)
+    fullsize.add_arguments(parser)
+    return parser.parse_args(list(argv))
+
+
+@pytest.fixture(scope="module")
+def llama_two_targets():
+    """A Llama-shaped config (the example's, shrunk), head_dim 64, on A2 and on Ascend 950."""
+    return fullsize.collect(parse("--hf-config", os.path.join(EXAMPLES, "llama-3-70b.json"), *SMALL,
+                                  "--layers", "2", "--seq", "64", "--target", "a2,950"))
+
+
+def test_each_target_runs_or_refuses_every_counted_site(llama_two_targets):
+    a2, ascend950 = llama_two_targets["targets"]["a2"], llama_two_targets["targets"]["950"]
+    for r in (a2, ascend950):
+        assert r["ops"][RMS]["expected"] == 5 and r["ops"][ROPE]["expected"] == 4  # the eager count on meta
+        assert all(a["unexplained"] == 0 and a["outside"] == 0 for a in r["accounting"].values())
+        assert r["pass_errors"] == [] and r["gradients"]["checked"] is False
+    assert a2["ops"][RMS]["fused"] == 5 and a2["ops"][ROPE]["fused"] == 4 and a2["misses"] == []
+    # Ascend 950 has no RmsNormGrad: each norm is refused by name, with its module
+    assert ascend950["ops"][RMS]["fused"] == 0 and ascend950["ops"][ROPE]["fused"] == 4
+    refused = sorted(m["module"] for m in ascend950["misses"])
+    assert refused == ["model.layers.0.input_layernorm", "model.layers.0.post_attention_layernorm",
+                       "model.layers.1.input_layernorm", "model.layers.1.post_attention_layernorm", "model.norm"]
+    assert all("950" in m["reason"] for m in ascend950["misses"])
+    assert {s["module"] for s in a2["sites"] if s["op"] == ROPE} == {"model.layers.0.self_attn", "model.layers.1.self_attn"}
+    # traffic and saved bytes come from the shapes: batch 2 x seq 64 x hidden 256 in bfloat16
+    traffic = a2["memory_traffic"][RMS]
+    assert traffic["bytes_minimum"] <= traffic["bytes_after"] < traffic["bytes_before"]
+    assert a2["saved_activations"]["bytes_after"] < a2["saved_activations"]["bytes_before"]
+    assert fullsize.status(llama_two_targets) == report.EXIT_OK
+    text = fullsize.format_text(llama_two_targets)
+    assert "# Target 950" in text and "REFUSED" in text and "model.layers.1.post_attention_layernorm" in text
+
+
+def test_mla_and_moe_trace_on_meta_and_a2_refuses_interleave_half():
+    """DeepSeek-V3's shape (MLA, routed experts through grouped_mm), shrunk."""
+    r = fullsize.collect(parse("--hf-config", os.path.join(EXAMPLES, "deepseek-v3.json"), "hidden_size=256",
+                               "intermediate_size=256", "moe_intermediate_size=64", "n_routed_experts=8", "n_group=1",
+                               "topk_group=1", "num_experts_per_tok=2", "first_k_dense_replace=0",
+                               "--layers", "1", "--seq", "64", "--target", "a2"))["targets"]["a2"]
+    assert r["ops"][RMS]["fused"] == r["ops"][RMS]["expected"] == 5  # q_a and kv_a norms too
+    assert r["ops"][ROPE]["fused"] == 0 and r["ops"][ROPE]["unfused"] == r["ops"][ROPE]["expected"] == 2
+    assert all("Ascend 950" in m["reason"] and m["module"] == "model.layers.0.self_attn" for m in r["misses"])
+
+
+def test_overrides_and_usage_errors(capsys):
+    assert fullsize.run(parse("--hf-config", "no_such_model_type")) == report.EXIT_USAGE
+    assert "does not know the model type" in capsys.readouterr().err
+    assert fullsize.run(parse("--hf-config", "llama", "hidden_size")) == report.EXIT_USAGE
+    assert "not key=value" in capsys.readouterr().err
+    assert fullsize.run(parse("--hf-config", "llama", "--dynamic")) == report.EXIT_USAGE
+    assert "--hf-config takes" in capsys.readouterr().err
+    config = fullsize.load_config(os.path.join(EXAMPLES, "qwen3-32b.json"), ["hidden_size=1024"], 3)
+    assert (config.hidden_size, config.num_hidden_layers, config.head_dim) == (1024, 3, 128)
+    assert report.run(parse("--target", "a2,950")) == report.EXIT_USAGE  # several targets: --hf-config only
+
+
+def test_html_page_is_self_contained_and_names_every_site(llama_two_targets):
+    page = html.render(llama_two_targets)
+    assert "http" not in page and "<script" not in page and "<link" not in page and "src=" not in page
+    assert page.count("<title>") > 1 + len(llama_two_targets["targets"]["950"]["misses"])  # a tooltip per site
+    assert page.count("<tr class='missed'>") == 5 and page.count("<tr class='fused'>") == 9 + 4
+    assert "RmsNormGrad is not documented for Ascend 950" in page and "Target 950" in page
+
+
+@pytest.mark.skipif(screenshot.find_browser() is None, reason="no Chromium installed (apt-get install chromium)")
+def test_html_page_renders_in_headless_chromium(tmp_path, llama_two_targets):
+    page, png = tmp_path / "report.html", tmp_path / "report.png"
+    html.writer(str(page))(llama_two_targets)
+    screenshot.screenshot(str(page), str(png), width=800, height=500)
+    shot = screenshot.png_summary(str(png))
+    assert (shot.width, shot.height) == (800, 500)
+    # text, boxes and bars: many colours, a fair share of ink, the fused (green) and missed (red) marks
+    assert shot.colours > 50 and shot.non_white > 0.03
+    assert {"green", "red"} <= set(shot.coloured)
+
+
+def test_command_line_writes_json_and_html(tmp_path):
+    page = tmp_path / "r.html"
+    proc = subprocess.run([sys.executable, "-m", "npu_fusion", "report", "--hf-config", "llama", *SMALL,
+                           "--layers", "1", "--seq", "32", "--target", "950", "--json", "--html", str(page)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    r = json.loads(proc.stdout)
+    assert r["targets"]["950"]["ops"][RMS]["unfused"] == 3 and r["peak_rss_bytes"] > 0
+    assert "Target 950" in page.read_text()
