@@ -47,7 +47,7 @@ from hypothesis import currently_in_test_context, event, given, note, settings, 
 
 from npu_fusion.models import rotate_half
 from npu_fusion.testing.capture import Capture
-from npu_fusion.testing.grads import assert_close_as_unfused, run_grads
+from npu_fusion.testing.grads import assert_close_as_unfused, run_grads, ulps_apart
 from npu_fusion.testing.programs import (F16, BF16, F32, FP8, PrecisionForm, Program, RopeForm,
                                          norm_precision_program, precision_programs, rms_norm_programs,
                                          rope_precision_program, rope_program, rope_programs)
@@ -199,11 +199,6 @@ def final_rounding(eager_grad: torch.Tensor) -> torch.dtype:
     return eager_grad.dtype
 
 
-def ulp_at(dtype: torch.dtype, magnitude: float) -> float:
-    info = torch.finfo(dtype)
-    return info.eps * 2.0 ** math.floor(math.log2(max(magnitude, info.tiny)))
-
-
 def grads_keeping_roundings(fn, inputs, grad_outputs):
     """The gradients of ``fn`` (a program with float32 read as float64 and its casts to
     narrower types kept) on float64 inputs, each output gradient in its output's dtype."""
@@ -232,17 +227,15 @@ def assert_within_ulps_of_eager(got, eager_grads, rounded_grads, names):
         if not keep.any():
             continue
         dtype, grad_dtype = final_rounding(e), g.dtype
-        e, g, r = e[keep].double(), g[keep].double(), r[keep].double()
-        ulp = ulp_at(dtype, e.abs().max().item())
+        e, g, r = e[keep], g[keep], r[keep]
         finite = torch.isfinite(r)
-        own = (e - r)[finite].abs().max().item() if finite.any() else 0.0
-        distance = (g - e).abs().max().item()
-        beyond = (distance - own) / ulp if math.isfinite(distance) else math.inf
+        distance, own = ulps_apart(g, e, dtype), ulps_apart(r[finite], e[finite], dtype)  # at e's scale
+        beyond = distance - own if math.isfinite(distance) else math.inf
         STATS[LARGEST] = max(STATS[LARGEST], round(beyond, 3))
         if beyond > ULPS:
             raise BeyondEagerRounding(
-                f"grad of {name} ({grad_dtype}): {distance / ulp:.4g} ulps of {dtype} from eager, whose own error is "
-                f"{own / ulp:.4g} (allowed {ULPS:g} beyond it); largest eager value {e.abs().max().item():.4g}")
+                f"grad of {name} ({grad_dtype}): {distance:.4g} ulps of {dtype} from eager, whose own error is "
+                f"{own:.4g} (allowed {ULPS:g} beyond it); largest eager value {e.abs().max().item():.4g}")
 
 
 def assert_safe_compute_dtypes(graphs):
