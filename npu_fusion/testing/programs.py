@@ -54,6 +54,10 @@ class Program:
     source: str
     #: axes that may be marked dynamic: letters of Input.dims
     dynamic_axes: str = "BST"
+    #: {input: dtype} of an explicit rounding of that input's gradient after the sites (RoPE of
+    #: ``rnd(x)``): a fused op exact to the program's precision may flip a value across that
+    #: rounding's boundary, an ulp of it, which a matmul after it spreads over the gradient
+    grad_rounding: Dict[str, torch.dtype] = dataclasses.field(default_factory=dict)
 
     def build(self, wide: bool = False, keep_narrowing: bool = False):
         """The program's ``f``; with ``wide``, every float dtype the text names is float64
@@ -895,7 +899,9 @@ def rope_precision_program(form: PrecisionForm, p) -> Program:
     source = (rnd_helper(form.low) + rotate_helper(form.mode, d, ())
               + function_source("rope", ["x", "cos", "sin"], rope)
               + function_source("f", [i.name for i in inputs], region(form, body)))
-    return Program("rope", f"precision: {form}", p, inputs, "\n".join(source) + "\n", dynamic_axes="BS")
+    rounded = ("q", "k", "wq", "wk") if "x_round" in p else ()
+    return Program("rope", f"precision: {form}", p, inputs, "\n".join(source) + "\n", dynamic_axes="BS",
+                   grad_rounding={name: form.low for name in rounded})
 
 
 def norm_precision_program(form: PrecisionForm, p) -> Program:
@@ -926,5 +932,6 @@ def norm_precision_program(form: PrecisionForm, p) -> Program:
     body.append("return y @ wo.to(y.dtype)" if form.after == "proj" else "return y")
     source = (rnd_helper(form.low) + function_source("norm", ["x", "w"], norm)
               + function_source("f", [i.name for i in inputs], region(form, body)))
+    rounded = ("x", "wp") if "x_round" in p else ()
     return Program("rms_norm", f"precision: {dataclasses.replace(form, spelling=spelling)}", p, inputs,
-                   "\n".join(source) + "\n", dynamic_axes="BS")
+                   "\n".join(source) + "\n", dynamic_axes="BS", grad_rounding={name: form.low for name in rounded})
