@@ -497,6 +497,25 @@ def test_precision_cases_drawn_by_the_generator(name, partitioner):
     assert sum(compiled.fused(op) for op in FUSED) == expected, f"{program}\n{compiled.capture.misses()}"
 
 
+def test_flip_across_the_programs_rounding_after_the_site_is_an_ulp_of_that_rounding():
+    """RoPE of ``rnd(x)`` (fp8) on an fp16 autocast projection: the fused dx, exact to the
+    program's precision, crosses the program's fp8 rounding of it on one element of 96 where
+    eager does not, and the fp16 matmul after it spreads that fp8 ulp to 5 fp16 ulps of dq
+    (found by a long run). Measured in ulps of the fp8 rounding it passes; in ulps of the
+    final fp16 rounding it would fail, which is what keeps this case meaningful."""
+    form = precision_form("rope", autocast=F16, projected=True, low=FP8, mode=1, table_layout="B1SD",
+                          sizes=(3, 1, 2, 16))
+    program = rope_precision_program(form, ("x_round",))
+    config = Config(route="aot", partitioner="default", decompositions="core", dynamic="static", target="950", seed=0)
+    compiled = Compiled(program.build(), config)
+    check_program_gradients(compiled, program, program.tensors(config.seed))
+    assert sum(compiled.fused(op) for op in FUSED) == 2, compiled.capture.misses()
+    largest = STATS[LARGEST]  # the summary's figure is of the checks that count
+    with pytest.raises(BeyondEagerRounding, match="grad of q"):
+        check_program_gradients(compiled, dataclasses.replace(program, grad_rounding={}), program.tensors(config.seed))
+    STATS[LARGEST] = largest
+
+
 # -- regressions: known unsound rewrites ---------------------------------------------
 
 def npu_fusion_compile(fn, **options):
