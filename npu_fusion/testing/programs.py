@@ -789,7 +789,7 @@ def norm_program(form: NormForm, p) -> Program:
 # dtype like an autocast linear's output), tables or weight stored in another dtype, and
 # round trips ``rnd(t) = t.to(low).to(t.dtype)`` at different places. The float64 reference
 # reads every rounding away, so the property test also holds each compiled gradient to
-# eager's within an ulp of the program's final rounding (tests/test_properties.py).
+# eager's within two ulps of the program's final rounding (tests/test_properties.py).
 
 AUTOCASTS = [None, BF16, F16]
 LOW_DTYPES = [BF16, F16, FP8]
