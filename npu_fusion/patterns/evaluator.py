@@ -196,19 +196,25 @@ class MemoEvaluator:
             out |= {dtype(definition)}
         return out
 
-    def roundings_inside(self, output: fx.Node, roles: Iterable[fx.Node]) -> set:
-        """The dtypes of the narrowing casts the evaluation saw through between a site's
-        ``output`` and its ``roles`` (the values the fused op reads), not counting the output's
-        own trailing casts (the fused op's result is cast the same way) nor any rounding that
-        made a role's value (the fused op reads that value as it is)."""
+    def roundings_inside(self, output: fx.Node, roles: Iterable[fx.Node]):
+        """What the program rounds between a site's ``output`` and its ``roles`` (the values the
+        fused op reads), not counting the output's own trailing casts (the fused op's result is
+        cast the same way) nor any rounding that made a role's value (the fused op reads that
+        value as it is): the dtypes of the narrowing casts the evaluation saw through, and the
+        nodes the site reads that are a role's value rounded (a rounded copy of x bound to the
+        unrounded x because the two are equal up to casts: the fused op would read another x)."""
         while is_float_cast(output):
             output = output.args[0]
-        stop, seen, stack, found = set(roles), set(), [output], set()
+        roles = list(roles)
+        role_values = [self.memo[r] for r in roles if self.memo.get(r) is not None]
+        stop, seen, stack, found, rounded_roles = set(roles), set(), [output], set(), []
         while stack:
             node = stack.pop()
             if node in seen or node in stop or node not in self.rounded:  # a leaf: not interpreted
                 continue
             seen.add(node)
+            if self.rounded[node] and self.memo.get(node) in role_values:
+                rounded_roles.append(node)
             saved = self.provenance.saved_in_backward(node) if self._is_forward(node) else None
             if saved is not None:  # a forward value the backward reads as a saved tensor
                 stack.append(saved)
@@ -221,7 +227,7 @@ class MemoEvaluator:
             if is_float_cast(definition) and not is_value_preserving_cast(definition):
                 found.add(dtype(definition))
             stack.extend(definition.all_input_nodes)
-        return found
+        return found, rounded_roles
 
     def _interpret(self, node: fx.Node, forward: bool):
         raise NotImplementedError
@@ -255,15 +261,21 @@ def rounding_problem(ev: "MemoEvaluator", outputs: Mapping[str, fx.Node], roles:
     A rounding coarser than R (``dy.to(bf16)`` inside a float32 program; a round trip
     through fp8 to simulate quantization) is the program's own step, which the fused op would
     not take: the site stays unfused. Each output is judged by its own precision, never
-    excused because another role is stored in the narrow dtype."""
+    excused because another role is stored in the narrow dtype. Nor may the fused op read an
+    input less rounded than the program does (a rounded copy of x bound to the unrounded x,
+    which it equals up to casts): that changes the function, not only its arithmetic."""
     roles = [n for n in roles if n is not None]
     for name, output in outputs.items():
         if output is None:
             continue
         kept = kept_precision(output)
-        coarse = sorted(str(d) for d in ev.roundings_inside(output, roles) if not holds(d, kept))
+        found, rounded_roles = ev.roundings_inside(output, roles)
+        coarse = sorted(str(d) for d in found if not holds(d, kept))
         if coarse:
             return (f"the program rounds a value inside the site to {', '.join(coarse)} (a narrowing cast), "
                     f"more coarsely than it keeps {name} ({output.name}, {kept}); the fused op would not "
                     f"round it")
+        if rounded_roles:
+            return (f"the site reads {rounded_roles[0].name}, a rounded copy of one of its inputs, where the fused op "
+                    f"would read the input unrounded")
     return None
