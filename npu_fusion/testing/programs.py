@@ -10,9 +10,13 @@ the program text printed on failure runs as it is (``exec`` it with ``torch`` in
 
 Casts are spelled ``.to(torch.float32)`` (never ``.float()``), so that the float64
 reference runs the same text with every float dtype read as float64 (:func:`wide_torch`).
+
+:func:`precision_programs` draws exact RoPE and RMSNorm that differ only in where they round
+(:class:`PrecisionForm`: autocast regions, mixed dtypes, round trips to bf16/fp16/fp8).
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import types
@@ -21,8 +25,8 @@ from typing import Dict, List, Tuple
 import torch
 from hypothesis import strategies as st
 
-F32, F16, BF16 = torch.float32, torch.float16, torch.bfloat16
-DTYPE_NAME = {F32: "float32", F16: "float16", BF16: "bfloat16"}
+F32, F16, BF16, FP8 = torch.float32, torch.float16, torch.bfloat16, torch.float8_e4m3fn
+DTYPE_NAME = {F32: "float32", F16: "float16", BF16: "bfloat16", FP8: "float8_e4m3fn"}
 DTYPE_NAME_TORCH = {dtype: f"torch.{name}" for dtype, name in DTYPE_NAME.items()}
 EPS = "1e-6"
 
@@ -50,10 +54,15 @@ class Program:
     source: str
     #: axes that may be marked dynamic: letters of Input.dims
     dynamic_axes: str = "BST"
+    #: {input: dtype} of an explicit rounding of that input's gradient after the sites (RoPE of
+    #: ``rnd(x)``): a fused op exact to the program's precision may flip a value across that
+    #: rounding's boundary, an ulp of it, which a matmul after it spreads over the gradient
+    grad_rounding: Dict[str, torch.dtype] = dataclasses.field(default_factory=dict)
 
-    def build(self, wide: bool = False):
-        """The program's ``f``; with ``wide``, every float dtype the text names is float64."""
-        namespace = {"torch": wide_torch() if wide else torch, "__name__": "program"}
+    def build(self, wide: bool = False, keep_narrowing: bool = False):
+        """The program's ``f``; with ``wide``, every float dtype the text names is float64
+        (with ``keep_narrowing``, float32 only: its casts to a narrower type still round)."""
+        namespace = {"torch": wide_torch(keep_narrowing) if wide else torch, "__name__": "program"}
         exec(compile(self.source, "<program>", "exec"), namespace)
         return namespace["f"]
 
@@ -84,11 +93,16 @@ class Program:
         return f"# {head}\n# inputs:\n{inputs}\n{self.source}"
 
 
-def wide_torch():
-    """``torch`` with float32/float16/bfloat16 read as float64: the program's own math, exactly."""
+def wide_torch(keep_narrowing: bool = False):
+    """``torch`` with float32/float16/bfloat16/float8_e4m3fn read as float64 and autocast
+    regions doing nothing: the program's own math, exactly. With ``keep_narrowing``, float32
+    only: the program's math with its explicit roundings (``.to(torch.bfloat16)``) kept."""
     wide = types.ModuleType("torch")
     wide.__dict__.update({k: v for k, v in vars(torch).items() if not k.startswith("__")})
-    wide.float32 = wide.float16 = wide.bfloat16 = torch.float64
+    wide.float32 = torch.float64
+    if not keep_narrowing:
+        wide.float16 = wide.bfloat16 = wide.float8_e4m3fn = torch.float64
+    wide.autocast = lambda *args, **kwargs: contextlib.nullcontext()
     return wide
 
 
@@ -766,3 +780,158 @@ def norm_program(form: NormForm, p) -> Program:
     lines.append(f"return {y}" + (", *extra" if extra else ""))
     source = helpers + function_source("f", [i.name for i in inputs], lines)
     return Program("rms_norm", str(form), p, inputs, "\n".join(source) + "\n")
+
+
+# -- precision: autocast regions and mixed dtypes -------------------------------------
+#
+# Exact RoPE and RMSNorm whose only variation is where the program rounds: the forward in
+# an autocast region (float32 inputs and master weights, some inputs already in the low
+# dtype like an autocast linear's output), tables or weight stored in another dtype, and
+# round trips ``rnd(t) = t.to(low).to(t.dtype)`` at different places. The float64 reference
+# reads every rounding away, so the property test also holds each compiled gradient to
+# eager's within two ulps of the program's final rounding (tests/test_properties.py).
+
+AUTOCASTS = [None, BF16, F16]
+LOW_DTYPES = [BF16, F16, FP8]
+#: where a RoPE program rounds: the tables (their values stored in the low dtype), the rotated
+#: half, the product x * cos, x itself (dx's path), the output (dy's path)
+ROPE_ROUNDINGS = ["tables_round", "rot_round", "product_round", "x_round", "output_round"]
+NORM_ROUNDINGS = ["weight_round", "normalized_round", "x_round", "output_round"]
+#: the output's last cast: none, back to x's dtype (HF's upcast), or to a half type (autocast's
+#: cast before attention)
+OUT_CASTS = ["none", "back", "bfloat16", "float16"]
+
+
+@dataclasses.dataclass(frozen=True)
+class PrecisionForm:
+    family: str                 # "rope" or "rms_norm"
+    x_dtype: torch.dtype        # q/k or x as stored (float32 when projected)
+    other_dtype: torch.dtype    # cos/sin or the weight as stored
+    autocast: object            # None, or the dtype of a torch.autocast("cpu") region around the forward
+    projected: bool             # x = x @ wp in the region (an autocast linear's output), wp a float32 master weight
+    upcast: bool                # the math in float32 (HF's x.to(torch.float32))
+    low: torch.dtype            # what rnd() rounds to
+    out_cast: str               # one of OUT_CASTS
+    after: str                  # "none"; RoPE "scores": q @ k^T; RMSNorm "proj": y @ wo (in the region)
+    other_grad: bool            # the tables or the weight require grad
+    mode: int                   # RoPE: 0 (halves) or 1 (interleaved)
+    table_layout: str           # RoPE: cos/sin axes
+    rep: int                    # RoPE: k's heads repeated (GQA's repeat_kv) before the output cast
+    spelling: str               # RMSNorm: "llama", "plain", "functional"
+    sizes: Tuple[int, int, int, int]  # B, N (k's heads), S, D
+
+    def __str__(self):
+        region = f"autocast {DTYPE_NAME[self.autocast]}, " if self.autocast else ""
+        what = (f"mode {self.mode} {self.table_layout} rep={self.rep}" if self.family == "rope"
+                else self.spelling)
+        return (f"{region}{what} {DTYPE_NAME[self.x_dtype]}/{DTYPE_NAME[self.other_dtype]}"
+                f"{' projected' if self.projected else ''}{' in float32' if self.upcast else ''}"
+                f", rnd to {DTYPE_NAME[self.low]}, out {self.out_cast}, then {self.after}")
+
+
+@st.composite
+def precision_forms(draw, family: str) -> PrecisionForm:
+    autocast = draw(st.sampled_from(AUTOCASTS))
+    projected = autocast is not None and draw(st.booleans())
+    # in a region, only float32 and its dtype (CPU autocast's cat refuses the other half type)
+    dtypes = st.sampled_from([F32, autocast]) if autocast else DTYPES
+    x_dtype = F32 if projected else draw(dtypes)
+    other_dtype = draw(dtypes) if autocast else draw(second_dtype(x_dtype))
+    return PrecisionForm(
+        family=family, x_dtype=x_dtype, other_dtype=other_dtype, autocast=autocast,
+        projected=projected, upcast=draw(st.booleans()), low=draw(st.sampled_from(LOW_DTYPES)),
+        out_cast=draw(st.sampled_from(OUT_CASTS)),
+        after=draw(st.sampled_from(["none", "scores" if family == "rope" else "proj"])),
+        other_grad=draw(st.booleans()), mode=draw(st.sampled_from([0, 1])),
+        table_layout=draw(st.sampled_from(["SD", "11SD", "B1SD"])), rep=draw(st.sampled_from([1, 2])),
+        spelling=draw(st.sampled_from(["llama", "plain", "functional"])),
+        sizes=(draw(SIZES), draw(st.sampled_from([1, 2])), draw(SIZES), draw(st.sampled_from([8, 16]))))
+
+
+@st.composite
+def precision_programs(draw, family: str) -> Program:
+    form = draw(precision_forms(family))
+    roundings = ROPE_ROUNDINGS if family == "rope" else NORM_ROUNDINGS
+    p = draw(some_of(roundings, counts=(0, 1, 1, 2, 2, 3)))
+    return (rope_precision_program if family == "rope" else norm_precision_program)(form, p)
+
+
+def region(form: PrecisionForm, lines: List[str]) -> List[str]:
+    """``lines`` inside the form's autocast region (as they are without one)."""
+    if form.autocast is None:
+        return lines
+    return [f'with torch.autocast("cpu", dtype={DTYPE_NAME_TORCH[form.autocast]}):'] + indent(lines)
+
+
+def out_cast(form: PrecisionForm, y: str, x: str) -> str:
+    return {"none": y, "back": f"{y}.to({x}.dtype)", "bfloat16": f"{y}.to(torch.bfloat16)",
+            "float16": f"{y}.to(torch.float16)"}[form.out_cast]
+
+
+def rnd_helper(low: torch.dtype) -> List[str]:
+    return function_source("rnd", ["t"], [f"return t.to({DTYPE_NAME_TORCH[low]}).to(t.dtype)"])
+
+
+def rope_precision_program(form: PrecisionForm, p) -> Program:
+    b, n, s, d = form.sizes
+    nq = n * form.rep
+    inputs = [Input("q", "BNSD", (b, nq, s, d), form.x_dtype, True),
+              Input("k", "BNSD", (b, n, s, d), form.x_dtype, True)]
+    table_shape = {"SD": (s, d), "11SD": (1, 1, s, d), "B1SD": (b, 1, s, d)}[form.table_layout]
+    inputs += [Input(t, form.table_layout, table_shape, form.other_dtype, form.other_grad) for t in ("cos", "sin")]
+    if form.projected:
+        inputs += [Input("wq", "DD", (d, d), F32, True), Input("wk", "DD", (d, d), F32, True)]
+    rx = "rnd(rot(x))" if "rot_round" in p else "rot(x)"
+    first = "rnd(x * cos)" if "product_round" in p else "x * cos"
+    rope = ((["x = rnd(x)"] if "x_round" in p else []) + (["x = x.to(torch.float32)"] if form.upcast else [])
+            + [f"return {first} + {rx} * sin"])
+    body = ["q, k = q @ wq, k @ wk"] if form.projected else []
+    if "tables_round" in p:
+        body.append("cos, sin = rnd(cos), rnd(sin)")
+    body += ["qo, ko = rope(q, cos, sin), rope(k, cos, sin)"]
+    if form.rep > 1:  # repeat_kv of the rotated k, before the output cast
+        body += ["b, n, s, d = ko.shape",
+                 f"ko = ko[:, :, None].expand(b, n, {form.rep}, s, d).reshape(b, n * {form.rep}, s, d)"]
+    if "output_round" in p:
+        body.append("qo, ko = rnd(qo), rnd(ko)")
+    body += [f"qo, ko = {out_cast(form, 'qo', 'q')}, {out_cast(form, 'ko', 'k')}"] if form.out_cast != "none" else []
+    body.append("return qo @ ko.transpose(-1, -2)" if form.after == "scores" else "return qo, ko")
+    source = (rnd_helper(form.low) + rotate_helper(form.mode, d, ())
+              + function_source("rope", ["x", "cos", "sin"], rope)
+              + function_source("f", [i.name for i in inputs], region(form, body)))
+    rounded = ("q", "k", "wq", "wk") if "x_round" in p else ()
+    return Program("rope", f"precision: {form}", p, inputs, "\n".join(source) + "\n", dynamic_axes="BS",
+                   grad_rounding={name: form.low for name in rounded})
+
+
+def norm_precision_program(form: PrecisionForm, p) -> Program:
+    b, _, s, d = form.sizes
+    # F.rms_norm takes one dtype and has no normalized value to round: else written out plainly
+    functional = (form.x_dtype == form.other_dtype and not form.projected
+                  and not {"x_round", "normalized_round"} & set(p))
+    spelling = "plain" if form.spelling == "functional" and not functional else form.spelling
+    inputs = [Input("x", "BSD", (b, s, d), form.x_dtype, True),
+              Input("w", "D", (d,), form.other_dtype, form.other_grad)]
+    if form.projected:
+        inputs.append(Input("wp", "DD", (d, d), F32, True))
+    if form.after == "proj":
+        inputs.append(Input("wo", "DD", (d, d), F32, True))
+    h = "x.to(torch.float32)" if form.upcast or spelling == "llama" else "x"
+    stat = f"n = {h} * torch.rsqrt({h}.pow(2).mean(-1, keepdim=True) + {EPS})"
+    norm = {"llama": [stat, "return w * n.to(x.dtype)"], "plain": [stat, "return n * w"],
+            "functional": [f"return torch.nn.functional.rms_norm(x, [{d}], w, eps={EPS})"]}[spelling]
+    if "normalized_round" in p:
+        norm.insert(1, "n = rnd(n)")
+    norm = (["x = rnd(x)"] if "x_round" in p else []) + norm
+    body = (["x = x @ wp"] if form.projected else []) + (["w = rnd(w)"] if "weight_round" in p else [])
+    body.append("y = norm(x, w)")
+    if "output_round" in p:
+        body.append("y = rnd(y)")
+    body += [f"y = {out_cast(form, 'y', 'x')}"] if form.out_cast != "none" else []
+    # the weight cast as autocast casts it: the float64 run that keeps the program's roundings has no region
+    body.append("return y @ wo.to(y.dtype)" if form.after == "proj" else "return y")
+    source = (rnd_helper(form.low) + function_source("norm", ["x", "w"], norm)
+              + function_source("f", [i.name for i in inputs], region(form, body)))
+    rounded = ("x", "wp") if "x_round" in p else ()
+    return Program("rms_norm", f"precision: {dataclasses.replace(form, spelling=spelling)}", p, inputs,
+                   "\n".join(source) + "\n", dynamic_axes="BS", grad_rounding={name: form.low for name in rounded})
