@@ -93,7 +93,7 @@ def test_disabled_fusions_leave_the_graph():
 
 @pytest.mark.parametrize("name, target", [
     ("Ascend910B1", "a2"), ("Ascend910B4", "a2"), ("Ascend910_9391", "a3"), ("Ascend910_9382", "a3"),
-    ("Ascend950PR", "950"), ("Ascend950DT", "950"), ("Ascend310P3", "a2"),
+    ("Ascend950PR", "950"), ("Ascend950DT", "950"), ("Ascend310P3", "common"),
 ])
 def test_target_from_device_name(name, target):
     assert target_from_device_name(name) == target
