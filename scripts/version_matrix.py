@@ -147,7 +147,8 @@ def print_tables(torch_rows: dict, torchair_rows: dict) -> None:
         print("|---|---|---|")
         for version, row in torch_rows.items():
             report = row["report"]
-            fused = f"{report['fused']}/{report['expected']}" if "fused" in report else f"error (exit {report['exit']})"
+            fused = f"{report['fused']}/{report['expected']}" if "fused" in report else "error"
+            fused += f" (exit {report['exit']})" if report.get("exit") else ""
             print(f"| {row.get('torch', version)} | {tests_cell(row['tests'])} | {fused} |")
     if torchair_rows:
         print("\n| torch_npu line | torchair from | `install` | backward GE nodes lowered (Llama block, a2) |")
