@@ -1,6 +1,7 @@
 """The torchair hook pairs a backward with its forward by compile id, and uses the forward
 only when every saved tensor matches it in name, shape, dtype and count; otherwise the pass
 runs on the backward alone and logs why (pass_manager.forward_for)."""
+import copy
 import logging
 
 import pytest
@@ -49,10 +50,14 @@ def test_a_forward_of_other_shapes_or_another_program_does_not_pair():
     assert "saved tensor" in saved_tensor_mismatch(rope_only, bw.graph)
 
 
-def hook_backend(wrong_forward=None):
+OPTIONS = {"target": "generic", "strict": True}
+
+
+def hook_backend(wrong_forward=None, alone=None):
     """AOTAutograd running the torchair hook as torchair does (on the forward, then on the
-    backward under the same compile id); ``wrong_forward`` is remembered in place of the real one."""
-    hook = make_torchair_pass({"target": "generic", "strict": True})
+    backward under the same compile id); ``wrong_forward`` is remembered in place of the real one.
+    ``alone`` gets the result of the pass on a copy of each backward without any forward."""
+    hook = make_torchair_pass(OPTIONS)
 
     def fw_compiler(gm, _inputs):
         hook(gm)
@@ -61,6 +66,8 @@ def hook_backend(wrong_forward=None):
         return make_boxed_func(gm.forward)
 
     def bw_compiler(gm, _inputs):
+        if alone is not None:
+            alone.append(pass_manager.fuse_backward(copy.deepcopy(gm), OPTIONS, forward=None))
         hook(gm)
         return make_boxed_func(gm.forward)
 
@@ -85,28 +92,31 @@ def test_hook_uses_a_matching_forward_and_runs_alone_on_a_mismatched_one(npu_fus
     model = bundled("llama", num_layers=1)
     ids = torch.randint(0, model.config.vocab_size, (2, 8), generator=torch.Generator().manual_seed(0))
     params = list(model.parameters())
+    alone = []
     mark = pass_manager.HISTORY.mark()
     torch._dynamo.reset()
-    compiled = torch.compile(lambda: model.loss(ids), backend=hook_backend(fw_batch3 if mismatched else None))
+    compiled = torch.compile(lambda: model.loss(ids), backend=hook_backend(fw_batch3 if mismatched else None, alone))
     got, grad_outputs = run_grads(compiled, [], params)
     eager, _ = run_grads(lambda: model.loss(ids), [], params, grad_outputs)
     exact = float64_grads(lambda: model.loss(ids), [], params, grad_outputs)
     for g, e, x in zip(got, eager, exact):
         assert_close_as_unfused(g, e, x, factor=MODEL_FACTOR)
-    (result,) = pass_manager.HISTORY.since(mark)
+    _, result = pass_manager.HISTORY.since(mark)  # the copy's pass, then the hook's
     refused = [r.getMessage() for r in npu_fusion_log.records if "is not this backward's" in r.getMessage()]
     assert len(refused) == (1 if mismatched else 0)
     if mismatched:
         assert "the pass runs on the backward alone" in refused[0] and "in the backward" in refused[0]
-    if mismatched:  # alone, the pass cannot see that the saved rstd is the norm's: RMSNorm stays unfused
-        assert result.fused(ROPE) == model.expected_sites[ROPE] and result.fused(RMS) == 0
-        assert any(m.op == RMS for m in result.misses)
+    (by_itself,) = alone
+    if mismatched:  # exactly what the pass does on the backward alone
+        assert [(s.op, s.outputs) for s in result.sites] == [(s.op, s.outputs) for s in by_itself.sites]
+        assert [(m.op, m.node) for m in result.misses] == [(m.op, m.node) for m in by_itself.misses]
     else:
         assert result.fused(ROPE) == model.expected_sites[ROPE] and result.fused(RMS) == model.expected_sites[RMS]
 
 
-@pytest.mark.xfail(strict=True, reason="on the backward alone, one of the one-layer Llama's 3 RMSNorm sites "
-                                       "ends neither fused nor a recorded miss (patterns/rms_norm.py unexplained)")
+@pytest.mark.xfail(strict=False, reason="torch 2.13: on the backward alone, the one-layer Llama's 3 RMSNorm sites "
+                                        "end 0 fused and 2 recorded misses, one silent (patterns/rms_norm.py "
+                                        "unexplained); torch 2.6 fuses all three without the forward")
 def test_backward_alone_leaves_no_silent_miss():
     (bw,), _ = llama_partitions(2)
     result = pass_manager.fuse_backward(bw, {"target": "generic", "strict": True}, forward=None)
