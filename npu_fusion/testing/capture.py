@@ -34,8 +34,9 @@ def count_runs(gm: torch.fx.GraphModule) -> int:
     The count is a statement at the top of the graph's code (a body transformer of its
     codegen, kept through recompiles and copies of the graph), so every run of the graph
     counts, whoever calls it. Wrapping the callable a backend returns does not count on
-    every torch: torch 2.10's Dynamo runs the compiled function it finds through the
-    wrapper's copied attributes instead. The graph's nodes are unchanged."""
+    every torch: torch 2.10's Dynamo never called such a wrapper made with ``functools.wraps``
+    (which copies the compiled function's attributes, Dynamo's own among them). The graph's
+    nodes are unchanged."""
     key = getattr(gm, "_npu_fusion_run_key", None)
     if key is not None:
         return key
