@@ -13,9 +13,9 @@ with that line's torch.
 
 Venvs live in ``--venvs`` (default ``~/.cache/npu_fusion/venvs``), one per torch, reused when
 present. Torch releases other than the default come from the package registry as CUDA
-builds (several GB with their dependencies; they run on the CPU); a machine whose pip
-configuration caps torch (``global.constraint``) gets the cap lifted for these venvs only
-(``PIP_CONSTRAINT=/dev/null``). Each venv also gets ``setuptools<81``: the torchair of
+builds (several GB with their dependencies; they run on the CPU). Each venv's installs are
+constrained to its torch (``PIP_CONSTRAINT``, which also replaces a pip configuration's cap on
+torch for these venvs only): unconstrained, the test extra's ``triton`` pulls the newest torch. Each venv also gets ``setuptools<81``: the torchair of
 torch_npu 2.6 and 2.7.1 imports ``pkg_resources``. Versions run one after another: the
 test runs are CPU-bound.
 """
@@ -43,17 +43,31 @@ def venv_python(venvs: Path, torch_version: str) -> Path:
     return venvs / f"torch-{torch_version}" / "bin" / "python"
 
 
+def venv_torch(python: Path) -> str:
+    """The torch version the venv imports ("" when it imports none)."""
+    done = subprocess.run([str(python), "-c", "import torch; print(torch.__version__)"], capture_output=True, text=True)
+    return done.stdout.strip() if done.returncode == 0 else ""
+
+
 def ensure_venv(venvs: Path, torch_version: str, log) -> Path:
-    """The venv's python, building the venv first when it has no importable torch."""
+    """The venv's python, building the venv first when it does not import that torch.
+
+    torch is pinned by a constraint file for both installs: without it, installing the test
+    extra (its unpinned ``triton``) moves an older torch to the newest release."""
     python = venv_python(venvs, torch_version)
-    if python.exists() and subprocess.run([str(python), "-c", "import torch"], capture_output=True).returncode == 0:
+    if python.exists() and venv_torch(python).split("+")[0] == torch_version:
         return python
     log(f"building the venv for torch {torch_version} (downloads several GB for a CUDA build)")
-    subprocess.run([sys.executable, "-m", "venv", str(python.parent.parent)], check=True)
-    env = dict(os.environ, PIP_CONSTRAINT="/dev/null")  # lift this machine's cap on torch
+    subprocess.run([sys.executable, "-m", "venv", "--clear", str(python.parent.parent)], check=True)
+    constraints = python.parent.parent / "constraints.txt"
+    constraints.write_text(f"torch=={torch_version}\n")
+    env = dict(os.environ, PIP_CONSTRAINT=str(constraints))  # replaces this machine's cap on torch
     pip = [str(python), "-m", "pip", "install", "-q", "--no-cache-dir"]
     subprocess.run(pip + [f"torch=={torch_version}", "setuptools<81"], check=True, env=env)
     subprocess.run(pip + ["-e", f"{ROOT}[test]"], check=True, env=env, cwd=ROOT)
+    installed = venv_torch(python)
+    if installed.split("+")[0] != torch_version:
+        raise SystemExit(f"the venv for torch {torch_version} imports torch {installed or 'none'}")
     return python
 
 
@@ -133,8 +147,9 @@ def print_tables(torch_rows: dict, torchair_rows: dict) -> None:
         print("|---|---|---|")
         for version, row in torch_rows.items():
             report = row["report"]
-            fused = f"{report['fused']}/{report['expected']}" if "fused" in report else f"error (exit {report['exit']})"
-            print(f"| {version} | {tests_cell(row['tests'])} | {fused} |")
+            fused = f"{report['fused']}/{report['expected']}" if "fused" in report else "error"
+            fused += f" (exit {report['exit']})" if report.get("exit") else ""
+            print(f"| {row.get('torch', version)} | {tests_cell(row['tests'])} | {fused} |")
     if torchair_rows:
         print("\n| torch_npu line | torchair from | `install` | backward GE nodes lowered (Llama block, a2) |")
         print("|---|---|---|---|")
@@ -172,7 +187,8 @@ def main(argv=None) -> int:
     for version in args.torch:
         log(f"torch {version}")
         python = ensure_venv(args.venvs, version, log)
-        torch_rows[version] = {"tests": run_tests(python, smoke=version != DEFAULT_TORCH, log=log),
+        torch_rows[version] = {"torch": venv_torch(python),  # what ran, read from the venv
+                               "tests": run_tests(python, smoke=version != DEFAULT_TORCH, log=log),
                                "report": run_report(python, log)}
         save()
     for line in [] if args.no_torchair else args.torchair:

@@ -93,7 +93,7 @@ def test_disabled_fusions_leave_the_graph():
 
 @pytest.mark.parametrize("name, target", [
     ("Ascend910B1", "a2"), ("Ascend910B4", "a2"), ("Ascend910_9391", "a3"), ("Ascend910_9382", "a3"),
-    ("Ascend950PR", "950"), ("Ascend950DT", "950"), ("Ascend310P3", "a2"),
+    ("Ascend950PR", "950"), ("Ascend950DT", "950"), ("Ascend310P3", "common"),
 ])
 def test_target_from_device_name(name, target):
     assert target_from_device_name(name) == target
@@ -155,7 +155,7 @@ def test_process_state_is_bounded():
     for frame in range(300):
         with compile_context(CompileContext(CompileId(frame_id=frame, frame_compile_id=0))):
             pass_manager.remember_forward(gm)
-            assert pass_manager.forward_for(gm) is gm.graph
+            assert pass_manager._FORWARD_BY_COMPILE[CompileContext.current_compile_id()] is gm.graph
         pass_manager.HISTORY.append(pass_manager.FusionResult(target=str(frame)))
     assert len(pass_manager._FORWARD_BY_COMPILE) == pass_manager.FORWARD_GRAPHS_KEPT
     assert len(pass_manager.HISTORY) <= 256

@@ -42,7 +42,7 @@ def test_llama_every_site_fused_and_gradients_close(llama_one_layer):
     for op, count in expected.items():
         assert r["ops"][op] == {"found": count, "fused": count, "unfused": 0, "expected": count,
                                 "modes": {"half": count} if op == ROPE else {"-": count}}
-    assert r["misses"] == [] and r["pass_errors"] == []
+    assert r["misses"] == [] and r["pass_errors"] == [] and r["accounting_errors"] == []
     assert r["backward_graphs"] == 1
 
     # op counts are the graph's: the decomposed backward before, the fused ops after
@@ -166,6 +166,68 @@ def test_exit_status_follows_the_gradient_check(monkeypatch, capsys, llama_one_l
     assert "gradient check: FAILED" in capsys.readouterr().out
     failed["pass_errors"] = ["RuntimeError: boom"]
     assert cli.main(["report", "--json"]) == report.EXIT_PASS_ERROR
+    failed["pass_errors"], failed["gradients"]["passed"] = [], True
+    failed["accounting_errors"] = ["backward graph 0: the pass recorded 9 fused and 0 unfused sites, but ..."]
+    assert cli.main(["report"]) == report.EXIT_ACCOUNTING
+    out, err = capsys.readouterr()
+    assert "ACCOUNTING ERROR" in out and "accounting error: backward graph 0: the pass recorded 9" in err
+
+
+def rms_norm_loss(x, w):
+    h = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
+    return ((h * w).sum(),)  # a tuple, as Dynamo hands graphs to a backend
+
+
+def test_accounting_disagrees_while_a_compiled_graph_has_not_run():
+    """AOTAutograd partitions (and the pass runs) when the graph is compiled: until the compiled
+    function runs, the pass's fused site has run 0 times, which the accounting reports; one run
+    (called directly, without Dynamo) is counted by the graph's own code."""
+    x, w = torch.randn(2, 5, 32, requires_grad=True), torch.randn(32, requires_grad=True)
+    recorder = report.Recorder(report.FusionOptions.from_mapping({"target": "generic"}))
+    compiled = recorder(torch.fx.symbolic_trace(rms_norm_loss), [x, w])
+    (result,) = recorder.results
+    assert result.fused(RMS) == 1 and recorder.runs == [0]
+
+    def accounting():
+        return report.accounting_errors({"ops": report.summarize_sites(recorder.results, None, recorder.runs)},
+                                        recorder)
+
+    graph_error, table_error = accounting()
+    assert "backward graph 0: the pass recorded 1 fused and 0 unfused sites, but the step counted 0 runs" in graph_error
+    assert table_error == f"{RMS}: the table says found 0, fused 0, unfused 0, but the pass fused 1 sites"
+    compiled(x, w)[0].backward()
+    assert recorder.runs == [1] and accounting() == []
+    torch.testing.assert_close(w.grad, torch.func.grad(lambda *a: rms_norm_loss(*a)[0], argnums=1)(x.detach(), w.detach()))
+
+
+def test_a_graph_reused_per_layer_counts_each_run():
+    """One compiled graph run three times in a step (Dynamo reuses it for each 'layer'): its
+    site ran three times, counted by the graph's own code; gradients against eager and float64."""
+    from npu_fusion.testing.capture import Capture
+    from npu_fusion.testing.grads import MODEL_FACTOR, assert_close_as_unfused, float64_grads, run_grads
+
+    capture = Capture(target="generic")
+    torch._dynamo.reset()
+    layer = torch.compile(lambda h, w: h + h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6) * w,
+                          backend=capture)
+    x, w = torch.randn(2, 5, 32, requires_grad=True), torch.randn(32, requires_grad=True)
+
+    def step(compiled):
+        def run(x):
+            h = x
+            for _ in range(3):
+                h = compiled(h, w)
+            return h.square().sum()
+        return run
+
+    got, grad_outputs = run_grads(step(layer), [x], [w])
+    eager_layer = lambda h, w: h + h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6) * w  # noqa: E731
+    eager, _ = run_grads(step(eager_layer), [x], [w], grad_outputs)
+    exact = float64_grads(step(eager_layer), [x], [w], grad_outputs)
+    for g, e, x64 in zip(got, eager, exact):
+        assert_close_as_unfused(g, e, x64, factor=MODEL_FACTOR)
+    assert len(capture.results) == 1 and capture.fused(RMS) == 1
+    assert capture.runs == [3] and capture.fused_runs(RMS) == 3
 
 
 def test_command_line_json():

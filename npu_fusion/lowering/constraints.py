@@ -29,8 +29,10 @@ from ..compat import guard_or_true as _guard_or_true
 from .sizes import provably_less, same_shape, same_size, static_int
 
 #: the chips the pass can target: ``generic`` (any device: every form of every op, as the
-#: reference kernels run them), Atlas A2, Atlas A3, Ascend 950PR/950DT.
-TARGETS = ("generic", "a2", "a3", "950")
+#: reference kernels run them), Atlas A2, Atlas A3, Ascend 950PR/950DT, and ``common``: only
+#: what all three run (RoPE as on A2/A3, which 950 accepts too; no RmsNormGrad, which 950
+#: lacks), the target taken when the chip cannot be told.
+TARGETS = ("generic", "a2", "a3", "950", "common")
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -244,6 +246,7 @@ def rope_target_problem(target: str, mode: int, dy_shape, cos_shape, with_x: boo
         return None
     if target == "950":
         return _rope_950_problem(d, dy_shape, cos_shape)
+    # a2, a3 and common: A2/A3's limits, all within what Ascend 950 accepts
     if mode not in ROPE_A2_MODES:
         return f"mode {mode} ({ROPE_MODES[mode]}) runs only on Ascend 950"
     if d > ROPE_A2_MAX_D:
@@ -299,6 +302,8 @@ def _rope_a2_size_problem(mode: int, dy_layout: str, b, n, with_x: bool) -> Opti
 def rms_norm_target_problem(target: str, compute: torch.dtype, gamma_dtype: torch.dtype) -> Optional[str]:
     """Why ``target`` cannot run RmsNormGrad with these dtypes, or None."""
     dtypes = RMS_NORM_TARGET_DTYPES.get(target)
+    if target == "common":
+        return "RmsNormGrad does not run on every known chip (not on Ascend 950); target 'common' emits none"
     if dtypes is None:
         return f"RmsNormGrad is not documented for Ascend {target} (SPEC section 2 products)"
     if (compute, gamma_dtype) not in dtypes:

@@ -23,6 +23,7 @@ import importlib.util
 
 import torch
 
+from ..fallback import warn_fallback
 from . import rms_norm, rope
 
 #: RotaryPositionEmbeddingGrad mode -> the ``rotary_mode`` string torch_npu's eager kernel accepts for it.
@@ -49,13 +50,21 @@ def rms_norm_grad_on_npu(dy, x, rstd, gamma):
 
 
 def register() -> bool:
-    """Register the kernels for the ``npu`` device; False (nothing changed) without torch_npu."""
+    """Register the kernels for the ``npu`` device; False (nothing changed) without torch_npu.
+
+    With torch_npu installed, a failure (its import, or the registration) leaves the fused
+    ops on their reference kernels, which would then run on the NPU: that warns."""
     if importlib.util.find_spec("torch_npu") is None:
         return False
     try:
         import torch_npu  # noqa: F401  (registers torch.ops.npu)
-    except Exception:  # CANN missing or broken: stay on the reference kernels
+
+        rope.rotary_position_embedding_grad.register_kernel("npu")(rope_grad_on_npu)
+        rms_norm.rms_norm_grad.register_kernel("npu")(rms_norm_grad_on_npu)
+    except Exception as error:  # CANN missing or broken, or a torch without the npu device key
+        warn_fallback("npu_kernels", f"the NPU eager kernels of the fused ops were not registered "
+                                     f"({type(error).__name__}: {error}): run eagerly on an NPU, the fused ops "
+                                     f"use their reference kernels (slow, decomposed). Fix torch_npu/CANN: "
+                                     f"torch_npu must import and provide the npu device")
         return False
-    rope.rotary_position_embedding_grad.register_kernel("npu")(rope_grad_on_npu)
-    rms_norm.rms_norm_grad.register_kernel("npu")(rms_norm_grad_on_npu)
     return True

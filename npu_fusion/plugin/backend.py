@@ -14,6 +14,7 @@ import torch
 from torch._dynamo.backends.common import aot_autograd
 from torch._functorch.aot_autograd import make_boxed_func
 
+from ..fallback import warn_fallback
 from .options import FusionOptions
 from .pass_manager import fuse_backward, in_compiled_autograd
 from .saved_activations import narrow_saved_activations
@@ -26,7 +27,11 @@ def _on_npu_host() -> bool:
         import torch_npu  # noqa: F401
 
         return bool(torch.npu.is_available())
-    except Exception:
+    except Exception as error:  # torch_npu and torchair are installed: this is meant to be an NPU host
+        warn_fallback("backend", f"backend='npu_fusion' could not ask torch_npu for an NPU ({type(error).__name__}: "
+                                 f"{error}), so it compiles for the CPU (AOTAutograd, reference kernels), not "
+                                 f"through torchair. Fix torch_npu/CANN, or use torchair's backend with "
+                                 f"npu_fusion.install(config)")
         return False
 
 

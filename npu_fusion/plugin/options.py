@@ -14,7 +14,8 @@ from ..lowering.constraints import TARGETS
 
 @dataclasses.dataclass(frozen=True)
 class FusionOptions:
-    #: ``"auto"`` (detect on an NPU host, ``"generic"`` elsewhere) or one of :data:`TARGETS`.
+    #: ``"auto"`` (detect on an NPU host, ``"generic"`` elsewhere, ``"common"`` with a warning
+    #: when the chip cannot be told) or one of :data:`TARGETS`.
     target: str = "auto"
     #: fuse RoPE backward subgraphs into ``npu_fusion.rotary_position_embedding_grad``.
     rope: bool = True

@@ -149,8 +149,59 @@ def remember_forward(gm: fx.GraphModule) -> None:
 
 
 def forward_for(gm: fx.GraphModule) -> Optional[fx.Graph]:
+    """The forward graph remembered for this backward's compile id, if it provably is this
+    backward's forward (:func:`saved_tensor_mismatch`); otherwise None, and the pass runs on
+    the backward alone (a wrong forward would make the pass see wrong saved values)."""
     key = _compile_id()
-    return _FORWARD_BY_COMPILE.get(key) if key is not None else None
+    forward = _FORWARD_BY_COMPILE.get(key) if key is not None else None
+    if forward is None:
+        return None
+    mismatch = saved_tensor_mismatch(forward, gm.graph)
+    if mismatch is not None:
+        log.warning("npu_fusion: the forward graph remembered for compile %s is not this backward's (%s); "
+                    "the pass runs on the backward alone", key, mismatch)
+        return None
+    return forward
+
+
+def _tensor_value(node) -> Optional[torch.Tensor]:
+    value = node.meta.get("val") if isinstance(node, fx.Node) else None
+    return value if isinstance(value, torch.Tensor) else None
+
+
+def _shape_text(value: torch.Tensor) -> tuple:
+    """Sizes compared as written (``s0``, ``16``): equal symbols are one size, and no guard is made."""
+    return tuple(str(size) for size in value.shape)
+
+
+def saved_tensor_mismatch(forward: fx.Graph, backward: fx.Graph) -> Optional[str]:
+    """Why ``forward`` is not the forward of ``backward``, or None when it is.
+
+    AOTAutograd's partitioners return the saved tensors as the forward's last tensor outputs
+    (only saved sizes, which are not tensors, follow them) and take them, in the same order, as
+    the backward's placeholders before the tangents. So the backward's k saved tensors must be
+    the forward's last k tensor outputs one by one: the same name, dtype and shape.
+    """
+    inputs = [n for n in backward.nodes if n.op == "placeholder" and not n.name.startswith("tangents")]
+    unknown = [n.name for n in inputs if n.meta.get("val") is None]
+    if unknown:
+        return f"backward inputs {unknown} have no recorded value to compare"
+    saved = [n for n in inputs if _tensor_value(n) is not None]
+    outputs: List[fx.Node] = []
+    for node in forward.nodes:
+        if node.op == "output":
+            fx.node.map_arg(node.args[0], outputs.append)
+    returned = [a for a in outputs if _tensor_value(a) is not None]
+    if len(returned) < len(saved):
+        return f"the backward has {len(saved)} saved tensors, the forward returns {len(returned)} tensors"
+    for fw, bw in zip(returned[len(returned) - len(saved):], saved):
+        fv, bv = _tensor_value(fw), _tensor_value(bw)
+        if fw.name != bw.name:
+            return f"saved tensor {bw.name} is {fw.name} in the forward"
+        if fv.dtype != bv.dtype or _shape_text(fv) != _shape_text(bv):
+            return (f"saved tensor {bw.name} is {bv.dtype}{list(_shape_text(bv))} in the backward, "
+                    f"{fv.dtype}{list(_shape_text(fv))} in the forward")
+    return None
 
 
 def fuse_backward(gm: fx.GraphModule, options: Union[FusionOptions, Mapping, None] = None,

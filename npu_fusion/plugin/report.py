@@ -9,7 +9,9 @@ backend does off an Ascend host); ``--target`` selects which forms the pass may
 emit, so the report shows what a given chip would get.
 
 Exit status: 0 when the gradient check passes, 1 when it fails, 3 when the pass
-hit an internal error (it then leaves the graph unchanged), 2 for usage errors.
+hit an internal error (it then leaves the graph unchanged), 4 when the report's own
+per-op accounting disagrees with the pass's results (:func:`accounting_errors`), 2 for
+usage errors.
 """
 from __future__ import annotations
 
@@ -40,7 +42,7 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 #: criterion, :mod:`npu_fusion.testing.grads`, with its per-dtype floor ``TOLERANCE``)
 FP64_FACTOR = MODEL_FACTOR
 
-EXIT_OK, EXIT_GRADIENTS, EXIT_USAGE, EXIT_PASS_ERROR = 0, 1, 2, 3
+EXIT_OK, EXIT_GRADIENTS, EXIT_USAGE, EXIT_PASS_ERROR, EXIT_ACCOUNTING = 0, 1, 2, 3, 4
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -76,7 +78,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true",
                         help="print everything as one JSON object on stdout (progress stays on stderr)")
     parser.epilog = ("exit status: 0 gradients meet the criterion, 1 gradient check failed, "
-                     "3 the pass hit an internal error, 2 usage error")
+                     "3 the pass hit an internal error, 4 the report's accounting disagrees with the "
+                     "pass's results, 2 usage error")
 
 
 def _targets(text: str) -> tuple:
@@ -103,8 +106,16 @@ def run(args: argparse.Namespace, sinks=()) -> int:
     else:
         sys.stdout.write(format_text(report))
     sys.stdout.flush()
+    for problem in report["accounting_errors"]:
+        print(f"npu-fusion report: accounting error: {problem}", file=sys.stderr)
+    return exit_status(report)
+
+
+def exit_status(report: Dict[str, Any]) -> int:
     if report["pass_errors"]:
         return EXIT_PASS_ERROR
+    if report["accounting_errors"]:
+        return EXIT_ACCOUNTING
     return EXIT_OK if report["gradients"]["passed"] else EXIT_GRADIENTS
 
 
@@ -306,24 +317,29 @@ class Recorder:
         self.before: List[collections.Counter] = []
         self.after: List[collections.Counter] = []
         self.results: List[FusionResult] = []
-        self.runs: List[int] = []  # per backward graph: runs of its forward (a graph reused per layer)
+        self.run_keys: List[int] = []  # per backward graph: the counter of its runs (testing.capture.count_runs)
         #: per backward graph: each node's module path, read before the pass replaces nodes
         self.paths: List[Dict[str, str]] = []
 
     def __call__(self, gm, example_inputs):
-        from ..testing.capture import counting_runs
-
-        first = len(self.results)
-        compiled = aot_backend(self.options, self._around_pass)(gm, example_inputs)
-        return counting_runs(compiled, self.runs, range(first, len(self.results)))
+        return aot_backend(self.options, self._around_pass)(gm, example_inputs)
 
     def _around_pass(self, bw_gm, run):
+        from ..testing.capture import count_runs, run_counted_graph
+
         self.before.append(op_counts(bw_gm.graph))
         self.paths.append({n.name: nearest_module_path(n) for n in bw_gm.graph.nodes})
         progress(f"running the pass on a backward graph of {len(bw_gm.graph.nodes)} nodes...")
         self.results.append(run())
         self.after.append(op_counts(bw_gm.graph))
-        self.runs.append(0)
+        self.run_keys.append(count_runs(run_counted_graph(bw_gm, run)))
+
+    @property
+    def runs(self) -> List[int]:
+        """Per backward graph: how many times it ran (a graph reused per layer runs once per layer)."""
+        from ..testing.capture import GRAPH_RUNS
+
+        return [GRAPH_RUNS[key] for key in self.run_keys]
 
     def fused_runs(self, op: str) -> int:
         return sum(r.fused(op) * n for r, n in zip(self.results, self.runs))
@@ -492,6 +508,7 @@ def _assemble(settings, subject: Subject, options: FusionOptions, recorder, expe
                     "pass": sum(r.seconds for r in results)},
         "pass_errors": [r.error for r in results if r.error],
     }
+    report["accounting_errors"] = accounting_errors(report, recorder)
     if not results:
         report["pass_errors"].append("no backward graph reached the pass (nothing was compiled?)")
     return report
@@ -536,6 +553,31 @@ def _compiled_autograd_step(subject: Subject, model, recorder, ids):
         start = time.perf_counter()
         loss = compiled(ids)
     return time.perf_counter() - start, 0.0, loss
+
+
+def accounting_errors(report: Dict[str, Any], recorder: Recorder) -> List[str]:
+    """Where the report's per-op accounting disagrees with the pass's own results: a backward
+    graph whose sites the pass recorded but that the step counted as never run (every graph
+    compiled for the step runs in it), fused-op nodes the pass added to a graph that are not
+    the sites it recorded there, or a table row whose fused and unfused do not add up or
+    count fewer fused sites than the pass fused."""
+    errors = []
+    graphs = zip(recorder.results, recorder.runs, recorder.before, recorder.after)
+    for index, (result, runs, before, after) in enumerate(graphs):
+        if (result.sites or result.misses) and runs < 1:
+            errors.append(f"backward graph {index}: the pass recorded {len(result.sites)} fused and "
+                          f"{len(result.misses)} unfused sites, but the step counted {runs} runs of it")
+        for op in LOWERED_OPS:  # a compiled-autograd graph inlines backwards fused before it
+            added = after.get(str(op.overload), 0) - before.get(str(op.overload), 0)
+            if added != result.fused(op.name):
+                errors.append(f"backward graph {index}: the pass added {added} {op.name} nodes, but "
+                              f"recorded {result.fused(op.name)} {op.name} sites")
+    for op, row in report["ops"].items():
+        fused_by_pass = sum(r.fused(op) for r in recorder.results)
+        if row["found"] != row["fused"] + row["unfused"] or row["fused"] < fused_by_pass:
+            errors.append(f"{op}: the table says found {row['found']}, fused {row['fused']}, unfused "
+                          f"{row['unfused']}, but the pass fused {fused_by_pass} sites")
+    return errors
 
 
 def summarize_sites(results: List[FusionResult], expected: Optional[Dict[str, int]],
@@ -677,6 +719,8 @@ def _format_header(report: Dict[str, Any]) -> str:
     out.append(f"first forward + backward (compile and run) {total:.2f} s; the pass itself "
                f"{sec['pass'] * 1000:.1f} ms ({100 * sec['pass'] / total if total else 0:.1f}%)\n")
     out += [f"PASS ERROR (graph left unchanged): {err}\n" for err in report["pass_errors"]]
+    out += [f"ACCOUNTING ERROR (this report contradicts the pass's results): {err}\n"
+            for err in report.get("accounting_errors", ())]
     return "".join(out)
 
 

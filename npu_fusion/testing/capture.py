@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import collections
 import copy
-import functools
+from typing import Dict, List
 
 import torch
 
@@ -24,18 +24,42 @@ def op_counts(graph):
         getattr(n.target, "__name__", str(n.target)) for n in graph.nodes if n.op == "call_function")
 
 
-def counting_runs(compiled, runs, owned):
-    """``compiled`` (AOTAutograd's forward), counting its calls into ``runs[i]`` for each backward
-    graph ``i`` in ``owned``. The partitioner (and so the pass) runs while AOTAutograd compiles a
-    forward graph, so the backward graphs recorded meanwhile are its own; in training each runs once
-    per run of its forward. Dynamo reuses one compiled graph for every layer whose code and guards
-    match (Megatron's per-layer graphs after graph breaks): its sites then run once per layer."""
-    @functools.wraps(compiled)
-    def counting(*args, **kwargs):
-        for index in owned:
-            runs[index] += 1
-        return compiled(*args, **kwargs)
-    return counting
+#: runs of each counted graph, by the key :func:`count_runs` gave it
+GRAPH_RUNS: Dict[int, int] = {}
+
+
+def count_runs(gm: torch.fx.GraphModule) -> int:
+    """Make ``gm``'s own generated code count its runs into ``GRAPH_RUNS[key]``; returns the key.
+
+    The count is a statement at the top of the graph's code (a body transformer of its
+    codegen, kept through recompiles and copies of the graph), so every run of the graph
+    counts, whoever calls it. Wrapping the callable a backend returns does not count on
+    every torch: torch 2.10's Dynamo never called such a wrapper made with ``functools.wraps``
+    (which copies the compiled function's attributes, Dynamo's own among them). The graph's
+    nodes are unchanged."""
+    key = getattr(gm, "_npu_fusion_run_key", None)
+    if key is not None:
+        return key
+    key = len(GRAPH_RUNS)
+    GRAPH_RUNS[key] = 0
+    statement = f"__import__({__name__!r}, fromlist=['GRAPH_RUNS']).GRAPH_RUNS[{key}] += 1\n"
+
+    def make_transformer(previous):
+        return lambda body: [statement] + list(previous(body) if previous else body)
+
+    gm.graph.on_generate_code(make_transformer)
+    gm.recompile()
+    gm._npu_fusion_run_key = key
+    return key
+
+
+def run_counted_graph(bw_gm, run) -> torch.fx.GraphModule:
+    """The graph whose runs count a backward graph's runs: its partition's forward (in training
+    each backward runs once per run of its forward; Dynamo reuses one compiled graph for every
+    layer whose code and guards match, whose sites then run once per layer), or, for a
+    compiled-autograd graph (no partition forward), that graph itself."""
+    forward = getattr(run, "forward", None)
+    return forward.owning_module if forward is not None and forward.owning_module is not None else bw_gm
 
 
 class Capture:
@@ -58,9 +82,9 @@ class Capture:
         self.forwards = []  # the forward graphs dynamo handed over, one per compiled graph
         #: the backward graph modules and the forward graph of each one's partition
         self.backwards, self.partition_forwards = [], []
-        #: how many times each backward graph's forward ran (parallel to ``results``): a graph
-        #: dynamo reuses for several layers holds each of its sites once but runs them once per layer
-        self.runs = []
+        #: per backward graph (parallel to ``results``), the key of the graph whose runs count its
+        #: runs (:func:`count_runs`)
+        self.run_keys: List[int] = []
 
     def backend(self):
         """The AOTAutograd backend (``.kwargs`` are its compilers, partitioner and decompositions)."""
@@ -71,9 +95,7 @@ class Capture:
 
     def __call__(self, gm, example_inputs):
         self.forwards.append(gm.graph)
-        first = len(self.results)
-        compiled = self.backend()(gm, example_inputs)
-        return counting_runs(compiled, self.runs, range(first, len(self.results)))
+        return self.backend()(gm, example_inputs)
 
     def aot_function(self, fn):
         """``fn`` through AOTAutograd alone (no dynamo), with the pass as in :meth:`__call__`."""
@@ -89,7 +111,13 @@ class Capture:
         self.before.append(copy.deepcopy(bw_gm.graph))
         self.results.append(run())
         self.after.append(bw_gm.graph)
-        self.runs.append(0)
+        self.run_keys.append(count_runs(run_counted_graph(bw_gm, run)))
+
+    @property
+    def runs(self) -> List[int]:
+        """How many times each backward graph ran so far (parallel to ``results``): a graph dynamo
+        reuses for several layers holds each of its sites once but runs them once per layer."""
+        return [GRAPH_RUNS[key] for key in self.run_keys]
 
     def fused(self, op):
         """Fused sites in the graphs (each once, however often its graph ran)."""

@@ -29,6 +29,8 @@ import logging
 import sys
 import types
 
+from ...fallback import warn_fallback
+
 log = logging.getLogger(__name__)
 
 
@@ -67,7 +69,9 @@ def register() -> bool:
         for name in converter_modules():  # each registers its converter when imported
             importlib.import_module(name, __name__)
     except Exception as error:  # torchair present but unusable (CANN missing, API drift)
-        log.debug("npu_fusion: torchair GE converters not registered: %s", error)
+        warn_fallback("ge_converters", f"the torchair GE converters of the fused ops were not registered "
+                                       f"({type(error).__name__}: {error}): a torchair graph holding a fused op "
+                                       f"will not compile. Fix torchair/CANN, or compile without the pass")
         for name in converter_modules():  # a later call imports (and registers) them again
             sys.modules.pop(__name__ + name, None)
         return False
