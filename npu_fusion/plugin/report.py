@@ -29,7 +29,7 @@ import torch
 from ..lowering import FUSED_OPS as LOWERED_OPS
 from ..lowering import RMS_NORM_GRAD, ROPE_GRAD
 from ..testing.grads import MODEL_FACTOR, grad_error
-from .backend import aot_backend
+from .backend import aot_backend, fused_backward, run_keeping_unfused
 from .options import TARGETS, FusionOptions
 from .pass_manager import FusionResult
 
@@ -282,13 +282,13 @@ def op_counts(graph: torch.fx.Graph) -> collections.Counter:
 
 
 class Recorder:
-    """A torch.compile backend: AOTAutograd with the pass on each backward graph,
-    keeping each backward graph's op counts from before and after the pass."""
+    """A torch.compile backend: the backend's AOTAutograd with the pass, keeping each backward
+    graph's op counts from before and after the pass (before: the unfused partition)."""
 
     def __init__(self, options: FusionOptions):
         self.options = options
         self.before: List[collections.Counter] = []
-        self.after: List[collections.Counter] = []
+        self._after: List[Callable[[], torch.fx.Graph]] = []
         self.results: List[FusionResult] = []
         self.runs: List[int] = []  # per backward graph: runs of its forward (a graph reused per layer)
 
@@ -299,12 +299,17 @@ class Recorder:
         compiled = aot_backend(self.options, self._around_pass)(gm, example_inputs)
         return counting_runs(compiled, self.runs, range(first, len(self.results)))
 
-    def _around_pass(self, bw_gm, run):
-        self.before.append(op_counts(bw_gm.graph))
-        progress(f"running the pass on a backward graph of {len(bw_gm.graph.nodes)} nodes...")
-        self.results.append(run())
-        self.after.append(op_counts(bw_gm.graph))
+    def _around_pass(self, gm, run):
+        progress(f"running the pass on a {run.stage} graph of {len(gm.graph.nodes)} nodes...")
+        result, before = run_keeping_unfused(gm, run)
+        self.results.append(result)
+        self.before.append(op_counts(before))
+        self._after.append(fused_backward(gm, run))
         self.runs.append(0)
+
+    @property
+    def after(self) -> List[collections.Counter]:
+        return [op_counts(after()) for after in self._after]
 
     def fused_runs(self, op: str) -> int:
         return sum(r.fused(op) * n for r, n in zip(self.results, self.runs))

@@ -1,16 +1,15 @@
 """A torch.compile backend for tests and benchmarks: AOTAutograd with the real pass on each
-backward graph, keeping every backward graph before and after the pass and the pass's results;
+joint graph (or backward graph), keeping every backward graph before and after the pass and the pass's results;
 and what the pass tests check with it (:func:`compile_and_compare`, :func:`decomposed_leftovers`)."""
 from __future__ import annotations
 
 import collections
-import copy
 import functools
 
 import torch
 
 from ..lowering import FUSED_OPS
-from ..plugin.backend import aot_backend
+from ..plugin.backend import aot_backend, fused_backward, run_keeping_unfused
 from ..plugin.options import FusionOptions
 from .grads import MODEL_FACTOR, assert_close_as_unfused, float64_grads, run_grads
 
@@ -39,7 +38,8 @@ def counting_runs(compiled, runs, owned):
 
 
 class Capture:
-    """A torch.compile backend running ``fuse_backward`` on each backward graph.
+    """A torch.compile backend running the pass as the ``npu_fusion`` backend does (``fuse_joint``
+    on each joint graph; ``stage="backward"``: ``fuse_backward`` after the partition).
 
     ``strict`` defaults to True (an internal error of the pass raises) so that tests see it;
     benchmarks that must go on pass ``strict=False`` and read ``results[i].error``.
@@ -47,14 +47,21 @@ class Capture:
     ``decompositions`` is the backend option (``"none"``, ``"core"``) or a decomposition table
     of its own for AOTAutograd (Inductor's ``select_decomp_table()``). ``fuse=False`` keeps the
     backward graph modules (``backwards``) and their forward graphs (``partition_forwards``)
-    without running the pass: for tests and profiles that run ``fuse_backward`` themselves."""
+    without running the pass: for tests and profiles that run ``fuse_backward`` themselves.
 
-    def __init__(self, partitioner="default", decompositions="none", fuse=True, **options):
+    ``before`` and ``after`` hold backward graphs either way: on the joint stage ``before`` is the
+    partition of the joint graph as it was, ``after`` the backward the backend partitioned."""
+
+    def __init__(self, partitioner="default", decompositions="none", fuse=True, stage=None, **options):
         table = None if isinstance(decompositions, str) else decompositions
         self.options = FusionOptions.from_mapping(dict({"strict": True}, **options, partitioner=partitioner,
                                                        decompositions="none" if table is not None else decompositions))
         self.table, self.fuse = table, fuse
-        self.before, self.after, self.results = [], [], []
+        #: where the pass runs: on the joint graph (the backend's way), or on the backward
+        #: graph after the partition (torchair's hook; what ``fuse=False`` keeps by default)
+        self.stage = stage or ("joint" if fuse else "backward")
+        self.before, self.results = [], []
+        self._after = []  # per result: the backward graph after the pass, once partitioned
         self.forwards = []  # the forward graphs dynamo handed over, one per compiled graph
         #: the backward graph modules and the forward graph of each one's partition
         self.backwards, self.partition_forwards = [], []
@@ -64,7 +71,7 @@ class Capture:
 
     def backend(self):
         """The AOTAutograd backend (``.kwargs`` are its compilers, partitioner and decompositions)."""
-        backend = aot_backend(self.options, self._around_pass)
+        backend = aot_backend(self.options, self._around_pass, stage=self.stage)
         if self.table is not None:
             backend.kwargs["decompositions"] = self.table
         return backend
@@ -81,15 +88,22 @@ class Capture:
 
         return aot_function(fn, **self.backend().kwargs)
 
-    def _around_pass(self, bw_gm, run):
-        self.backwards.append(bw_gm)
-        self.partition_forwards.append(run.forward)
+    def _around_pass(self, gm, run):
+        if run.stage == "backward" or run.split is None:
+            self.backwards.append(gm)
+            self.partition_forwards.append(run.forward)
         if not self.fuse:
             return
-        self.before.append(copy.deepcopy(bw_gm.graph))
-        self.results.append(run())
-        self.after.append(bw_gm.graph)
+        result, before = run_keeping_unfused(gm, run)
+        self.results.append(result)
+        self.before.append(before)
+        self._after.append(fused_backward(gm, run))
         self.runs.append(0)
+
+    @property
+    def after(self):
+        """The backward graphs after the pass (partitioned ones once the compile has run)."""
+        return [after() for after in self._after]
 
     def fused(self, op):
         """Fused sites in the graphs (each once, however often its graph ran)."""
