@@ -11,3 +11,12 @@ def install(config=None, **options):
     from .plugin.torchair import install as _install
 
     return _install(config, **options)
+
+
+def install_inductor(**options):
+    """Install the npu-fusion pass into Inductor's joint-graph hook
+    (``torch._inductor.config.joint_custom_pre_pass``; see
+    :func:`npu_fusion.plugin.inductor.install_inductor`); returns the pass."""
+    from .plugin.inductor import install_inductor as _install
+
+    return _install(**options)

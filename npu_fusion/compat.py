@@ -109,3 +109,26 @@ def torchair_pass(compiler_config) -> Optional[Callable]:
     """The pass currently set in the config's slot (torchair wraps it in a ``CallableValue``)."""
     slot = getattr(compiler_config, torchair_pass_slot(compiler_config))
     return getattr(slot, "value", slot)
+
+
+def inductor_config():
+    """``torch._inductor.config``: where Inductor reads its joint-graph hook
+    (``joint_custom_pre_pass``, called with the joint graph before the partition)."""
+    import torch._inductor.config as config
+
+    return config
+
+
+def custom_graph_pass_base() -> type:
+    """Inductor's ``CustomGraphPass``: a pass with a ``uuid()``, which the FX graph cache puts
+    in its key (a bare callable in a custom-pass slot makes the cache bypass the graph)."""
+    from torch._inductor.custom_graph_pass import CustomGraphPass
+
+    return CustomGraphPass
+
+
+def hash_for_files(paths: tuple, extra: str = "") -> bytes:
+    """Inductor's hash of source files (``get_hash_for_files``), for a custom pass's uuid."""
+    from torch._inductor.custom_graph_pass import get_hash_for_files
+
+    return get_hash_for_files(tuple(paths), extra)

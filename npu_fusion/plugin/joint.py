@@ -21,7 +21,7 @@ Two things the partitioners need from the graph the pass leaves them:
   either) may be updated in place by the caller between forward and backward; that is legal
   when the program saved a copy and raises when it saved the tensor itself. Where a fused op
   reads such a tensor and the unfused backward did not (it read a float32 upcast, a copy), the
-  fused op reads a copy made in the forward (``clone``, tagged ``MUST_SAVE`` so no partitioner
+  fused op reads a copy made in the forward (``_to_copy``, tagged ``MUST_SAVE`` so no partitioner
   recomputes it from the original). "Read by the unfused backward" counts reads through
   forward values that activation checkpointing recomputes (their inputs are saved); the
   min-cut partitioner's own recomputation is not predicted, so under it a copy may be made
@@ -153,13 +153,14 @@ class JointGraph:
         return copies
 
     def _forward_copy(self, value: fx.Node) -> fx.Node:
-        """``clone(value)`` among the forward nodes, right after ``value`` (after the last input
+        """A copy of ``value`` among the forward nodes, right after ``value`` (after the last input
         when it is one), saved for the backward by every partitioner."""
         where = value
         if value.op == "placeholder":
             where = list(self.graph.find_nodes(op="placeholder"))[-1]
         with self.graph.inserting_after(where):
-            copy = call(self.graph, fake_mode_of(self.graph), aten.clone.default, (value,))
+            # _to_copy, not clone: Inductor's joint passes remove a clone as a no-op
+            copy = call(self.graph, fake_mode_of(self.graph), aten._to_copy.default, (value,))
         copy.meta[TAG] = "is_forward"
         copy.meta["recompute"] = _must_save_policy()
         return copy
