@@ -53,9 +53,13 @@ def _make_pass_class():
             if gm is None:
                 return
             if is_joint_graph(graph):
-                fuse_joint(gm, self.options)
+                result = fuse_joint(gm, self.options, copy_op=_copy_by_multiplying)
             elif in_compiled_autograd():  # the whole backward, compiled as an inference graph
-                fuse_backward(gm, self.options)
+                result = fuse_backward(gm, self.options)
+            else:
+                return
+            if result.sites:
+                _decompose_casts(gm)
 
         def uuid(self) -> Optional[bytes]:
             previous = [p.uuid() if hasattr(p, "uuid") else None for p in _as_passes(self.previous)]
@@ -65,6 +69,30 @@ def _make_pass_class():
             return hash_for_files(_sources(), extra)
 
     return NpuFusionJointPass
+
+
+def _copy_by_multiplying(graph, fake_mode, value):
+    """A copy Inductor keeps: ``x * 1`` (exact for every float; Inductor removes a ``clone``, a
+    same-dtype convert and ``_to_copy`` has no lowering, only a decomposition)."""
+    import torch
+
+    from ..patterns.rewrite import call
+
+    return call(graph, fake_mode, torch.ops.aten.mul.Tensor, (value, 1))
+
+
+def _decompose_casts(gm) -> None:
+    """Inductor's graphs are decomposed already and it has no lowering for ``aten._to_copy``
+    (only the decomposition): the casts the pass inserted become ``prims.convert_element_type``,
+    as Inductor's table makes them."""
+    import torch
+
+    for node in gm.graph.find_nodes(op="call_function", target=torch.ops.aten._to_copy.default):
+        dtype = node.kwargs.get("dtype")
+        if set(node.kwargs) == {"dtype"} and dtype is not None:
+            node.target = torch.ops.prims.convert_element_type.default
+            node.args, node.kwargs = (node.args[0], dtype), {}
+    gm.recompile()
 
 
 def _as_passes(slot) -> tuple:

@@ -29,7 +29,7 @@ Two things the partitioners need from the graph the pass leaves them:
 """
 from __future__ import annotations
 
-from typing import Dict, List, Optional, Set
+from typing import Callable, Dict, List, Optional, Set
 
 import torch
 import torch.fx as fx
@@ -75,12 +75,20 @@ def forward_boundary(graph: fx.Graph, gradient: Set[fx.Node]) -> Optional[fx.Nod
     return last
 
 
+def copy_by_to_copy(graph: fx.Graph, fake_mode, value: fx.Node) -> fx.Node:
+    """A copy as AOTAutograd graphs write one (``_to_copy``, not ``clone``, which compilers
+    drop as a no-op when nothing else marks it needed)."""
+    return call(graph, fake_mode, aten._to_copy.default, (value,))
+
+
 class JointGraph:
     """A joint graph as it was before the pass: its nodes, and the forward values its unfused
     backward reads. :meth:`prepare_for_partition` then places and guards what the pass added."""
 
-    def __init__(self, graph: fx.Graph):
+    def __init__(self, graph: fx.Graph, copy_op: Optional[Callable] = None):
         self.graph = graph
+        #: ``copy_op(graph, fake_mode, value)`` inserts a copy of ``value`` (at the insertion point)
+        self.copy_op = copy_op or copy_by_to_copy
         self.original = set(graph.nodes)
         gradient = gradient_dependent(graph) or set()
         self.boundary = forward_boundary(graph, gradient)
@@ -159,8 +167,7 @@ class JointGraph:
         if value.op == "placeholder":
             where = list(self.graph.find_nodes(op="placeholder"))[-1]
         with self.graph.inserting_after(where):
-            # _to_copy, not clone: Inductor's joint passes remove a clone as a no-op
-            copy = call(self.graph, fake_mode_of(self.graph), aten._to_copy.default, (value,))
+            copy = self.copy_op(self.graph, fake_mode_of(self.graph), value)
         copy.meta[TAG] = "is_forward"
         copy.meta["recompute"] = _must_save_policy()
         return copy

@@ -15,7 +15,7 @@ import dataclasses
 import gc
 import logging
 import time
-from typing import Any, Dict, List, Mapping, Optional, Union
+from typing import Any, Callable, Dict, List, Mapping, Optional, Union
 
 import torch
 import torch.fx as fx
@@ -172,14 +172,17 @@ def fuse_backward(gm: fx.GraphModule, options: Union[FusionOptions, Mapping, Non
     return _fuse(gm, options, forward, joint=False)
 
 
-def fuse_joint(gm: fx.GraphModule, options: Union[FusionOptions, Mapping, None] = None) -> FusionResult:
+def fuse_joint(gm: fx.GraphModule, options: Union[FusionOptions, Mapping, None] = None,
+               copy_op: Optional[Callable] = None) -> FusionResult:
     """Rewrite RoPE and RMSNorm backward subgraphs of AOTAutograd's joint graph ``gm`` in place,
     before the partition, and leave the graph ready for it (:mod:`.joint`): the partitioner then
-    saves what the fused ops read. Returns a :class:`FusionResult`."""
-    return _fuse(gm, options, None, joint=True)
+    saves what the fused ops read. ``copy_op`` makes the forward copies of caller-reachable
+    tensors (:class:`~.joint.JointGraph`; each compiler keeps a different op). Returns a
+    :class:`FusionResult`."""
+    return _fuse(gm, options, None, joint=True, copy_op=copy_op)
 
 
-def _fuse(gm: fx.GraphModule, options, forward: Optional[fx.Graph], joint: bool) -> FusionResult:
+def _fuse(gm: fx.GraphModule, options, forward: Optional[fx.Graph], joint: bool, copy_op=None) -> FusionResult:
     """The one run of the pass both entries share: snapshot, rounds, record."""
     if not isinstance(options, FusionOptions):
         options = FusionOptions.from_mapping(options)
@@ -197,7 +200,7 @@ def _fuse(gm: fx.GraphModule, options, forward: Optional[fx.Graph], joint: bool)
     graph, snapshot = gm.graph, None
     try:
         snapshot = Snapshot(graph)
-        layout = JointGraph(graph) if joint else None  # before the rewrites: what the unfused backward reads
+        layout = JointGraph(graph, copy_op) if joint else None  # before the rewrites: what the unfused backward reads
         result.sites, result.misses = _rewrite_in_rounds(graph, options, target, Provenance(forward, graph))
         if layout is not None and result.sites:
             result.copies = [n.args[0].name for n in layout.prepare_for_partition()]
