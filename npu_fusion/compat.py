@@ -132,3 +132,10 @@ def hash_for_files(paths: tuple, extra: str = "") -> bytes:
     from torch._inductor.custom_graph_pass import get_hash_for_files
 
     return get_hash_for_files(tuple(paths), extra)
+
+
+def inductor_decompositions() -> dict:
+    """Inductor's decomposition table (``select_decomp_table``): what its joint graphs are made of."""
+    from torch._inductor.decomposition import select_decomp_table
+
+    return select_decomp_table()

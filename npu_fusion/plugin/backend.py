@@ -116,14 +116,16 @@ def aot_backend(options: FusionOptions, around_pass: Optional[Callable] = None, 
 
 
 def run_keeping_unfused(gm: torch.fx.GraphModule, run):
-    """For an ``around_pass``: run the pass and return ``(result, the backward graph as it was
-    without the pass)``; on a joint graph, the partition of a copy taken before the pass."""
+    """For an ``around_pass``: run the pass and return ``(result, backward graph, saved set)`` of
+    the program without the pass; on a joint graph, the partition of a copy taken before the
+    pass, else a copy of the backward graph (its saved set is the one the partition keeps: None)."""
     if run.stage == "joint" and run.split is not None:
         unfused = torch.fx.GraphModule(gm, copy.deepcopy(gm.graph))  # its attributes shared, not copied
         result = run()
-        return result, run.split(unfused)[1].graph
+        fw_gm, bw_gm = run.split(unfused)
+        return result, bw_gm.graph, saved_set(fw_gm, bw_gm)
     before = copy.deepcopy(gm.graph)
-    return run(), before
+    return run(), before, None
 
 
 def fused_backward(gm: torch.fx.GraphModule, run) -> Callable[[], torch.fx.Graph]:

@@ -301,7 +301,7 @@ class Recorder:
 
     def _around_pass(self, gm, run):
         progress(f"running the pass on a {run.stage} graph of {len(gm.graph.nodes)} nodes...")
-        result, before = run_keeping_unfused(gm, run)
+        result, before, _ = run_keeping_unfused(gm, run)
         self.results.append(result)
         self.before.append(op_counts(before))
         self._after.append(fused_backward(gm, run))

@@ -94,7 +94,7 @@ class Capture:
             self.partition_forwards.append(run.forward)
         if not self.fuse:
             return
-        result, before = run_keeping_unfused(gm, run)
+        result, before, _ = run_keeping_unfused(gm, run)
         self.results.append(result)
         self.before.append(before)
         self._after.append(fused_backward(gm, run))
