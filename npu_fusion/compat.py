@@ -139,3 +139,16 @@ def inductor_decompositions() -> dict:
     from torch._inductor.decomposition import select_decomp_table
 
     return select_decomp_table()
+
+
+def torchair_decompositions(compiler_config) -> dict:
+    """The decompositions ``torchair.get_npu_backend`` gives AOTAutograd for this config: its
+    defaults with its patches applied (``npu_fx_compiler._get_merged_decompositions``), or, in a
+    torchair without that helper, its defaults (``_utils.get_npu_default_decompositions``)."""
+    try:
+        from torchair.npu_fx_compiler import _get_merged_decompositions
+    except ImportError:
+        from torchair._utils import get_npu_default_decompositions
+
+        return get_npu_default_decompositions()
+    return _get_merged_decompositions(compiler_config, {})

@@ -1,9 +1,9 @@
 """The ``npu_fusion`` torch.compile backend.
 
-``torch.compile(model, backend="npu_fusion", options={...})``. On an Ascend host
-with torchair it compiles through torchair with the pass installed; elsewhere it
-runs AOTAutograd with the pass on each joint graph, before the partition, and the
-fused ops run on their reference kernels.
+``torch.compile(model, backend="npu_fusion", options={...})``. It runs AOTAutograd with
+the pass on each joint graph, before the partition, everywhere: on an Ascend host with
+torchair's compilers and decompositions (GE compiles both graphs), elsewhere with the
+graphs run as they are (the fused ops on their reference kernels).
 """
 from __future__ import annotations
 
@@ -46,7 +46,8 @@ def _decompositions(name: str):
     return {}
 
 
-def aot_backend(options: FusionOptions, around_pass: Optional[Callable] = None, stage: str = "joint"):
+def aot_backend(options: FusionOptions, around_pass: Optional[Callable] = None, stage: str = "joint",
+                compiler: Optional[Callable] = None, decompositions: Optional[dict] = None, **aot_options):
     """AOTAutograd with the pass on each joint graph, run inside ``partition_fn`` before the
     partitioner splits it (:func:`~npu_fusion.plugin.pass_manager.fuse_joint`), so the
     partitioner sees the fused ops and saves what they read.
@@ -68,6 +69,10 @@ def aot_backend(options: FusionOptions, around_pass: Optional[Callable] = None, 
     provenance (backward stage), ``run.split(joint_gm)`` partitions a joint graph as this
     backend does (a copy taken before ``run()`` gives the unfused partition), and
     ``run.partitioned`` is ``(forward, backward)`` once the backend has partitioned.
+
+    ``compiler(gm, example_inputs)`` compiles the forward, backward and inference graphs
+    (default: run them as they are); ``decompositions`` replaces the table the ``decompositions``
+    option names; ``aot_options`` go to ``aot_autograd`` (the torchair path's, below).
     """
     if stage not in ("joint", "backward"):
         raise ValueError(f"stage must be 'joint' or 'backward', got {stage!r}")
@@ -103,16 +108,17 @@ def aot_backend(options: FusionOptions, around_pass: Optional[Callable] = None, 
             result.saved = saved_set(fw_gm, bw_gm)
         return fw_gm, bw_gm
 
-    def fw_compiler(fw_gm, _inputs):
+    def fw_compiler(fw_gm, inputs):
         if in_compiled_autograd():  # the whole backward, compiled as an inference graph
             fuse(fw_gm, None)
-        return make_boxed_func(fw_gm.forward)
+        return compiler(fw_gm, inputs) if compiler is not None else make_boxed_func(fw_gm.forward)
 
-    def bw_compiler(bw_gm, _inputs):
-        return make_boxed_func(bw_gm.forward)
+    def bw_compiler(bw_gm, inputs):
+        return compiler(bw_gm, inputs) if compiler is not None else make_boxed_func(bw_gm.forward)
 
+    table = decompositions if decompositions is not None else _decompositions(options.decompositions)
     return aot_autograd(fw_compiler=fw_compiler, bw_compiler=bw_compiler, partition_fn=partition_fn,
-                        decompositions=_decompositions(options.decompositions))
+                        decompositions=table, **aot_options)
 
 
 def run_keeping_unfused(gm: torch.fx.GraphModule, run):
@@ -136,13 +142,40 @@ def fused_backward(gm: torch.fx.GraphModule, run) -> Callable[[], torch.fx.Graph
     return lambda: gm.graph
 
 
-def npu_fusion_backend(gm: torch.fx.GraphModule, example_inputs, options: Optional[Dict[str, Any]] = None):
+def torchair_backend(options: FusionOptions, compiler_config=None):
+    """The backend on an Ascend host: AOTAutograd with the pass on the joint graph, as
+    elsewhere, with torchair's compiler (``torchair.get_compiler(config)``) for the forward,
+    backward and inference graphs and torchair's decompositions, so GE compiles both graphs
+    and the fused ops reach it through their converters. Every option is honoured:
+    ``partitioner`` picks the partition, ``decompositions="core"`` adds core ATen's table
+    under torchair's."""
+    import torchair
+
+    from ..compat import torchair_decompositions
+    from ..lowering import ge_converters
+
+    ge_converters.register()  # in case torchair became importable after npu_fusion was imported
+    config = compiler_config if compiler_config is not None else torchair.CompilerConfig()
+    table = dict(_decompositions(options.decompositions))
+    table.update(torchair_decompositions(config))
+    return aot_backend(options, compiler=torchair.get_compiler(config), decompositions=table,
+                       keep_inference_input_mutations=True)
+
+
+def get_backend(options: Optional[Dict[str, Any]] = None, *, torchair_config=None,
+                ascend_host: Optional[bool] = None):
+    """The ``npu_fusion`` backend for ``options``: :func:`torchair_backend` on an Ascend host
+    (``ascend_host``: detected when None; tests set it), :func:`aot_backend` elsewhere.
+    ``torchair_config`` is the ``torchair.CompilerConfig`` to compile with on an Ascend host."""
     opts = FusionOptions.from_mapping(options)
-    if _on_npu_host():
-        import torchair
+    if ascend_host is None:
+        ascend_host = _on_npu_host()
+    if ascend_host:
+        return torchair_backend(opts, torchair_config)
+    if torchair_config is not None:
+        raise ValueError("npu_fusion backend: torchair_config is only used on an Ascend host (none here)")
+    return aot_backend(opts)
 
-        from .torchair import install
 
-        config = install(torchair.CompilerConfig(), **(options or {}))
-        return torchair.get_npu_backend(compiler_config=config)(gm, example_inputs)
-    return aot_backend(opts)(gm, example_inputs)
+def npu_fusion_backend(gm: torch.fx.GraphModule, example_inputs, options: Optional[Dict[str, Any]] = None):
+    return get_backend(options)(gm, example_inputs)
