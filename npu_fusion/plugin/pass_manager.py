@@ -21,7 +21,7 @@ import torch
 import torch.fx as fx
 
 from ..patterns import RULES
-from ..patterns.evaluator import Provenance
+from ..patterns.evaluator import JointProvenance, Provenance
 from ..patterns.rewrite import Miss, Rewrites, Site
 from .joint import JointGraph
 from .logs import TRACE_AFTER, TRACE_BEFORE, dump_graph, log, trace_decisions, trace_graph
@@ -201,7 +201,8 @@ def _fuse(gm: fx.GraphModule, options, forward: Optional[fx.Graph], joint: bool,
     try:
         snapshot = Snapshot(graph)
         layout = JointGraph(graph, copy_op) if joint else None  # before the rewrites: what the unfused backward reads
-        result.sites, result.misses = _rewrite_in_rounds(graph, options, target, Provenance(forward, graph))
+        provenance = JointProvenance(graph, layout.backward) if joint else Provenance(forward, graph)
+        result.sites, result.misses = _rewrite_in_rounds(graph, options, target, provenance)
         if layout is not None and result.sites:
             result.copies = [n.args[0].name for n in layout.prepare_for_partition()]
         graph.lint()
