@@ -152,3 +152,17 @@ def torchair_decompositions(compiler_config) -> dict:
 
         return get_npu_default_decompositions()
     return _get_merged_decompositions(compiler_config, {})
+
+
+def no_compile_caches():
+    """A context without Inductor's FX graph cache and AOTAutograd's cache, so that a compile
+    runs every pass again (a cache hit skips the joint-graph passes, the npu-fusion pass among them)."""
+    import contextlib
+
+    import torch._functorch.config as functorch_config
+
+    stack = contextlib.ExitStack()
+    stack.enter_context(inductor_config().patch(fx_graph_cache=False))
+    if hasattr(functorch_config, "enable_autograd_cache"):
+        stack.enter_context(functorch_config.patch(enable_autograd_cache=False))
+    return stack

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import npu_fusion
-from npu_fusion.compat import inductor_config
+from npu_fusion.compat import inductor_config, no_compile_caches
 from npu_fusion.plugin.inductor import uninstall_inductor
 from npu_fusion.plugin.pass_manager import COUNTER
 from npu_fusion.testing.grads import MODEL_FACTOR, grad_failures
@@ -18,11 +18,14 @@ B, S = 2, 8
 
 @pytest.fixture
 def installed():
+    """The pass installed, and the compile caches off: a cache hit (from an earlier run of these
+    tests) would skip Inductor's joint passes, the pass among them, and count no site."""
     before = inductor_config().joint_custom_pre_pass
     npu_fusion.install_inductor(target="generic", strict=True)
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
-    yield
+    with no_compile_caches():
+        yield
     uninstall_inductor()
     assert inductor_config().joint_custom_pre_pass is before
     torch._dynamo.reset()
