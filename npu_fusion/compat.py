@@ -166,3 +166,10 @@ def no_compile_caches():
     if hasattr(functorch_config, "enable_autograd_cache"):
         stack.enter_context(functorch_config.patch(enable_autograd_cache=False))
     return stack
+
+
+def inductor_backend():
+    """The ``"inductor"`` torch.compile backend as a function (Dynamo's registry lookup)."""
+    from torch._dynamo import lookup_backend
+
+    return lookup_backend("inductor")

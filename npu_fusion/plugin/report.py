@@ -62,8 +62,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dynamic", action="store_true", help="mark batch and sequence dynamic")
     parser.add_argument("--target", choices=("auto",) + TARGETS, default="auto",
                         help="which chip's forms the pass may emit (auto: detect, generic off an NPU host)")
-    parser.add_argument("--partitioner", choices=("default", "min_cut"), default="default",
-                        help="AOTAutograd partitioner")
+    parser.add_argument("--partitioner", choices=("default", "min_cut"), default=None,
+                        help="AOTAutograd partitioner of the npu_fusion backend (default: default)")
+    parser.add_argument("--compiler", choices=COMPILERS, default="npu_fusion",
+                        help="npu_fusion: the backend (the pass on the joint graph); inductor: stock Inductor "
+                             "after npu_fusion.install_inductor (its min-cut partitioner; no op counts, Inductor "
+                             "hands over no graph)")
     parser.add_argument("--checkpointing", choices=("none", "full", "selective"), default="none",
                         help="activation checkpointing of each block (transformers models: full only, "
                              "through gradient_checkpointing_enable)")
@@ -103,6 +107,9 @@ def _finite(value):
     if isinstance(value, (list, tuple)):
         return [_finite(v) for v in value]
     return value
+
+
+COMPILERS = ("npu_fusion", "inductor")
 
 
 class UsageError(Exception):
@@ -314,6 +321,41 @@ class Recorder:
     def fused_runs(self, op: str) -> int:
         return sum(r.fused(op) * n for r, n in zip(self.results, self.runs))
 
+    def installed(self):
+        return contextlib.nullcontext()
+
+
+class InductorRecorder(Recorder):
+    """A torch.compile backend: stock Inductor after ``install_inductor``, the pass inside its
+    partition. The pass's results are read from ``HISTORY``; Inductor hands over no graph, so
+    there are no op counts."""
+
+    def __call__(self, gm, example_inputs):
+        from ..compat import inductor_backend
+        from ..testing.capture import counting_runs
+        from .pass_manager import HISTORY
+
+        mark, first = HISTORY.mark(), len(self.results)
+        progress("compiling with Inductor (the pass runs in its partition)...")
+        compiled = inductor_backend()(gm, example_inputs)
+        self.results.extend(HISTORY.since(mark))
+        self.runs.extend([0] * (len(self.results) - first))
+        return counting_runs(compiled, self.runs, range(first, len(self.results)))
+
+    @contextlib.contextmanager
+    def installed(self):
+        """The pass installed, and the compile caches off (a cache hit skips the joint passes)."""
+        from ..compat import no_compile_caches
+        from .inductor import install_inductor, uninstall_inductor
+
+        install_inductor(**{k: v for k, v in dataclasses.asdict(self.options).items()
+                            if k not in ("partitioner", "decompositions")})
+        try:
+            with no_compile_caches():
+                yield
+        finally:
+            uninstall_inductor()
+
 
 # --------------------------------------------------------------------------- the run
 
@@ -335,7 +377,12 @@ def collect(args: argparse.Namespace) -> Dict[str, Any]:
     """Run the report and return everything it found as plain data (what ``--json`` prints)."""
     if args.layers < 1 or args.batch < 1 or args.seq < 2:
         raise UsageError("--layers and --batch must be at least 1, --seq at least 2")
-    options = FusionOptions.from_mapping({"target": args.target, "partitioner": args.partitioner})
+    compiler = getattr(args, "compiler", "npu_fusion")
+    if compiler == "inductor" and args.partitioner is not None:
+        raise UsageError("--partitioner is not honoured with --compiler inductor (Inductor partitions with min-cut)")
+    partitioner = args.partitioner or ("min_cut" if compiler == "inductor" else "default")
+    args.partitioner = partitioner
+    options = FusionOptions.from_mapping({"target": args.target, "partitioner": partitioner})
     progress("building the model...")
     subject = (_framework_subject(args) if getattr(args, "framework", None)
                else _hf_subject(args) if args.hf else _bundled_subject(args))
@@ -347,9 +394,10 @@ def collect(args: argparse.Namespace) -> Dict[str, Any]:
     eager_loss, eager = _step(subject, subject.model, ids, counting=counting or contextlib.nullcontext())
     expected = dict(counting.counts) if counting is not None else subject.expected
 
-    recorder = Recorder(options)
+    recorder = Recorder(options) if compiler == "npu_fusion" else InductorRecorder(options)
     outside = subject.counter(subject.model) if subject.counts_outside else contextlib.nullcontext()
-    seconds, compiled_loss, fused_grads = _measured_compiled_step(args, subject, recorder, ids, outside)
+    with recorder.installed():
+        seconds, compiled_loss, fused_grads = _measured_compiled_step(args, subject, recorder, ids, outside)
 
     progress("comparing gradients...")
     gradients = compare_gradients(fused_grads, eager, exact)
@@ -396,6 +444,7 @@ def _assemble(args, subject: Subject, options: FusionOptions, recorder, expected
                      "layers": args.layers, "dtype": args.dtype, "batch": args.batch, "seq": args.seq,
                      "dynamic": args.dynamic, "target": args.target,
                      "resolved_target": options.resolved_target(), "partitioner": args.partitioner,
+                     "compiler": getattr(args, "compiler", "npu_fusion"),
                      "checkpointing": args.checkpointing, "compiled_autograd": args.compiled_autograd,
                      "seed": args.seed},
         "backward_graphs": len(results),
@@ -586,8 +635,8 @@ def _format_header(report: Dict[str, Any]) -> str:
     shapes = "dynamic batch and sequence" if s["dynamic"] else "static shapes"
     out = [f"npu-fusion report: {report['model']}, {s['layers']} layer(s), {s['dtype']}, "
            f"batch {s['batch']} x seq {s['seq']}, {shapes}\n"
-           f"target {s['resolved_target']} (asked: {s['target']}), partitioner {s['partitioner']}, "
-           f"{report['backward_graphs']} backward graph(s)\n"]
+           f"compiler {s.get('compiler', 'npu_fusion')}, target {s['resolved_target']} (asked: {s['target']}), "
+           f"partitioner {s['partitioner']}, {report['backward_graphs']} graph(s) through the pass\n"]
     sec = report["seconds"]
     total = sec["forward_first_call"] + sec["backward_first_call"]
     out.append(f"first forward + backward (compile and run) {total:.2f} s; the pass itself "
