@@ -138,3 +138,43 @@ def test_upcast_saved_only_where_the_fused_backward_reads_it(use, upcast_saved):
     assert result.saved.count(torch.float32, (B, S, 32)) == upcast_saved, result.saved
     for g, e, r in zip(got, expected, exact):
         assert_close_as_unfused(g, e, r, factor=MODEL_FACTOR)
+
+
+@pytest.mark.parametrize("checkpoint", ["full", "selective"])
+@pytest.mark.parametrize("partitioner", ["default", "min_cut"])
+def test_activation_checkpointing_keeps_its_saved_set(checkpoint, partitioner):
+    """The nodes the pass inserts into a checkpointed joint graph are backward nodes: the forward
+    still saves only what checkpointing saves (nothing more than without the pass, no float32
+    upcast), no fused op lands in the forward, and the gradients pass the float64 criterion."""
+    from npu_fusion.models import bundled
+    from npu_fusion.plugin.backend import run_keeping_unfused
+
+    model = bundled("llama", num_layers=2, dtype=torch.bfloat16, checkpoint=checkpoint)
+    ids = torch.randint(0, model.config.vocab_size, (B, S), generator=torch.Generator().manual_seed(0))
+    wide = bundled("llama", num_layers=2, dtype=torch.float64, checkpoint="none")
+    wide.load_state_dict({k: v.double() for k, v in model.state_dict().items()})
+    eager, exact = _grads(model, lambda: model.loss(ids)), _grads(wide, lambda: wide.loss(ids))
+    seen = {}
+
+    def around_pass(gm, run):
+        seen["result"], _, seen["unfused"] = run_keeping_unfused(gm, run)
+        seen["run"] = run
+
+    torch._dynamo.reset()
+    options = FusionOptions(target="generic", partitioner=partitioner, strict=True)
+    compiled = torch.compile(lambda i: model.loss(i), backend=aot_backend(options, around_pass))
+    got = _grads(model, lambda: compiled(ids))
+    result, unfused = seen["result"], seen["unfused"]
+    assert result.fused("rms_norm_grad") == 5 and result.fused("rotary_position_embedding_grad") == 4
+    assert result.saved.bytes <= unfused.bytes, (result.saved, unfused)
+    assert result.saved.count(torch.float32, (B, S, 64)) == 0
+    forward = seen["run"].partitioned[0].graph
+    assert not [n for n in forward.nodes if str(n.target).startswith("npu_fusion.")]
+    for name, g in got.items():
+        assert_close_as_unfused(g, eager[name], exact[name], factor=MODEL_FACTOR)
+
+
+def _grads(model, loss):
+    model.zero_grad(set_to_none=True)
+    loss().backward()
+    return {n: p.grad.detach().clone() for n, p in model.named_parameters()}
