@@ -401,7 +401,7 @@ def main(argv=None) -> int:
                   f"{100 * r['pass'] / r['first_call']:.1f}% ({100 * r['pass_cpu'] / r['first_call_cpu']:.1f}%) | "
                   f"{1e6 * r['pass_cpu'] / r['nodes_before']:.0f} us |")
     else:
-        print("| layers | backward nodes before -> after | sites fused | first fwd+bw call: wall (CPU) | "
+        print("| layers | nodes the pass sees, before -> after | sites fused | first fwd+bw call: wall (CPU) | "
               "second call | pass: wall (CPU) | of which GC (full collections) | pass / first call, CPU time | "
               "pass CPU time per node |")
         print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
