@@ -146,7 +146,8 @@ def main(argv=None) -> int:
     unfused = captured["unfused_saved"]
     print(f"\nsaved for the backward (activations: graph inputs and their views not counted): "
           f"{gib(unfused.bytes) if unfused else 'the same'} without the pass, {gib(result.saved.bytes)} with it; "
-          f"float32 [B, S, H] tensors saved: {result.saved.count(torch.float32, (args.batch, args.seq, config.hidden_size))}")
+          f"float32 [B, S, H] tensors saved: "
+          f"{result.saved.count(torch.float32, (args.batch, args.seq, config.hidden_size))}")
     for miss in result.misses:
         print(f"\nunfused: {miss.op} at {miss.node}: {miss.reason}")
     return 0

@@ -410,7 +410,8 @@ def main(argv=None) -> int:
                   f"{r['first_call']:.2f} s ({r['first_call_cpu']:.2f} s) | {r['second_call'] * 1e3:.0f} ms | "
                   f"{r['pass'] * 1e3:.0f} ms ({r['pass_cpu'] * 1e3:.0f} ms) | "
                   f"{r['pass_gc'] * 1e3:.0f} ms ({r['gc_full']}) | "
-                  f"{100 * r['pass_cpu'] / r['first_call_cpu']:.1f}% | {1e6 * r['pass_cpu'] / r['nodes_before']:.0f} us |")
+                  f"{100 * r['pass_cpu'] / r['first_call_cpu']:.1f}% | "
+                  f"{1e6 * r['pass_cpu'] / r['nodes_before']:.0f} us |")
     if len(rows) >= 2:
         xs = [r["nodes_before"] for r in rows]
         ys = [r["pass_cpu"] for r in rows]

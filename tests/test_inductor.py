@@ -123,7 +123,8 @@ def test_reinstall_replaces_and_chains_an_existing_pass():
         assert calls == [graph]
         assert second.uuid() is None  # the chained pass has no uuid: Inductor must not cache on ours
         config.joint_custom_pre_pass = None
-        assert npu_fusion.install_inductor(target="generic").uuid() == npu_fusion.install_inductor(target="generic").uuid()
+        generic = npu_fusion.install_inductor(target="generic").uuid()
+        assert generic is not None and npu_fusion.install_inductor(target="generic").uuid() == generic
         assert npu_fusion.install_inductor(target="a2").uuid() != npu_fusion.install_inductor(target="generic").uuid()
     finally:
         config.joint_custom_pre_pass = before

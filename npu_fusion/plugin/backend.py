@@ -77,21 +77,7 @@ def aot_backend(options: FusionOptions, around_pass: Optional[Callable] = None, 
     if stage not in ("joint", "backward"):
         raise ValueError(f"stage must be 'joint' or 'backward', got {stage!r}")
     partition = _partition_fn(options.partitioner)
-
-    def fuse(gm, forward, split=None):
-        result = []
-
-        def run():
-            joint = stage == "joint" and split is not None
-            result.append(fuse_joint(gm, options) if joint else fuse_backward(gm, options, forward=forward))
-            return result[-1]
-        run.stage, run.forward, run.split, run.partitioned = stage, forward, split, None
-
-        if around_pass is None:
-            run()
-        else:
-            around_pass(gm, run)
-        return (result[-1] if result else None), run
+    fuse = _fuser(options, stage, around_pass)
 
     def partition_fn(joint, joint_inputs, **kwargs):
         def split(gm):
@@ -119,6 +105,28 @@ def aot_backend(options: FusionOptions, around_pass: Optional[Callable] = None, 
     table = decompositions if decompositions is not None else _decompositions(options.decompositions)
     return aot_autograd(fw_compiler=fw_compiler, bw_compiler=bw_compiler, partition_fn=partition_fn,
                         decompositions=table, **aot_options)
+
+
+def _fuser(options: FusionOptions, stage: str, around_pass: Optional[Callable]):
+    """``fuse(gm, forward, split=None) -> (result, run)``: the pass on ``gm`` (a joint graph when
+    ``split``, the partition function, is given on the joint stage; else a backward graph),
+    through ``around_pass`` when there is one."""
+    def fuse(gm, forward, split=None):
+        result = []
+
+        def run():
+            joint = stage == "joint" and split is not None
+            result.append(fuse_joint(gm, options) if joint else fuse_backward(gm, options, forward=forward))
+            return result[-1]
+        run.stage, run.forward, run.split, run.partitioned = stage, forward, split, None
+
+        if around_pass is None:
+            run()
+        else:
+            around_pass(gm, run)
+        return (result[-1] if result else None), run
+
+    return fuse
 
 
 def run_keeping_unfused(gm: torch.fx.GraphModule, run):

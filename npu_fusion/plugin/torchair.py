@@ -58,7 +58,8 @@ def install(compiler_config=None, **options: Any):
     This is the path without the saved-set change: torchair's hook sees each backward
     graph after the partition, when the forward's saved set is fixed (a bf16 model still
     saves each HF-style norm's float32 upcast). The ``npu_fusion`` backend fuses the
-    joint graph on an Ascend host too, with torchair's compilers. ``compiler_config=None`` makes a fresh ``torchair.CompilerConfig()``.
+    joint graph on an Ascend host too, with torchair's compilers. ``compiler_config=None``
+    makes a fresh ``torchair.CompilerConfig()``.
     A torchair without a backward-pass hook (torch_npu 2.7.1 before its post releases)
     raises :class:`~npu_fusion.compat.UnsupportedTorchair` naming its release.
     """
