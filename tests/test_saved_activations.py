@@ -178,3 +178,8 @@ def _grads(model, loss):
     model.zero_grad(set_to_none=True)
     loss().backward()
     return {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+
+
+def test_the_retired_narrowing_option_is_an_error_naming_it():
+    with pytest.raises(ValueError, match="narrow_saved"):
+        FusionOptions.from_mapping({"narrow_saved": False})
