@@ -4,7 +4,10 @@ The bundled decoder with Llama-2-7B's sizes (hidden 4096, 32 heads of 128, MLP
 11008, vocabulary 32000), one layer by default, batch 1 and sequence 4096 in
 bfloat16, is built from fake tensors (``FakeTensorMode``, CPU semantics): nothing is
 allocated and nothing computed. torch.compile traces one training step (loss and
-backward) through AOTAutograd and the pass runs on the backward graph.
+backward) through AOTAutograd and the pass runs as one of the three paths does
+(``--path``): on the joint graph before the partition (the ``npu_fusion`` backend;
+Inductor after ``install_inductor``, with its decompositions and min-cut partitioner,
+no code generated), or on the backward graph after it (torchair after ``install``).
 Printed as markdown:
 
 * backward graph nodes before and after the pass;
@@ -17,13 +20,14 @@ The traffic model (``npu_fusion.patterns.traffic.node_traffic``): every non-view
 node reads all its tensor inputs and writes its output once; no fusion by a later
 compiler is assumed, so "before" is what an op-by-op (eager-like) backend moves.
 
-    python benchmarks/graph_effect.py [--layers 1] [--seq 4096] [--batch 1] [--dtype bfloat16] [--target generic]
+* the activation bytes the forward saves for the backward, without and with the pass.
+
+    python benchmarks/graph_effect.py [--layers 1] [--path npu_fusion|torchair|inductor] [--partitioner default]
 """
 from __future__ import annotations
 
 import argparse
 import collections
-import copy
 import sys
 import time
 
@@ -35,7 +39,8 @@ from npu_fusion.lowering import RMS_NORM_GRAD, ROPE_GRAD
 from npu_fusion.models import RMSNorm, TinyConfig, TinyDecoder
 from npu_fusion.patterns.nodes import is_float_cast
 from npu_fusion.patterns.traffic import node_traffic
-from npu_fusion.plugin.backend import aot_backend
+from npu_fusion.compat import inductor_decompositions
+from npu_fusion.plugin.backend import aot_backend, fused_backward, run_keeping_unfused
 from npu_fusion.plugin.options import FusionOptions
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -49,8 +54,8 @@ def gib(n: float) -> str:
 
 def fused_traffic(graph) -> dict:
     """Per fused op, the modelled traffic around each fused node in the final backward graph:
-    the node itself and the casts right before and after it (what the pass added, as left
-    after the partition's saved-set narrowing removed the casts of saved upcasts)."""
+    the node itself and the casts right before and after it (what the pass added, as the
+    partition left them: on the joint graph a cast of a saved upcast back to x's dtype is gone)."""
     out = collections.Counter()
     for node in graph.nodes:
         name = getattr(node.target, "__name__", "")
@@ -62,7 +67,15 @@ def fused_traffic(graph) -> dict:
     return out
 
 
-def main(argv=None) -> int:
+PATHS = {
+    # path: (where the pass runs, partitioner, decompositions)
+    "npu_fusion": ("joint", None, "none"),     # the backend: the joint graph, --partitioner
+    "torchair": ("backward", "default", "none"),  # install(): after torchair's default partition
+    "inductor": ("joint", "min_cut", "inductor"),  # install_inductor(): Inductor's table and min-cut
+}
+
+
+def _parse(argv):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--layers", type=int, default=1)
     parser.add_argument("--seq", type=int, default=4096)
@@ -70,11 +83,16 @@ def main(argv=None) -> int:
     parser.add_argument("--dtype", choices=tuple(DTYPES), default="bfloat16")
     parser.add_argument("--rope", choices=("half", "interleave", "interleave_half"), default="half")
     parser.add_argument("--target", choices=("generic", "a2", "a3", "950"), default="generic")
-    parser.add_argument("--partitioner", choices=("default", "min_cut"), default="default")
-    parser.add_argument("--keep-saved", action="store_true",
-                        help="keep the partitioner's saved set (no narrowing of saved upcasts after fusing)")
-    args = parser.parse_args(argv)
+    parser.add_argument("--partitioner", choices=("default", "min_cut"), default="default",
+                        help="the npu_fusion path's partitioner (torchair's is default, Inductor's min-cut)")
+    parser.add_argument("--path", choices=tuple(PATHS), default="npu_fusion",
+                        help="npu_fusion: the backend, pass on the joint graph; torchair: the pass after "
+                             "the partition (npu_fusion.install); inductor: the joint graph with Inductor's "
+                             "decompositions and min-cut partitioner (npu_fusion.install_inductor; no codegen)")
+    return parser.parse_args(argv)
 
+
+def _build(args):
     config = TinyConfig(**dict(LLAMA_7B, num_layers=args.layers, rope=args.rope))
     fake_mode = FakeTensorMode()
     default_dtype = torch.get_default_dtype()
@@ -86,32 +104,56 @@ def main(argv=None) -> int:
     finally:
         torch.set_default_dtype(default_dtype)
     assert all(p.dtype == DTYPES[args.dtype] for p in model.parameters())
+    return config, fake_mode, model, ids
+
+
+def _backend(args, captured):
+    stage, partitioner, decompositions = PATHS[args.path]
+    options = FusionOptions.from_mapping({"target": args.target, "partitioner": partitioner or args.partitioner})
+
+    def around_pass(gm, run):
+        captured["result"], captured["before"], captured["unfused_saved"] = run_keeping_unfused(gm, run)
+        captured["after"] = fused_backward(gm, run)
+
+    backend = aot_backend(options, around_pass, stage=stage)
+    if decompositions == "inductor":
+        backend.kwargs["decompositions"] = inductor_decompositions()
+    return backend
+
+
+def main(argv=None) -> int:
+    args = _parse(argv)
+    config, fake_mode, model, ids = _build(args)
     norms = sum(isinstance(m, RMSNorm) for m in model.modules())
-    options = FusionOptions.from_mapping({"target": args.target, "partitioner": args.partitioner,
-                                          "narrow_saved": not args.keep_saved})
-
     captured = {}
-
-    def around_pass(bw_gm, run):
-        captured["before"] = copy.deepcopy(bw_gm.graph)
-        captured["result"] = run()
-        captured["after"] = bw_gm.graph  # changed again by the partition's saved-set narrowing
-
-    backend = aot_backend(options, around_pass)
     print(f"tracing {args.layers} layer(s) on fake tensors...", file=sys.stderr)
     start = time.perf_counter()
     with fake_mode:  # the compiled step, forward and backward, runs on fake tensors too
-        step = torch.compile(lambda i: model.loss(i), backend=backend, fullgraph=True)
+        step = torch.compile(lambda i: model.loss(i), backend=_backend(args, captured), fullgraph=True)
         step(ids).backward()
     traced = time.perf_counter() - start
     result = captured["result"]
     assert not result.error, result.error
-
-    before, after = captured["before"], captured["after"]
+    before, after = captured["before"], captured["after"]()
+    partitioner = PATHS[args.path][1] or args.partitioner
     print(f"## Llama-7B-shaped decoder: {args.layers} layer(s), hidden {config.hidden_size}, "
           f"{config.num_heads} heads x {config.head_dim}, MLP {config.intermediate_size}, vocab {config.vocab_size}, "
-          f"batch {args.batch} x seq {args.seq}, {args.dtype}, target {args.target}, partitioner {args.partitioner}\n")
+          f"batch {args.batch} x seq {args.seq}, {args.dtype}, target {args.target}, path {args.path} "
+          f"(pass on the {result.graph} graph), partitioner {partitioner}\n")
     print(f"traced and compiled in {traced:.1f} s; the pass took {result.seconds * 1e3:.0f} ms\n")
+    _print_graph_table(before, after)
+    _print_sites_table(result, after, {RMS_NORM_GRAD.name: norms, ROPE_GRAD.name: 2 * args.layers})
+    unfused = captured["unfused_saved"]
+    print(f"\nsaved for the backward (activations: graph inputs and their views not counted): "
+          f"{gib(unfused.bytes) if unfused else 'the same'} without the pass, {gib(result.saved.bytes)} with it; "
+          f"float32 [B, S, H] tensors saved: "
+          f"{result.saved.count(torch.float32, (args.batch, args.seq, config.hidden_size))}")
+    for miss in result.misses:
+        print(f"\nunfused: {miss.op} at {miss.node}: {miss.reason}")
+    return 0
+
+
+def _print_graph_table(before, after) -> None:
     print("| | backward graph nodes | modelled traffic of the whole backward graph |")
     print("|---|---:|---:|")
     whole_before = sum(node_traffic(n) for n in before.nodes)
@@ -121,7 +163,8 @@ def main(argv=None) -> int:
     print(f"| change | {len(after.nodes) - len(before.nodes):+d} | "
           f"{100 * (whole_after - whole_before) / whole_before:+.1f}% |\n")
 
-    expected = {RMS_NORM_GRAD.name: norms, ROPE_GRAD.name: 2 * args.layers}
+
+def _print_sites_table(result, after, expected) -> None:
     by_op = collections.defaultdict(list)
     for site in result.sites:
         by_op[site.op].append(site)
@@ -138,14 +181,6 @@ def main(argv=None) -> int:
         ratio = f"{a / m:.2f}" if m else "-"
         print(f"| {op} | {len(sites)} ({expected[op]}) | {nodes} | {gib(b)} | {gib(a)} | {gib(m)} | {ratio} | "
               f"{gib(b - a)} |")
-    saved = result.saved
-    if saved is not None:
-        print(f"\nsaved for the backward (activations: graph inputs and their views not counted): "
-              f"{gib(saved.bytes_before)} as partitioned, {gib(saved.bytes_after)} after narrowing "
-              f"({len(saved.narrowed)} upcasts saved in their source dtype, {len(saved.dropped)} no longer saved)")
-    for miss in result.misses:
-        print(f"\nunfused: {miss.op} at {miss.node}: {miss.reason}")
-    return 0
 
 
 if __name__ == "__main__":

@@ -6,9 +6,13 @@ graph, not the arithmetic, is what grows), one process measures side by side:
 
 * the first forward + backward call of ``torch.compile(backend="npu_fusion")``
   (Dynamo, AOTAutograd, the pass, and running it once);
-* the pass's own time on the backward graph (``FusionResult.seconds``, and the
+* the pass's own time on the joint graph (``FusionResult.seconds``, and the
   process's CPU time over the same call, which a busy machine disturbs less);
-* the backward graph's node count before and after the pass.
+* the node count of the graph the pass runs on (the joint graph; the backward graph
+  through torchair) before and after the pass.
+
+``--inductor`` measures the same through stock Inductor after ``npu_fusion.install_inductor``
+(the first call then includes Inductor's code generation and C++ compiles).
 
 It prints a markdown table, then a least-squares fit of pass time against nodes.
 Off an Ascend host the backend does no code generation, so the compile time here is
@@ -92,7 +96,7 @@ class GcTimer:
 
 
 class Clocked:
-    """The ``npu_fusion`` backend's off-NPU path (AOTAutograd, the pass on the backward
+    """The ``npu_fusion`` backend's off-NPU path (AOTAutograd, the pass on the joint
     graph), with the pass call timed on the wall clock and on this process's CPU clock."""
 
     def __init__(self, options):
@@ -131,6 +135,55 @@ def measure(layers: int, dtype=torch.float32, seq: int = 16, batch: int = 2, tar
     assert {op: r.fused(op) for op in model.expected_sites} == model.expected_sites
     return {"layers": layers, "first_call": first, "first_call_cpu": first_cpu, "second_call": second,
             "pass": r.seconds, "pass_cpu": backend.cpu, "pass_gc": backend.gc, "gc_full": backend.gc_full,
+            "objects": len(gc.get_objects()), "nodes_before": r.nodes_before,
+            "nodes_after": r.nodes_after, "sites": len(r.sites)}
+
+
+def measure_inductor(layers: int, target: str = "generic", dtype=torch.float32, seq: int = 16,
+                     batch: int = 2) -> dict:
+    """``measure`` through stock Inductor with ``npu_fusion.install_inductor``: the first call is
+    Dynamo, AOTAutograd, Inductor's joint passes (the npu-fusion pass among them), its partition,
+    code generation and C++ compilation of both graphs. The pass's CPU time is taken around its
+    own call (the ``CustomGraphPass``), the pass time from ``FusionResult.seconds``."""
+    from npu_fusion.compat import no_compile_caches
+    from npu_fusion.plugin import pass_manager
+    from npu_fusion.plugin.inductor import uninstall_inductor
+
+    model = bundled("llama", num_layers=layers, dtype=dtype)
+    ids = torch.randint(0, model.config.vocab_size, (batch, seq), generator=torch.Generator().manual_seed(0))
+    torch._dynamo.reset()
+    gc.collect()
+    installed = npu_fusion.install_inductor(target=target)
+    clock = {"cpu": 0.0, "gc": 0.0, "gc_full": 0}
+    real_call = type(installed).__call__
+
+    def timed(self, graph):
+        with GcTimer() as gc_time:
+            cpu = time.process_time()
+            real_call(self, graph)
+            clock["cpu"] += time.process_time() - cpu
+        clock["gc"] += gc_time.seconds
+        clock["gc_full"] += gc_time.full
+
+    type(installed).__call__ = timed
+    try:
+        with no_compile_caches():  # a cache hit would skip the joint passes, the pass among them
+            step = torch.compile(lambda i: model.loss(i))  # backend="inductor"
+            history = pass_manager.HISTORY.mark()
+            wall, cpu = time.perf_counter(), time.process_time()
+            step(ids).backward()
+            first, first_cpu = time.perf_counter() - wall, time.process_time() - cpu
+            start = time.perf_counter()
+            step(ids).backward()
+            second = time.perf_counter() - start
+    finally:
+        type(installed).__call__ = real_call
+        uninstall_inductor()
+    (r,) = [r for r in pass_manager.HISTORY.since(history) if r.graph == "joint"]
+    assert not r.error, r.error
+    assert {op: r.fused(op) for op in model.expected_sites} == model.expected_sites
+    return {"layers": layers, "first_call": first, "first_call_cpu": first_cpu, "second_call": second,
+            "pass": r.seconds, "pass_cpu": clock["cpu"], "pass_gc": clock["gc"], "gc_full": clock["gc_full"],
             "objects": len(gc.get_objects()), "nodes_before": r.nodes_before,
             "nodes_after": r.nodes_after, "sites": len(r.sites)}
 
@@ -295,6 +348,9 @@ def main(argv=None) -> int:
     parser.add_argument("--torchair", action="store_true",
                         help="compile through torchair.get_npu_backend with npu_fusion.install (torchair "
                              "from the torch_npu wheel, CANN stubbed, via tests/torchair; see the module doc)")
+    parser.add_argument("--inductor", action="store_true",
+                        help="compile with stock Inductor after npu_fusion.install_inductor (the pass on the joint "
+                             "graph; the first call includes Inductor's code generation and C++ compiles)")
     parser.add_argument("--target", default=None,
                         help="npu-fusion target (default: generic, or a2 with --torchair)")
     args = parser.parse_args(argv)
@@ -305,6 +361,10 @@ def main(argv=None) -> int:
         target = args.target or "a2"
         run = lambda layers: measure_torchair(torchair, layers, target=target)  # noqa: E731
         mode = f"torchair {os.path.dirname(torchair.__file__)}, target {target}"
+    elif args.inductor:
+        target = args.target or "generic"
+        run = lambda layers: measure_inductor(layers, target=target)  # noqa: E731
+        mode = f"stock Inductor with install_inductor, target {target}"
     else:
         target = args.target or "generic"
         run = lambda layers: measure(layers, target=target)  # noqa: E731
@@ -341,7 +401,7 @@ def main(argv=None) -> int:
                   f"{100 * r['pass'] / r['first_call']:.1f}% ({100 * r['pass_cpu'] / r['first_call_cpu']:.1f}%) | "
                   f"{1e6 * r['pass_cpu'] / r['nodes_before']:.0f} us |")
     else:
-        print("| layers | backward nodes before -> after | sites fused | first fwd+bw call: wall (CPU) | "
+        print("| layers | nodes the pass sees, before -> after | sites fused | first fwd+bw call: wall (CPU) | "
               "second call | pass: wall (CPU) | of which GC (full collections) | pass / first call, CPU time | "
               "pass CPU time per node |")
         print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
@@ -350,7 +410,8 @@ def main(argv=None) -> int:
                   f"{r['first_call']:.2f} s ({r['first_call_cpu']:.2f} s) | {r['second_call'] * 1e3:.0f} ms | "
                   f"{r['pass'] * 1e3:.0f} ms ({r['pass_cpu'] * 1e3:.0f} ms) | "
                   f"{r['pass_gc'] * 1e3:.0f} ms ({r['gc_full']}) | "
-                  f"{100 * r['pass_cpu'] / r['first_call_cpu']:.1f}% | {1e6 * r['pass_cpu'] / r['nodes_before']:.0f} us |")
+                  f"{100 * r['pass_cpu'] / r['first_call_cpu']:.1f}% | "
+                  f"{1e6 * r['pass_cpu'] / r['nodes_before']:.0f} us |")
     if len(rows) >= 2:
         xs = [r["nodes_before"] for r in rows]
         ys = [r["pass_cpu"] for r in rows]

@@ -7,7 +7,9 @@ __version__ = "0.1.0"
 
 def install(config=None, **options):
     """Install the npu-fusion pass into a torchair ``CompilerConfig`` (see
-    :func:`npu_fusion.plugin.torchair.install`); returns the config."""
+    :func:`npu_fusion.plugin.torchair.install`); returns the config. The path without the
+    saved-set change (the pass sees each backward graph after the partition):
+    ``backend="npu_fusion"`` fuses the joint graph on an Ascend host too."""
     from .plugin.torchair import install as _install
 
     return _install(config, **options)
@@ -20,3 +22,12 @@ def explain(model_or_fn, *example_inputs, **kwargs):
     from .report import explain as _explain
 
     return _explain(model_or_fn, *example_inputs, **kwargs)
+
+
+def install_inductor(**options):
+    """Install the npu-fusion pass into Inductor's joint-graph hook
+    (``torch._inductor.config.joint_custom_pre_pass``; see
+    :func:`npu_fusion.plugin.inductor.install_inductor`); returns the pass."""
+    from .plugin.inductor import install_inductor as _install
+
+    return _install(**options)

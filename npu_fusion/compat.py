@@ -118,3 +118,67 @@ def torchair_pass(compiler_config) -> Optional[Callable]:
     """The pass currently set in the config's slot (torchair wraps it in a ``CallableValue``)."""
     slot = getattr(compiler_config, torchair_pass_slot(compiler_config))
     return getattr(slot, "value", slot)
+
+
+def inductor_config():
+    """``torch._inductor.config``: where Inductor reads its joint-graph hook
+    (``joint_custom_pre_pass``, called with the joint graph before the partition)."""
+    import torch._inductor.config as config
+
+    return config
+
+
+def custom_graph_pass_base() -> type:
+    """Inductor's ``CustomGraphPass``: a pass with a ``uuid()``, which the FX graph cache puts
+    in its key (a bare callable in a custom-pass slot makes the cache bypass the graph)."""
+    from torch._inductor.custom_graph_pass import CustomGraphPass
+
+    return CustomGraphPass
+
+
+def hash_for_files(paths: tuple, extra: str = "") -> bytes:
+    """Inductor's hash of source files (``get_hash_for_files``), for a custom pass's uuid."""
+    from torch._inductor.custom_graph_pass import get_hash_for_files
+
+    return get_hash_for_files(tuple(paths), extra)
+
+
+def inductor_decompositions() -> dict:
+    """Inductor's decomposition table (``select_decomp_table``): what its joint graphs are made of."""
+    from torch._inductor.decomposition import select_decomp_table
+
+    return select_decomp_table()
+
+
+def torchair_decompositions(compiler_config) -> dict:
+    """The decompositions ``torchair.get_npu_backend`` gives AOTAutograd for this config: its
+    defaults with its patches applied (``npu_fx_compiler._get_merged_decompositions``), or, in a
+    torchair without that helper, its defaults (``_utils.get_npu_default_decompositions``)."""
+    try:
+        from torchair.npu_fx_compiler import _get_merged_decompositions
+    except ImportError:
+        from torchair._utils import get_npu_default_decompositions
+
+        return get_npu_default_decompositions()
+    return _get_merged_decompositions(compiler_config, {})
+
+
+def no_compile_caches():
+    """A context without Inductor's FX graph cache and AOTAutograd's cache, so that a compile
+    runs every pass again (a cache hit skips the joint-graph passes, the npu-fusion pass among them)."""
+    import contextlib
+
+    import torch._functorch.config as functorch_config
+
+    stack = contextlib.ExitStack()
+    stack.enter_context(inductor_config().patch(fx_graph_cache=False))
+    if hasattr(functorch_config, "enable_autograd_cache"):
+        stack.enter_context(functorch_config.patch(enable_autograd_cache=False))
+    return stack
+
+
+def inductor_backend():
+    """The ``"inductor"`` torch.compile backend as a function (Dynamo's registry lookup)."""
+    from torch._dynamo import lookup_backend
+
+    return lookup_backend("inductor")

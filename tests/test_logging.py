@@ -38,7 +38,7 @@ def test_torch_logs_info_shows_fused_and_unfused_sites():
                if "npu_fusion: left rotary_position_embedding_grad at " in line and " unfused: " in line]
     assert len(fused) == 3, err[-3000:]
     assert len(unfused) == 2 and all("950" in line for line in unfused), err[-3000:]
-    assert "npu_fusion: backward graph " in err and "3 fused" in err and "2 left unfused" in err
+    assert "npu_fusion: joint graph " in err and "3 fused" in err and "2 left unfused" in err
     assert "modelled bytes" not in err  # debug detail only with +npu_fusion
     assert "class GraphModule" not in err  # no dump unless asked for
 
@@ -51,8 +51,8 @@ def test_torch_logs_debug_adds_site_detail():
 
 def test_dump_env_var_dumps_the_graph_before_and_after_without_torch_logs():
     err = run_script(NPU_FUSION_DUMP_GRAPHS="1")
-    before = err.find("npu_fusion: backward graph before the pass")
-    after = err.find("npu_fusion: backward graph after the pass")
+    before = err.find("npu_fusion: joint graph before the pass")
+    after = err.find("npu_fusion: joint graph after the pass")
     assert 0 <= before < after, err[-3000:]
     assert "aten.pow.Tensor_Scalar" in err[before:after]
     assert "npu_fusion.rms_norm_grad.default" in err[after:]
@@ -83,8 +83,8 @@ def test_dump_graphs_option(monkeypatch):
     finally:
         log.removeHandler(handler)
     if log.isEnabledFor(logging.INFO):  # TORCH_LOGS set for the test run: matches are logged too
-        records = [r for r in records if "backward graph" in r and "the pass" in r]
+        records = [r for r in records if "joint graph" in r and "the pass" in r]
     assert len(records) == 2, records
-    assert records[0].startswith("npu_fusion: backward graph before the pass") and "aten.pow" in records[0]
-    assert records[1].startswith("npu_fusion: backward graph after the pass")
+    assert records[0].startswith("npu_fusion: joint graph before the pass") and "aten.pow" in records[0]
+    assert records[1].startswith("npu_fusion: joint graph after the pass")
     assert "npu_fusion.rms_norm_grad.default" in records[1]

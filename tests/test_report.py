@@ -242,3 +242,19 @@ def test_command_line_json():
     assert r["gradients"]["passed"]
     counted = collections.Counter(s["op"] for s in r["sites"])
     assert dict(counted) == expected
+
+
+def test_report_through_inductor(capsys):
+    """``--compiler inductor``: stock Inductor after install_inductor, every site of a 1-layer
+    bf16 Llama fused in its joint graph, gradients by the float64 criterion; the install is undone."""
+    from npu_fusion.compat import inductor_config
+
+    before = inductor_config().joint_custom_pre_pass
+    status, r, _ = run_json(capsys, "--compiler", "inductor", "--layers", "1", "--dtype", "bfloat16",
+                            "--seq", "8", "--target", "generic")
+    assert status == 0 and r["gradients"]["passed"], r["gradients"]
+    assert r["settings"]["compiler"] == "inductor" and r["settings"]["partitioner"] == "min_cut"
+    assert r["ops"][RMS]["fused"] == 3 and r["ops"][ROPE]["fused"] == 2, r["ops"]
+    assert not r["misses"] and not r["pass_errors"]
+    assert inductor_config().joint_custom_pre_pass is before
+    assert report.run(parse("--compiler", "inductor", "--partitioner", "default")) == report.EXIT_USAGE

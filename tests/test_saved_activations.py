@@ -1,19 +1,17 @@
-"""What the forward saves for a fused backward (``npu_fusion/plugin/saved_activations.py``):
-x in its own dtype instead of the float32 upcast an HF-style norm makes, nothing the fused
-backward no longer reads, gradients bit for bit those of the partitioner's own saved set."""
-import collections
-
+"""What the forward saves for a fused backward, now that the backend fuses the joint graph before
+the partition (``npu_fusion/plugin/joint.py``): x in its own dtype instead of the float32 upcast
+an HF-style norm makes, under either partitioner, at or below what the min-cut partitioner saves
+for the unfused graph; and never a tensor the caller can update in place where the unfused
+program saved a copy."""
 import pytest
 import torch
 
-from npu_fusion.plugin import backend as backend_module
 from npu_fusion.plugin import pass_manager
 from npu_fusion.plugin.backend import aot_backend
 from npu_fusion.plugin.options import FusionOptions
-from npu_fusion.plugin.saved_activations import saved_bytes, saved_nodes
 from npu_fusion.testing.grads import MODEL_FACTOR, assert_close_as_unfused
 
-B, S = 2, 16
+B, S, H = 2, 16, 64
 
 
 def _tiny_llama():
@@ -28,53 +26,87 @@ def _tiny_llama():
     return model.to(torch.bfloat16).eval(), config
 
 
-def _step(monkeypatch, partitioner, narrow_saved):
-    """One compiled training step; returns (gradients, saved tensors' fake values, results)."""
+def _step(partitioner, stage, rms_norm=True):
+    """One compiled training step of the tiny bf16 Llama; returns (gradients, the pass's result)."""
     model, config = _tiny_llama()
-    saved = []
-    real = backend_module.narrow_saved_activations
-
-    def observed(fw_gm, bw_gm):  # the real function, with the saved set read after it
-        change = real(fw_gm, bw_gm)
-        saved.extend(saved_nodes(fw_gm, bw_gm))
-        return change
-
-    monkeypatch.setattr(backend_module, "narrow_saved_activations", observed)
-    options = FusionOptions(partitioner=partitioner, narrow_saved=narrow_saved, target="generic")
+    options = FusionOptions(partitioner=partitioner, target="generic", rms_norm=rms_norm, rope=rms_norm)
     torch._dynamo.reset()
     mark = pass_manager.HISTORY.mark()
-    compiled = torch.compile(model, backend=aot_backend(options))
+    compiled = torch.compile(model, backend=aot_backend(options, stage=stage))
     ids = torch.randint(0, config.vocab_size, (B, S), generator=torch.Generator().manual_seed(1))
     compiled(input_ids=ids, labels=ids).loss.backward()
     grads = {n: p.grad for n, p in model.named_parameters()}
-    return grads, saved, pass_manager.HISTORY.since(mark)
+    (result,) = pass_manager.HISTORY.since(mark)
+    return grads, result
 
 
-def test_default_partition_saves_x_not_its_float32_upcast(monkeypatch):
-    grads, saved, results = _step(monkeypatch, "default", narrow_saved=True)
-    hidden = torch.Size([B, S, 64])
-    kinds = collections.Counter((n.meta["val"].dtype, n.meta["val"].shape) for n in saved
-                                if isinstance(n.meta.get("val"), torch.Tensor))
-    assert kinds[(torch.float32, hidden)] == 0, kinds
-    (result,) = results
-    assert result.fused("rms_norm_grad") == 5 and result.saved is not None
-    assert len(result.saved.narrowed) == 5, result.saved
-    assert result.saved.bytes_after < result.saved.bytes_before
-    assert saved_bytes(saved) == result.saved.bytes_after
+@pytest.mark.parametrize("partitioner", ["default", "min_cut"])
+def test_joint_graph_saves_x_not_its_float32_upcast(partitioner):
+    grads, result = _step(partitioner, "joint")
+    assert result.graph == "joint" and result.fused("rms_norm_grad") == 5 and not result.copies
+    assert result.saved.count(torch.float32, (B, S, H)) == 0, result.saved.kinds
+    post, after_partition = _step(partitioner, "backward")  # fused after the partition: torchair's hook
+    assert after_partition.fused("rms_norm_grad") == 5
+    _, unfused_min_cut = _step("min_cut", "joint", rms_norm=False)
+    assert not unfused_min_cut.sites
+    for name, g in grads.items():  # the same fused ops on the same values: the very same gradients
+        assert torch.equal(g, post[name]), name
+    if partitioner == "min_cut":  # it already saved x rather than the upcast; the pass changes nothing
+        assert result.saved.bytes <= after_partition.saved.bytes
+        assert result.saved.bytes <= unfused_min_cut.saved.bytes
+    else:  # after the partition, the default partitioner's upcasts stay saved
+        assert after_partition.saved.count(torch.float32, (B, S, H)) == 5
+        assert result.saved.bytes < after_partition.saved.bytes
+        # above min-cut's unfused set only by what the default partitioner saves and min-cut
+        # recomputes: the two MLP activations (silu outputs, [B, S, 128] bf16), nothing a fused op reads
+        assert result.saved.bytes - unfused_min_cut.saved.bytes == 2 * B * S * 128 * 2
 
-    unchanged, saved_before, _ = _step(monkeypatch, "default", narrow_saved=False)
-    assert not saved_before  # the option off leaves the partition alone
-    for name, g in grads.items():  # exact casts only: the very same gradients
-        assert torch.equal(g, unchanged[name]), name
+
+def _rms_norm(x, w, eps=1e-6):
+    xf = x.float()
+    return w * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
 
 
-def test_min_cut_partition_already_saves_no_upcast(monkeypatch):
-    grads, saved, results = _step(monkeypatch, "min_cut", narrow_saved=True)
-    hidden = torch.Size([B, S, 64])
-    assert not [n for n in saved if isinstance(n.meta.get("val"), torch.Tensor)
-                and n.meta["val"].dtype == torch.float32 and n.meta["val"].shape == hidden]
-    (result,) = results
-    assert result.saved is not None and result.saved.narrowed == []
+@pytest.mark.parametrize("partitioner", ["default", "min_cut"])
+def test_caller_updating_the_input_in_place_before_backward(partitioner):
+    """Legal in eager and unfused: the forward saved the upcast, a copy. The fused op reads x,
+    which the caller holds: it must read a copy saved by the forward, not the caller's tensor."""
+    def program(fn, dtype=torch.bfloat16):
+        gen = torch.Generator().manual_seed(3)
+        leaf = torch.randn(2, 4, 16, generator=gen).to(dtype).requires_grad_()
+        w = torch.randn(16, generator=gen).to(dtype).requires_grad_()
+        h = leaf * 1
+        out = fn(h, w)
+        h.add_(1.0)
+        out.double().sum().backward()
+        return leaf.grad, w.grad
+
+    expected = program(_rms_norm)
+    exact = program(_rms_norm, torch.float64)
+    torch._dynamo.reset()
+    mark = pass_manager.HISTORY.mark()
+    got = program(torch.compile(_rms_norm, backend=aot_backend(FusionOptions(target="generic",
+                                                                             partitioner=partitioner))))
+    (result,) = pass_manager.HISTORY.since(mark)
+    assert result.fused("rms_norm_grad") == 1 and result.copies, result
+    for g, e, x in zip(got, expected, exact):  # the gradients of x as it was at the forward
+        assert_close_as_unfused(g, e, x, factor=MODEL_FACTOR)
+
+
+def test_regional_compilation_copies_only_the_layer_input():
+    """Each layer compiled alone (its input a graph input): the first norm reads a copy of the
+    input, as the unfused program saved the upcast; x of later norms are the layer's own values."""
+    from npu_fusion.models import bundled
+
+    model = bundled("llama", num_layers=2).to(torch.bfloat16)
+    for layer in model.layers:
+        layer.compile(backend=aot_backend(FusionOptions(target="generic")))
+    ids = torch.randint(0, model.config.vocab_size, (2, 8), generator=torch.Generator().manual_seed(0))
+    torch._dynamo.reset()
+    mark = pass_manager.HISTORY.mark()
+    model.loss(ids).backward()
+    results = pass_manager.HISTORY.since(mark)
+    assert results and all(r.fused("rms_norm_grad") == 2 and len(r.copies) == 1 for r in results), results
 
 
 def _widen_then(use):
@@ -85,11 +117,11 @@ def _widen_then(use):
     return fn
 
 
-@pytest.mark.parametrize("use, narrowed", [
-    (lambda out, h: out, True),                           # the upcast only feeds the fused norm
-    (lambda out, h: out + (h * h).to(out.dtype), False),  # the backward also reads it in float32
+@pytest.mark.parametrize("use, upcast_saved", [
+    (lambda out, h: out, 0),                           # the upcast only feeds the fused norm
+    (lambda out, h: out + (h * h).to(out.dtype), 1),   # the backward also reads it in float32
 ])
-def test_upcast_narrowed_only_when_the_backward_only_narrows_it(monkeypatch, use, narrowed):
+def test_upcast_saved_only_where_the_fused_backward_reads_it(use, upcast_saved):
     gen = torch.Generator().manual_seed(2)
     x = torch.randn(B, S, 32, generator=gen).bfloat16().requires_grad_()
     w = torch.randn(32, generator=gen).bfloat16().requires_grad_()
@@ -103,6 +135,51 @@ def test_upcast_narrowed_only_when_the_backward_only_narrows_it(monkeypatch, use
     got = torch.autograd.grad(out.float().sum(), (x, w))
     (result,) = pass_manager.HISTORY.since(mark)
     assert result.fused("rms_norm_grad") == 1
-    assert bool(result.saved and result.saved.narrowed) == narrowed, result.saved
+    assert result.saved.count(torch.float32, (B, S, 32)) == upcast_saved, result.saved
     for g, e, r in zip(got, expected, exact):
         assert_close_as_unfused(g, e, r, factor=MODEL_FACTOR)
+
+
+@pytest.mark.parametrize("checkpoint", ["full", "selective"])
+@pytest.mark.parametrize("partitioner", ["default", "min_cut"])
+def test_activation_checkpointing_keeps_its_saved_set(checkpoint, partitioner):
+    """The nodes the pass inserts into a checkpointed joint graph are backward nodes: the forward
+    still saves only what checkpointing saves (nothing more than without the pass, no float32
+    upcast), no fused op lands in the forward, and the gradients pass the float64 criterion."""
+    from npu_fusion.models import bundled
+    from npu_fusion.plugin.backend import run_keeping_unfused
+
+    model = bundled("llama", num_layers=2, dtype=torch.bfloat16, checkpoint=checkpoint)
+    ids = torch.randint(0, model.config.vocab_size, (B, S), generator=torch.Generator().manual_seed(0))
+    wide = bundled("llama", num_layers=2, dtype=torch.float64, checkpoint="none")
+    wide.load_state_dict({k: v.double() for k, v in model.state_dict().items()})
+    eager, exact = _grads(model, lambda: model.loss(ids)), _grads(wide, lambda: wide.loss(ids))
+    seen = {}
+
+    def around_pass(gm, run):
+        seen["result"], _, seen["unfused"] = run_keeping_unfused(gm, run)
+        seen["run"] = run
+
+    torch._dynamo.reset()
+    options = FusionOptions(target="generic", partitioner=partitioner, strict=True)
+    compiled = torch.compile(lambda i: model.loss(i), backend=aot_backend(options, around_pass))
+    got = _grads(model, lambda: compiled(ids))
+    result, unfused = seen["result"], seen["unfused"]
+    assert result.fused("rms_norm_grad") == 5 and result.fused("rotary_position_embedding_grad") == 4
+    assert result.saved.bytes <= unfused.bytes, (result.saved, unfused)
+    assert result.saved.count(torch.float32, (B, S, 64)) == 0
+    forward = seen["run"].partitioned[0].graph
+    assert not [n for n in forward.nodes if str(n.target).startswith("npu_fusion.")]
+    for name, g in got.items():
+        assert_close_as_unfused(g, eager[name], exact[name], factor=MODEL_FACTOR)
+
+
+def _grads(model, loss):
+    model.zero_grad(set_to_none=True)
+    loss().backward()
+    return {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+
+
+def test_the_retired_narrowing_option_is_an_error_naming_it():
+    with pytest.raises(ValueError, match="narrow_saved"):
+        FusionOptions.from_mapping({"narrow_saved": False})

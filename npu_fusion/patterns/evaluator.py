@@ -55,6 +55,11 @@ class Provenance:
             self._fw_by_name[node.name] = node
             self._bw_by_name[node.name] = bw
 
+    def stands_for_saved(self, node: fx.Node) -> bool:
+        """Whether ``node`` stands for a saved forward value (a backward placeholder), read through
+        :meth:`forward_definition` as a forward value rather than as a backward node."""
+        return node.op == "placeholder"
+
     def forward_definition(self, bw_placeholder: fx.Node) -> Optional[fx.Node]:
         fw = self._fw_by_name.get(bw_placeholder.name)
         return fw if fw is not None and fw.op == "call_function" else None
@@ -78,6 +83,43 @@ class Provenance:
                 key = _expression_key(self._fw_by_name[name], memo, interned)
                 self._representatives[bw] = first.setdefault(key, bw) if key is not None else bw
         return self._representatives.get(bw_placeholder, bw_placeholder)
+
+class JointProvenance(Provenance):
+    """A joint graph (forward and backward in one graph) read as its partition would be, with
+    exact widening casts looked through.
+
+    ``backward`` are the joint graph's backward nodes. A forward value a backward node reads
+    is a value the partition saves: it stands for itself as a saved tensor does (read as a
+    forward definition is, a leaf where it cannot be read). So does the source of an exact
+    widening cast that is saved (an HF-style norm's ``x`` under its float32 upcast): a fused op
+    reads x in its own dtype, and the partitioner then saves x instead of the upcast. The other
+    forward values are the forward graph's (:meth:`is_forward`): read only through the saved
+    values they feed, as in a backward graph with its forward graph.
+    """
+
+    def __init__(self, graph: fx.Graph, backward: Iterable[fx.Node]):
+        super().__init__(None, graph)
+        backward = set(backward)
+        self._interior: set = set()
+        saved = [n for n in graph.nodes if n not in backward and n.op != "output"
+                 and not n.name.startswith("tangents") and any(u in backward for u in n.users)]
+        for node in saved:
+            while True:
+                if val(node) is not None:
+                    self._fw_by_name[node.name] = self._bw_by_name[node.name] = node
+                if not (is_float_cast(node) and is_value_preserving_cast(node)):
+                    break
+                node = node.args[0]
+        for node in graph.nodes:
+            if node not in backward and node.op != "output" and node.name not in self._fw_by_name \
+                    and not node.name.startswith("tangents"):
+                self._interior.add(node)
+
+    def stands_for_saved(self, node: fx.Node) -> bool:
+        return self._fw_by_name.get(node.name) is node or node.op == "placeholder"
+
+    def is_forward(self, node: fx.Node) -> bool:
+        return node in self._interior
 
 def _expression_key(node: fx.Node, memo: Dict[fx.Node, Any], interned: Dict[tuple, int]):
     """An id of a forward node's expression, equal for nodes that compute the same values from
@@ -133,6 +175,7 @@ class MemoEvaluator:
         self.provenance = provenance
         self.forced_leaves = set(forced_leaves)
         self.memo: Dict[fx.Node, Any] = {}
+        self._depth = 0  # nesting of value() calls
         self.interpreted: set = set()
         #: (node, exception) of evaluator failures other than Unsupported: each costs only
         #: its node, which stays opaque (a leaf), and is reported as a miss by the caller
@@ -153,6 +196,17 @@ class MemoEvaluator:
         return self.provenance is not None and self.provenance.is_forward(node)
 
     def value(self, node):
+        if not self._depth and self._is_forward(node):
+            # a forward value no backward node reads, asked for directly (a joint graph's; a
+            # backward graph has none): read only through the saved values it feeds
+            return None
+        self._depth += 1
+        try:
+            return self._value(node)
+        finally:
+            self._depth -= 1
+
+    def _value(self, node):
         if node in self.memo:
             return self.memo[node]
         self.memo[node] = None  # cycle guard; graphs are DAGs
@@ -164,13 +218,12 @@ class MemoEvaluator:
                 self.rounded[node] = self.rounded.get(saved, frozenset())
                 return result
         if node not in self.forced_leaves:
-            definition = node
-            if node.op == "placeholder" and self.provenance is not None:
-                definition = self.provenance.forward_definition(node)
+            saved = self.provenance is not None and self.provenance.stands_for_saved(node)
+            definition = self.provenance.forward_definition(node) if saved else node
             if definition is not None and definition.op == "call_function":
                 try:
-                    result = self._interpret(definition, forward=definition is not node or self._is_forward(node))
-                    if definition is node:
+                    result = self._interpret(definition, forward=saved or self._is_forward(node))
+                    if not saved:
                         self.interpreted.add(node)
                     if result is not None:
                         self.rounded[node] = self._rounding(definition)

@@ -1,12 +1,13 @@
 """The ``npu_fusion`` torch.compile backend.
 
-``torch.compile(model, backend="npu_fusion", options={...})``. On an Ascend host
-with torchair it compiles through torchair with the pass installed; elsewhere it
-runs AOTAutograd with the pass on each backward graph, and the fused ops run on
-their reference kernels.
+``torch.compile(model, backend="npu_fusion", options={...})``. It runs AOTAutograd with
+the pass on each joint graph, before the partition, everywhere: on an Ascend host with
+torchair's compilers and decompositions (GE compiles both graphs), elsewhere with the
+graphs run as they are (the fused ops on their reference kernels).
 """
 from __future__ import annotations
 
+import copy
 import importlib.util
 from typing import Any, Callable, Dict, Optional
 
@@ -16,8 +17,8 @@ from torch._functorch.aot_autograd import make_boxed_func
 
 from ..fallback import warn_fallback
 from .options import FusionOptions
-from .pass_manager import fuse_backward, in_compiled_autograd
-from .saved_activations import narrow_saved_activations
+from .pass_manager import fuse_backward, fuse_joint, in_compiled_autograd
+from .saved_activations import saved_set
 
 
 def _on_npu_host() -> bool:
@@ -50,64 +51,147 @@ def _decompositions(name: str):
     return {}
 
 
-def aot_backend(options: FusionOptions, around_pass: Optional[Callable] = None):
-    """AOTAutograd with the pass on each backward graph, run as soon as the partitioner
-    has split the joint graph, with the forward graph of the same partition for
-    provenance.
+def aot_backend(options: FusionOptions, around_pass: Optional[Callable] = None, stage: str = "joint",
+                compiler: Optional[Callable] = None, decompositions: Optional[dict] = None, **aot_options):
+    """AOTAutograd with the pass on each joint graph, run inside ``partition_fn`` before the
+    partitioner splits it (:func:`~npu_fusion.plugin.pass_manager.fuse_joint`), so the
+    partitioner sees the fused ops and saves what they read.
 
-    Running it at the partition rather than in the backward compiler means the
-    backward graph is fused whichever way it then runs: compiled lazily on the first
-    backward, or inlined into a compiled-autograd graph (which no longer tells which
-    saved tensors were the same forward value). A compiled-autograd graph that reaches
-    this backend is rewritten too, as a backward.
+    Fusing at the partition rather than in the backward compiler means the backward graph is
+    fused whichever way it then runs: compiled lazily on the first backward, or inlined into
+    a compiled-autograd graph. A compiled-autograd graph that reaches this backend (it is only
+    a backward) is rewritten too, with :func:`~npu_fusion.plugin.pass_manager.fuse_backward`.
 
-    ``around_pass(bw_gm, run)``, if given, wraps the pass call (the report, the tests and
-    the benchmarks record graphs or time it); ``run()`` runs the pass and returns its
-    :class:`~npu_fusion.plugin.pass_manager.FusionResult`, and ``run.forward`` is the forward
-    graph it gives the pass.
+    ``stage="backward"`` runs the pass on the backward graph after the partition instead, with
+    the forward graph of the same partition for provenance: what torchair's post-partition hook
+    does, for tests and benchmarks that compare the two (the saved set is then the one chosen
+    for the unfused backward).
+
+    ``around_pass(gm, run)``, if given, wraps the pass call (the report, the tests and the
+    benchmarks record graphs or time it): ``gm`` is the graph the pass rewrites, ``run()`` runs
+    the pass and returns its :class:`~npu_fusion.plugin.pass_manager.FusionResult`;
+    ``run.stage`` is ``"joint"`` or ``"backward"``, ``run.forward`` the forward graph given for
+    provenance (backward stage), ``run.split(joint_gm)`` partitions a joint graph as this
+    backend does (a copy taken before ``run()`` gives the unfused partition), and
+    ``run.partitioned`` is ``(forward, backward)`` once the backend has partitioned.
+
+    ``compiler(gm, example_inputs)`` compiles the forward, backward and inference graphs
+    (default: run them as they are); ``decompositions`` replaces the table the ``decompositions``
+    option names; ``aot_options`` go to ``aot_autograd`` (the torchair path's, below).
     """
+    if stage not in ("joint", "backward"):
+        raise ValueError(f"stage must be 'joint' or 'backward', got {stage!r}")
     partition = _partition_fn(options.partitioner)
+    fuse = _fuser(options, stage, around_pass)
 
-    def fuse(bw_gm, forward):
+    def partition_fn(joint, joint_inputs, **kwargs):
+        def split(gm):
+            return partition(gm, joint_inputs, **kwargs)
+
+        if stage == "joint":
+            result, run = fuse(joint, None, split)
+            fw_gm, bw_gm = split(joint)
+        else:
+            fw_gm, bw_gm = split(joint)
+            result, run = fuse(bw_gm, fw_gm.graph, split)
+        run.partitioned = (fw_gm, bw_gm)
+        for callback in run.after_partition:
+            callback(fw_gm, bw_gm)
+        if result is not None:
+            result.saved = saved_set(fw_gm, bw_gm)
+        return fw_gm, bw_gm
+
+    def fw_compiler(fw_gm, inputs):
+        if in_compiled_autograd():  # the whole backward, compiled as an inference graph
+            fuse(fw_gm, None)
+        return compiler(fw_gm, inputs) if compiler is not None else make_boxed_func(fw_gm.forward)
+
+    def bw_compiler(bw_gm, inputs):
+        return compiler(bw_gm, inputs) if compiler is not None else make_boxed_func(bw_gm.forward)
+
+    table = decompositions if decompositions is not None else _decompositions(options.decompositions)
+    return aot_autograd(fw_compiler=fw_compiler, bw_compiler=bw_compiler, partition_fn=partition_fn,
+                        decompositions=table, **aot_options)
+
+
+def _fuser(options: FusionOptions, stage: str, around_pass: Optional[Callable]):
+    """``fuse(gm, forward, split=None) -> (result, run)``: the pass on ``gm`` (a joint graph when
+    ``split``, the partition function, is given on the joint stage; else a backward graph),
+    through ``around_pass`` when there is one."""
+    def fuse(gm, forward, split=None):
         result = []
 
         def run():
-            result.append(fuse_backward(bw_gm, options, forward=forward))
+            joint = stage == "joint" and split is not None
+            result.append(fuse_joint(gm, options) if joint else fuse_backward(gm, options, forward=forward))
             return result[-1]
-        run.forward = forward  # for an ``around_pass`` that keeps the graphs
+        run.stage, run.forward, run.split, run.partitioned = stage, forward, split, None
+        run.after_partition = []  # callbacks(forward, backward) once a joint graph is partitioned
 
         if around_pass is None:
             run()
         else:
-            around_pass(bw_gm, run)
-        return result[-1] if result else None
+            around_pass(gm, run)
+        return (result[-1] if result else None), run
 
-    def partition_fn(joint, joint_inputs, **kwargs):
-        fw_gm, bw_gm = partition(joint, joint_inputs, **kwargs)
-        result = fuse(bw_gm, fw_gm.graph)
-        if options.narrow_saved and result is not None and result.sites:
-            result.saved = narrow_saved_activations(fw_gm, bw_gm)
-        return fw_gm, bw_gm
+    return fuse
 
-    def fw_compiler(fw_gm, _inputs):
-        if in_compiled_autograd():  # the whole backward, compiled as an inference graph
-            fuse(fw_gm, None)
-        return make_boxed_func(fw_gm.forward)
 
-    def bw_compiler(bw_gm, _inputs):
-        return make_boxed_func(bw_gm.forward)
+def run_keeping_unfused(gm: torch.fx.GraphModule, run):
+    """For an ``around_pass``: run the pass and return ``(result, backward graph, saved set)`` of
+    the program without the pass; on a joint graph, the partition of a copy taken before the
+    pass, else a copy of the backward graph (its saved set is the one the partition keeps: None)."""
+    if run.stage == "joint" and run.split is not None:
+        unfused = torch.fx.GraphModule(gm, copy.deepcopy(gm.graph))  # its attributes shared, not copied
+        result = run()
+        fw_gm, bw_gm = run.split(unfused)
+        return result, bw_gm.graph, saved_set(fw_gm, bw_gm)
+    before = copy.deepcopy(gm.graph)
+    return run(), before, None
 
-    return aot_autograd(fw_compiler=fw_compiler, bw_compiler=bw_compiler, partition_fn=partition_fn,
-                        decompositions=_decompositions(options.decompositions))
+
+def fused_backward(gm: torch.fx.GraphModule, run) -> Callable[[], torch.fx.Graph]:
+    """For an ``around_pass``: the backward graph after the pass, once the backend has
+    partitioned (call the returned function after the compile)."""
+    if run.stage == "joint" and run.split is not None:
+        return lambda: run.partitioned[1].graph
+    return lambda: gm.graph
+
+
+def torchair_backend(options: FusionOptions, compiler_config=None):
+    """The backend on an Ascend host: AOTAutograd with the pass on the joint graph, as
+    elsewhere, with torchair's compiler (``torchair.get_compiler(config)``) for the forward,
+    backward and inference graphs and torchair's decompositions, so GE compiles both graphs
+    and the fused ops reach it through their converters. Every option is honoured:
+    ``partitioner`` picks the partition, ``decompositions="core"`` adds core ATen's table
+    under torchair's."""
+    import torchair
+
+    from ..compat import torchair_decompositions
+    from ..lowering import ge_converters
+
+    ge_converters.register()  # in case torchair became importable after npu_fusion was imported
+    config = compiler_config if compiler_config is not None else torchair.CompilerConfig()
+    table = dict(_decompositions(options.decompositions))
+    table.update(torchair_decompositions(config))
+    return aot_backend(options, compiler=torchair.get_compiler(config), decompositions=table,
+                       keep_inference_input_mutations=True)
+
+
+def get_backend(options: Optional[Dict[str, Any]] = None, *, torchair_config=None,
+                ascend_host: Optional[bool] = None):
+    """The ``npu_fusion`` backend for ``options``: :func:`torchair_backend` on an Ascend host
+    (``ascend_host``: detected when None; tests set it), :func:`aot_backend` elsewhere.
+    ``torchair_config`` is the ``torchair.CompilerConfig`` to compile with on an Ascend host."""
+    opts = FusionOptions.from_mapping(options)
+    if ascend_host is None:
+        ascend_host = _on_npu_host()
+    if ascend_host:
+        return torchair_backend(opts, torchair_config)
+    if torchair_config is not None:
+        raise ValueError("npu_fusion backend: torchair_config is only used on an Ascend host (none here)")
+    return aot_backend(opts)
 
 
 def npu_fusion_backend(gm: torch.fx.GraphModule, example_inputs, options: Optional[Dict[str, Any]] = None):
-    opts = FusionOptions.from_mapping(options)
-    if _on_npu_host():
-        import torchair
-
-        from .torchair import install
-
-        config = install(torchair.CompilerConfig(), **(options or {}))
-        return torchair.get_npu_backend(compiler_config=config)(gm, example_inputs)
-    return aot_backend(opts)(gm, example_inputs)
+    return get_backend(options)(gm, example_inputs)

@@ -27,9 +27,6 @@ class FusionOptions:
     dump_graphs: bool = False
     #: backend only: AOTAutograd partitioner, ``"default"`` or ``"min_cut"``.
     partitioner: str = "default"
-    #: backend only: after fusing, save x rather than a widened copy the fused backward only
-    #: narrows back, and nothing the fused backward no longer reads (see ``saved_activations``).
-    narrow_saved: bool = True
     #: backend only: decomposition table, ``"none"`` (AOTAutograd's default) or ``"core"`` (core ATen).
     decompositions: str = "none"
 

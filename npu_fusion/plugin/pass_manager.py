@@ -1,7 +1,9 @@
-"""The npu-fusion pass: run the pattern rewrites on a backward FX graph.
+"""The npu-fusion pass: run the pattern rewrites on a backward or a joint FX graph.
 
-:func:`fuse_backward` is the one entry point; the ``npu_fusion`` backend and the
-torchair hook both call it. It rewrites the graph in place after taking a
+:func:`fuse_joint` runs it on AOTAutograd's joint graph, before the partition (the
+``npu_fusion`` backend, the Inductor hook); :func:`fuse_backward` on a graph that is
+only a backward (torchair's post-partition hook, compiled-autograd graphs). Both
+share one run: it rewrites the graph in place after taking a
 :class:`Snapshot`; if any rewrite fails, the graph is rebuilt from the snapshot,
 so an internal error leaves the graph as it was (and then raises, with
 ``strict=True``).
@@ -13,14 +15,15 @@ import dataclasses
 import gc
 import logging
 import time
-from typing import Any, Dict, List, Mapping, Optional, Union
+from typing import Any, Callable, Dict, List, Mapping, Optional, Union
 
 import torch
 import torch.fx as fx
 
 from ..patterns import RULES
-from ..patterns.evaluator import Provenance
+from ..patterns.evaluator import JointProvenance, Provenance
 from ..patterns.rewrite import Miss, Rewrites, Site
+from .joint import JointGraph
 from .logs import TRACE_AFTER, TRACE_BEFORE, dump_graph, log, trace_decisions, trace_graph
 from .options import FusionOptions
 
@@ -37,8 +40,13 @@ class FusionResult:
     seconds: float = 0.0
     nodes_before: int = 0
     nodes_after: int = 0
-    #: what the backend's partition saves for the backward after the pass, when it changed
-    #: that (:class:`~npu_fusion.plugin.saved_activations.SavedChange`), else None
+    #: which graph the pass ran on: ``"joint"`` (before the partition) or ``"backward"``
+    graph: str = "backward"
+    #: on a joint graph: the caller-reachable tensors a fused op reads through a forward copy
+    #: (the unfused backward read a copy of them, see :mod:`.joint`)
+    copies: List[str] = dataclasses.field(default_factory=list)
+    #: what the backend's partition saves for the backward after the pass
+    #: (:class:`~npu_fusion.plugin.saved_activations.SavedSet`), when the backend partitioned
     saved: Optional[Any] = None
 
     def fused(self, op: str) -> int:
@@ -212,12 +220,28 @@ def fuse_backward(gm: fx.GraphModule, options: Union[FusionOptions, Mapping, Non
     pass can see through saved tensors (``rotate_half(q)``, the normalized input)
     and fuse their consumers too. Returns a :class:`FusionResult`.
     """
+    return _fuse(gm, options, forward, joint=False)
+
+
+def fuse_joint(gm: fx.GraphModule, options: Union[FusionOptions, Mapping, None] = None,
+               copy_op: Optional[Callable] = None) -> FusionResult:
+    """Rewrite RoPE and RMSNorm backward subgraphs of AOTAutograd's joint graph ``gm`` in place,
+    before the partition, and leave the graph ready for it (:mod:`.joint`): the partitioner then
+    saves what the fused ops read. ``copy_op`` makes the forward copies of caller-reachable
+    tensors (:class:`~.joint.JointGraph`; each compiler keeps a different op). Returns a
+    :class:`FusionResult`."""
+    return _fuse(gm, options, None, joint=True, copy_op=copy_op)
+
+
+def _fuse(gm: fx.GraphModule, options, forward: Optional[fx.Graph], joint: bool, copy_op=None) -> FusionResult:
+    """The one run of the pass both entries share: snapshot, rounds, record."""
     if not isinstance(options, FusionOptions):
         options = FusionOptions.from_mapping(options)
     target = options.resolved_target()
-    result = FusionResult(target=target, nodes_before=len(gm.graph.nodes))
+    kind = "joint" if joint else "backward"
+    result = FusionResult(target=target, nodes_before=len(gm.graph.nodes), graph=kind)
     if options.dump_graphs:
-        dump_graph(f"npu_fusion: backward graph before the pass ({result.nodes_before} nodes, target {target}):", gm)
+        dump_graph(f"npu_fusion: {kind} graph before the pass ({result.nodes_before} nodes, target {target}):", gm)
     trace_graph(TRACE_BEFORE, gm)
     start = time.perf_counter()  # after the dump: result.seconds is the pass's own time
     # The pass allocates many small objects; full collections over everything Dynamo
@@ -227,8 +251,11 @@ def fuse_backward(gm: fx.GraphModule, options: Union[FusionOptions, Mapping, Non
     graph, snapshot = gm.graph, None
     try:
         snapshot = Snapshot(graph)
-        provenance = Provenance(forward, graph)
+        layout = JointGraph(graph, copy_op) if joint else None  # before the rewrites: what the unfused backward reads
+        provenance = JointProvenance(graph, layout.backward) if joint else Provenance(forward, graph)
         result.sites, result.misses = _rewrite_in_rounds(graph, options, target, provenance)
+        if layout is not None and result.sites:
+            result.copies = [n.args[0].name for n in layout.prepare_for_partition()]
         graph.lint()
         if result.sites:
             gm.recompile()
@@ -238,7 +265,7 @@ def fuse_backward(gm: fx.GraphModule, options: Union[FusionOptions, Mapping, Non
         if options.strict:
             raise
         result.error = f"{type(exc).__name__}: {exc}"
-        result.sites, result.misses = [], []
+        result.sites, result.misses, result.copies = [], [], []
         log.warning("npu_fusion: pass failed, graph left unchanged: %s", result.error, exc_info=True)
     finally:
         if gc_was_enabled:
@@ -249,7 +276,7 @@ def fuse_backward(gm: fx.GraphModule, options: Union[FusionOptions, Mapping, Non
     trace_graph(TRACE_AFTER, gm)
     trace_decisions(result)
     if options.dump_graphs:
-        dump_graph(f"npu_fusion: backward graph after the pass ({result.nodes_after} nodes):", gm)
+        dump_graph(f"npu_fusion: {kind} graph after the pass ({result.nodes_after} nodes):", gm)
     HISTORY.append(result)
     return result
 
@@ -270,8 +297,8 @@ def _record(result: FusionResult) -> None:
     for miss in result.misses:
         counters[f"{miss.op}_missed"] += 1
         log.info("npu_fusion: left %s at %s unfused: %s", miss.op, miss.node, miss.reason)
-    log.info("npu_fusion: backward graph %d -> %d nodes (target %s): %d fused %s, %d left unfused, %.1f ms",
-             result.nodes_before, result.nodes_after, result.target, len(result.sites),
+    log.info("npu_fusion: %s graph %d -> %d nodes (target %s): %d fused %s, %d left unfused, %.1f ms",
+             result.graph, result.nodes_before, result.nodes_after, result.target, len(result.sites),
              {op: result.fused(op) for op in sorted({s.op for s in result.sites})}, len(result.misses),
              result.seconds * 1e3)
 

@@ -31,7 +31,7 @@ import torch
 from ..lowering import FUSED_OPS as LOWERED_OPS
 from ..lowering import RMS_NORM_GRAD, ROPE_GRAD
 from ..testing.grads import MODEL_FACTOR, grad_error
-from .backend import aot_backend
+from .backend import aot_backend, fused_backward, run_keeping_unfused
 from .options import TARGETS, FusionOptions
 from .pass_manager import FusionResult
 
@@ -67,8 +67,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--target", type=_targets, default=("auto",), metavar="{" + ",".join(("auto",) + TARGETS) + "}",
                         help="which chip's forms the pass may emit (auto: detect, generic off an NPU host); "
                              "--hf-config takes several, comma-separated")
-    parser.add_argument("--partitioner", choices=("default", "min_cut"), default="default",
-                        help="AOTAutograd partitioner")
+    parser.add_argument("--partitioner", choices=("default", "min_cut"), default=None,
+                        help="AOTAutograd partitioner of the npu_fusion backend (default: default)")
+    parser.add_argument("--compiler", choices=COMPILERS, default="npu_fusion",
+                        help="npu_fusion: the backend (the pass on the joint graph); inductor: stock Inductor "
+                             "after npu_fusion.install_inductor (its min-cut partitioner; no op counts, Inductor "
+                             "hands over no graph)")
     parser.add_argument("--checkpointing", choices=("none", "full", "selective"), default="none",
                         help="activation checkpointing of each block (transformers models: full only, "
                              "through gradient_checkpointing_enable)")
@@ -128,6 +132,9 @@ def _finite(value):
     if isinstance(value, (list, tuple)):
         return [_finite(v) for v in value]
     return value
+
+
+COMPILERS = ("npu_fusion", "inductor")
 
 
 class UsageError(Exception):
@@ -309,40 +316,88 @@ def op_counts(graph: torch.fx.Graph) -> collections.Counter:
 
 
 class Recorder:
-    """A torch.compile backend: AOTAutograd with the pass on each backward graph,
-    keeping each backward graph's op counts from before and after the pass."""
+    """A torch.compile backend: the backend's AOTAutograd with the pass, keeping each backward
+    graph's op counts from before and after the pass (before: the unfused partition)."""
 
     def __init__(self, options: FusionOptions):
         self.options = options
         self.before: List[collections.Counter] = []
-        self.after: List[collections.Counter] = []
+        self._after: List[Callable[[], torch.fx.Graph]] = []
         self.results: List[FusionResult] = []
-        self.run_keys: List[int] = []  # per backward graph: the counter of its runs (testing.capture.count_runs)
-        #: per backward graph: each node's module path, read before the pass replaces nodes
+        #: per graph through the pass: the counter of its runs (testing.capture.count_graph_runs)
+        self.run_keys: List[Optional[int]] = []
+        #: per graph through the pass: each node's module path, read before the pass replaces nodes
         self.paths: List[Dict[str, str]] = []
+        #: per graph through the pass: what the partition saves without the pass (a joint graph's)
+        self.saved_before: List[Optional[Any]] = []
 
     def __call__(self, gm, example_inputs):
         return aot_backend(self.options, self._around_pass)(gm, example_inputs)
 
-    def _around_pass(self, bw_gm, run):
-        from ..testing.capture import count_runs, run_counted_graph
+    def _around_pass(self, gm, run):
+        from ..testing.capture import count_graph_runs
 
-        self.before.append(op_counts(bw_gm.graph))
-        self.paths.append({n.name: nearest_module_path(n) for n in bw_gm.graph.nodes})
-        progress(f"running the pass on a backward graph of {len(bw_gm.graph.nodes)} nodes...")
-        self.results.append(run())
-        self.after.append(op_counts(bw_gm.graph))
-        self.run_keys.append(count_runs(run_counted_graph(bw_gm, run)))
+        progress(f"running the pass on a {run.stage} graph of {len(gm.graph.nodes)} nodes...")
+        self.paths.append({n.name: nearest_module_path(n) for n in gm.graph.nodes})
+        result, before, saved_before = run_keeping_unfused(gm, run)
+        self.results.append(result)
+        self.before.append(op_counts(before))
+        self.saved_before.append(saved_before)
+        self._after.append(fused_backward(gm, run))
+        count_graph_runs(gm, run, self.run_keys)
 
     @property
     def runs(self) -> List[int]:
-        """Per backward graph: how many times it ran (a graph reused per layer runs once per layer)."""
+        """Per graph through the pass: how many times it ran (a graph reused per layer runs once per layer)."""
         from ..testing.capture import GRAPH_RUNS
 
-        return [GRAPH_RUNS[key] for key in self.run_keys]
+        return [GRAPH_RUNS[key] if key is not None else 0 for key in self.run_keys]
+
+    @property
+    def after(self) -> List[collections.Counter]:
+        return [op_counts(after()) for after in self._after]
 
     def fused_runs(self, op: str) -> int:
         return sum(r.fused(op) * n for r, n in zip(self.results, self.runs))
+
+    def installed(self):
+        return contextlib.nullcontext()
+
+
+class InductorRecorder(Recorder):
+    """A torch.compile backend: stock Inductor after ``install_inductor``, the pass inside its
+    partition. The pass's results are read from ``HISTORY``; Inductor hands over no graph, so
+    there are no op counts."""
+
+    def __call__(self, gm, example_inputs):
+        from ..compat import inductor_backend
+        from ..testing.capture import count_calls
+        from .pass_manager import HISTORY
+
+        mark = HISTORY.mark()
+        progress("compiling with Inductor (the pass runs in its partition)...")
+        compiled = inductor_backend()(gm, example_inputs)
+        new = HISTORY.since(mark)
+        self.results.extend(new)
+        self.paths.extend({} for _ in new)
+        self.saved_before.extend(None for _ in new)
+        key, counted = count_calls(compiled)
+        self.run_keys.extend(key for _ in new)
+        return counted
+
+    @contextlib.contextmanager
+    def installed(self):
+        """The pass installed, and the compile caches off (a cache hit skips the joint passes)."""
+        from ..compat import no_compile_caches
+        from .inductor import install_inductor, uninstall_inductor
+
+        install_inductor(**{k: v for k, v in dataclasses.asdict(self.options).items()
+                            if k not in ("partitioner", "decompositions")})
+        try:
+            with no_compile_caches():
+                yield
+        finally:
+            uninstall_inductor()
 
 
 def module_path(node: torch.fx.Node) -> str:
@@ -385,13 +440,15 @@ def _placed(records: List[Dict[str, Any]], paths: Dict[str, str], nodes) -> List
     return placed
 
 
-def _saved_summary(results: List[FusionResult]) -> Dict[str, int]:
-    """Bytes the forward saves for the backward, before and after the fused backward narrowed or
-    dropped some, over the graphs where the pass fused a site (the others keep their saved set)."""
-    changes = [r.saved for r in results if getattr(r, "saved", None) is not None]
-    return {"graphs": len(changes), "bytes_before": sum(c.bytes_before for c in changes),
-            "bytes_after": sum(c.bytes_after for c in changes),
-            "narrowed": sum(len(c.narrowed) for c in changes), "dropped": sum(len(c.dropped) for c in changes)}
+def _saved_summary(recorder: "Recorder") -> Dict[str, int]:
+    """Bytes the forward saves for the backward without and with the pass, over the graphs where
+    the pass fused a site on the joint graph (the partitioner then chose the saved set for the
+    fused backward; elsewhere it is the one chosen for the unfused backward)."""
+    pairs = [(before, r.saved) for r, before in zip(recorder.results, recorder.saved_before)
+             if r.sites and before is not None and getattr(r, "saved", None) is not None]
+    return {"graphs": len(pairs), "bytes_before": sum(b.bytes for b, _ in pairs),
+            "bytes_after": sum(a.bytes for _, a in pairs),
+            "tensors_before": sum(len(b.names) for b, _ in pairs), "tensors_after": sum(len(a.names) for _, a in pairs)}
 
 
 # --------------------------------------------------------------------------- the run
@@ -416,8 +473,13 @@ def collect(args: argparse.Namespace) -> Dict[str, Any]:
         raise UsageError("--layers and --batch must be at least 1, --seq at least 2")
     if len(args.target) != 1:
         raise UsageError("one --target at a time (several only with --hf-config)")
-    args = argparse.Namespace(**dict(vars(args), target=args.target[0], dtype=args.dtype or "float32"))
-    options = FusionOptions.from_mapping({"target": args.target, "partitioner": args.partitioner})
+    compiler = getattr(args, "compiler", "npu_fusion")
+    if compiler == "inductor" and args.partitioner is not None:
+        raise UsageError("--partitioner is not honoured with --compiler inductor (Inductor partitions with min-cut)")
+    partitioner = args.partitioner or ("min_cut" if compiler == "inductor" else "default")
+    args = argparse.Namespace(**dict(vars(args), target=args.target[0], dtype=args.dtype or "float32",
+                                     partitioner=partitioner, compiler=compiler))
+    options = FusionOptions.from_mapping({"target": args.target, "partitioner": partitioner})
     progress("building the model...")
     subject = (_framework_subject(args) if getattr(args, "framework", None)
                else _hf_subject(args) if args.hf else _bundled_subject(args))
@@ -430,7 +492,7 @@ def _settings(args: argparse.Namespace) -> Dict[str, Any]:
     return {"model": args.hf or args.model, "source": "transformers" if args.hf else "bundled",
             "layers": args.layers, "dtype": args.dtype, "batch": args.batch, "seq": args.seq,
             "dynamic": args.dynamic, "target": args.target, "partitioner": args.partitioner,
-            "checkpointing": args.checkpointing, "compiled_autograd": args.compiled_autograd,
+            "compiler": getattr(args, "compiler", "npu_fusion"), "checkpointing": args.checkpointing, "compiled_autograd": args.compiled_autograd,
             "seed": args.seed}
 
 
@@ -444,9 +506,11 @@ def analyse(subject: Subject, batch, options: FusionOptions, settings: Dict[str,
     eager_loss, eager = _step(subject, subject.model, batch, counting=counting or contextlib.nullcontext())
     expected = dict(counting.counts) if counting is not None else subject.expected
 
-    recorder = Recorder(options)
+    compiler = settings.get("compiler", "npu_fusion")
+    recorder = Recorder(options) if compiler == "npu_fusion" else InductorRecorder(options)
     outside = subject.counter(subject.model) if subject.counts_outside else contextlib.nullcontext()
-    seconds, compiled_loss, fused_grads = _measured_compiled_step(settings, subject, recorder, batch, outside)
+    with recorder.installed():
+        seconds, compiled_loss, fused_grads = _measured_compiled_step(settings, subject, recorder, batch, outside)
 
     progress("comparing gradients...")
     gradients = compare_gradients(fused_grads, eager, exact)
@@ -502,7 +566,7 @@ def _assemble(settings, subject: Subject, options: FusionOptions, recorder, expe
                   for s in _placed(r.sites, p, lambda s: s.replaced_nodes)],
         "op_counts": _op_count_table(recorder),
         "memory_traffic": summarize_bytes(results),
-        "saved_activations": _saved_summary(results),
+        "saved_activations": _saved_summary(recorder),
         "gradients": gradients,
         "seconds": {"forward_first_call": seconds[0], "backward_first_call": seconds[1],
                     "pass": sum(r.seconds for r in results)},
@@ -712,8 +776,8 @@ def _format_header(report: Dict[str, Any]) -> str:
     size = (f"inputs {', '.join(s['inputs'])}" if "inputs" in s
             else f"{s['layers']} layer(s), {s['dtype']}, batch {s['batch']} x seq {s['seq']}")
     out = [f"npu-fusion report: {report['model']}, {size}, {shapes}\n"
-           f"target {s['resolved_target']} (asked: {s['target']}), partitioner {s['partitioner']}, "
-           f"{report['backward_graphs']} backward graph(s)\n"]
+           f"compiler {s.get('compiler', 'npu_fusion')}, target {s['resolved_target']} (asked: {s['target']}), "
+           f"partitioner {s['partitioner']}, {report['backward_graphs']} graph(s) through the pass\n"]
     sec = report["seconds"]
     total = sec["forward_first_call"] + sec["backward_first_call"]
     out.append(f"first forward + backward (compile and run) {total:.2f} s; the pass itself "
@@ -775,9 +839,9 @@ def _format_saved(report: Dict[str, Any]) -> str:
     saved = report.get("saved_activations")
     if not saved or not saved["graphs"]:
         return "\n## Saved for the backward\n\nunchanged: no site was fused\n"
-    return (f"\n## Saved for the backward\n\n{_bytes(saved['bytes_before'])} before the pass, "
-            f"{_bytes(saved['bytes_after'])} after ({saved['narrowed']} narrowed back to the input dtype, "
-            f"{saved['dropped']} no longer read), in the graphs where a site fused\n")
+    return (f"\n## Saved for the backward\n\n{_bytes(saved['bytes_before'])} in {saved['tensors_before']} tensors "
+            f"without the pass, {_bytes(saved['bytes_after'])} in {saved['tensors_after']} with it (the partitioner "
+            f"chose them for the fused backward), in the graphs where a site fused\n")
 
 
 def _format_gradients(report: Dict[str, Any]) -> str:

@@ -52,10 +52,22 @@ def install(compiler_config=None, **options: Any):
 
     ``options`` are :class:`~npu_fusion.plugin.options.FusionOptions` fields
     (``target``, ``rope``, ``rms_norm``, ``strict``, ``dump_graphs``), checked
-    here. ``compiler_config=None`` makes a fresh ``torchair.CompilerConfig()``.
+    here; ``partitioner`` and ``decompositions`` are torchair's to decide, and naming
+    them is an error.
+
+    This is the path without the saved-set change: torchair's hook sees each backward
+    graph after the partition, when the forward's saved set is fixed (a bf16 model still
+    saves each HF-style norm's float32 upcast). The ``npu_fusion`` backend fuses the
+    joint graph on an Ascend host too, with torchair's compilers. ``compiler_config=None``
+    makes a fresh ``torchair.CompilerConfig()``.
     A torchair without a backward-pass hook (torch_npu 2.7.1 before its post releases)
     raises :class:`~npu_fusion.compat.UnsupportedTorchair` naming its release.
     """
+    given = sorted(set(options) & {"partitioner", "decompositions"})
+    if given:
+        raise ValueError(f"npu_fusion.install: option(s) {given} are not honoured on this path (torchair partitions "
+                         f"with its default partitioner and decomposes with its own table); compile with "
+                         f"backend='npu_fusion' to choose them")
     opts = FusionOptions.from_mapping(options)
     if compiler_config is None:
         import torchair

@@ -1,0 +1,138 @@
+"""Hook the npu-fusion pass into Inductor (stock, or torch_npu's) on the joint graph.
+
+Inductor's partition runs its joint-graph passes first, and they call
+``torch._inductor.config.joint_custom_pre_pass`` with the joint forward-and-backward graph.
+:func:`install_inductor` puts the pass there, so ``backend="inductor"`` (and Hugging Face's
+Trainer with ``torch_compile_backend="inductor"``) fuses as the ``npu_fusion`` backend does:
+the min-cut partitioner sees the fused ops and saves what they read. The fused ops are custom
+ops with fake kernels, so Inductor runs them as fallback kernels (their reference kernel on a
+CPU, torch_npu's on an NPU)::
+
+    import npu_fusion
+    npu_fusion.install_inductor(target="auto")
+    model = torch.compile(model)  # backend="inductor"
+
+A pass already in the slot keeps running, first; installing again replaces the earlier
+npu-fusion pass rather than stacking it. The pass is a ``CustomGraphPass`` whose ``uuid()``
+hashes the package's sources and the options, so the FX graph cache stays valid; a chained
+pass without a uuid of its own makes it None (Inductor then bypasses the cache, as it would
+for that pass alone). Graphs that are not joint ones reach the pass too (inference graphs,
+and a compiled-autograd graph, which is only a backward: fused with ``fuse_backward``).
+"""
+from __future__ import annotations
+
+import pathlib
+from typing import Any, Optional
+
+from ..compat import custom_graph_pass_base, hash_for_files, inductor_config
+from .options import FusionOptions
+
+#: options Inductor decides itself: it partitions with min-cut and decomposes with its own table
+NOT_HONOURED = ("partitioner", "decompositions")
+
+
+def _sources() -> tuple:
+    root = pathlib.Path(__file__).resolve().parent.parent
+    return tuple(str(p) for sub in ("lowering", "patterns", "plugin") for p in sorted((root / sub).glob("*.py")))
+
+
+def _make_pass_class():
+    class NpuFusionJointPass(custom_graph_pass_base()):
+        """Inductor's ``joint_custom_pre_pass``: ``previous`` first, then npu-fusion."""
+
+        def __init__(self, options: FusionOptions, previous: Any = None):
+            self.options, self.previous = options, previous
+
+        def __call__(self, graph) -> None:
+            for previous in _as_passes(self.previous):
+                previous(graph)
+            from .joint import is_joint_graph
+            from .pass_manager import fuse_backward, fuse_joint, in_compiled_autograd
+
+            gm = graph.owning_module
+            if gm is None:
+                return
+            if is_joint_graph(graph):
+                result = fuse_joint(gm, self.options, copy_op=_copy_by_multiplying)
+            elif in_compiled_autograd():  # the whole backward, compiled as an inference graph
+                result = fuse_backward(gm, self.options)
+            else:
+                return
+            if result.sites:
+                _decompose_casts(gm)
+
+        def uuid(self) -> Optional[bytes]:
+            previous = [p.uuid() if hasattr(p, "uuid") else None for p in _as_passes(self.previous)]
+            if any(p is None for p in previous):
+                return None
+            extra = repr((self.options, self.options.resolved_target(), previous))
+            return hash_for_files(_sources(), extra)
+
+    return NpuFusionJointPass
+
+
+def _copy_by_multiplying(graph, fake_mode, value):
+    """A copy Inductor keeps: ``x * 1`` (exact for every float; Inductor removes a ``clone``, a
+    same-dtype convert and ``_to_copy`` has no lowering, only a decomposition)."""
+    import torch
+
+    from ..patterns.rewrite import call
+
+    return call(graph, fake_mode, torch.ops.aten.mul.Tensor, (value, 1))
+
+
+def _decompose_casts(gm) -> None:
+    """Inductor's graphs are decomposed already and it has no lowering for ``aten._to_copy``
+    (only the decomposition): the casts the pass inserted become ``prims.convert_element_type``,
+    as Inductor's table makes them."""
+    import torch
+
+    for node in gm.graph.find_nodes(op="call_function", target=torch.ops.aten._to_copy.default):
+        dtype = node.kwargs.get("dtype")
+        if set(node.kwargs) == {"dtype"} and dtype is not None:
+            node.target = torch.ops.prims.convert_element_type.default
+            node.args, node.kwargs = (node.args[0], dtype), {}
+    gm.recompile()
+
+
+def _as_passes(slot) -> tuple:
+    if slot is None:
+        return ()
+    return tuple(slot) if isinstance(slot, (list, tuple)) else (slot,)
+
+
+_PASS_CLASS = []
+
+
+def joint_pass(options: FusionOptions, previous: Any = None):
+    """The ``CustomGraphPass`` running the npu-fusion pass on Inductor's joint graphs."""
+    if not _PASS_CLASS:
+        _PASS_CLASS.append(_make_pass_class())
+    return _PASS_CLASS[0](options, previous)
+
+
+def install_inductor(**options: Any):
+    """Install the npu-fusion pass into ``torch._inductor.config.joint_custom_pre_pass``; returns
+    the pass. ``options`` are :class:`~npu_fusion.plugin.options.FusionOptions` fields;
+    ``partitioner`` and ``decompositions`` are Inductor's own to decide, and naming them is an
+    error (use ``backend="npu_fusion"`` to choose them)."""
+    given = sorted(set(options) & set(NOT_HONOURED))
+    if given:
+        raise ValueError(f"npu_fusion.install_inductor: option(s) {given} are not honoured on this path (Inductor "
+                         f"partitions with min-cut and decomposes with its own table); compile with "
+                         f"backend='npu_fusion' to choose them")
+    opts = FusionOptions.from_mapping(options)
+    config = inductor_config()
+    previous = config.joint_custom_pre_pass
+    if previous is not None and isinstance(previous, _PASS_CLASS[0] if _PASS_CLASS else ()):
+        previous = previous.previous  # re-install: keep what ours had chained
+    config.joint_custom_pre_pass = joint_pass(opts, previous)
+    return config.joint_custom_pre_pass
+
+
+def uninstall_inductor() -> None:
+    """Take the npu-fusion pass out of ``joint_custom_pre_pass``, leaving what it had chained."""
+    config = inductor_config()
+    current = config.joint_custom_pre_pass
+    if _PASS_CLASS and isinstance(current, _PASS_CLASS[0]):
+        config.joint_custom_pre_pass = current.previous

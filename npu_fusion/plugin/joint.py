@@ -1,0 +1,173 @@
+"""Fusing on AOTAutograd's joint graph, before the partition.
+
+The joint graph holds the forward and the backward in one graph: ``primals_*`` and
+``tangents_*`` placeholders, forward nodes first, then the backward. The rules already read
+any node that does not depend on a tangent as a forward value, an input of a site (the
+min-cut partitioner and activation checkpointing recompute forward values inside backward
+graphs), so they find their sites in a joint graph as in a backward one. Fusing there lets
+the partitioner, default or min-cut, see the fused ops and save what they read (x in its own
+dtype, rstd, the tables) instead of what the unfused backward read (an HF-style norm's
+float32 upcast of x).
+
+Two things the partitioners need from the graph the pass leaves them:
+
+* **Placement.** The default partitioner takes every node before the last forward node as a
+  forward node, by position. A rule inserts its nodes after the last of their inputs, which in
+  a joint graph can be a forward node (a norm whose dy is a tangent). Every node the pass
+  inserted is backward work (it replaces backward nodes or prepares their operands), so it is
+  tagged ``is_backward`` and, where it landed among the forward nodes, moved after them.
+  Inserted nodes carry no activation-checkpointing tag, like the backward nodes they replace.
+* **Legality.** A tensor the caller can reach (a graph input, a returned tensor, a view of
+  either) may be updated in place by the caller between forward and backward; that is legal
+  when the program saved a copy and raises when it saved the tensor itself. Where a fused op
+  reads such a tensor and the unfused backward did not (it read a float32 upcast, a copy), the
+  fused op reads a copy made in the forward (``_to_copy``, tagged ``MUST_SAVE`` so no partitioner
+  recomputes it from the original). "Read by the unfused backward" counts reads through
+  forward values that activation checkpointing recomputes (their inputs are saved); the
+  min-cut partitioner's own recomputation is not predicted, so under it a copy may be made
+  where the unfused program would have saved the tensor itself (the safe side).
+"""
+from __future__ import annotations
+
+from typing import Callable, Dict, List, Optional, Set
+
+import torch
+import torch.fx as fx
+
+from ..patterns.nodes import aten, gradient_dependent
+from ..patterns.rewrite import call, fake_mode_of
+from ..patterns.traffic import storage_of
+
+TAG = "partitioner_tag"
+
+
+def _must_recompute(node: fx.Node) -> bool:
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    return node.meta.get("recompute") in (CheckpointPolicy.MUST_RECOMPUTE, CheckpointPolicy.PREFER_RECOMPUTE)
+
+
+def _must_save_policy():
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    return CheckpointPolicy.MUST_SAVE
+
+
+def is_joint_graph(graph: fx.Graph) -> bool:
+    """A graph with both primals (forward inputs) and tangents (incoming gradients)."""
+    names = [n.name for n in graph.find_nodes(op="placeholder")]
+    return any(n.startswith("primals") for n in names) and any(n.startswith("tangents") for n in names)
+
+
+def forward_boundary(graph: fx.Graph, gradient: Set[fx.Node]) -> Optional[fx.Node]:
+    """The last forward node, as the default partitioner finds it (the last node tagged
+    ``is_forward`` or a primal); without tags, the last node before the first call that
+    depends on a tangent."""
+    last = None
+    for node in graph.nodes:
+        if node.meta.get(TAG) == "is_forward" or (node.op == "placeholder" and node.name.startswith("primals")):
+            last = node
+    if last is not None and any(TAG in n.meta for n in graph.nodes):
+        return last
+    for node in graph.nodes:
+        if node.op == "call_function" and node in gradient:
+            return node.prev
+    return last
+
+
+def copy_by_to_copy(graph: fx.Graph, fake_mode, value: fx.Node) -> fx.Node:
+    """A copy as AOTAutograd graphs write one (``_to_copy``, not ``clone``, which compilers
+    drop as a no-op when nothing else marks it needed)."""
+    return call(graph, fake_mode, aten._to_copy.default, (value,))
+
+
+class JointGraph:
+    """A joint graph as it was before the pass: its nodes, and the forward values its unfused
+    backward reads. :meth:`prepare_for_partition` then places and guards what the pass added."""
+
+    def __init__(self, graph: fx.Graph, copy_op: Optional[Callable] = None):
+        self.graph = graph
+        #: ``copy_op(graph, fake_mode, value)`` inserts a copy of ``value`` (at the insertion point)
+        self.copy_op = copy_op or copy_by_to_copy
+        self.original = set(graph.nodes)
+        gradient = gradient_dependent(graph) or set()
+        self.boundary = forward_boundary(graph, gradient)
+        self.backward = self._backward_nodes(gradient)
+        self.read_by_backward = self._read_by_backward()
+
+    def _backward_nodes(self, gradient: Set[fx.Node]) -> Set[fx.Node]:
+        if self.boundary is None:
+            return set(gradient)
+        nodes = list(self.graph.nodes)
+        after = {n for n in nodes[nodes.index(self.boundary) + 1:] if n.op != "output"}
+        return after | {n for n in gradient if n.op != "placeholder"}
+
+    def _read_by_backward(self) -> Set[fx.Node]:
+        """Forward values the unfused backward reads: inputs of backward nodes, and the inputs
+        of forward values activation checkpointing recomputes for it."""
+        read: Set[fx.Node] = set()
+        stack = [a for n in self.backward for a in n.all_input_nodes if a not in self.backward]
+        while stack:
+            node = stack.pop()
+            if node in read:
+                continue
+            read.add(node)
+            if _must_recompute(node):
+                stack.extend(node.all_input_nodes)
+        return read
+
+    def prepare_for_partition(self) -> List[fx.Node]:
+        """Tag and place the inserted nodes; give fused ops copies of caller-reachable tensors the
+        unfused backward did not read. Returns the copies made."""
+        added = [n for n in self.graph.nodes if n not in self.original]
+        for node in added:
+            node.meta[TAG] = "is_backward"
+        self._move_after_forward(added)
+        return self._copy_reachable_reads(added)
+
+    def _move_after_forward(self, added: List[fx.Node]) -> None:
+        """Move inserted nodes that sit among the forward nodes to just after the last one, in
+        their order (their inputs stay before them, their users after them)."""
+        if self.boundary is None:
+            return
+        position = {n: i for i, n in enumerate(self.graph.nodes)}
+        early = [n for n in added if position[n] < position[self.boundary]]
+        anchor = self.boundary
+        for node in early:
+            anchor.append(node)
+            anchor = node
+
+    def _reachable_storages(self) -> Set[fx.Node]:
+        outputs = next(iter(self.graph.find_nodes(op="output"))).args[0]
+        returned = [o for o in outputs if isinstance(o, fx.Node) and o not in self.backward]
+        inputs = [p for p in self.graph.find_nodes(op="placeholder") if not p.name.startswith("tangents")]
+        return {storage_of(n) for n in returned + inputs}
+
+    def _copy_reachable_reads(self, added: List[fx.Node]) -> List[fx.Node]:
+        reachable = self._reachable_storages()
+        reads: Dict[fx.Node, List[fx.Node]] = {}
+        for node in added:
+            for arg in node.all_input_nodes:
+                if arg in self.original and arg not in self.backward and isinstance(arg.meta.get("val"), torch.Tensor):
+                    reads.setdefault(arg, []).append(node)
+        copies = []
+        for value, readers in reads.items():
+            if storage_of(value) not in reachable or value in self.read_by_backward:
+                continue
+            copy = self._forward_copy(value)
+            for reader in readers:
+                reader.replace_input_with(value, copy)
+            copies.append(copy)
+        return copies
+
+    def _forward_copy(self, value: fx.Node) -> fx.Node:
+        """A copy of ``value`` among the forward nodes, right after ``value`` (after the last input
+        when it is one), saved for the backward by every partitioner."""
+        where = value
+        if value.op == "placeholder":
+            where = list(self.graph.find_nodes(op="placeholder"))[-1]
+        with self.graph.inserting_after(where):
+            copy = self.copy_op(self.graph, fake_mode_of(self.graph), value)
+        copy.meta[TAG] = "is_forward"
+        copy.meta["recompute"] = _must_save_policy()
+        return copy

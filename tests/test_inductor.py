@@ -1,0 +1,186 @@
+"""The pass in stock Inductor on the CPU, through ``npu_fusion.install_inductor``: the fused ops
+in the generated code (fallback kernels), gradients by the float64 criterion, no float32
+``[B, S, H]`` upcast saved, and Hugging Face's Trainer with ``torch_compile_backend="inductor"``.
+Inductor compiles are slow on a small machine: few, small models."""
+import copy
+
+import pytest
+import torch
+
+import npu_fusion
+from npu_fusion.compat import inductor_config, no_compile_caches
+from npu_fusion.plugin.inductor import uninstall_inductor
+from npu_fusion.plugin.pass_manager import COUNTER
+from npu_fusion.testing.grads import MODEL_FACTOR, grad_failures
+
+B, S = 2, 8
+
+
+@pytest.fixture
+def installed():
+    """The pass installed, and the compile caches off: a cache hit (from an earlier run of these
+    tests) would skip Inductor's joint passes, the pass among them, and count no site."""
+    before = inductor_config().joint_custom_pre_pass
+    npu_fusion.install_inductor(target="generic", strict=True)
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    with no_compile_caches():
+        yield
+    uninstall_inductor()
+    assert inductor_config().joint_custom_pre_pass is before
+    torch._dynamo.reset()
+
+
+def _param_grads(model, step):
+    model.zero_grad(set_to_none=True)
+    step().backward()
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def _compiled_step(model, loss):
+    """Run one compiled training step; returns (gradients, generated code, saved (dtype, shape)s)."""
+    from torch._inductor.utils import run_and_get_code
+
+    compiled = torch.compile(loss)  # backend="inductor"
+    saved = []
+
+    def pack(t):
+        saved.append((t.dtype, tuple(t.shape)))
+        return t
+
+    def step():
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            return compiled()
+    grads, codes = run_and_get_code(lambda: _param_grads(model, step))
+    return grads, "\n".join(codes), saved
+
+
+def _check(model, loss, hidden, sites):
+    eager = _param_grads(model, loss)
+    wide = copy.deepcopy(model).double()
+    exact = _param_grads(wide, lambda: loss(wide))
+    grads, code, saved = _compiled_step(model, loss)
+    counters = torch._dynamo.utils.counters[COUNTER]
+    assert dict(counters) == sites, dict(counters)
+    assert "torch.ops.npu_fusion.rms_norm_grad.default" in code
+    assert "torch.ops.npu_fusion.rotary_position_embedding_grad.default" in code
+    assert not grad_failures(grads, eager, {n: g.to(eager[n].dtype) for n, g in exact.items()}, MODEL_FACTOR)
+    return saved
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_bundled_llama_through_inductor(installed, dtype):
+    from npu_fusion.models import bundled
+
+    model = bundled("llama", num_layers=1, dtype=dtype)
+    ids = torch.randint(0, model.config.vocab_size, (B, S), generator=torch.Generator().manual_seed(0))
+    saved = _check(model, lambda m=None: (m or model).loss(ids), 64,
+                   {"rms_norm_grad": 3, "rotary_position_embedding_grad": 2})
+    if dtype == torch.bfloat16:
+        assert not [k for k in saved if k[0] == torch.float32 and k[1] == (B, S, 64)], saved
+
+
+def _tiny_llama(dtype):
+    pytest.importorskip("transformers")
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    config._attn_implementation = "eager"
+    torch.manual_seed(0)
+    return LlamaForCausalLM(config).to(dtype)
+
+
+def test_transformers_llama_bf16_through_inductor(installed):
+    model = _tiny_llama(torch.bfloat16)
+    ids = torch.randint(0, 96, (B, S), generator=torch.Generator().manual_seed(1))
+    saved = _check(model, lambda m=None: (m or model)(input_ids=ids, labels=ids).loss, 64,
+                   {"rms_norm_grad": 5, "rotary_position_embedding_grad": 4})
+    assert not [k for k in saved if k[0] == torch.float32 and k[1] == (B, S, 64)], saved
+
+
+def test_options_inductor_cannot_honour_are_errors():
+    with pytest.raises(ValueError, match="partitioner"):
+        npu_fusion.install_inductor(partitioner="default")
+
+
+def test_reinstall_replaces_and_chains_an_existing_pass():
+    calls = []
+
+    def previous(graph):
+        calls.append(graph)
+
+    config = inductor_config()
+    before = config.joint_custom_pre_pass
+    try:
+        config.joint_custom_pre_pass = previous
+        first = npu_fusion.install_inductor(target="generic")
+        second = npu_fusion.install_inductor(target="a2")
+        assert second.previous is previous and first.previous is previous
+        graph = torch.fx.Graph()
+        graph.output(None)
+        second(graph)  # not a joint graph: only the chained pass acts on it
+        assert calls == [graph]
+        assert second.uuid() is None  # the chained pass has no uuid: Inductor must not cache on ours
+        config.joint_custom_pre_pass = None
+        generic = npu_fusion.install_inductor(target="generic").uuid()
+        assert generic is not None and npu_fusion.install_inductor(target="generic").uuid() == generic
+        assert npu_fusion.install_inductor(target="a2").uuid() != npu_fusion.install_inductor(target="generic").uuid()
+    finally:
+        config.joint_custom_pre_pass = before
+
+
+def test_hugging_face_trainer_with_the_inductor_backend(installed, tmp_path):
+    """Trainer accepts only its list of backend names; "inductor" is one: after the install, one
+    training step fuses every site, with the gradients the optimizer gets checked."""
+    from transformers import Trainer, TrainerCallback, TrainingArguments
+
+    model = _tiny_llama(torch.float32)
+    ids = torch.randint(0, 96, (B, S), generator=torch.Generator().manual_seed(1))
+    eager = _param_grads(model, lambda: model(input_ids=ids, labels=ids).loss)
+    wide = copy.deepcopy(model).double()
+    exact = _param_grads(wide, lambda: wide(input_ids=ids, labels=ids).loss)
+    seen = {}
+
+    class KeepGradients(TrainerCallback):
+        def on_pre_optimizer_step(self, args, state, control, **kwargs):
+            seen.update({n: p.grad.detach().clone() for n, p in kwargs["model"].named_parameters()
+                         if p.grad is not None})
+
+    args = TrainingArguments(output_dir=str(tmp_path), torch_compile=True, torch_compile_backend="inductor",
+                             use_cpu=True, max_steps=1, per_device_train_batch_size=B, report_to=[],
+                             save_strategy="no", learning_rate=0.0, max_grad_norm=0.0)
+    data = [{"input_ids": row, "labels": row} for row in ids]
+    model.zero_grad(set_to_none=True)
+    Trainer(model=model, args=args, train_dataset=data, callbacks=[KeepGradients()]).train()
+    counters = torch._dynamo.utils.counters[COUNTER]
+    assert dict(counters) == {"rms_norm_grad": 5, "rotary_position_embedding_grad": 4}, dict(counters)
+    seen = {n.removeprefix("_orig_mod."): g for n, g in seen.items()}
+    assert not grad_failures(seen, eager, {n: g.float() for n, g in exact.items()}, MODEL_FACTOR)
+
+
+def _rms_norm(x, w, eps=1e-6):
+    xf = x.float()
+    return w * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+def test_caller_updating_the_input_in_place_before_backward(installed):
+    """Legal in eager and unfused through Inductor; still legal with the pass: the fused op reads a
+    copy of the caller's tensor (``x * 1``, which Inductor keeps), with the gradients of x as it was."""
+    from npu_fusion.testing.grads import assert_close_as_unfused
+
+    def program(fn, dtype=torch.bfloat16):
+        gen = torch.Generator().manual_seed(3)
+        leaf = torch.randn(2, 4, 16, generator=gen).to(dtype).requires_grad_()
+        w = torch.randn(16, generator=gen).to(dtype).requires_grad_()
+        h = leaf * 1
+        out = fn(h, w)
+        h.add_(1.0)
+        out.double().sum().backward()
+        return leaf.grad, w.grad
+
+    expected, exact = program(_rms_norm), program(_rms_norm, torch.float64)
+    got = program(torch.compile(_rms_norm))
+    assert dict(torch._dynamo.utils.counters[COUNTER]) == {"rms_norm_grad": 1}
+    for g, e, x in zip(got, expected, exact):
+        assert_close_as_unfused(g, e, x, factor=MODEL_FACTOR)
