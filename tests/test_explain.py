@@ -137,8 +137,12 @@ def test_explain_serializes_like_the_command_line():
     mine = npu_fusion.explain(model, ids, loss=lambda logits: F.cross_entropy(
         logits[:, :-1].flatten(0, 1).float(), ids[:, 1:].flatten()), target="generic").to_dict()
     assert set(mine) == set(cli) | {"accounting"} and set(mine["settings"]) == set(cli["settings"]) | {"inputs"}
-    for key in ("misses", "sites", "op_counts", "memory_traffic", "backward_graphs", "pass_errors"):
+    for key in ("misses", "sites", "memory_traffic", "backward_graphs", "pass_errors"):
         assert mine[key] == cli[key], key
+    # the backward ops match; the graphs the pass ran on are joint ones, whose forward part holds
+    # each caller's own loss (the test's casts its logits)
+    assert {k: v for k, v in mine["op_counts"].items() if not k.startswith("nodes_")} == \
+           {k: v for k, v in cli["op_counts"].items() if not k.startswith("nodes_")}
     for op in (ROPE, RMS):
         assert {k: v for k, v in mine["ops"][op].items() if k != "expected"} == \
                {k: v for k, v in cli["ops"][op].items() if k != "expected"}

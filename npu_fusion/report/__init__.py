@@ -7,6 +7,15 @@ comparison and the text tables are :mod:`npu_fusion.plugin.report`'s, which the 
 report uses too (its :func:`~npu_fusion.plugin.report.analyse`), so both print the same text and
 serialize to the same JSON.
 """
-from .explanation import Explanation, explain
-
 __all__ = ["Explanation", "explain"]
+
+
+def __getattr__(name):
+    # imported on first use, not with the package: ``TORCH_LOGS=npu_fusion`` makes torch walk
+    # npu_fusion's packages while torch is still being imported, and importing the pass from
+    # there registered its logger in the middle of torch's own log set-up (every line logged twice)
+    if name in __all__:
+        from . import explanation
+
+        return getattr(explanation, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -115,6 +115,9 @@ def collect(args: argparse.Namespace) -> Dict[str, Any]:
     if args.hf or getattr(args, "framework", None) or args.dynamic or args.compiled_autograd \
             or args.checkpointing != "none":
         raise UsageError("--hf-config takes --layers, --batch, --seq, --dtype, --target and --partitioner only")
+    if getattr(args, "compiler", "npu_fusion") != "npu_fusion":
+        raise UsageError("--hf-config runs the npu_fusion backend only (no --compiler)")
+    args.partitioner = args.partitioner or "default"
     started = time.perf_counter()
     config = load_config(args.hf_config, args.overrides, args.layers)
     dtype_name = args.dtype or str(getattr(config, "dtype", None) or "bfloat16").replace("torch.", "")
