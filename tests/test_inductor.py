@@ -159,28 +159,14 @@ def test_hugging_face_trainer_with_the_inductor_backend(installed, tmp_path):
     assert not grad_failures(seen, eager, {n: g.float() for n, g in exact.items()}, MODEL_FACTOR)
 
 
-def _rms_norm(x, w, eps=1e-6):
-    xf = x.float()
-    return w * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
-
-
 def test_caller_updating_the_input_in_place_before_backward(installed):
     """Legal in eager and unfused through Inductor; still legal with the pass: the fused op reads a
     copy of the caller's tensor (``x * 1``, which Inductor keeps), with the gradients of x as it was."""
     from npu_fusion.testing.grads import assert_close_as_unfused
+    from npu_fusion.testing.in_place import grads_after_updating_the_input as updated, hf_rms_norm
 
-    def program(fn, dtype=torch.bfloat16):
-        gen = torch.Generator().manual_seed(3)
-        leaf = torch.randn(2, 4, 16, generator=gen).to(dtype).requires_grad_()
-        w = torch.randn(16, generator=gen).to(dtype).requires_grad_()
-        h = leaf * 1
-        out = fn(h, w)
-        h.add_(1.0)
-        out.double().sum().backward()
-        return leaf.grad, w.grad
-
-    expected, exact = program(_rms_norm), program(_rms_norm, torch.float64)
-    got = program(torch.compile(_rms_norm))
+    expected, exact = updated(hf_rms_norm), updated(hf_rms_norm, torch.float64)
+    got = updated(torch.compile(hf_rms_norm))
     assert dict(torch._dynamo.utils.counters[COUNTER]) == {"rms_norm_grad": 1}
     for g, e, x in zip(got, expected, exact):
         assert_close_as_unfused(g, e, x, factor=MODEL_FACTOR)

@@ -62,30 +62,17 @@ def test_joint_graph_saves_x_not_its_float32_upcast(partitioner):
         assert result.saved.bytes - unfused_min_cut.saved.bytes == 2 * B * S * 128 * 2
 
 
-def _rms_norm(x, w, eps=1e-6):
-    xf = x.float()
-    return w * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
-
-
 @pytest.mark.parametrize("partitioner", ["default", "min_cut"])
 def test_caller_updating_the_input_in_place_before_backward(partitioner):
     """Legal in eager and unfused: the forward saved the upcast, a copy. The fused op reads x,
     which the caller holds: it must read a copy saved by the forward, not the caller's tensor."""
-    def program(fn, dtype=torch.bfloat16):
-        gen = torch.Generator().manual_seed(3)
-        leaf = torch.randn(2, 4, 16, generator=gen).to(dtype).requires_grad_()
-        w = torch.randn(16, generator=gen).to(dtype).requires_grad_()
-        h = leaf * 1
-        out = fn(h, w)
-        h.add_(1.0)
-        out.double().sum().backward()
-        return leaf.grad, w.grad
+    from npu_fusion.testing.in_place import grads_after_updating_the_input as updated, hf_rms_norm
 
-    expected = program(_rms_norm)
-    exact = program(_rms_norm, torch.float64)
+    expected = updated(hf_rms_norm)
+    exact = updated(hf_rms_norm, torch.float64)
     torch._dynamo.reset()
     mark = pass_manager.HISTORY.mark()
-    got = program(torch.compile(_rms_norm, backend=aot_backend(FusionOptions(target="generic",
+    got = updated(torch.compile(hf_rms_norm, backend=aot_backend(FusionOptions(target="generic",
                                                                              partitioner=partitioner))))
     (result,) = pass_manager.HISTORY.since(mark)
     assert result.fused("rms_norm_grad") == 1 and result.copies, result

@@ -61,24 +61,12 @@ def test_options_a_path_cannot_honour_are_errors(torchair):
 def test_caller_updating_the_input_in_place_before_backward(ge):
     """The in-place program through the backend as on an Ascend host: backward runs, gradients
     as eager (the fused op reads the forward's copy of the caller's tensor)."""
-    def rms_norm(x, w, eps=1e-6):
-        xf = x.float()
-        return w * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+    from npu_fusion.testing.in_place import grads_after_updating_the_input as updated, hf_rms_norm
 
-    def program(fn, dtype=torch.bfloat16):
-        gen = torch.Generator().manual_seed(3)
-        leaf = torch.randn(2, 4, 16, generator=gen).to(dtype).requires_grad_()
-        w = torch.randn(16, generator=gen).to(dtype).requires_grad_()
-        h = leaf * 1
-        out = fn(h, w)
-        h.add_(1.0)
-        out.double().sum().backward()
-        return leaf.grad, w.grad
-
-    expected, exact = program(rms_norm), program(rms_norm, torch.float64)
+    expected, exact = updated(hf_rms_norm), updated(hf_rms_norm, torch.float64)
     mark = pass_manager.HISTORY.mark()
     backend = get_backend({"target": "a2"}, torchair_config=ge.config(), ascend_host=True)
-    got = program(torch.compile(rms_norm, backend=backend, fullgraph=True))
+    got = updated(torch.compile(hf_rms_norm, backend=backend, fullgraph=True))
     (result,) = pass_manager.HISTORY.since(mark)
     assert result.fused("rms_norm_grad") == 1 and result.copies
     assert ge.backward().types()["RmsNormGrad"] == 1
