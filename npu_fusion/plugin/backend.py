@@ -94,11 +94,7 @@ def aot_backend(options: FusionOptions, around_pass: Optional[Callable] = None, 
         else:
             fw_gm, bw_gm = split(joint)
             result, run = fuse(bw_gm, fw_gm.graph, split)
-        run.partitioned = (fw_gm, bw_gm)
-        for callback in run.after_partition:
-            callback(fw_gm, bw_gm)
-        if result is not None:
-            result.saved = saved_set(fw_gm, bw_gm)
+        _partitioned(run, result, fw_gm, bw_gm)
         return fw_gm, bw_gm
 
     def fw_compiler(fw_gm, inputs):
@@ -135,6 +131,16 @@ def _fuser(options: FusionOptions, stage: str, around_pass: Optional[Callable]):
         return (result[-1] if result else None), run
 
     return fuse
+
+
+def _partitioned(run, result, fw_gm, bw_gm) -> None:
+    """Once the backend has partitioned: the partition for an ``around_pass`` (and its callbacks),
+    and the saved set on the pass's result."""
+    run.partitioned = (fw_gm, bw_gm)
+    for callback in run.after_partition:
+        callback(fw_gm, bw_gm)
+    if result is not None:
+        result.saved = saved_set(fw_gm, bw_gm)
 
 
 def run_keeping_unfused(gm: torch.fx.GraphModule, run):
