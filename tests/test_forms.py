@@ -248,16 +248,21 @@ DGAMMA_ONLY_FORMS = {  # forms with a weight, applied to an input that takes no 
 def test_rms_norm_of_an_input_without_gradient_fuses_its_dgamma(form, dtype, partitioner):
     """A norm applied to a model input: the backward computes only the weight's gradient, from
     the saved normalized value (default partitioner: rstd passed as ones) or from x and rstd
-    (min_cut). It becomes rms_norm_grad with only dgamma used; the gradient is checked."""
+    (min_cut). It becomes rms_norm_grad with only dgamma used; the gradient is checked. Run on
+    the backward graph after the partition (torchair's hook), where the two partitions differ;
+    on the joint graph the pass sees the same graph under both, and the dgamma reads the
+    normalized value (``stage="joint"`` below)."""
     model = DGAMMA_ONLY_FORMS[form](dtype)
     shape = (2, 5, 4, 8) if form == "two_axes" else (2, 5, 32)
     x = torch.randn(shape, generator=torch.Generator().manual_seed(0)).to(dtype)
-    capture = compile_and_compare(model, [x], params=list(model.parameters()), partitioner=partitioner)
-    assert capture.fused(RMS) == 1, capture.misses()
-    [site] = capture.results[0].sites
-    assert set(site.outputs) == {"dgamma"} and not capture.misses()
-    assert ("rstd" in site.inputs) == (partitioner == "min_cut")
-    assert not decomposed_leftovers(capture.after[0])
+    for stage in ("backward", "joint"):
+        capture = compile_and_compare(model, [x], params=list(model.parameters()), partitioner=partitioner,
+                                      stage=stage)
+        assert capture.fused(RMS) == 1, capture.misses()
+        [site] = capture.results[0].sites
+        assert set(site.outputs) == {"dgamma"} and not capture.misses()
+        assert ("rstd" in site.inputs) == (stage == "backward" and partitioner == "min_cut")
+        assert not decomposed_leftovers(capture.after[0])
 
 
 @pytest.mark.parametrize("partitioner", ["default", "min_cut"])
@@ -265,7 +270,8 @@ def test_rms_norm_of_an_input_without_gradient_under_the_rounding_rules(partitio
     """Autocast's spelling on an input without gradient: a bf16 x normalized in float32, rounded to
     bf16, times a float32 weight; dgamma is float32. Saved as the rounded value (default), the
     fused op reads that value as it is and fuses; recomputed from x and rstd (min_cut), the
-    rounding is inside the site, coarser than dgamma's float32: a recorded miss saying so."""
+    rounding is inside the site, coarser than dgamma's float32: a recorded miss saying so. (On the
+    backward graph after the partition, where the two differ.)"""
     weight = torch.nn.Parameter(torch.randn(32, generator=torch.Generator().manual_seed(1)))
 
     def fn(x):
@@ -273,7 +279,7 @@ def test_rms_norm_of_an_input_without_gradient_under_the_rounding_rules(partitio
         return weight * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6)).to(torch.bfloat16)
 
     x = torch.randn(2, 5, 32, generator=torch.Generator().manual_seed(0)).bfloat16()
-    capture = compile_and_compare(fn, [x], params=[weight], partitioner=partitioner)
+    capture = compile_and_compare(fn, [x], params=[weight], partitioner=partitioner, stage="backward")
     if partitioner == "default":
         assert capture.fused(RMS) == 1 and not capture.misses()
     else:
