@@ -45,11 +45,21 @@ def device_rms_norm_kernels():
     try:
         library.impl("_fused_rms_norm", decompositions._fused_rms_norm, "CPU")
         library.impl("_fused_rms_norm_backward", decompositions._fused_rms_norm_backward, "CPU")
-        torch._dynamo.reset()
+        _forget_dispatch()
         yield
     finally:
         library._destroy()
-        torch._dynamo.reset()
+        _forget_dispatch()
+
+
+def _forget_dispatch() -> None:
+    """Reset dynamo, and the Python dispatch caches of the ops whose routing the kernels change:
+    an ``rms_norm`` traced before (a compiled ``nn.RMSNorm``) cached its decomposition there."""
+    torch._dynamo.reset()
+    for name in ("rms_norm", "_fused_rms_norm", "_fused_rms_norm_backward"):
+        packet = getattr(torch.ops.aten, name)
+        for overload in packet.overloads():
+            getattr(packet, overload)._dispatch_cache.clear()
 
 
 def forward_decomposition() -> dict:
