@@ -224,16 +224,17 @@ def fuse_backward(gm: fx.GraphModule, options: Union[FusionOptions, Mapping, Non
 
 
 def fuse_joint(gm: fx.GraphModule, options: Union[FusionOptions, Mapping, None] = None,
-               copy_op: Optional[Callable] = None) -> FusionResult:
+               copy_op: Optional[Callable] = None, partitioner: Optional[str] = None) -> FusionResult:
     """Rewrite RoPE and RMSNorm backward subgraphs of AOTAutograd's joint graph ``gm`` in place,
     before the partition, and leave the graph ready for it (:mod:`.joint`): the partitioner then
     saves what the fused ops read. ``copy_op`` makes the forward copies of caller-reachable
-    tensors (:class:`~.joint.JointGraph`; each compiler keeps a different op). Returns a
-    :class:`FusionResult`."""
-    return _fuse(gm, options, None, joint=True, copy_op=copy_op)
+    tensors (:class:`~.joint.JointGraph`; each compiler keeps a different op); ``partitioner``
+    is the one that will split the graph (default: the options'). Returns a :class:`FusionResult`."""
+    return _fuse(gm, options, None, joint=True, layout=lambda graph, options: JointGraph(
+        graph, copy_op, min_cut=(partitioner or options.partitioner) == "min_cut"))
 
 
-def _fuse(gm: fx.GraphModule, options, forward: Optional[fx.Graph], joint: bool, copy_op=None) -> FusionResult:
+def _fuse(gm: fx.GraphModule, options, forward: Optional[fx.Graph], joint: bool, layout=None) -> FusionResult:
     """The one run of the pass both entries share: snapshot, rounds, record."""
     if not isinstance(options, FusionOptions):
         options = FusionOptions.from_mapping(options)
@@ -251,7 +252,7 @@ def _fuse(gm: fx.GraphModule, options, forward: Optional[fx.Graph], joint: bool,
     graph, snapshot = gm.graph, None
     try:
         snapshot = Snapshot(graph)
-        layout = JointGraph(graph, copy_op) if joint else None  # before the rewrites: what the unfused backward reads
+        layout = layout(graph, options) if joint else None  # before the rewrites: what the unfused backward reads
         provenance = JointProvenance(graph, layout.backward) if joint else Provenance(forward, graph)
         result.sites, result.misses = _rewrite_in_rounds(graph, options, target, provenance)
         if layout is not None and result.sites:
