@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import npu_fusion  # noqa: F401  (registers torch.ops.npu_fusion)
+from npu_fusion.lowering import FUSED_OPS
 from npu_fusion.testing.torchair import cann_stub
 
 ROPE = torch.ops.npu_fusion.rotary_position_embedding_grad
@@ -257,24 +258,27 @@ def test_declared_supported_cases_compile(torchair, tmp_path, op_name, ge_type):
         assert g.output_dtype(fused, 0) == args[0].dtype, str(case)
 
 
-def test_own_builders_match_torchair_generated(torchair):
+@pytest.mark.parametrize("op", FUSED_OPS, ids=lambda op: op.name)
+def test_own_builders_match_torchair_generated(torchair, op):
+    """The builder written from each op's declared IR builds what torchair's generated one does."""
     from torchair._ge_concrete_graph import ge_apis as ge
     from torchair.ge import DataType
     from torchair.ge._ge_graph import GeGraph
 
-    from npu_fusion.lowering.ge_converters.builders import ir_builders
+    from npu_fusion.lowering.ge_converters.builders import ir_builder
 
-    own_rope, own_rms = ir_builders()
-
-    def build(rope, rms):
+    def build(builder):
         with GeGraph(name="builders") as graph:
-            t = [ge.Data(index=i, dtype=DataType.DT_FLOAT, shape=[2, 8, 4, 16], placement="CPU") for i in range(5)]
-            rope(t[0], t[1], t[2], t[3], mode=1)
-            rms(t[0], t[3], t[4], t[1])
-        return [(op.type, list(op.input), [d.name for d in op.input_desc], dict(op.attr),
-                 [d.name for d in op.output_desc]) for op in graph.op if op.type != "Data"]
+            data = [ge.Data(index=i, dtype=DataType.DT_FLOAT, shape=[2, 8, 4, 16], placement="CPU")
+                    for i in range(len(op.ge.inputs))]
+            required = data[:len(op.ge.required())]
+            optional = {item.name: d for item, d in zip(op.ge.optional(), data[len(required):])}
+            attrs = {a.name: {"Int": 1, "Float": 0.5}[a.kind] for a in op.ge.attrs}
+            builder(*required, **optional, **attrs)
+        return [(n.type, list(n.input), [d.name for d in n.input_desc], dict(n.attr),
+                 [d.name for d in n.output_desc]) for n in graph.op if n.type != "Data"]
 
-    assert build(own_rope, own_rms) == build(ge.RotaryPositionEmbeddingGrad, ge.RmsNormGrad)
+    assert build(ir_builder(op.ge)) == build(getattr(ge, op.ge.op))
 
 
 def test_cast_to_declared_dtype(torchair):
