@@ -10,8 +10,8 @@ emit, and :mod:`.traffic` is the report's memory-traffic model.
 :data:`FORMS` lists the spellings each matcher is tested on; the README's table of
 supported forms is rendered from it (``render_forms``) and a test keeps the two equal.
 """
-from ..lowering import RMS_NORM_GRAD, ROPE_GRAD
-from . import rms_norm, rope
+from ..lowering import RMS_NORM, RMS_NORM_GRAD, ROPE_GRAD
+from . import rms_norm, rms_norm_forward, rope
 
 #: The rules in the order each round runs them. A site whose dy is another site's dx (a
 #: post- or sandwich norm's dy, RoPE's dy under Llama 4's L2 qk-norm, a qk-norm's dy under
@@ -19,7 +19,10 @@ from . import rms_norm, rope
 #: order decides only the round in which such a site fuses, never whether it does (the
 #: pass manager runs up to ``MAX_ROUNDS``). RMSNorm runs first, as it always has: every
 #: figure the project reports was measured in this order.
-RULES = (rms_norm.RULE, rope.RULE)
+#: The forward rule runs after the backward ones: it fuses a forward only once its backward is
+#: a fused op (the backward rules match the decomposed forward they were written for, statistic
+#: and normalized value included), and then hands that op its rstd.
+RULES = (rms_norm.RULE, rope.RULE, rms_norm_forward.RULE)
 
 FORMS = [
     # (fused op, form, where it comes from)
@@ -58,6 +61,7 @@ FORMS = [
     (RMS_NORM_GRAD.name, "symbolic hidden size (`dynamic=True` with the size from an input)", "dynamic shapes"),
     (RMS_NORM_GRAD.name, "inside training graphs: activation checkpointing (full, selective), compiled autograd, DDP, FSDP2", "torchtitan, transformers' `gradient_checkpointing_enable`"),
     (RMS_NORM_GRAD.name, "`aten._fused_rms_norm_backward` kept whole (the outputs its `output_mask` asks for; with or without weight)", "`F.rms_norm` on a device with its own RMSNorm kernel (CUDA, XPU; none on torch_npu yet)"),
+    (RMS_NORM.name, "forward on the joint graph, paired with its fused backward (which reads its rstd): HF with its casts, `nn.RMSNorm`/`F.rms_norm`, Gemma `1 + weight`, T5, per-head, gated, post and sandwich norms, no weight (option `rms_norm_forward`, off by default)", "the same models as `rms_norm_grad`")
 ]
 
 

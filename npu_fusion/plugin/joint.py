@@ -13,10 +13,12 @@ Two things the partitioners need from the graph the pass leaves them:
 
 * **Placement.** The default partitioner takes every node before the last forward node as a
   forward node, by position. A rule inserts its nodes after the last of their inputs, which in
-  a joint graph can be a forward node (a norm whose dy is a tangent). Every node the pass
-  inserted is backward work (it replaces backward nodes or prepares their operands), so it is
-  tagged ``is_backward`` and, where it landed among the forward nodes, moved after them.
+  a joint graph can be a forward node (a norm whose dy is a tangent). Every node a backward
+  rule inserted is backward work (it replaces backward nodes or prepares their operands), so it
+  is tagged ``is_backward`` and, where it landed among the forward nodes, moved after them.
   Inserted nodes carry no activation-checkpointing tag, like the backward nodes they replace.
+  A forward rule's nodes (the fused forward ops) come tagged ``is_forward`` with the tags of
+  the forward node they replace, and stay where they are.
 * **Legality.** A tensor the caller can reach (a graph input, a returned tensor, a view of
   either) may be updated in place by the caller between forward and backward; that is legal
   when the program saved a copy and raises when it saved the tensor itself. Where a fused op
@@ -134,7 +136,10 @@ class JointGraph:
     def prepare_for_partition(self) -> List[fx.Node]:
         """Tag and place the inserted nodes; give fused ops copies of caller-reachable tensors the
         unfused backward did not read. Returns the copies made."""
-        added = [n for n in self.graph.nodes if n not in self.original]
+        # a forward rule's nodes come tagged is_forward: forward work, left where it is
+        added = [n for n in self.graph.nodes if n not in self.original and n.meta.get(TAG) != "is_forward"]
+        if self.boundary is not None and self.boundary._erased:  # a forward rule replaced the last forward node
+            self.boundary = forward_boundary(self.graph, gradient_dependent(self.graph) or set())
         for node in added:
             node.meta[TAG] = "is_backward"
         self._move_after_forward(added)

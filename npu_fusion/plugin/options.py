@@ -21,6 +21,12 @@ class FusionOptions:
     rope: bool = True
     #: fuse RMSNorm backward subgraphs into ``npu_fusion.rms_norm_grad``.
     rms_norm: bool = True
+    #: fuse forward RMSNorm on the joint graph into ``npu_fusion.rms_norm``, paired with its fused
+    #: backward (whose rstd it then produces); off by default until the sweeps show it complete.
+    rms_norm_forward: bool = False
+    #: fuse forward RoPE into ``npu_fusion.rotary_position_embedding``: no rule yet (the op exists),
+    #: so turning it on changes nothing; off by default.
+    rope_forward: bool = False
     #: raise on an internal error of the pass instead of leaving the graph as it was.
     strict: bool = False
     #: log the backward graph before and after the pass (also ``NPU_FUSION_DUMP_GRAPHS=1``).

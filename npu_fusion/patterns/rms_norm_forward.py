@@ -1,0 +1,391 @@
+"""Fuse forward RMSNorm on the joint graph into ``npu_fusion.rms_norm``, paired with its backward.
+
+Unfused, as AOTAutograd writes the forward of HF ``LlamaRMSNorm`` in bf16::
+
+    x32  = _to_copy(x, float32)
+    rstd = rsqrt(add(mean(pow(x32, 2), [-1], keepdim), eps))
+    y    = mul(weight, _to_copy(mul(x32, rstd), bfloat16))
+
+Fused::
+
+    y, rstd = npu_fusion.rms_norm(x, weight, eps)
+
+and every reader of the program's ``rstd`` (the fused ``rms_norm_grad`` of the backward rule)
+reads the fused op's rstd instead, so nothing recomputes it and the partitioner saves the one
+float32 keep-dim statistic.
+
+How a match is found, by value in the backward rule's exact algebra (:class:`NormEvaluator`,
+:mod:`.algebra`) run on the forward nodes: a candidate rstd is an ``rsqrt`` (or ``** -0.5``)
+node, a leaf of the algebra; its argument must equal ``S[x*x]/N + eps`` for some node x of the
+graph and a number eps >= 0 (eps inside the root, the mean over exactly the normalized axes of
+the square of the very value the output multiplies); y is a node whose value is
+``rstd * x * gamma`` for a leaf gamma over the normalized axes (Gemma's ``1 + weight`` is one
+leaf), or ``rstd * x`` when no such node exists (a norm without weight). Casts are identities
+of the algebra: the rounding rules of :func:`~.evaluator.rounding_problem` judge each output
+(an HF bf16 norm rounds the normalized value and then the product to bf16; the fused op rounds
+once to bf16, which is allowed; a float32 program that rounds inside to bf16 is refused).
+
+Pairing. The rule runs after the backward rules in each round (:data:`~npu_fusion.patterns.RULES`)
+and fuses a forward only where nothing but the site itself and fused ops reads its values: its
+backward is a fused ``rms_norm_grad`` reading rstd (or the norm has no backward). A forward
+whose statistic or intermediates a decomposed backward still reads stays as it is this round (a
+miss with that reason, decided again in the next round), so the backward rules always see the
+forward they were written for, and the backward's ``unexplained`` sees every statistic it looks
+for. Only on a joint graph: a backward graph has no forward to fuse.
+"""
+from __future__ import annotations
+
+import dataclasses
+from fractions import Fraction
+from typing import Dict, List, Optional
+
+import torch
+import torch.fx as fx
+
+from ..lowering import FUSED_OPS, RMS_NORM as OP
+from ..lowering.constraints import RMS_NORM_DTYPES, rms_norm_target_problem
+from ..lowering.sizes import same_shape
+from .algebra import Expr
+from .evaluator import JointProvenance, Provenance, Unsupported, kept_precision, rounding_problem
+from .nodes import (CAST_TARGETS, VIEWS, aten, downstream, dtype, gradient_dependent, is_value_preserving_cast,
+                    last_of, normalize_dim, outermost, outside_users, region_of, shape, val)
+from .rewrite import Insertion, Miss, Rewrites, Rule, call, cast, commit, emit_fused_op, exact_common_dtype
+from .rms_norm import NormEvaluator, rms_statistic_operand, size_key
+
+#: uses from an rstd to the output y (rstd * x, a cast, the weight, a cast)
+Y_DEPTH = 5
+
+
+@dataclasses.dataclass
+class ForwardNormMatch:
+    y: fx.Node                  # the node whose value is rstd * x * gamma (outermost of its casts)
+    x: fx.Node
+    gamma: Optional[fx.Node]    # None: a norm without weight
+    rstd: fx.Node               # the program's rsqrt (or ** -0.5) node
+    eps: float
+    ev: NormEvaluator
+
+    @property
+    def dx(self) -> fx.Node:
+        """The node a transaction runs under (the rules' common key)."""
+        return self.y
+
+    @property
+    def roles(self):
+        return (self.x, self.rstd, self.gamma)
+
+
+def _statistic_nodes(graph: fx.Graph, forward) -> Dict[tuple, tuple]:
+    """{norm shape key: (norm shape, [rstd candidates])}: forward ``rsqrt(a)`` and ``a ** -0.5``
+    nodes of a keep-dim shape, grouped by the trailing axes of the keep-dim mean or sum they
+    are built on (a hint for the evaluator's abstract axes; the match itself is by value)."""
+    found: Dict[tuple, tuple] = {}
+    for node in graph.nodes:
+        if node not in forward or not _is_root(node) or val(node) is None:
+            continue
+        for reduction in _reductions_below(node.args[0]):
+            src = reduction.args[0]
+            rank = len(shape(src))
+            dims = sorted(normalize_dim(d, rank) for d in reduction.args[1])
+            if dims != list(range(rank - len(dims), rank)) or len(dims) == rank:
+                continue
+            tail = tuple(shape(src)[rank - len(dims):])
+            entry = found.setdefault(tuple(size_key(s) for s in tail), (tail, []))
+            if node not in entry[1]:
+                entry[1].append(node)
+    return found
+
+
+def _is_root(node: fx.Node) -> bool:
+    return node.op == "call_function" and isinstance(node.args[0], fx.Node) and (
+        node.target is aten.rsqrt.default or (node.target is aten.pow.Tensor_Scalar and node.args[1] == -0.5))
+
+
+def _reductions_below(node: fx.Node, depth: int = 4) -> List[fx.Node]:
+    """Keep-dim means and sums among ``node`` and its inputs up to ``depth`` steps above it."""
+    found, frontier = [], [node]
+    for _ in range(depth):
+        nxt = []
+        for n in frontier:
+            if n.op != "call_function":
+                continue
+            if n.target in (aten.mean.dim, aten.sum.dim_IntList) and len(n.args) > 2 and n.args[2] and n.args[1]:
+                found.append(n)
+            nxt.extend(n.all_input_nodes)
+        frontier = nxt
+    return found
+
+
+def _eps(argument: Expr) -> Optional[Fraction]:
+    """The constant term of ``mean(x*x) + eps`` (0 when there is none), if it is a number >= 0."""
+    eps = argument.terms.get((), 0)
+    return eps if eps >= 0 else None
+
+
+def _statistic_inputs(ev: NormEvaluator, rstd: fx.Node, argument: Expr, eps) -> List[fx.Node]:
+    """The nodes x of the full shape with ``argument == S[x*x]/N + eps``: what the program squares
+    first (through exact casts), then any other node of that value, the least rounded first."""
+    rest = argument - eps
+    sums = [s for s in rest.free_symbols if s in ev.sum_body]
+    if len(sums) != 1 or len(rest.terms) != 1:
+        return []
+    body = ev.sum_body[sums[0]]
+    if any(e % 2 for _, e in body):
+        return []
+    half = tuple((s, e // 2) for s, e in body)
+    x_shape = tuple(shape(rstd)[:len(shape(rstd)) - ev.k]) + tuple(ev.norm_shape)
+    squared = [n for n in _squared_operands(rstd) if ev.memo.get(n) is not None and same_shape(shape(n), x_shape)]
+    return [x for x in dict.fromkeys(squared + ev.nodes_varying_as(half, x_shape))
+            if len(shape(x)) > ev.k and rest == ev.sum_over_normalized(ev.value_of(x) ** 2) / ev.n]
+
+
+def _squared_operands(rstd: fx.Node, depth: int = 5) -> List[fx.Node]:
+    """What the program squares under ``rstd`` (``pow(a, 2)``, ``a * a``), each followed by the
+    tensors it is an exact widening of, the source last first: the x the program reads, tried
+    before any other node of the same value (a less rounded copy would change the function)."""
+    found, frontier = [], [rstd.args[0]]
+    for _ in range(depth):
+        frontier = [n for n in frontier if n.op == "call_function"]
+        for n in frontier:
+            if (n.target is aten.pow.Tensor_Scalar and n.args[1] == 2) or \
+                    (n.target is aten.mul.Tensor and n.args[0] is n.args[1]):
+                chain = [n.args[0]]
+                while is_value_preserving_cast(chain[-1]):
+                    chain.append(chain[-1].args[0])
+                found += reversed(chain)
+        frontier = [a for n in frontier for a in n.all_input_nodes]
+    return [n for n in found if isinstance(n, fx.Node)]
+
+
+def _gamma_candidates(ev: NormEvaluator, expr: Expr) -> List[Optional[fx.Node]]:
+    """Leaves of ``expr`` over exactly the normalized axes (a weight), then None (no weight)."""
+    leaves = [ev.node_of[s] for s in sorted(expr.free_symbols) if s in ev.node_of and s in ev.varying]
+    return [g for g in leaves if len(shape(g)) == ev.k and same_shape(shape(g), ev.norm_shape)] + [None]
+
+
+def _outputs(ev: NormEvaluator, graph: fx.Graph, rstd: fx.Node, x: fx.Node, forward) -> List[tuple]:
+    """(node, gamma) of the forward nodes near ``rstd`` whose value is ``rstd * x * gamma``."""
+    normalized = ev.symbol(rstd) * ev.value_of(x)
+    found = []
+    for node in downstream(graph, [rstd], Y_DEPTH):
+        if node not in forward or node is rstd or not same_shape(shape(node), shape(x)) \
+                or not val(node).dtype.is_floating_point:
+            continue
+        v = ev.value(node)
+        if v is None or v.lead_sum is not None:
+            continue
+        for gamma in _gamma_candidates(ev, v.expr):
+            if gamma is not x and v.expr == normalized * ev.value_of(gamma):
+                found.append((node, gamma))
+                break
+    return found
+
+
+def _without_widened_copies(outputs: List[tuple]) -> List[tuple]:
+    """Drop an output that is an exact widening of another one (a post-norm's ``x.float()`` of
+    the previous norm's bf16 output): it reads y, it is not y."""
+    nodes = {o[0] for o in outputs}
+    return [o for o in outputs if not (is_value_preserving_cast(o[0]) and o[0].args[0] in nodes)]
+
+
+def _match_statistic(ev: NormEvaluator, graph: fx.Graph, rstd: fx.Node, forward):
+    """A :class:`ForwardNormMatch` at ``rstd``, a :class:`Miss` for a statistic whose output is
+    not a norm's, or None when ``rstd`` is no RMS statistic."""
+    argument = ev.value(rstd.args[0])
+    ev.value(rstd)  # the statistic: a leaf of the algebra
+    if argument is None or argument.lead_sum is not None or rstd not in ev.symbol_of:
+        return None
+    eps = _eps(argument.expr)
+    inputs = _statistic_inputs(ev, rstd, argument.expr, eps) if eps is not None else []
+    reasons = []
+    for x in inputs:
+        site = _site_at(ev, graph, rstd, x, float(eps), forward)
+        if isinstance(site, ForwardNormMatch):
+            return site
+        reasons.append(site)
+    if not reasons:
+        return None
+    return Miss(OP.name, rstd.name, f"an RMS statistic rsqrt(mean(x*x) + eps) of {inputs[0].name}, but {reasons[0]}")
+
+
+def _site_at(ev: NormEvaluator, graph: fx.Graph, rstd: fx.Node, x: fx.Node, eps: float, forward):
+    """The site normalizing ``x`` by ``rstd``, or why there is none (a reason)."""
+    outputs = _outputs(ev, graph, rstd, x, forward)
+    weighted = [o for o in outputs if o[1] is not None]
+    chosen = _without_widened_copies(outermost(weighted or outputs, node=lambda o: o[0]))
+    if not chosen:
+        return ("no node near it is rstd * x * gamma (or rstd * x): the statistic scales something else "
+                "(eps outside the root, another tensor normalized)")
+    if len(chosen) > 1:
+        return f"{len(chosen)} nodes compute its normalized output ({', '.join(o[0].name for o in chosen)})"
+    site = ForwardNormMatch(chosen[0][0], x, chosen[0][1], rstd, eps, ev)
+    foreign = _foreign_inputs(site, _region(site))
+    if foreign:
+        return (f"the norm also reads {foreign[0].name}, equal to {x.name} only up to casts, where the fused op "
+                f"would read {x.name} alone")
+    return site
+
+
+def _foreign_inputs(site: ForwardNormMatch, region) -> List[fx.Node]:
+    """Tensors the site's nodes read that are neither inside it nor its inputs (x, gamma, rstd):
+    a second copy of x (rounded differently) the fused op would not read."""
+    inside, roles = set(region), {n for n in site.roles if n is not None}
+    return [a for n in region for a in n.all_input_nodes
+            if a not in inside and a not in roles and val(a) is not None]
+
+
+def find_sites(graph: fx.Graph, provenance: Optional[Provenance], rewrites: Rewrites):
+    """(matches, misses) of the forward RMSNorm sites of a joint graph; none elsewhere."""
+    if not isinstance(provenance, JointProvenance):
+        return [], []
+    gradient = gradient_dependent(graph) or set()
+    forward = {n for n in graph.nodes if n not in gradient and n.op != "output"}
+    matches, misses = [], []
+    for norm_shape, roots in _statistic_nodes(graph, forward).values():
+        try:
+            ev = NormEvaluator(norm_shape)  # the forward's own values: no provenance, no gradient cut
+        except Unsupported:
+            continue
+        for rstd in roots:
+            found = rewrites.examine(rstd, _match_statistic, ev, graph, rstd, forward)
+            if isinstance(found, Miss):
+                misses.append(found)
+            elif found is not None:
+                matches.append(found)
+        rewrites.evaluated(ev)
+    return matches, misses
+
+
+# -- the rewrite --------------------------------------------------------------
+
+def _region(site: ForwardNormMatch) -> List[fx.Node]:
+    """The nodes the fused op replaces: what computes y and the statistic from x and gamma."""
+    roles = {n for n in site.roles if n is not None}
+    interior = lambda n: n in site.ev.interpreted and n not in roles  # noqa: E731
+    return list(dict.fromkeys(region_of([site.y, site.rstd.args[0]], interior) + [site.rstd]))
+
+
+def _unfused_readers(node: fx.Node, region, gradient) -> List[fx.Node]:
+    """Backward nodes other than a fused op that read ``node`` from outside the site, through
+    casts, views and detaches (the decomposed backward reads rstd through ``detach``)."""
+    fused_ops = {op.overload for op in FUSED_OPS}
+    found, stack, seen = [], [u for u in node.users if u not in region], set()
+    while stack:
+        user = stack.pop()
+        if user in seen or user.target in fused_ops:
+            continue
+        seen.add(user)
+        if user.op == "call_function" and user.target in CAST_TARGETS | VIEWS:
+            stack.extend(user.users)
+        elif user in gradient:
+            found.append(user)
+    return found
+
+
+def _pairing_problem(site: ForwardNormMatch, region, graph: fx.Graph) -> Optional[str]:
+    """Why the site cannot fuse yet: a decomposed backward reads its statistic or an
+    intermediate (it is paired with a fused backward, or has none), or a forward node outside
+    the site reads an intermediate. None when nothing but the site and fused ops reads them."""
+    gradient = gradient_dependent(graph) or set()
+    unfused = _unfused_readers(site.rstd, region, gradient)
+    shared = outside_users(region, [site.y, site.rstd])
+    if unfused or any(u in gradient for n in shared for u in n.users):
+        reader = unfused[0] if unfused else next(u for n in shared for u in n.users if u in gradient)
+        return (f"its backward is not a fused rms_norm_grad yet ({reader.name} reads the forward's "
+                f"statistic or intermediates): the forward fuses paired with its fused backward")
+    if shared:
+        user = next(u for u in shared[0].users if u not in region)
+        return f"intermediate {shared[0].name} has a user outside the norm ({user.name})"
+    return None
+
+
+def _dtypes(site: ForwardNormMatch) -> tuple:
+    """(x's, gamma's) dtypes for the fused op: x in the narrowest dtype that holds x and the
+    precision the program keeps y at (y comes out in x's dtype, rounded once); gamma in its own
+    dtype where the op takes that pair, else widened exactly. The op never rounds an operand."""
+    compute = exact_common_dtype((dtype(site.x), kept_precision(site.y)))
+    if site.gamma is None:
+        return compute, compute
+    own = dtype(site.gamma)
+    wide = exact_common_dtype((compute, own))
+    return compute, own if (compute, own) in RMS_NORM_DTYPES or (compute, wide) not in RMS_NORM_DTYPES else wide
+
+
+def find(graph: fx.Graph, provenance: Optional[Provenance], rewrites: Rewrites):
+    """The rule's ``find``: this round's matches and near misses."""
+    return find_sites(graph, provenance, rewrites)
+
+
+def emit(rewrites: Rewrites, site: ForwardNormMatch, provenance, target: str):
+    """The rule's ``emit``: the site rewritten into one fused call (a :class:`Site`), or a
+    :class:`Miss` saying why not."""
+    graph = rewrites.graph
+    site.x, site.gamma = rewrites.current(site.x), rewrites.current(site.gamma)
+    region = _region(site)
+    problem = _pairing_problem(site, region, graph) or rounding_problem(
+        site.ev, {"y": site.y, "rstd": site.rstd.args[0]}, [site.x, site.rstd, site.gamma])
+    compute, gamma_dtype = _dtypes(site)
+    problem = problem or rms_norm_target_problem(target, compute, gamma_dtype, ge_op=OP.ge_op)
+    anchor = last_of(graph, [n for n in (site.x, site.gamma) if n is not None])
+    late = [u for out in (site.y, site.rstd) for u in out.users if u not in region and u < anchor]
+    if problem is None and late:
+        problem = f"{late[0].name} reads the norm's output before its weight is computed"
+    if problem is not None:
+        return Miss(OP.name, site.y.name, problem)
+    outputs = {"y": site.y, "rstd": site.rstd}
+    with Insertion(graph, anchor) as inserted:
+        emitted = _emit_call(rewrites, site, compute, gamma_dtype, outputs)
+        if isinstance(emitted, Miss):
+            return emitted
+    fused, replacements = emitted
+    added = inserted.nodes()
+    _as_forward_work(added, site.y)
+    return commit(graph, OP.name, None, region, outputs, replacements, {"x": site.x, "gamma": site.gamma},
+                  added, fused)
+
+
+def _emit_call(rewrites: Rewrites, site: ForwardNormMatch, compute: torch.dtype, gamma_dtype: torch.dtype, outputs):
+    graph, fake_mode = rewrites.graph, rewrites.fake_mode
+    x = cast(graph, fake_mode, site.x, compute)
+    if site.gamma is not None:
+        gamma = cast(graph, fake_mode, site.gamma, gamma_dtype)
+    elif all(isinstance(s, int) for s in site.ev.norm_shape):
+        gamma = call(graph, fake_mode, aten.full.default, (list(site.ev.norm_shape), 1.0),
+                     {"dtype": compute, "device": val(site.x).device})
+    else:
+        return Miss(OP.name, site.y.name, "a norm without weight over a symbolic size: mark the hidden size static")
+    return emit_fused_op(rewrites, OP, site.y, (x, gamma, site.eps), outputs)
+
+
+#: what a node inserted as forward work takes from the node it replaces: the partitioner's
+#: forward tag, activation checkpointing's policy and region, and where it came from
+FORWARD_META = ("partitioner_tag", "recompute", "ac_graph_id", "seq_nr", "stack_trace", "nn_module_stack")
+
+
+def _as_forward_work(nodes: List[fx.Node], like: fx.Node) -> None:
+    """Mark inserted nodes as forward nodes (``partitioner_tag`` ``is_forward``): the joint
+    graph's preparation (:mod:`npu_fusion.plugin.joint`) leaves them where they are."""
+    for node in nodes:
+        for key in FORWARD_META:
+            if key in like.meta:
+                node.meta[key] = like.meta[key]
+        node.meta["partitioner_tag"] = "is_forward"
+
+
+def unexplained(graph: fx.Graph, provenance: Optional[Provenance], misses: List[Miss]) -> List[Miss]:
+    """No silent misses: a forward RMS statistic ``rsqrt(mean(x*x) + eps)`` left in a joint graph
+    after the pass, that no recorded miss accounts for (one at it or at a node it reaches), is a
+    forward RMSNorm no form matched; each becomes a miss."""
+    if not isinstance(provenance, JointProvenance):
+        return []
+    gradient = gradient_dependent(graph) or set()
+    missed = {m.node for m in misses}
+    found = [n for n in graph.nodes if n not in gradient and n.op == "call_function" and _is_root(n)
+             and rms_statistic_operand(n, None) is not None
+             and not any(r.name in missed for r in downstream(graph, [n], Y_DEPTH))]
+    return [Miss(OP.name, n.name, "a forward RMS statistic rsqrt(mean(x*x) + eps) that no forward RMSNorm form "
+                                  "matched (run with TORCH_LOGS=npu_fusion and dump_graphs to see it)") for n in found]
+
+
+#: the rule the pass manager runs (after the backward rules in each round: see the module docstring)
+RULE = Rule(OP, find, emit, unexplained)

@@ -1,0 +1,241 @@
+"""Forward RMSNorm fused on the joint graph (issue 24): ``npu_fusion.rms_norm`` replaces the
+decomposed forward, its rstd feeds the fused backward, outputs and gradients are checked against
+eager by the float64 criterion, near misses stay as they are, and the saved set is no larger
+than with the backward alone."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+from npu_fusion.models import bundled
+from npu_fusion.patterns.nodes import gradient_dependent
+from npu_fusion.plugin.backend import aot_backend
+from npu_fusion.plugin.options import FusionOptions
+from npu_fusion.testing.grads import MODEL_FACTOR, assert_close_as_unfused, float64_grads, grad_failures, run_grads
+
+FORWARD, BACKWARD = "rms_norm", "rms_norm_grad"
+ON = {"rms_norm_forward": True}
+EPS = 1e-6
+
+
+def _compile(fn, options):
+    """``fn`` compiled by the ``npu_fusion`` backend with ``options``; ``seen`` gets the pass's
+    result and the partition (forward and backward graph modules) once it has run."""
+    seen = {}
+
+    def around(gm, run):
+        seen["result"] = run()
+        run.after_partition.append(lambda fw, bw: seen.update(fw=fw, bw=bw))
+
+    torch._dynamo.reset()
+    options = FusionOptions.from_mapping(dict({"strict": True, "target": "generic"}, **options))
+    return torch.compile(fn, backend=aot_backend(options, around)), seen
+
+
+def _float64_output(fn, inputs, params):
+    saved = [p.data for p in params]
+    try:
+        for p in params:
+            p.data = p.data.double()
+        return fn(*[t.detach().double() for t in inputs])
+    finally:
+        for p, s in zip(params, saved):
+            p.data = s
+
+
+def check(fn, inputs, params=(), **options):
+    """Compile ``fn`` with the pass; its output and every gradient pass the float64 criterion
+    against eager. Returns (the pass's result, forward graph, backward graph)."""
+    compiled, seen = _compile(fn, options)
+    with torch.no_grad():
+        eager, exact = fn(*inputs), _float64_output(fn, inputs, params)
+    got = compiled(*inputs)
+    assert got.dtype == eager.dtype and got.shape == eager.shape
+    assert_close_as_unfused(got.detach(), eager, exact, factor=MODEL_FACTOR)
+    fused_grads, grad_outputs = run_grads(compiled, inputs, params)
+    eager_grads, _ = run_grads(fn, inputs, params, grad_outputs)
+    for f, e, x in zip(fused_grads, eager_grads, float64_grads(fn, inputs, params, grad_outputs)):
+        assert f.dtype == e.dtype and f.shape == e.shape
+        assert_close_as_unfused(f, e, x, factor=MODEL_FACTOR)
+    return seen["result"], seen["fw"].graph, seen["bw"].graph
+
+
+def calls(graph, name):
+    return [n for n in graph.nodes if n.op == "call_function" and getattr(n.target, "__name__", "").split(".")[0] == name]
+
+
+def _through_casts(node):
+    while node.op == "call_function" and node.target in (torch.ops.aten._to_copy.default, torch.ops.aten.view.default,
+                                                          torch.ops.prims.convert_element_type.default):
+        node = node.args[0]
+    return node
+
+
+def assert_paired(fw, bw, sites):
+    """``sites`` fused forward ops, no decomposed statistic left in the forward, and each fused
+    backward reads a fused forward op's rstd (saved by the partition, not recomputed)."""
+    forward_ops = calls(fw, FORWARD)
+    assert len(forward_ops) == sites and not calls(fw, "rsqrt") and not calls(fw, "mean")
+    by_name = {n.name: n for n in fw.nodes}
+    backward_ops = calls(bw, BACKWARD)
+    assert len(backward_ops) == sites and not calls(bw, "rsqrt")
+    for op in backward_ops:
+        rstd = _through_casts(op.args[2])
+        assert rstd.op == "placeholder", rstd  # saved, not recomputed
+        source = _through_casts(by_name[rstd.name])
+        assert source.target.__name__ == "getitem" and source.args[0] in forward_ops and source.args[1] == 1
+
+
+# -- the spellings -------------------------------------------------------------------
+
+def _weight(dtype, d=16):
+    return torch.nn.Parameter(torch.randn(d, generator=torch.Generator().manual_seed(3)).to(dtype))
+
+
+def hf_llama(x, w):  # LlamaRMSNorm: statistics in float32, the weight after the cast back
+    x32 = x.to(torch.float32)
+    return w * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + EPS)).to(x.dtype)
+
+
+def gemma(x, w):
+    xf = x.float()
+    out = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + EPS)
+    return (out * (1.0 + w.float())).type_as(x)
+
+
+def t5(x, w):
+    variance = x.to(torch.float32).pow(2).mean(-1, keepdim=True)
+    x = x * torch.rsqrt(variance + EPS)
+    if w.dtype in (torch.float16, torch.bfloat16):
+        x = x.to(w.dtype)
+    return w * x
+
+
+def per_head(x, w):  # Qwen3's q/k norm: [B, S, H, D] normalized over D
+    return F.rms_norm(x.view(2, 3, 2, 8), (8,), w[:8], EPS).view(2, 3, 16)
+
+
+def gated(x, w):  # Qwen3-Next: norm(x) * silu(gate)
+    return F.rms_norm(x, (16,), w, EPS) * F.silu(x.flip(-1))
+
+
+def sandwich(x, w):  # Gemma 2's post-norm: the second norm's x is the first norm's output
+    return F.rms_norm(torch.tanh(F.rms_norm(x, (16,), w, EPS)), (16,), w.flip(0), EPS)
+
+
+def weightless(x, _w):
+    return F.rms_norm(x, (16,), eps=EPS)
+
+
+SPELLINGS = {  # name: (function, fused sites)
+    "hf_llama": (hf_llama, 1),
+    "nn_rms_norm": (lambda x, w: F.rms_norm(x, (16,), w, EPS), 1),
+    "gemma": (gemma, 1), "t5": (t5, 1), "per_head": (per_head, 1), "gated": (gated, 1),
+    "sandwich": (sandwich, 2), "weightless": (weightless, 1),
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+@pytest.mark.parametrize("spelling", SPELLINGS)
+def test_spelling_fuses_forward_paired_with_backward(spelling, dtype):
+    fn, sites = SPELLINGS[spelling]
+    w = _weight(dtype)
+    x = torch.randn(2, 3, 16, generator=torch.Generator().manual_seed(1)).to(dtype).requires_grad_()
+    result, fw, bw = check(lambda x: fn(x, w), [x], [w] if fn is not weightless else [], **ON)
+    assert not result.misses, result.misses
+    assert result.fused(FORWARD) == sites and result.fused(BACKWARD) == sites
+    assert_paired(fw, bw, sites)
+
+
+def test_forward_stays_unfused_while_its_backward_is_decomposed():
+    """With the backward rule off, the forward's statistic is read by the decomposed backward:
+    the forward is left as it is, a recorded miss saying why."""
+    w = _weight(torch.bfloat16)
+    x = torch.randn(2, 3, 16).to(torch.bfloat16).requires_grad_()
+    result, fw, _ = check(lambda x: F.rms_norm(x, (16,), w, EPS), [x], [w], rms_norm=False, **ON)
+    assert not result.sites and not calls(fw, FORWARD) and calls(fw, "rsqrt")
+    assert [m.op for m in result.misses] == [FORWARD] and "backward" in result.misses[0].reason
+
+
+def test_options_off_leave_the_forward_decomposed():
+    w = _weight(torch.float32)
+    x = torch.randn(2, 3, 16, requires_grad=True)
+    result, fw, _ = check(lambda x: F.rms_norm(x, (16,), w, EPS), [x], [w])
+    assert result.fused(BACKWARD) == 1 and not result.fused(FORWARD) and calls(fw, "rsqrt")
+
+
+# -- near misses: a norm of a tensor that takes no gradient (its forward alone is the site) ----
+
+def _frozen(dtype):
+    return _weight(dtype).requires_grad_(False)
+
+
+NEAR_MISSES = {  # name: (the norm of h, the miss's reason or None when the site is no RMSNorm at all)
+    "eps_outside_the_root": (lambda h, w: h * (torch.rsqrt(h.pow(2).mean(-1, keepdim=True)) + EPS) * w,
+                             "no node near it is rstd * x * gamma"),
+    "another_tensor_normalized": (lambda h, w: h.flip(-1) * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + EPS) * w,
+                                  "no node near it is rstd * x * gamma"),
+    "mean_over_the_wrong_axis": (lambda h, w: h * torch.rsqrt(h.pow(2).mean(1, keepdim=True) + EPS) * w, None),
+    "normalized_value_rounded_to_bf16": (
+        lambda h, w: w * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + EPS)).bfloat16().float(),
+        "rounds a value inside the site to torch.bfloat16"),
+    "statistic_of_a_bf16_copy": (
+        lambda h, w: h * torch.rsqrt(h.bfloat16().float().pow(2).mean(-1, keepdim=True) + EPS) * w,
+        "rounds a value inside the site to torch.bfloat16"),
+}
+
+
+def test_forward_of_a_norm_without_backward_fuses():
+    """The harness of the near misses: the same program with a true RMSNorm fuses its forward."""
+    w, h = _frozen(torch.float32), torch.randn(2, 3, 16)
+    x = torch.randn(2, 3, 16, requires_grad=True)
+    result, fw, _ = check(lambda x: x * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + EPS) * w), [x], **ON)
+    assert result.fused(FORWARD) == 1 and not result.misses and not calls(fw, "rsqrt")
+
+
+@pytest.mark.parametrize("near_miss", NEAR_MISSES)
+def test_near_miss_is_not_rewritten(near_miss):
+    norm, reason = NEAR_MISSES[near_miss]
+    w, h = _frozen(torch.float32), torch.randn(2, 3, 16)
+    x = torch.randn(2, 3, 16, requires_grad=True)
+    result, fw, _ = check(lambda x: x * norm(h, w), [x], **ON)
+    assert not result.sites and not calls(fw, FORWARD)
+    if reason is None:
+        assert not result.misses
+    else:
+        assert [m.op for m in result.misses] == [FORWARD] and reason in result.misses[0].reason, result.misses
+
+
+# -- models ----------------------------------------------------------------------------
+
+def _model_step(model, ids, **options):
+    """One compiled training step; returns (gradients by name, the pass's result, forward graph,
+    backward graph)."""
+    compiled, seen = _compile(model.loss, options)
+    model.zero_grad(set_to_none=True)
+    compiled(ids).backward()
+    return {n: p.grad.clone() for n, p in model.named_parameters()}, seen["result"], seen["fw"].graph, seen["bw"].graph
+
+
+def _eager_and_exact(model, ids):
+    model.zero_grad(set_to_none=True)
+    model.loss(ids).backward()
+    eager = {n: p.grad.clone() for n, p in model.named_parameters()}
+    wide = bundled("llama", dtype=torch.float64)
+    wide.load_state_dict({k: v.double() for k, v in model.state_dict().items()})
+    wide.loss(ids).backward()
+    return eager, {n: p.grad for n, p in wide.named_parameters()}
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+def test_bundled_llama_forward_and_backward_fused_together(dtype):
+    model = bundled("llama", dtype=dtype)
+    ids = torch.randint(0, model.config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(1))
+    sites = model.expected_sites[BACKWARD]
+    grads, result, fw, bw = _model_step(model, ids, **ON)
+    eager, exact = _eager_and_exact(model, ids)
+    assert not grad_failures(grads, eager, exact)
+    assert result.fused(FORWARD) == sites and result.fused(BACKWARD) == sites and not result.misses
+    assert_paired(fw, bw, sites)
+    _, backward_only, _, _ = _model_step(model, ids)
+    assert result.saved.bytes <= backward_only.saved.bytes, (result.saved, backward_only.saved)
+    assert gradient_dependent(fw) is None  # the partition's forward holds no backward work
