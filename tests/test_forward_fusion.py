@@ -2,12 +2,13 @@
 decomposed forward, its rstd feeds the fused backward, outputs and gradients are checked against
 eager by the float64 criterion, near misses stay as they are, and the saved set is no larger
 than with the backward alone."""
+import copy
+
 import pytest
 import torch
 import torch.nn.functional as F
 
 from npu_fusion.models import bundled
-from npu_fusion.patterns.nodes import gradient_dependent
 from npu_fusion.plugin.backend import aot_backend
 from npu_fusion.plugin.options import FusionOptions
 from npu_fusion.testing.grads import MODEL_FACTOR, assert_close_as_unfused, float64_grads, grad_failures, run_grads
@@ -220,22 +221,55 @@ def _eager_and_exact(model, ids):
     model.zero_grad(set_to_none=True)
     model.loss(ids).backward()
     eager = {n: p.grad.clone() for n, p in model.named_parameters()}
-    wide = bundled("llama", dtype=torch.float64)
+    wide = bundled("llama", num_layers=1, dtype=torch.float64, checkpoint=model.config.checkpoint)
     wide.load_state_dict({k: v.double() for k, v in model.state_dict().items()})
     wide.loss(ids).backward()
     return eager, {n: p.grad for n, p in wide.named_parameters()}
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
-def test_bundled_llama_forward_and_backward_fused_together(dtype):
-    model = bundled("llama", dtype=dtype)
+@pytest.mark.parametrize("dtype,partitioner,checkpoint", [
+    (torch.bfloat16, "default", "none"), (torch.float32, "min_cut", "selective")])
+def test_bundled_llama_forward_and_backward_fused_together(dtype, partitioner, checkpoint):
+    """Every norm's forward and backward fused (activation checkpointing recomputes the fused
+    forward op); the saved set no larger than with the backward alone."""
+    model = bundled("llama", num_layers=1, dtype=dtype, checkpoint=checkpoint)
     ids = torch.randint(0, model.config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(1))
     sites = model.expected_sites[BACKWARD]
-    grads, result, fw, bw = _model_step(model, ids, **ON)
+    grads, result, fw, bw = _model_step(model, ids, partitioner=partitioner, **ON)
     eager, exact = _eager_and_exact(model, ids)
     assert not grad_failures(grads, eager, exact)
     assert result.fused(FORWARD) == sites and result.fused(BACKWARD) == sites and not result.misses
-    assert_paired(fw, bw, sites)
-    _, backward_only, _, _ = _model_step(model, ids)
+    assert len(calls(fw, FORWARD)) == sites and not calls(fw, "rsqrt")
+    if checkpoint == "none":  # checkpointing recomputes the forward op in the backward instead of saving rstd
+        assert_paired(fw, bw, sites)
+    _, backward_only, _, _ = _model_step(model, ids, partitioner=partitioner)
     assert result.saved.bytes <= backward_only.saved.bytes, (result.saved, backward_only.saved)
-    assert gradient_dependent(fw) is None  # the partition's forward holds no backward work
+
+
+def test_transformers_qwen3_forward_and_backward_fused_together():
+    """transformers' Qwen3 in bf16 (HF norms with their casts, per-head q/k norms): every norm's
+    forward and backward fused, gradients within the criterion."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.AutoConfig.for_model(
+        "qwen3", vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=1, head_dim=16,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    config._attn_implementation = "eager"
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config).to(torch.bfloat16)
+    ids = torch.randint(0, 96, (2, 12), generator=torch.Generator().manual_seed(1))
+
+    def step(run):
+        model.zero_grad(set_to_none=True)
+        run(input_ids=ids, labels=ids).loss.backward()
+        return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    eager = step(model)
+    wide = copy.deepcopy(model).double()
+    wide(input_ids=ids, labels=ids).loss.backward()
+    exact = {n: p.grad for n, p in wide.named_parameters() if p.grad is not None}
+    compiled, seen = _compile(model, ON)
+    fused = step(compiled)
+    assert not grad_failures(fused, eager, exact)
+    result = seen["result"]
+    assert result.fused(FORWARD) == result.fused(BACKWARD) == 5 and not result.misses, result.misses
+    assert_paired(seen["fw"].graph, seen["bw"].graph, 5)
