@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from npu_fusion.patterns.rewrite import Rule
+from npu_fusion.patterns.rule import FusionRule
 from npu_fusion.plugin.options import FusionOptions
 from npu_fusion.plugin.pass_manager import fuse_backward
 from npu_fusion.plugin.targets import target_from_device_name
@@ -128,15 +128,16 @@ def test_failure_after_rewrites_rebuilds_the_graph_as_it_was(monkeypatch):
     gm, forward = capture.backwards[0], capture.partition_forwards[0]
     before_code, before_nodes = gm.code, _graph_record(gm)
     values = {n.name: n.meta.get("val") for n in gm.graph.nodes}
-    real_rewrite = Rule.rewrite
+    real_round = FusionRule.run_round
 
-    def rewrite_then_fail(rule, graph, target, provenance, rewrites):
-        real_rewrite(rule, graph, target, provenance, rewrites)
+    def round_then_fail(rule, graph, ctx):
+        report = real_round(rule, graph, ctx)
         if rule.op.name == "rotary_position_embedding_grad":
-            assert rewrites.sites, "the failure should come after real rewrites"
+            assert ctx.sites, "the failure should come after real rewrites"
             raise RuntimeError("late boom")
+        return report
 
-    monkeypatch.setattr(Rule, "rewrite", rewrite_then_fail)
+    monkeypatch.setattr(FusionRule, "run_round", round_then_fail)
     result = fuse_backward(gm, {"target": "generic"}, forward=forward)
     assert result.error == "RuntimeError: late boom" and not result.sites
     assert gm.code == before_code and _graph_record(gm) == before_nodes

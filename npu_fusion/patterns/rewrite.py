@@ -15,7 +15,7 @@ import contextlib
 import dataclasses
 import logging
 import operator
-from typing import Callable, Dict, Iterable, List, Optional, Sequence, Union
+from typing import Dict, Iterable, List, Optional, Sequence, Union
 
 import torch
 import torch.fx as fx
@@ -24,6 +24,7 @@ from ..compat import outside_fake_mode
 from ..lowering.constraints import FusedOpInputError
 from ..lowering.fused_op import FusedOp
 from ..lowering.sizes import same_shape
+from .context import PassContext, fake_mode_of  # noqa: F401 (fake_mode_of: plugin.joint imports it here)
 from .evaluator import MemoEvaluator, Unsupported
 from .nodes import aten, dtype, holds, is_float_cast, shape, target_name, val
 from .traffic import node_traffic
@@ -66,19 +67,14 @@ def exact_common_dtype(dtypes: Iterable[torch.dtype]) -> torch.dtype:
             return candidate
     raise Unsupported(f"no float dtype holds {sorted(map(str, dtypes))}")
 
-def fake_mode_of(graph: fx.Graph):
-    for node in graph.nodes:
-        v = node.meta.get("val")
-        if isinstance(v, torch.Tensor) and hasattr(v, "fake_mode"):
-            return v.fake_mode
-    return None
-
-def call(graph: fx.Graph, fake_mode, target, args, kwargs=None, value=None) -> fx.Node:
+def call(graph: fx.Graph, fake_mode, target, args, kwargs=None, value=None, created=None) -> fx.Node:
     """Insert a call (at the graph's current insertion point) with its fake value:
-    ``value`` when the caller knows it (the node replaces one it equals), else computed."""
+    ``value`` when the caller knows it (the node replaces one it equals), else computed.
+    ``created``, a list, records the node (a transaction's inserted nodes)."""
     kwargs = kwargs or {}
     node = graph.call_function(target, tuple(args), kwargs)
-    _created(node)
+    if created is not None:
+        created.append(node)
     if value is not None:
         node.meta["val"] = value
         return node
@@ -135,16 +131,43 @@ def _static_fake_value(fake_mode, target, args, kwargs):
     fakes = [FakeTensor(fake_mode, o, devices[0]) for o in outs]
     return type(out)(fakes) if isinstance(out, (tuple, list)) else fakes[0]
 
-def getitem(graph, fake_mode, node, index) -> fx.Node:
+def getitem(graph, fake_mode, node, index, created=None) -> fx.Node:
     item = graph.call_function(operator.getitem, (node, index))
-    _created(item)
+    if created is not None:
+        created.append(item)
     item.meta["val"] = node.meta["val"][index]
     return item
 
-def cast(graph, fake_mode, node: fx.Node, to: torch.dtype) -> fx.Node:
+def cast(graph, fake_mode, node: fx.Node, to: torch.dtype, created=None) -> fx.Node:
     if dtype(node) == to:
         return node
-    return call(graph, fake_mode, aten._to_copy.default, (node,), {"dtype": to})
+    return call(graph, fake_mode, aten._to_copy.default, (node,), {"dtype": to}, created=created)
+
+
+class Edit:
+    """Inserting nodes into one pass's graph: :func:`call`, :func:`cast` and :func:`getitem` with
+    the graph's fake mode, each node recorded in the innermost open transaction of the pass
+    (erased again if the candidate fails before :func:`commit`)."""
+
+    def __init__(self, graph: fx.Graph, fake_mode, transactions: List["Transaction"]):
+        self.graph, self.fake_mode, self._transactions = graph, fake_mode, transactions
+
+    @property
+    def transaction(self) -> Optional["Transaction"]:
+        return self._transactions[-1] if self._transactions else None
+
+    def _created(self) -> Optional[list]:
+        tx = self.transaction
+        return tx.nodes if tx is not None else None
+
+    def call(self, target, args, kwargs=None, value=None) -> fx.Node:
+        return call(self.graph, self.fake_mode, target, args, kwargs, value, created=self._created())
+
+    def cast(self, node: fx.Node, to: torch.dtype) -> fx.Node:
+        return cast(self.graph, self.fake_mode, node, to, created=self._created())
+
+    def getitem(self, node: fx.Node, index: int) -> fx.Node:
+        return getitem(self.graph, self.fake_mode, node, index, created=self._created())
 
 class Insertion:
     """Insert nodes right after ``anchor``, remembering which ones were inserted."""
@@ -167,7 +190,7 @@ class Insertion:
             node = node.next
         return out
 
-def replacement_of(graph: fx.Graph, fake_mode, result: fx.Node, old: fx.Node) -> fx.Node:
+def replacement_of(edit: Edit, result: fx.Node, old: fx.Node) -> fx.Node:
     """What replaces output ``old``: a fused op's ``result``, cast as the program casts the
     value it computes on its way to ``old`` (the float casts ending at ``old``), so every
     rounding the program does there happens here too; in ``old``'s shape."""
@@ -180,11 +203,11 @@ def replacement_of(graph: fx.Graph, fake_mode, result: fx.Node, old: fx.Node) ->
     precision = dtype(result)
     for d in dtypes[:-1]:  # keep the casts that round; widening ones change no value
         if not holds(d, precision):
-            result, precision = cast(graph, fake_mode, result, d), d
-    result = cast(graph, fake_mode, result, dtypes[-1])
+            result, precision = edit.cast(result, d), d
+    result = edit.cast(result, dtypes[-1])
     target = chain[0] if chain else matched
     if not same_shape(shape(result), shape(target)):
-        result = call(graph, fake_mode, aten.view.default, (result, list(shape(target))))
+        result = edit.call(aten.view.default, (result, list(shape(target))))
     return result
 
 def input_problem(fake_mode, check, *args) -> Optional[str]:
@@ -198,7 +221,7 @@ def input_problem(fake_mode, check, *args) -> Optional[str]:
         return str(exc)
     return None
 
-def commit(graph: fx.Graph, op: str, mode: Optional[str], region: List[fx.Node], outputs: Dict[str, fx.Node],
+def commit(edit: Edit, op: str, mode: Optional[str], region: List[fx.Node], outputs: Dict[str, fx.Node],
            replacements: Dict[fx.Node, fx.Node], inputs: Dict[str, fx.Node], added: List[fx.Node],
            fused: fx.Node) -> Site:
     """Swap the replaced outputs for their new values, erase the dead region, describe it
@@ -211,14 +234,15 @@ def commit(graph: fx.Graph, op: str, mode: Optional[str], region: List[fx.Node],
                 replaced_nodes=[n.name for n in region], replaced_targets=counts,
                 bytes_before=sum(node_traffic(n) for n in region),
                 bytes_after=sum(node_traffic(n) for n in added), bytes_minimum=node_traffic(fused))
-    if _OPEN:  # from here on the graph changes: a failure can no longer be undone per site
-        _OPEN[-1].committed = True
-        _OPEN[-1].replacements = replacements
+    tx = edit.transaction
+    if tx is not None:  # from here on the graph changes: a failure can no longer be undone per site
+        tx.committed = True
+        tx.replacements = replacements
     for old, new in replacements.items():
         old.replace_all_uses_with(new)
     inputs = {a for n in region for a in n.all_input_nodes}
-    erase_dead(graph, region)
-    erase_unused_upstream(graph, inputs)
+    erase_dead(edit.graph, region)
+    erase_unused_upstream(edit.graph, inputs)
     return site
 
 def erase_dead(graph: fx.Graph, nodes: Iterable[fx.Node]) -> List[fx.Node]:
@@ -248,14 +272,11 @@ class Transaction:
     committed: bool = False
     replacements: Dict[fx.Node, fx.Node] = dataclasses.field(default_factory=dict)
 
-_OPEN: List[Transaction] = []  # the transactions in progress, innermost last
-
-def _created(node: fx.Node) -> None:
-    if _OPEN:
-        _OPEN[-1].nodes.append(node)
-
-class Rewrites:
-    """One pattern's sites and misses in one graph; each candidate is its own transaction.
+class RuleContext:
+    """One rule's view of one run of the pass: the :class:`~.context.PassContext` (graph,
+    provenance, target, strictness) and the rule's own ledger (its sites, its internal errors,
+    the candidates that failed, the nodes its rewrites replaced); each candidate is its own
+    transaction.
 
     Examining a candidate (:meth:`examine`, :meth:`evaluated`) or rewriting it
     (:meth:`rewrite`) may fail with any exception; that costs the candidate only: it
@@ -264,18 +285,19 @@ class Rewrites:
     ``strict`` the error is raised instead, and so is one that happens after the graph
     began to be rewired (the pass manager's whole-graph snapshot then puts it back).
 
-    The pass runs the patterns in rounds until nothing new fuses (a site whose dy is
+    The pass runs the rules in rounds until nothing new fuses (a site whose dy is
     another site's dx fuses once that one is a fused op): sites accumulate over the
-    rounds, misses are the last round's plus every internal error.
+    rounds, misses are the last round's (:attr:`round_misses`) plus every internal error.
     """
 
-    def __init__(self, graph: fx.Graph, op: str, strict: bool = False):
-        self.graph, self.op, self.strict = graph, op, strict
-        self.fake_mode = fake_mode_of(graph)
+    def __init__(self, context: PassContext, op: str):
+        self.context, self.op = context, op
+        self.graph, self.provenance, self.target = context.graph, context.provenance, context.target
+        self.strict, self.fake_mode = context.strict, context.fake_mode
+        #: inserts nodes recorded in the open transaction
+        self.edit = Edit(context.graph, context.fake_mode, context.transactions)
         self.sites: List[Site] = []
         self.round_misses: List[Miss] = []
-        #: candidates this round left undecided because they build on a site it matched
-        self.pending = 0
         self.errors: List[Miss] = []
         self._failed: set = set()  # names of the nodes whose candidates failed
         self._replaced: Dict[fx.Node, fx.Node] = {}
@@ -284,9 +306,6 @@ class Rewrites:
     def misses(self) -> List[Miss]:
         return self.errors + self.round_misses
 
-    def begin_round(self) -> None:
-        self.round_misses, self.pending = [], 0
-
     def current(self, node: Optional[fx.Node]) -> Optional[fx.Node]:
         """The node that now holds ``node``'s value (an earlier rewrite may have replaced it)."""
         while node in self._replaced:
@@ -294,15 +313,15 @@ class Rewrites:
         return node
 
     def _failed_at(self, node, exc: Exception) -> None:
-        name = getattr(node, "name", str(node))
+        name = node.name if isinstance(node, fx.Node) else str(node)
         reason = f"internal error, candidate left unfused: {type(exc).__name__}: {exc}"
         log.warning("npu_fusion: %s at %s: %s", self.op, name, reason, exc_info=exc)
         self._failed.add(name)
         self.errors.append(Miss(self.op, name, reason))
 
     def examine(self, node: fx.Node, fn, *args):
-        """``fn(*args)``, or None (a recorded miss) if it raises."""
-        if getattr(node, "name", None) in self._failed:
+        """``fn(*args)``, or None (a recorded miss at ``node``, the candidate) if it raises."""
+        if node.name in self._failed:
             return None
         try:
             return fn(*args)
@@ -326,7 +345,7 @@ class Rewrites:
         if node.name in self._failed:
             return
         tx = Transaction()
-        _OPEN.append(tx)
+        self.context.transactions.append(tx)
         try:
             done = fn(*args)
         except Exception as exc:
@@ -336,7 +355,7 @@ class Rewrites:
             self._failed_at(node, exc)
             return
         finally:
-            _OPEN.pop()
+            self.context.transactions.pop()
         if isinstance(done, Miss):
             erase_dead(self.graph, tx.nodes)
             self.round_misses.append(done)
@@ -345,43 +364,24 @@ class Rewrites:
             self._replaced.update(tx.replacements)
 
 
-def emit_fused_op(rewrites: Rewrites, op: FusedOp, at: fx.Node, operands: Sequence,
+#: the name rules used before the context held the pass's state
+Rewrites = RuleContext
+
+
+def emit_fused_op(ctx: RuleContext, op: FusedOp, at: fx.Node, operands: Sequence,
                   outputs: Dict[str, fx.Node]) -> Union[Miss, tuple]:
     """Inside a rule's :class:`Insertion`: ``(fused call, {replaced output: its replacement})``
     for ``op`` called on ``operands`` (nodes, None or plain values), ``outputs`` named as the
     op names its outputs; or a :class:`Miss` at ``at`` when the operands break one of the
     op's own input checks."""
-    graph, fake_mode = rewrites.graph, rewrites.fake_mode
-    problem = input_problem(fake_mode, op.check_inputs, *operands)
+    edit = ctx.edit
+    problem = input_problem(edit.fake_mode, op.check_inputs, *operands)
     if problem is not None:
         return Miss(op.name, at.name, problem)
-    fused = call(graph, fake_mode, op.overload, tuple(operands))
+    fused = edit.call(op.overload, tuple(operands))
     replacements = {}
     for index, name in enumerate(op.outputs):
         old = outputs.get(name)
         if old is not None:
-            replacements[old] = replacement_of(graph, fake_mode, getitem(graph, fake_mode, fused, index), old)
+            replacements[old] = replacement_of(edit, edit.getitem(fused, index), old)
     return fused, replacements
-
-
-@dataclasses.dataclass(frozen=True)
-class Rule:
-    """One fused op's pattern: how the pass finds the op's sites and emits the op.
-
-    ``find(graph, provenance, rewrites)`` gives ``(matches, misses)`` (each match names its
-    ``dx`` node); ``emit(rewrites, match, provenance, target)`` rewrites one match into a
-    :class:`Site`, or leaves it as a :class:`Miss`; ``unexplained(graph, provenance,
-    misses)`` names, after the last round, what looks like the op's forward in the graph
-    but no form matched and no miss accounts for.
-    """
-    op: FusedOp
-    find: Callable
-    emit: Callable
-    unexplained: Callable
-
-    def rewrite(self, graph: fx.Graph, target: str, provenance, rewrites: Rewrites) -> None:
-        """One round: find the sites, then emit each one as its own transaction."""
-        matches, misses = self.find(graph, provenance, rewrites)
-        rewrites.round_misses += misses
-        for match in matches:
-            rewrites.rewrite(match.dx, self.emit, rewrites, match, provenance, target)

@@ -75,7 +75,8 @@ from .algebra import Expr, accumulate, graph_constant
 from .evaluator import MemoEvaluator, Provenance, Unsupported, kept_precision, rounding_problem
 from .nodes import (CAST_TARGETS, VIEWS, aten, downstream, dtype, gradient_dependent, gradient_product, is_float_cast,
                     is_value_preserving_cast, last_of, normalize_dim, outermost, outside_users, region_of, shape, val)
-from .rewrite import Insertion, Miss, Rewrites, Rule, Site, call, cast, commit, emit_fused_op, exact_common_dtype
+from .rewrite import Edit, Insertion, Miss, RuleContext, Site, commit, emit_fused_op, exact_common_dtype
+from .rule import Form, FusionRule, RoundReport, SiteProbe
 MAX_SYMBOLS = 16
 
 
@@ -406,6 +407,8 @@ class NormMatch:
     rest: List[fx.Node] = dataclasses.field(default_factory=list)   # other gradients summed into dx's node
     chain: List[fx.Node] = dataclasses.field(default_factory=list)  # the adds that sum parts and rest
     dgamma: Optional[fx.Node] = None
+    #: a dgamma-only site: the statistics it was matched against (to match it again)
+    candidates: list = dataclasses.field(default_factory=list)
 
     @property
     def roles(self):
@@ -582,16 +585,17 @@ def _lead_sums(graph: fx.Graph, rank: int) -> List[fx.Node]:
     return downstream(graph, seeds, 3)
 
 
-def find_sites(graph: fx.Graph, provenance, forced_leaves=(), rewrites: Optional[Rewrites] = None):
-    """(matches, near misses) of the graph's RMSNorm backward sites; an internal error while
-    examining one candidate is recorded in ``rewrites`` (raised without it)."""
-    rewrites = rewrites if rewrites is not None else Rewrites(graph, OP.name, strict=True)
-    matches, misses = [], []
+def find_sites(graph: fx.Graph, rewrites: RuleContext) -> RoundReport:
+    """This round's RMSNorm backward sites of the graph, near misses and pending candidates;
+    an internal error while examining one candidate is a miss in ``rewrites``."""
+    provenance = rewrites.provenance
+    report = RoundReport()
+    matches = report.matches
     gradient = gradient_dependent(graph)
     with_dx = set()  # the statistics of the norms whose dx the graph computes (matched or not)
     for norm_shape, reductions in _norm_reductions(graph):
         try:
-            ev = NormEvaluator(norm_shape, provenance, forced_leaves)
+            ev = NormEvaluator(norm_shape, provenance)
         except Unsupported:  # a symbolic N that is not a product of sizes
             continue
         ev.gradient_nodes = gradient
@@ -626,11 +630,11 @@ def find_sites(graph: fx.Graph, provenance, forced_leaves=(), rewrites: Optional
             if len(grads) == 1:
                 site.dgamma = grads[0]
             matches.append(site)
-        misses += rewrites.examine(graph, _near_misses, ev, nodes, [m for m in matches if m.ev is ev],
-                                   rewrites) or []
+        report += _near_misses(rewrites, ev, nodes, [m for m in matches if m.ev is ev])
         with_dx |= _statistics_with_dx(ev)
         rewrites.evaluated(ev)
-    return matches + dgamma_only_sites(graph, provenance, rewrites, matches, with_dx, forced_leaves), misses
+    report.matches += dgamma_only_sites(graph, rewrites, matches, with_dx)
+    return report
 
 
 def _statistics_with_dx(ev: NormEvaluator) -> set:
@@ -647,45 +651,62 @@ def _statistics_with_dx(ev: NormEvaluator) -> set:
     return found
 
 
-def _near_misses(ev: NormEvaluator, nodes, matched: List[NormMatch], rewrites: Rewrites) -> List[Miss]:
+def _near_misses(rewrites: RuleContext, ev: NormEvaluator, nodes, matched: List[NormMatch]) -> RoundReport:
     """Nodes that sum over the normalized axes once, as an RMSNorm dx does, yet matched nothing.
     One built on a matched site's sum outside that site (a post-norm whose dy is the next
     norm's dx, or the sum of several norms' dx) is pending: the next round, with those sites
-    fused, decides it."""
+    fused, decides it. A failure while reading one node is a miss at that node."""
     done, inside = set(), set()
     for site in matched:
-        summand = ev.value_of(site.dy) * ev.value_of(site.gamma) * ev.value_of(site.x)
-        done |= ev.sum_over_normalized(summand).free_symbols
-        inside.update(_region(site, {"dx": site.dx}))
-    suspects = []
+        sums_and_region = rewrites.examine(site.dx, _sums_and_region, ev, site)
+        if sums_and_region is not None:
+            done |= sums_and_region[0]
+            inside.update(sums_and_region[1])
+    suspects, pending = [], 0
     for n in nodes:
-        v = ev.memo.get(n)
-        if v is None or v.lead_sum is not None or not ev.spans(shape(n)) or not same_shape(
-                shape(n)[len(shape(n)) - ev.k:], ev.norm_shape) or len(shape(n)) <= ev.k:
-            continue
-        sums = {s for s in v.expr.free_symbols if s in ev.sum_body}
-        if len(sums) > 1 and sums & done and sums - done and n not in inside:
-            # its own sum over a gradient that expands into matched sites' dx (a norm whose dy
-            # is several norms' dx summed): the next round reads that dy as their fused outputs
-            rewrites.pending += 1
-            continue
-        # a norm's dx scales by a saved statistic and has a term x * sum(product) with the
-        # product of degree >= 2 (dy*g*x): (log-)softmax's backward has no statistic or sums
-        # the gradient alone, normalizing by a plain sum (MoE routing weights) has no x there
-        if len(sums) != 1 or not _stat_leaves(ev, v.expr) or sum(
-                abs(e) for _, e in ev.sum_body[next(iter(sums))]) < 2:
-            continue
-        summed_terms = [_symbols(m) for m, _ in v.expr.split_terms() if _symbols(m) & sums]
-        if not any(t & ev.varying for t in summed_terms):
-            continue
-        if not sums & done and len(v.expr.terms) >= 2:
+        verdict = rewrites.examine(n, _near_miss_verdict, ev, n, done, inside)
+        if verdict == "pending":
+            pending += 1
+        elif verdict == "suspect":
             suspects.append(n)
-        elif sums & done and n not in inside:
-            rewrites.pending += 1
     outer = outermost(suspects)
-    return [Miss(OP.name, n.name, "normalizes over the last axes like an RMSNorm dx, but its terms differ from "
+    return RoundReport([], [Miss(OP.name, n.name, "normalizes over the last axes like an RMSNorm dx, but its terms differ from "
                              "rstd*dy*g - rstd**3*x*sum(dy*g*x)/N (eps outside the root, another "
-                             "statistic or a missing term)") for n in outer]
+                             "statistic or a missing term)") for n in outer], pending)
+
+
+def _sums_and_region(ev: NormEvaluator, site: NormMatch) -> tuple:
+    """The symbols of a matched site's sum over the normalized axes, and the nodes of its dx."""
+    summand = ev.value_of(site.dy) * ev.value_of(site.gamma) * ev.value_of(site.x)
+    return ev.sum_over_normalized(summand).free_symbols, _region(site, {"dx": site.dx})
+
+
+def _near_miss_verdict(ev: NormEvaluator, n: fx.Node, done: set, inside: set) -> Optional[str]:
+    """``"suspect"``: ``n`` normalizes like an RMSNorm dx and matched nothing; ``"pending"``: it is
+    built on a site this round matched; None: neither."""
+    v = ev.memo.get(n)
+    if v is None or v.lead_sum is not None or not ev.spans(shape(n)) or not same_shape(
+            shape(n)[len(shape(n)) - ev.k:], ev.norm_shape) or len(shape(n)) <= ev.k:
+        return None
+    sums = {s for s in v.expr.free_symbols if s in ev.sum_body}
+    if len(sums) > 1 and sums & done and sums - done and n not in inside:
+        # its own sum over a gradient that expands into matched sites' dx (a norm whose dy
+        # is several norms' dx summed): the next round reads that dy as their fused outputs
+        return "pending"
+    # a norm's dx scales by a saved statistic and has a term x * sum(product) with the
+    # product of degree >= 2 (dy*g*x): (log-)softmax's backward has no statistic or sums
+    # the gradient alone, normalizing by a plain sum (MoE routing weights) has no x there
+    if len(sums) != 1 or not _stat_leaves(ev, v.expr) or sum(
+            abs(e) for _, e in ev.sum_body[next(iter(sums))]) < 2:
+        return None
+    summed_terms = [_symbols(m) for m, _ in v.expr.split_terms() if _symbols(m) & sums]
+    if not any(t & ev.varying for t in summed_terms):
+        return None
+    if not sums & done and len(v.expr.terms) >= 2:
+        return "suspect"
+    if sums & done and n not in inside:
+        return "pending"
+    return None
 
 
 def unexplained(graph: fx.Graph, provenance: Optional[Provenance], misses: List[Miss]) -> List[Miss]:
@@ -941,12 +962,12 @@ def _match_dgamma_only(ev: NormEvaluator, node: fx.Node, candidates) -> Optional
     return None
 
 
-def dgamma_only_sites(graph: fx.Graph, provenance, rewrites: Rewrites, matches: List[NormMatch],
-                      with_dx=(), forced_leaves=()) -> List[NormMatch]:
+def dgamma_only_sites(graph: fx.Graph, rewrites: RuleContext, matches: List[NormMatch],
+                      with_dx=()) -> List[NormMatch]:
     """Sites of norms whose input takes no gradient: only dgamma is computed, no dx (no
     statistic of theirs in ``with_dx``); each becomes ``rms_norm_grad`` with only its dgamma
     output used."""
-    gradient = gradient_dependent(graph)
+    provenance, gradient = rewrites.provenance, gradient_dependent(graph)
     taken = _taken_norms(graph, provenance, matches)
     taken |= {_source(stat[0], provenance) for stat in (rms_statistic_operand(n, provenance) for n in with_dx) if stat}
     claimed = {m.dgamma for m in matches}
@@ -956,13 +977,15 @@ def dgamma_only_sites(graph: fx.Graph, provenance, rewrites: Rewrites, matches: 
         if not candidates:
             continue
         try:
-            ev = NormEvaluator(norm_shape, provenance, forced_leaves)
+            ev = NormEvaluator(norm_shape, provenance)
         except Unsupported:
             continue
         ev.gradient_nodes = gradient
         grads = [n for n in _lead_sums(graph, len(norm_shape)) if n not in claimed and val(n) is not None
                  and ev.depends_on_gradient(n)]
         sites = [m for n in grads for m in [rewrites.examine(n, _match_dgamma_only, ev, n, candidates)] if m]
+        for site in sites:
+            site.candidates = candidates
         found += outermost(sites, node=lambda m: m.dx)
         rewrites.evaluated(ev)
     return found
@@ -994,14 +1017,31 @@ def _region(site: NormMatch, outputs) -> List[fx.Node]:
     return list(dict.fromkeys(region + site.chain + [site.dx]))
 
 
-def find(graph: fx.Graph, provenance: Optional[Provenance], rewrites: Rewrites):
-    """The rule's ``find``: this round's matches and near misses."""
-    return find_sites(graph, provenance, rewrites=rewrites)
+def find_again(rewrites: RuleContext, site: NormMatch, leaves: List[fx.Node]) -> Optional[NormMatch]:
+    """``site`` matched again with ``leaves`` as leaves: the same dx and dgamma (a new evaluator
+    of its norm shape, reading only what the first match had read at its root), or None."""
+    ev = NormEvaluator(site.ev.norm_shape, rewrites.provenance, leaves)
+    ev.gradient_nodes = gradient_dependent(rewrites.graph)
+    if site.dgamma_only:
+        again = _match_dgamma_only(ev, site.dx, site.candidates)
+        return again if again is not None and again.dx is site.dx else None
+    summands, _ = _accumulation(site.dx, ())
+    for node in [*summands, site.dx]:
+        if node in site.ev.memo:
+            ev.value(node)
+    again = _match_root(ev, site.dx, set())
+    if again is None:
+        return None
+    if site.dgamma is not None:
+        ev.value(site.dgamma)
+        if not match_dgamma(ev, site.dgamma, again):
+            return None
+        again.dgamma = site.dgamma
+    return again
 
 
-def emit(rewrites: Rewrites, site: NormMatch, provenance, target: str):
-    """The rule's ``emit``: the site rewritten into one fused call (a :class:`Site`), or a
-    :class:`Miss` saying why not."""
+def emit(rewrites: RuleContext, rule: FusionRule, site: NormMatch):
+    """The site rewritten into one fused call (a :class:`Site`), or a :class:`Miss` saying why not."""
     current = rewrites.current
     site.rest = [current(n) for n in site.rest]
     site.dy, site.x, site.rstd, site.gamma = (current(n) for n in site.roles)
@@ -1015,24 +1055,18 @@ def emit(rewrites: Rewrites, site: NormMatch, provenance, target: str):
         site.ev, {"dgamma": site.dgamma}, [*site.roles, *site.rest])
     if dgamma_left:
         del outputs["dgamma"]
-    region = _region(site, outputs)
-    shared = outside_users(region, outputs.values())
-    if shared:
-        again = [m for m in find_sites(rewrites.graph, provenance, forced_leaves=shared, rewrites=rewrites)[0]
-                 if m.dx is site.dx]
-        if not again or again[0].dgamma is not site.dgamma:
-            return Miss(OP.name, site.dx.name, f"intermediate {shared[0].name} has a user outside "
-                                               f"the pattern ({next(iter(shared[0].users)).name})")
-        site = again[0]
-        region = _region(site, outputs)
-    done = _emit(rewrites, site, outputs, region, target, provenance)
+    resolved = rule.resolve_shared(rewrites, site, outputs)
+    if isinstance(resolved, Miss):
+        return resolved
+    site, outputs, region = resolved
+    done = _emit(rewrites, site, outputs, region)
     if dgamma_left and isinstance(done, Site):
         done.note = f"dgamma ({site.dgamma.name}) left to the program: {dgamma_left}"
     return done
 
 
-def _emit(rewrites: Rewrites, site: NormMatch, outputs, region, target, provenance):
-    graph, fake_mode = rewrites.graph, rewrites.fake_mode
+def _emit(rewrites: RuleContext, site: NormMatch, outputs, region):
+    graph, edit, target, provenance = rewrites.graph, rewrites.edit, rewrites.target, rewrites.provenance
     dy_dtype, x_dtype = dtype(site.dy), dtype(site.x)
     wide = exact_common_dtype((dy_dtype, x_dtype))
     compute = dy_dtype if (x_dtype == wide and _widened_from(site.x, dy_dtype, provenance)) else wide
@@ -1044,50 +1078,49 @@ def _emit(rewrites: Rewrites, site: NormMatch, outputs, region, target, provenan
         return Miss(OP.name, site.dx.name, problem)
     anchor = last_of(graph, [n for n in (site.dy, site.x, site.rstd, site.gamma) if n is not None])
     with Insertion(graph, anchor) as inserted:
-        dy, x = cast(graph, fake_mode, site.dy, compute), cast(graph, fake_mode, site.x, compute)
-        rstd = cast(graph, fake_mode, site.rstd, torch.float32) if site.rstd is not None else None
-        gamma = cast(graph, fake_mode, site.gamma, gamma_dtype) if site.gamma is not None else None
+        dy, x = edit.cast(site.dy, compute), edit.cast(site.x, compute)
+        rstd = edit.cast(site.rstd, torch.float32) if site.rstd is not None else None
+        gamma = edit.cast(site.gamma, gamma_dtype) if site.gamma is not None else None
         if gamma is None and site.dgamma_only:  # dx unused: any gamma; ones need no static size
-            gamma = _ones_of_part(graph, fake_mode, x, site.ev.k, compute, gamma_part=True)
+            gamma = _ones_of_part(edit, x, site.ev.k, compute, gamma_part=True)
         if gamma is None:
             if not all(isinstance(x, int) for x in site.ev.norm_shape):
                 return Miss(OP.name, site.dx.name, "a norm without weight over a symbolic size: mark the "
                                                    "hidden size static")
-            gamma = call(graph, fake_mode, aten.full.default, (list(site.ev.norm_shape), 1.0),
-                         {"dtype": compute, "device": val(site.dy).device})
+            gamma = edit.call(aten.full.default, (list(site.ev.norm_shape), 1.0),
+                              {"dtype": compute, "device": val(site.dy).device})
         if rstd is None:  # dgamma from the saved normalized value alone: sum(dy * x_hat * 1)
-            rstd = _ones_of_part(graph, fake_mode, x, site.ev.k, torch.float32, gamma_part=False)
+            rstd = _ones_of_part(edit, x, site.ev.k, torch.float32, gamma_part=False)
         emitted = emit_fused_op(rewrites, OP, site.dx, (dy, x, rstd, gamma), outputs)
         if isinstance(emitted, Miss):
             return emitted
     fused, replacements = emitted
     added = inserted.nodes()
     if site.rest:
-        added += _add_back_accumulated(graph, fake_mode, site, replacements)
-    return commit(graph, OP.name, None, region, outputs, replacements,
+        added += _add_back_accumulated(edit, site, replacements)
+    return commit(edit, OP.name, None, region, outputs, replacements,
                   {"dy": site.dy, "x": site.x, "rstd": site.rstd, "gamma": site.gamma}, added, fused)
 
 
-def _ones_of_part(graph, fake_mode, x: fx.Node, k: int, to: torch.dtype, gamma_part: bool) -> fx.Node:
+def _ones_of_part(edit: Edit, x: fx.Node, k: int, to: torch.dtype, gamma_part: bool) -> fx.Node:
     """Ones of rstd's keep-dim shape ``x.shape[:n] + [1] * k`` (x sliced to one element along
     each normalized axis), or with ``gamma_part`` of gamma's ``x.shape[n:]`` (x's first element
     along each leading axis): views of x, so symbolic sizes need no size nodes."""
     part, n = x, len(shape(x)) - k
     for d in range(n) if gamma_part else range(n, n + k):
-        part = call(graph, fake_mode, *((aten.select.int, (part, 0, 0)) if gamma_part
+        part = edit.call(*((aten.select.int, (part, 0, 0)) if gamma_part
                                         else (aten.slice.Tensor, (part, d, 0, 1))))
-    return call(graph, fake_mode, aten.full_like.default, (part, 1.0), {"dtype": to})
+    return edit.call(aten.full_like.default, (part, 1.0), {"dtype": to})
 
 
-def _add_back_accumulated(graph, fake_mode, site: NormMatch, replacements) -> List[fx.Node]:
+def _add_back_accumulated(edit: Edit, site: NormMatch, replacements) -> List[fx.Node]:
     """The other gradients accumulated with dx, added back to the fused dx after all of them."""
     added = []
-    with graph.inserting_before(site.dx):
+    with edit.graph.inserting_before(site.dx):
         total = replacements[site.dx]
         for i, other in enumerate(site.rest):
             last = i == len(site.rest) - 1  # it computes the replaced node's value
-            total = call(graph, fake_mode, aten.add.Tensor, (other, total),
-                         value=site.dx.meta["val"] if last else None)
+            total = edit.call(aten.add.Tensor, (other, total), value=site.dx.meta["val"] if last else None)
             added.append(total)
         replacements[site.dx] = total
     return added
@@ -1125,12 +1158,12 @@ def _whole_backward_outputs(node: fx.Node):
     return outputs
 
 
-def emit_whole_backward(rewrites: Rewrites, match: WholeBackwardMatch, target: str):
+def emit_whole_backward(rewrites: RuleContext, match: WholeBackwardMatch):
     """``aten._fused_rms_norm_backward(dy, x, normalized_shape, rstd, weight, output_mask)``
     rewritten into ``rms_norm_grad(dy, x, rstd, gamma)``: the same formula, rstd the same
     float32 ``1/RMS(x)`` (eps inside it), gamma the weight or ones; each output the program
     uses cast back to the call's dtype and shape. A Miss when the target refuses."""
-    node, graph, fake_mode = match.dx, rewrites.graph, rewrites.fake_mode
+    node, graph, edit, target = match.dx, rewrites.graph, rewrites.edit, rewrites.target
     dy, x, normalized_shape, rstd, weight = (node.args + (None,) * 5)[:5]
     outputs = _whole_backward_outputs(node)
     if isinstance(outputs, Miss) or not outputs:
@@ -1143,19 +1176,18 @@ def emit_whole_backward(rewrites: Rewrites, match: WholeBackwardMatch, target: s
     if problem is not None:
         return Miss(OP.name, node.name, f"aten._fused_rms_norm_backward: {problem}")
     with Insertion(graph, node.prev) as inserted:
-        operands = [cast(graph, fake_mode, dy, compute), cast(graph, fake_mode, x, compute),
-                    cast(graph, fake_mode, rstd, torch.float32)]
+        operands = [edit.cast(dy, compute), edit.cast(x, compute), edit.cast(rstd, torch.float32)]
         if weight is not None:
-            operands.append(cast(graph, fake_mode, weight, gamma_dtype))
+            operands.append(edit.cast(weight, gamma_dtype))
         else:  # a norm without weight: gamma of ones, as the decomposed form does
-            operands.append(call(graph, fake_mode, aten.full.default, (list(normalized_shape), 1.0),
-                                 {"dtype": compute, "device": val(x).device}))
+            operands.append(edit.call(aten.full.default, (list(normalized_shape), 1.0),
+                                      {"dtype": compute, "device": val(x).device}))
         emitted = emit_fused_op(rewrites, OP, node, operands, outputs)
         if isinstance(emitted, Miss):
             return emitted
     fused, replacements = emitted
     region = [node] + [u for u in node.users if u.target is operator.getitem]
-    return commit(graph, OP.name, None, region, outputs, replacements,
+    return commit(edit, OP.name, None, region, outputs, replacements,
                   {"dy": dy, "x": x, "rstd": rstd, "gamma": weight}, inserted.nodes(), fused)
 
 
@@ -1178,20 +1210,55 @@ def whole_forward_misses(graph: fx.Graph, provenance: Optional[Provenance]) -> L
                      for n in (forward.nodes if forward is not None else ()) if _is_call(n, FUSED_RMS_NORM)]
 
 
-def _find_with_whole_backward(graph: fx.Graph, provenance: Optional[Provenance], rewrites: Rewrites):
-    matches, misses = find(graph, provenance, rewrites)
-    return matches + whole_backward_sites(graph), misses
+class RmsNormGradRule(FusionRule):
+    """RMSNorm's backward, matched by value in exact symbolic expressions (:mod:`.algebra`),
+    rewritten into ``rms_norm_grad``; also every whole ``aten._fused_rms_norm_backward``."""
 
+    stage = "backward"
+    domain = "norm"
+    ops = (OP,)
+    site_probe = SiteProbe(kind=OP.option, module_classes=r"RMSNorm",
+                           source=r"rsqrt\(\s*\w+\.pow\(2\)\.mean\(|\.pow\(2\)\.mean\(-1, keepdim=True\)",
+                           excluded=r"-\s*mean\b")
+    forms = tuple(Form(*row) for row in (
+        ("fp32 statistics, `weight * x.to(dtype)`", "HF `LlamaRMSNorm` and its copies"),
+        ("`torch.nn.RMSNorm`, `F.rms_norm`, with or without weight", "PyTorch"),
+        ("`x * (1 + weight)` in fp32", "Gemma"),
+        ("normalized input cast to the weight's dtype", "T5"),
+        ("per-head norms on 4-D tensors; gamma over several trailing axes", "Qwen3 q/k norms"),
+        ("dx summed into the residual gradient (no cast in between)", "fp32 models"),
+        ("rstd saved by the partitioner or recomputed in the backward", "default and min-cut partitioners"),
+        ("output scaled by a constant before use", "MiniCPM3's logits scaling"),
+        ("gated norms: `norm(x) * gate` (dy = grad * gate)", "Qwen3-Next, Qwen3.5, Kimi `o_norm`"),
+        ("post- and sandwich norms: dy is another norm's dx (or the sum of several), x another norm's output", "Gemma 2/3, OLMo 2/3, GLM-4, EXAONE 4, nanochat, HRM"),
+        ("x a computed value (`norm(relu(g)**2 * up)`)", "BitNet"),
+        ("float32 statistics with a bf16 weight (gamma widened exactly, dgamma narrowed back)", "torchtitan Qwen3 qk-norms in bf16"),
+        ("autocast with fp32 weights; a bf16 input's normalized value rounded to bf16 before an fp32 weight (dx fused, dgamma left to the program)", "Trainer `bf16=True`; Qwen3 q/k norms under autocast"),
+        ("symbolic hidden size (`dynamic=True` with the size from an input)", "dynamic shapes"),
+        ("inside training graphs: activation checkpointing (full, selective), compiled autograd, DDP, FSDP2", "torchtitan, transformers' `gradient_checkpointing_enable`"),
+        ("`aten._fused_rms_norm_backward` kept whole (the outputs its `output_mask` asks for; with or without weight)", "`F.rms_norm` on a device with its own RMSNorm kernel (CUDA, XPU; none on torch_npu yet)"),
+    ))
 
-def _emit_with_whole_backward(rewrites: Rewrites, site, provenance, target: str):
-    if isinstance(site, WholeBackwardMatch):
-        return emit_whole_backward(rewrites, site, target)
-    return emit(rewrites, site, provenance, target)
+    def find(self, graph: fx.Graph, ctx: RuleContext) -> RoundReport:
+        report = find_sites(graph, ctx)
+        report.matches += whole_backward_sites(graph)
+        return report
 
+    def outputs(self, match: NormMatch) -> Dict[str, fx.Node]:
+        if match.dgamma_only:
+            return {"dgamma": match.dgamma}
+        return {"dx": match.dx, **({"dgamma": match.dgamma} if match.dgamma is not None else {})}
 
-def _unexplained_with_whole_ops(graph: fx.Graph, provenance: Optional[Provenance], misses: List[Miss]):
-    return unexplained(graph, provenance, misses) + whole_forward_misses(graph, provenance)
+    def region(self, match: NormMatch, outputs) -> List[fx.Node]:
+        return _region(match, outputs)
 
+    def find_again(self, ctx: RuleContext, match: NormMatch, leaves) -> Optional[NormMatch]:
+        return find_again(ctx, match, leaves)
 
-#: the rule the pass manager runs
-RULE = Rule(OP, _find_with_whole_backward, _emit_with_whole_backward, _unexplained_with_whole_ops)
+    def emit(self, ctx: RuleContext, match):
+        if isinstance(match, WholeBackwardMatch):
+            return emit_whole_backward(ctx, match)
+        return emit(ctx, self, match)
+
+    def unexplained(self, graph: fx.Graph, ctx: RuleContext, misses) -> List[Miss]:
+        return unexplained(graph, ctx.provenance, misses) + whole_forward_misses(graph, ctx.provenance)

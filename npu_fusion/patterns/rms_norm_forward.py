@@ -49,8 +49,9 @@ from .algebra import Expr
 from .evaluator import JointProvenance, Provenance, Unsupported, kept_precision, rounding_problem
 from .nodes import (CAST_TARGETS, VIEWS, aten, downstream, dtype, gradient_dependent, is_value_preserving_cast,
                     last_of, normalize_dim, outermost, outside_users, region_of, shape, val)
-from .rewrite import Insertion, Miss, Rewrites, Rule, call, cast, commit, emit_fused_op, exact_common_dtype
+from .rewrite import Insertion, Miss, RuleContext, commit, emit_fused_op, exact_common_dtype
 from .rms_norm import NormEvaluator, rms_statistic_operand, size_key
+from .rule import Form, FusionRule, RoundReport
 
 #: uses from an rstd to the output y (rstd * x, a cast, the weight, a cast)
 Y_DEPTH = 5
@@ -234,10 +235,10 @@ def _foreign_inputs(site: ForwardNormMatch, region) -> List[fx.Node]:
             if a not in inside and a not in roles and val(a) is not None]
 
 
-def find_sites(graph: fx.Graph, provenance: Optional[Provenance], rewrites: Rewrites):
-    """(matches, misses) of the forward RMSNorm sites of a joint graph; none elsewhere."""
-    if not isinstance(provenance, JointProvenance):
-        return [], []
+def find_sites(graph: fx.Graph, ctx: RuleContext) -> RoundReport:
+    """The forward RMSNorm sites of a joint graph and their near misses; none elsewhere."""
+    if not isinstance(ctx.provenance, JointProvenance):
+        return RoundReport()
     gradient = gradient_dependent(graph) or set()
     forward = {n for n in graph.nodes if n not in gradient and n.op != "output"}
     matches, misses = [], []
@@ -247,13 +248,13 @@ def find_sites(graph: fx.Graph, provenance: Optional[Provenance], rewrites: Rewr
         except Unsupported:
             continue
         for rstd in roots:
-            found = rewrites.examine(rstd, _match_statistic, ev, graph, rstd, forward)
+            found = ctx.examine(rstd, _match_statistic, ev, graph, rstd, forward)
             if isinstance(found, Miss):
                 misses.append(found)
             elif found is not None:
                 matches.append(found)
-        rewrites.evaluated(ev)
-    return matches, misses
+        ctx.evaluated(ev)
+    return RoundReport(matches, misses)
 
 
 # -- the rewrite --------------------------------------------------------------
@@ -311,21 +312,15 @@ def _dtypes(site: ForwardNormMatch) -> tuple:
     return compute, own if (compute, own) in RMS_NORM_DTYPES or (compute, wide) not in RMS_NORM_DTYPES else wide
 
 
-def find(graph: fx.Graph, provenance: Optional[Provenance], rewrites: Rewrites):
-    """The rule's ``find``: this round's matches and near misses."""
-    return find_sites(graph, provenance, rewrites)
-
-
-def emit(rewrites: Rewrites, site: ForwardNormMatch, provenance, target: str):
-    """The rule's ``emit``: the site rewritten into one fused call (a :class:`Site`), or a
-    :class:`Miss` saying why not."""
-    graph = rewrites.graph
-    site.x, site.gamma = rewrites.current(site.x), rewrites.current(site.gamma)
+def emit(ctx: RuleContext, site: ForwardNormMatch):
+    """One site rewritten into one fused call (a :class:`Site`), or a :class:`Miss` saying why not."""
+    graph = ctx.graph
+    site.x, site.gamma = ctx.current(site.x), ctx.current(site.gamma)
     region = _region(site)
     problem = _pairing_problem(site, region, graph) or rounding_problem(
         site.ev, {"y": site.y, "rstd": site.rstd.args[0]}, [site.x, site.rstd, site.gamma])
     compute, gamma_dtype = _dtypes(site)
-    problem = problem or rms_norm_target_problem(target, compute, gamma_dtype, ge_op=OP.ge_op)
+    problem = problem or rms_norm_target_problem(ctx.target, compute, gamma_dtype, ge_op=OP.ge_op)
     anchor = last_of(graph, [n for n in (site.x, site.gamma) if n is not None])
     late = [u for out in (site.y, site.rstd) for u in out.users if u not in region and u < anchor]
     if problem is None and late:
@@ -334,27 +329,26 @@ def emit(rewrites: Rewrites, site: ForwardNormMatch, provenance, target: str):
         return Miss(OP.name, site.y.name, problem)
     outputs = {"y": site.y, "rstd": site.rstd}
     with Insertion(graph, anchor) as inserted:
-        emitted = _emit_call(rewrites, site, compute, gamma_dtype, outputs)
+        emitted = _emit_call(ctx, site, compute, gamma_dtype, outputs)
         if isinstance(emitted, Miss):
             return emitted
     fused, replacements = emitted
     added = inserted.nodes()
     _as_forward_work(added, site.y)
-    return commit(graph, OP.name, None, region, outputs, replacements, {"x": site.x, "gamma": site.gamma},
+    return commit(ctx.edit, OP.name, None, region, outputs, replacements, {"x": site.x, "gamma": site.gamma},
                   added, fused)
 
 
-def _emit_call(rewrites: Rewrites, site: ForwardNormMatch, compute: torch.dtype, gamma_dtype: torch.dtype, outputs):
-    graph, fake_mode = rewrites.graph, rewrites.fake_mode
-    x = cast(graph, fake_mode, site.x, compute)
+def _emit_call(ctx: RuleContext, site: ForwardNormMatch, compute: torch.dtype, gamma_dtype: torch.dtype, outputs):
+    x = ctx.edit.cast(site.x, compute)
     if site.gamma is not None:
-        gamma = cast(graph, fake_mode, site.gamma, gamma_dtype)
+        gamma = ctx.edit.cast(site.gamma, gamma_dtype)
     elif all(isinstance(s, int) for s in site.ev.norm_shape):
-        gamma = call(graph, fake_mode, aten.full.default, (list(site.ev.norm_shape), 1.0),
-                     {"dtype": compute, "device": val(site.x).device})
+        gamma = ctx.edit.call(aten.full.default, (list(site.ev.norm_shape), 1.0),
+                              {"dtype": compute, "device": val(site.x).device})
     else:
         return Miss(OP.name, site.y.name, "a norm without weight over a symbolic size: mark the hidden size static")
-    return emit_fused_op(rewrites, OP, site.y, (x, gamma, site.eps), outputs)
+    return emit_fused_op(ctx, OP, site.y, (x, gamma, site.eps), outputs)
 
 
 #: what a node inserted as forward work takes from the node it replaces: the partitioner's
@@ -387,5 +381,26 @@ def unexplained(graph: fx.Graph, provenance: Optional[Provenance], misses: List[
                                   "matched (run with TORCH_LOGS=npu_fusion and dump_graphs to see it)") for n in found]
 
 
-#: the rule the pass manager runs (after the backward rules in each round: see the module docstring)
-RULE = Rule(OP, find, emit, unexplained)
+class RmsNormForwardRule(FusionRule):
+    """RMSNorm's forward on the joint graph, matched by value in the norm algebra, rewritten into
+    ``rms_norm`` once its backward is a fused ``rms_norm_grad`` (which then reads its rstd)."""
+
+    stage = "joint"
+    domain = "norm"
+    ops = (OP,)
+    enabled_by_default = False  # until the zoo and framework sweeps show it complete
+    forms = tuple(Form(*row) for row in (
+        ("forward on the joint graph, paired with its fused backward (which reads the forward's rstd): "
+         "fp32 statistics with the casts, `nn.RMSNorm`/`F.rms_norm` with or without weight, `1 + weight`, "
+         "T5's cast, per-head, gated, post and sandwich norms, under activation checkpointing",
+         "HF `LlamaRMSNorm`, Qwen3 (q/k norms), Gemma, T5, PyTorch"),
+    ))
+
+    def find(self, graph: fx.Graph, ctx: RuleContext) -> RoundReport:
+        return find_sites(graph, ctx)
+
+    def emit(self, ctx: RuleContext, match: ForwardNormMatch):
+        return emit(ctx, match)
+
+    def unexplained(self, graph: fx.Graph, ctx: RuleContext, misses) -> List[Miss]:
+        return unexplained(graph, ctx.provenance, misses)

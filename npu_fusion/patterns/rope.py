@@ -37,7 +37,8 @@ from .evaluator import Provenance, kept_precision, rounding_problem
 from .lanes import Lanes, LaneEvaluator, MAX_LANES
 from .nodes import (CAST_TARGETS, VIEWS, aten, axis_order, downstream, dtype, gradient_dependent, gradient_product,
                     is_float_cast, last_of, outermost, outside_users, region_of, shape)
-from .rewrite import Insertion, Miss, Rewrites, Rule, call, cast, commit, emit_fused_op, exact_common_dtype
+from .rewrite import Edit, Insertion, Miss, RuleContext, commit, emit_fused_op, exact_common_dtype
+from .rule import Form, FusionRule, RoundReport, SiteProbe
 
 #: (leaf id, the leaf position that plays each position of the fused op's operand)
 Role = Tuple[int, Tuple[int, ...]]
@@ -330,12 +331,11 @@ def _moves_elements(node: fx.Node) -> bool:
 DX_DEPTH = 6
 
 
-def find_sites(graph: fx.Graph, provenance: Optional[Provenance], forced_leaves=(),
-               rewrites: Optional[Rewrites] = None):
-    """(evaluator, matches, near misses) of the graph's RoPE backward sites; an internal
-    error while examining one candidate is recorded in ``rewrites`` (raised without it)."""
-    rewrites = rewrites if rewrites is not None else Rewrites(graph, OP.name, strict=True)
-    ev = LaneEvaluator(provenance, forced_leaves)
+def find_sites(graph: fx.Graph, rewrites: RuleContext) -> RoundReport:
+    """This round's RoPE backward sites of the graph (each match with its evaluator), near
+    misses and pending candidates; an internal error while examining one candidate is a miss
+    in ``rewrites``."""
+    ev = LaneEvaluator(rewrites.provenance)
     ev.gradient_nodes = gradient_dependent(graph)
     seeds = [n for n in graph.nodes if _moves_elements(n)]
     near = set(downstream(graph, seeds, DX_DEPTH))
@@ -345,10 +345,10 @@ def find_sites(graph: fx.Graph, provenance: Optional[Provenance], forced_leaves=
     # a forward value recomputed in the backward (checkpointing) can look like a dx: it is none
     looks = [n for n in nodes if ev.depends_on_gradient(n) and _looks_like_dx(ev.memo.get(n))]
     matches, inside = _dx_matches(rewrites, ev, looks)
-    _match_table_gradients(rewrites, ev, graph, matches)
-    misses = _near_misses(rewrites, ev, looks, matches, inside) + _symbolic_last_axis(ev, seeds)
+    _match_table_gradients(rewrites.examine, ev, graph, matches)
+    misses, pending = _near_misses(ev, looks, matches, inside)
     rewrites.evaluated(ev)
-    return ev, matches, misses
+    return RoundReport(matches, misses + _symbolic_last_axis(ev, seeds), pending)
 
 
 def _dx_matches(rewrites: Rewrites, ev: LaneEvaluator, looks: List[fx.Node]):
@@ -368,7 +368,7 @@ def _dx_matches(rewrites: Rewrites, ev: LaneEvaluator, looks: List[fx.Node]):
     return matches, inside
 
 
-def _match_table_gradients(rewrites: Rewrites, ev: LaneEvaluator, graph: fx.Graph, matches) -> None:
+def _match_table_gradients(examine, ev: LaneEvaluator, graph: fx.Graph, matches) -> None:
     """Set each match's dcos, dsin and x where the graph computes them: products with its dy,
     reduced, a few uses after dy."""
     dys = [ev.leaves[m.dy[0]] for m in matches]
@@ -385,14 +385,15 @@ def _match_table_gradients(rewrites: Rewrites, ev: LaneEvaluator, graph: fx.Grap
             continue  # dcos/dsin are grads of whole tables; rebuilt tables have none in the graph
         if site.signs != (1, 1):
             continue  # the graph's table gradients are of the leaves, not of the negated tables
-        _choose_table_gradients(rewrites, ev, site, tables_by_leaf.get(site.dy[0], ()))
+        _choose_table_gradients(examine, ev, site, tables_by_leaf.get(site.dy[0], ()))
 
 
-def _choose_table_gradients(rewrites: Rewrites, ev: LaneEvaluator, site: RopeMatch, candidates) -> None:
+def _choose_table_gradients(examine, ev: LaneEvaluator, site: RopeMatch, candidates) -> None:
+    """``examine(node, fn, *args)`` runs ``fn(*args)`` for the candidate ``node``."""
     tables: Dict[str, List[Tuple[fx.Node, Role]]] = {"cos": [], "sin": []}
     for node in candidates:
         for which in ("cos", "sin"):
-            x = rewrites.examine(node, match_table, ev, node, site, which)
+            x = examine(node, match_table, ev, node, site, which)
             if x is not None:
                 tables[which].append((node, x))
     for which, found in tables.items():
@@ -407,8 +408,9 @@ def _choose_table_gradients(rewrites: Rewrites, ev: LaneEvaluator, site: RopeMat
         setattr(site, "d" + which, node)
 
 
-def _near_misses(rewrites: Rewrites, ev: LaneEvaluator, looks, matches, inside) -> List[Miss]:
-    """dx-shaped nodes that are neither a match, inside one, nor built on one."""
+def _near_misses(ev: LaneEvaluator, looks, matches, inside) -> Tuple[List[Miss], int]:
+    """dx-shaped nodes that are neither a match, inside one, nor built on one (misses), and how
+    many are built on one (pending: decided next round, once the site below is fused)."""
     matched = {m.dx for m in matches} | inside
     outputs = {n for m in matches for n in (m.dx, m.dcos, m.dsin) if n is not None}
 
@@ -418,17 +420,25 @@ def _near_misses(rewrites: Rewrites, ev: LaneEvaluator, looks, matches, inside) 
 
     unmatched = [n for n in looks if n not in matched]
     built_on = [n for n in unmatched if built_on_match(n)]
-    rewrites.pending += len(built_on)  # decided next round, once the site below is fused
     unmatched = [n for n in unmatched if n not in built_on]
     return [Miss(OP.name, n.name, "two products per element like a RoPE dx, but no mode's formula "
                                   "(signs, split points or tables differ)")
-            for n in outermost(unmatched)]
+            for n in outermost(unmatched)], len(built_on)
 
 
-def find(graph: fx.Graph, provenance: Optional[Provenance], rewrites: Rewrites):
-    """The rule's ``find``: this round's matches (each with its evaluator) and near misses."""
-    _, matches, misses = find_sites(graph, provenance, rewrites=rewrites)
-    return matches, misses
+def find_again(rewrites: RuleContext, site: RopeMatch, leaves: List[fx.Node]) -> Optional[RopeMatch]:
+    """``site`` matched again with ``leaves`` as leaves, in the same mode and with every table
+    gradient it had (the new evaluator and its leaf numbering belong to this site only); None
+    when it no longer matches so. Reads only the site's dx and the products near its dy."""
+    ev = LaneEvaluator(rewrites.provenance, leaves)
+    ev.gradient_nodes = gradient_dependent(rewrites.graph)
+    ev.value(site.dx)
+    again = match_dx(ev, site.dx)
+    if again is None or again.mode != site.mode:
+        return None
+    again.ev = ev
+    _match_table_gradients(lambda node, fn, *args: fn(*args), ev, rewrites.graph, [again])
+    return again if _keeps_tables(site, again) else None
 
 
 #: forward ops a rotary table comes from
@@ -533,7 +543,7 @@ def _nearest_difference(ev: LaneEvaluator, graph: fx.Graph, anchor: fx.Node) -> 
     return f"the products after {anchor.name} read as no mode's formula"
 
 
-def _role_node(graph, fake_mode, leaf: fx.Node, positions: Tuple[int, ...]) -> fx.Node:
+def _role_node(edit: Edit, leaf: fx.Node, positions: Tuple[int, ...]) -> fx.Node:
     """A tensor holding the role's positions, built from its leaf.
 
     Contiguous positions are a slice (partial rotary); ``a + s*(i//2)`` is a strided
@@ -543,30 +553,30 @@ def _role_node(graph, fake_mode, leaf: fx.Node, positions: Tuple[int, ...]) -> f
     base = leaf
     if dtype(leaf).is_complex:  # positions index the real view, (re, im) interleaved
         # a saved ``freqs.conj()`` is a lazily conjugated view, which view_as_real refuses
-        base = call(graph, fake_mode, aten.resolve_conj.default, (leaf,))
-        base = call(graph, fake_mode, aten.view_as_real.default, (base,))
-        base = call(graph, fake_mode, aten.flatten.using_ints, (base, -2, -1))
+        base = edit.call(aten.resolve_conj.default, (leaf,))
+        base = edit.call(aten.view_as_real.default, (base,))
+        base = edit.call(aten.flatten.using_ints, (base, -2, -1))
     full, width, first = static_int(shape(base)[-1]), len(positions), positions[0]
     half = width // 2
     if positions == tuple(range(first, first + width)):
         if first == 0 and width == full:
             return base
-        return call(graph, fake_mode, aten.slice.Tensor, (base, -1, first, first + width))
+        return edit.call(aten.slice.Tensor, (base, -1, first, first + width))
     for step in (1, 2):
         if positions == tuple(first + step * (i // 2) for i in range(width)):
-            part = call(graph, fake_mode, aten.slice.Tensor, (base, -1, first, first + step * half, step))
-            return call(graph, fake_mode, aten.repeat_interleave.self_int, (part, 2, -1))
+            part = edit.call(aten.slice.Tensor, (base, -1, first, first + step * half, step))
+            return edit.call(aten.repeat_interleave.self_int, (part, 2, -1))
     if sorted(positions) == list(range(min(positions), min(positions) + width)) and positions == tuple(
             min(positions) + i // 2 + (i % 2) * half for i in range(width)):
         # x re-interleaved from a de-interleaved copy: pairs (xd[j], xd[j + D/2])
         lo = min(positions)
-        first_half = call(graph, fake_mode, aten.slice.Tensor, (base, -1, lo, lo + half))
-        second_half = call(graph, fake_mode, aten.slice.Tensor, (base, -1, lo + half, lo + width))
-        pairs = call(graph, fake_mode, aten.stack.default, ([first_half, second_half], -1))
-        return call(graph, fake_mode, aten.flatten.using_ints, (pairs, -2, -1))
+        first_half = edit.call(aten.slice.Tensor, (base, -1, lo, lo + half))
+        second_half = edit.call(aten.slice.Tensor, (base, -1, lo + half, lo + width))
+        pairs = edit.call(aten.stack.default, ([first_half, second_half], -1))
+        return edit.call(aten.flatten.using_ints, (pairs, -2, -1))
     if positions == tuple(first + i % half for i in range(width)):
-        part = call(graph, fake_mode, aten.slice.Tensor, (base, -1, first, first + half))
-        return call(graph, fake_mode, aten.cat.default, ([part, part], -1))
+        part = edit.call(aten.slice.Tensor, (base, -1, first, first + half))
+        return edit.call(aten.cat.default, ([part, part], -1))
     raise TableLayoutError(f"table {leaf.name} is read in an order the pass cannot rebuild")
 
 
@@ -574,34 +584,9 @@ class TableLayoutError(Exception):
     pass
 
 
-def emit(rewrites: Rewrites, site: RopeMatch, provenance, target: str):
-    """The rule's ``emit``: the site rewritten into one fused call (a :class:`Site`), or a
-    :class:`Miss` saying why not."""
-    graph, ev = rewrites.graph, site.ev
-    outputs = _outputs(site)
-    region = _region(ev, site, outputs)
-    shared = outside_users(region, outputs.values())
-    if shared:
-        # Look again with the shared intermediates as leaves: a cast shared with
-        # another consumer is harmless, a shared partial product is a near miss.
-        # The new evaluator and its leaf numbering belong to this site only.
-        ev, again, _ = find_sites(graph, provenance, forced_leaves=shared, rewrites=rewrites)
-        again = [m for m in again if m.dx is site.dx and m.mode == site.mode]
-        if not again or not _keeps_tables(site, again[0]):
-            return Miss(OP.name, site.dx.name, f"intermediate {shared[0].name} has a user "
-                                               f"outside the pattern ({next(iter(shared[0].users)).name})")
-        # the shared value is a role now (a slice of a wide dy that dcos and dsin read too):
-        # the match may have found the table gradients it could not see before
-        site = again[0]
-        outputs = _outputs(site)
-        region = _region(ev, site, outputs)
-        if outside_users(region, outputs.values()):
-            return Miss(OP.name, site.dx.name, "intermediates have users outside the pattern")
-    return _emit(rewrites, ev, site, outputs, region, target)
-
-
-def _region(ev: LaneEvaluator, site: RopeMatch, outputs) -> List[fx.Node]:
+def _region(site: RopeMatch, outputs) -> List[fx.Node]:
     """The interpreted nodes between the site's outputs and its role leaves."""
+    ev = site.ev
     roles = {ev.leaves[r[0]] for r in (site.dy, site.cos, site.sin, site.x) if r is not None}
     return region_of(outputs.values(), lambda n: n in ev.interpreted and n not in roles
                      and ev.depends_on_gradient(n))
@@ -616,8 +601,9 @@ def _keeps_tables(first: RopeMatch, again: RopeMatch) -> bool:
     return all(getattr(first, t) is None or getattr(first, t) is getattr(again, t) for t in ("dcos", "dsin"))
 
 
-def _emit(rewrites: Rewrites, ev, site: RopeMatch, outputs, region, target):
-    graph, fake_mode = rewrites.graph, rewrites.fake_mode
+def emit(rewrites: RuleContext, site: RopeMatch, outputs, region):
+    """The site rewritten into one fused call (a :class:`Site`), or a :class:`Miss` saying why not."""
+    graph, edit, ev, target = rewrites.graph, rewrites.edit, site.ev, rewrites.target
     dy_leaf, cos_leaf, sin_leaf = (rewrites.current(ev.leaves[r[0]]) for r in (site.dy, site.cos, site.sin))
     x_leaf = rewrites.current(ev.leaves[site.x[0]]) if site.x is not None else None
     leaves = [dy_leaf, cos_leaf, sin_leaf, x_leaf]
@@ -628,7 +614,7 @@ def _emit(rewrites: Rewrites, ev, site: RopeMatch, outputs, region, target):
                                            f"have different shapes")
     with Insertion(graph, last_of(graph, [n for n in leaves if n is not None])) as inserted:
         try:
-            operands = _operands(graph, fake_mode, site, leaves, outputs)
+            operands = _operands(edit, site, leaves, outputs)
         except TableLayoutError as exc:
             return Miss(OP.name, site.dx.name, str(exc))
         dy, cos, sin, x = operands
@@ -642,25 +628,75 @@ def _emit(rewrites: Rewrites, ev, site: RopeMatch, outputs, region, target):
         if isinstance(emitted, Miss):
             return emitted
     fused, replacements = emitted
-    return commit(graph, OP.name, ROPE_MODES[site.mode], region, outputs, replacements,
+    return commit(edit, OP.name, ROPE_MODES[site.mode], region, outputs, replacements,
                   {"dy": dy_leaf, "cos": cos_leaf, "sin": sin_leaf, "x": x_leaf}, inserted.nodes(), fused)
 
 
-def _operands(graph, fake_mode, site: RopeMatch, leaves, outputs) -> list:
+def _operands(edit: Edit, site: RopeMatch, leaves, outputs) -> list:
     """dy, cos, sin and x for the fused op, built from the role leaves, negated where the
     site's table is the leaf negated, in the narrowest dtype that holds them all exactly and
     every output's :func:`kept_precision` (the op returns its outputs in dy's dtype, which must
     not round them more coarsely than the program does before its own next rounding)."""
     roles = (site.dy, site.cos, site.sin, site.x)
-    operands = [_role_node(graph, fake_mode, leaf, role[1]) if role is not None else None
+    operands = [_role_node(edit, leaf, role[1]) if role is not None else None
                 for leaf, role in zip(leaves, roles)]
     for i, sign in ((1, site.signs[0]), (2, site.signs[1])):
         if sign < 0:
-            operands[i] = call(graph, fake_mode, aten.neg.default, (operands[i],))
+            operands[i] = edit.call(aten.neg.default, (operands[i],))
     compute = exact_common_dtype([*(dtype(n) for n in operands if n is not None),
                                   *(kept_precision(o) for o in outputs.values())])
-    return [cast(graph, fake_mode, n, compute) if n is not None else None for n in operands]
+    return [edit.cast(n, compute) if n is not None else None for n in operands]
 
 
-#: the rule the pass manager runs
-RULE = Rule(OP, find, emit, unexplained)
+class RopeGradRule(FusionRule):
+    """RoPE's backward, matched by value in per-position polynomials (:mod:`.lanes`), rewritten
+    into ``rotary_position_embedding_grad`` with the table gradients the graph computes."""
+
+    stage = "backward"
+    domain = "lanes"
+    ops = (OP,)
+    site_probe = SiteProbe(kind=OP.option, per_output=True,
+                           functions=r"^_?apply_.*rot|^_?apply_.*rope|rotary_pos_emb$|^rotary_emb$",
+                           excluded=r"vision|_2d|multidimensional|time_emb", module_classes=r"(?i)Rotary|RoPE")
+    forms = tuple(Form(*row) for row in (
+        ("mode 0 half: `rotate_half`", "HF `apply_rotary_pos_emb` (Llama, Qwen2/3, Mistral, Gemma, ...)"),
+        ("mode 1 interleave: strided slices + stack + flatten", "GPT-J `rotate_every_two`, Cohere"),
+        ("mode 1 interleave: complex `view_as_complex(x) * freqs_cis`", "Llama 4, DeepSeek-V2"),
+        ("mode 2 quarter: four chunks", "targets `950`, `generic`"),
+        ("mode 3 interleave-half: de-interleave then `rotate_half`", "DeepSeek-V3 (`view`/`transpose` or even/odd slices)"),
+        ("partial rotary (`rotary_dim < head_dim`)", "GPT-NeoX `rotary_pct`, GPT-J `rotary_dim`, `partial_rotary_factor`"),
+        ("half-width or complex tables rebuilt to full width", "`x1*cos - x2*sin` spellings, `freqs_cis`"),
+        ("layouts BNSD, BSND, SBND, TND; cos/sin 11SD, B1SD, BNSD, 1S1D, BS1D, BSND, S11D, SB1D, T1D, TND, [S, D]", "`unsqueeze_dim=1/2`, packed sequences"),
+        ("cos/sin requiring grad: x passed, dcos/dsin wired", "learned or scaled tables; q and k sharing them"),
+        ("output scaled by a constant before use", "`q * scale`, SDPA's math path"),
+        ("a dy that is itself computed: output used elementwise, scaled per position, also when the rotation's backward reads it in pieces (halves, pair lanes)", "`q_rot . k_rot`, `q.square()`, Llama 4's L2 qk-norm, Ministral 3's q scaling, torchtune RoPE then `exp`"),
+        ("a table negated as a whole (`cat(x2, -x1)`: mode 0 with sin negated)", "nanochat"),
+        ("mode 1 interleave: `stack` of `x[..., 0]`/`x[..., 1]` products with a `[S, D/2, 2]` cache (`select_backward`)", "torchtune `RotaryPositionalEmbeddings`, `Llama3ScaledRoPE`"),
+        ("`[S, B, H, D]` with tables computed from `freqs` in the graph, half or interleaved (`stack((-x2, x1), -1)`)", "Megatron-core `_apply_rotary_pos_emb_bshd`"),
+        ("one rotated head expanded over the heads, or GQA's k expanded after RoPE (dy a sum over the copies)", "torchtitan DeepSeek-V3 MLA `k_pe`, torchtune GQA, DeepSeek-V2"),
+        ("one table saved several times (copies of one forward expression are one value)", "torchtune's `cache[..., 0]` in two products"),
+        ("complex tables broadcast head-first (`freqs_cis[None, None, :T]` on `[B, H, T, D]`), under either partitioner", "torchtitan `ComplexRoPE`"),
+        ("autocast: a bf16 or fp16 x with float32 tables, GQA's k expanded while float32 (each term rounded to dk's dtype)", "Hugging Face Trainer `bf16=True`, `torch.autocast` training"),
+        ("inside training graphs: activation checkpointing (full, selective), compiled autograd, DDP, FSDP2", "torchtitan, transformers' `gradient_checkpointing_enable`"),
+    ))
+
+    def find(self, graph: fx.Graph, ctx: RuleContext) -> RoundReport:
+        return find_sites(graph, ctx)
+
+    def outputs(self, match: RopeMatch) -> Dict[str, fx.Node]:
+        return _outputs(match)
+
+    def region(self, match: RopeMatch, outputs) -> List[fx.Node]:
+        return _region(match, outputs)
+
+    def find_again(self, ctx: RuleContext, match: RopeMatch, leaves) -> Optional[RopeMatch]:
+        return find_again(ctx, match, leaves)
+
+    def emit(self, ctx: RuleContext, match: RopeMatch):
+        # the shared value may be a role now (a slice of a wide dy that dcos and dsin read
+        # too): the match found again may see table gradients the first could not
+        resolved = self.resolve_shared(ctx, match, _outputs(match), refreshed_outputs=True)
+        return resolved if isinstance(resolved, Miss) else emit(ctx, *resolved)
+
+    def unexplained(self, graph: fx.Graph, ctx: RuleContext, misses) -> List[Miss]:
+        return unexplained(graph, ctx.provenance, misses)

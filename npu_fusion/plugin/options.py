@@ -1,32 +1,31 @@
-"""Options of the npu-fusion pass, one per fusion plus the target and safety switches.
+"""Options of the npu-fusion pass: one switch per fusion rule, plus the target and safety switches.
 
 Given as ``torch.compile(..., backend="npu_fusion", options={...})``, to
 ``npu_fusion.install(config, **options)`` or to :func:`fuse_backward`.
+
+The switches derive from :data:`npu_fusion.patterns.RULES`: each rule's
+:attr:`~npu_fusion.patterns.FusionRule.option` (its fused op's option unless the rule names
+another: ``rope`` fuses RoPE backward subgraphs into ``npu_fusion.rotary_position_embedding_grad``,
+``rms_norm`` RMSNorm backward subgraphs into ``npu_fusion.rms_norm_grad``), on by default unless
+the rule says otherwise (``rms_norm_forward``: forward RMSNorm into ``npu_fusion.rms_norm``, off); a
+rule's older option names (:attr:`~npu_fusion.patterns.FusionRule.option_aliases`) are still taken.
 """
 from __future__ import annotations
 
 import dataclasses
 import os
-from typing import Any, Mapping, Optional
+from typing import Any, Dict, Mapping, Optional
 
 from ..lowering.constraints import TARGETS
+from ..patterns import RULES
 
 
 @dataclasses.dataclass(frozen=True)
-class FusionOptions:
+class PassOptions:
+    """The options every run has; :class:`FusionOptions` adds one switch per rule."""
     #: ``"auto"`` (detect on an NPU host, ``"generic"`` elsewhere, ``"common"`` with a warning
     #: when the chip cannot be told) or one of :data:`TARGETS`.
     target: str = "auto"
-    #: fuse RoPE backward subgraphs into ``npu_fusion.rotary_position_embedding_grad``.
-    rope: bool = True
-    #: fuse RMSNorm backward subgraphs into ``npu_fusion.rms_norm_grad``.
-    rms_norm: bool = True
-    #: fuse forward RMSNorm on the joint graph into ``npu_fusion.rms_norm``, paired with its fused
-    #: backward (whose rstd it then produces); off by default until the sweeps show it complete.
-    rms_norm_forward: bool = False
-    #: fuse forward RoPE into ``npu_fusion.rotary_position_embedding``: no rule yet (the op exists),
-    #: so turning it on changes nothing; off by default.
-    rope_forward: bool = False
     #: raise on an internal error of the pass instead of leaving the graph as it was.
     strict: bool = False
     #: log the backward graph before and after the pass (also ``NPU_FUSION_DUMP_GRAPHS=1``).
@@ -38,11 +37,11 @@ class FusionOptions:
 
     @classmethod
     def from_mapping(cls, options: Optional[Mapping[str, Any]] = None) -> "FusionOptions":
-        options = dict(options or {})
+        options = {ALIASES.get(name, name): value for name, value in dict(options or {}).items()}
         names = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(options) - names)
         if unknown:
-            raise ValueError(f"unknown npu_fusion option(s) {unknown}; known: {sorted(names)}")
+            raise ValueError(f"unknown npu_fusion option(s) {unknown}; known: {sorted(names | set(ALIASES))}")
         made = cls(**options)
         if made.target not in TARGETS + ("auto",):
             raise ValueError(f"npu_fusion option target must be 'auto' or one of {TARGETS}, got {made.target!r}")
@@ -59,3 +58,17 @@ class FusionOptions:
             return self.target
         from .targets import detect_target
         return detect_target()
+
+    def enables(self, rule) -> bool:
+        """Whether ``rule`` (one of :data:`~npu_fusion.patterns.RULES`) runs."""
+        return bool(getattr(self, rule.option))
+
+
+#: a rule's older option names -> its option
+ALIASES: Dict[str, str] = {alias: rule.option for rule in RULES for alias in rule.option_aliases}
+
+FusionOptions = dataclasses.make_dataclass(
+    "FusionOptions", [(rule.option, bool, dataclasses.field(default=rule.enabled_by_default)) for rule in RULES],
+    bases=(PassOptions,), frozen=True, namespace={"__module__": __name__, "__doc__": (
+        "The pass's options: :class:`PassOptions` and, per rule of :data:`~npu_fusion.patterns.RULES`, "
+        "its switch (a bool, on unless the rule says otherwise).")})

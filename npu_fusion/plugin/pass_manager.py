@@ -22,7 +22,8 @@ import torch.fx as fx
 
 from ..patterns import RULES
 from ..patterns.evaluator import JointProvenance, Provenance
-from ..patterns.rewrite import Miss, Rewrites, Site
+from ..patterns.context import PassContext
+from ..patterns.rewrite import Miss, RuleContext, Site
 from .joint import JointGraph
 from .logs import TRACE_AFTER, TRACE_BEFORE, dump_graph, log, trace_decisions, trace_graph
 from .options import FusionOptions
@@ -254,7 +255,8 @@ def _fuse(gm: fx.GraphModule, options, forward: Optional[fx.Graph], joint: bool,
         snapshot = Snapshot(graph)
         layout = layout(graph, options) if joint else None  # before the rewrites: what the unfused backward reads
         provenance = JointProvenance(graph, layout.backward) if joint else Provenance(forward, graph)
-        result.sites, result.misses = _rewrite_in_rounds(graph, options, target, provenance)
+        context = PassContext.of(graph, provenance, target, options.strict)
+        result.sites, result.misses = _rewrite_in_rounds(context, options)
         if layout is not None and result.sites:
             result.copies = [n.args[0].name for n in layout.prepare_for_partition()]
         graph.lint()
@@ -309,24 +311,26 @@ def _record(result: FusionResult) -> None:
 MAX_ROUNDS = 4
 
 
-def _rewrite_in_rounds(graph: fx.Graph, options: FusionOptions, target: str, provenance: Provenance):
+def _rewrite_in_rounds(context: PassContext, options: FusionOptions):
     """Run the enabled rules (:data:`~npu_fusion.patterns.RULES`, in that order) until a
-    round fuses nothing new or leaves no candidate undecided: a site whose dy is the
-    expression of another site's dx (post- and sandwich norms) fuses once that one is
+    round fuses nothing new or leaves no candidate undecided (a miss, or a candidate a
+    rule's :class:`~npu_fusion.patterns.RoundReport` counts as pending): a site whose dy is
+    the expression of another site's dx (post- and sandwich norms) fuses once that one is
     a fused op."""
-    rules = [(rule, Rewrites(graph, rule.op.name, options.strict)) for rule in RULES
-             if getattr(options, rule.op.option)]
+    graph = context.graph
+    rules = [(rule, RuleContext(context, rule.op.name)) for rule in RULES if options.enables(rule)]
     for _ in range(MAX_ROUNDS):
-        fused = sum(len(rewrites.sites) for _, rewrites in rules)
-        for rule, rewrites in rules:
-            rewrites.begin_round()
-            rule.rewrite(graph, target, provenance, rewrites)
-        undecided = any(r.round_misses or r.pending for _, r in rules)
-        if sum(len(r.sites) for _, r in rules) == fused or not undecided:
+        fused = sum(len(ctx.sites) for _, ctx in rules)
+        pending = 0
+        for rule, ctx in rules:
+            ctx.round_misses = []
+            pending += rule.run_round(graph, ctx).pending
+        undecided = pending or any(ctx.round_misses for _, ctx in rules)
+        if sum(len(ctx.sites) for _, ctx in rules) == fused or not undecided:
             break
-    for rule, rewrites in rules:  # what no form matched is a miss too, never silence
-        rewrites.round_misses += rule.unexplained(graph, provenance, rewrites.misses)
-    return ([s for _, r in rules for s in r.sites], [m for _, r in rules for m in r.misses])
+    for rule, ctx in rules:  # what no form matched is a miss too, never silence
+        ctx.round_misses += rule.unexplained(graph, ctx, ctx.misses)
+    return ([s for _, ctx in rules for s in ctx.sites], [m for _, ctx in rules for m in ctx.misses])
 
 
 def make_torchair_pass(options: Union[FusionOptions, Mapping, None] = None):
