@@ -16,6 +16,7 @@ the two equal.
 from .rms_norm import RmsNormGradRule
 from .rms_norm_forward import RmsNormForwardRule
 from .rope import RopeGradRule
+from .rope_forward import RopeForwardRule
 from .rule import Form, FusionRule, RoundReport, SiteProbe  # noqa: F401 (the rules' interface)
 
 #: The rules in the order each round runs them. A site whose dy is another site's dx (a
@@ -24,10 +25,11 @@ from .rule import Form, FusionRule, RoundReport, SiteProbe  # noqa: F401 (the ru
 #: order decides only the round in which such a site fuses, never whether it does (the
 #: pass manager runs up to ``MAX_ROUNDS``). RMSNorm runs first, as it always has: every
 #: figure the project reports was measured in this order.
-#: The forward rule runs after the backward ones: it fuses a forward only once its backward is
-#: a fused op (the backward rules match the decomposed forward they were written for, statistic
-#: and normalized value included), and then hands that op its rstd.
-RULES = (RmsNormGradRule(), RopeGradRule(), RmsNormForwardRule())
+#: The forward rules run after the backward ones: a forward fuses only once no decomposed
+#: backward reads its intermediates (the backward rules match the decomposed forward they were
+#: written for, statistic and normalized value included), and the RMSNorm forward then hands
+#: the fused backward its rstd.
+RULES = (RmsNormGradRule(), RopeGradRule(), RmsNormForwardRule(), RopeForwardRule())
 
 #: (fused op, form, where it comes from), rule by rule in the order of :data:`RULES`
 FORMS = [(rule.op.name, form.form, form.seen_in) for rule in RULES for form in rule.forms]

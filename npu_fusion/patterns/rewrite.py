@@ -379,9 +379,10 @@ def emit_fused_op(ctx: RuleContext, op: FusedOp, at: fx.Node, operands: Sequence
     if problem is not None:
         return Miss(op.name, at.name, problem)
     fused = edit.call(op.overload, tuple(operands))
+    single = not isinstance(fused.meta.get("val"), (tuple, list))  # an op returning one Tensor
     replacements = {}
     for index, name in enumerate(op.outputs):
         old = outputs.get(name)
         if old is not None:
-            replacements[old] = replacement_of(edit, edit.getitem(fused, index), old)
+            replacements[old] = replacement_of(edit, fused if single else edit.getitem(fused, index), old)
     return fused, replacements
