@@ -217,11 +217,11 @@ def _model_step(model, ids, **options):
     return {n: p.grad.clone() for n, p in model.named_parameters()}, seen["result"], seen["fw"].graph, seen["bw"].graph
 
 
-def _eager_and_exact(model, ids):
+def _eager_and_exact(model, ids, name="llama"):
     model.zero_grad(set_to_none=True)
     model.loss(ids).backward()
     eager = {n: p.grad.clone() for n, p in model.named_parameters()}
-    wide = bundled("llama", num_layers=1, dtype=torch.float64, checkpoint=model.config.checkpoint)
+    wide = bundled(name, num_layers=1, dtype=torch.float64, checkpoint=model.config.checkpoint)
     wide.load_state_dict({k: v.double() for k, v in model.state_dict().items()})
     wide.loss(ids).backward()
     return eager, {n: p.grad for n, p in wide.named_parameters()}
@@ -273,3 +273,75 @@ def test_transformers_qwen3_forward_and_backward_fused_together():
     result = seen["result"]
     assert result.fused(FORWARD) == result.fused(BACKWARD) == 5 and not result.misses, result.misses
     assert_paired(seen["fw"].graph, seen["bw"].graph, 5)
+
+
+# -- forward RoPE ------------------------------------------------------------------------
+
+ROPE, ROPE_GRAD = "rotary_position_embedding", "rotary_position_embedding_grad"
+BOTH = {"rms_norm_forward": True, "rope_forward": True}
+
+
+@pytest.mark.parametrize("name,dtype", [("llama", torch.bfloat16), ("gptj", torch.float32), ("deepseek", torch.bfloat16)])
+def test_bundled_models_fuse_every_forward_and_backward(name, dtype):
+    """Half, interleave and interleave-half RoPE (modes 0, 1, 3) and every RMSNorm fused forward and
+    backward; no decomposed rotation or statistic left in the forward."""
+    model = bundled(name, num_layers=1, dtype=dtype)
+    ids = torch.randint(0, model.config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(1))
+    grads, result, fw, _ = _model_step(model, ids, **BOTH)
+    eager, exact = _eager_and_exact(model, ids, name)
+    assert not grad_failures(grads, eager, exact)
+    assert not result.misses, result.misses
+    for op in (FORWARD, BACKWARD):
+        assert result.fused(op) == model.expected_sites[BACKWARD]
+    for op in (ROPE, ROPE_GRAD):
+        assert result.fused(op) == model.expected_sites[ROPE_GRAD]
+    assert len(calls(fw, ROPE)) == model.expected_sites[ROPE_GRAD]
+    assert not calls(fw, "neg") and not calls(fw, "rsqrt")  # rotate's negation, the statistic
+
+
+def partial_rotary(q, cos, sin):  # GPT-NeoX rotary_pct: the first 8 of 16 lanes rotate
+    rot, rest = q[..., :8], q[..., 8:]
+    x1, x2 = rot[..., :4], rot[..., 4:]
+    return torch.cat((rot * cos + torch.cat((-x2, x1), -1) * sin, rest), -1)
+
+
+def nanochat(q, cos, sin):  # cat(x2, -x1): mode 0 with sin negated
+    x1, x2 = q[..., :8], q[..., 8:]
+    return q * cos + torch.cat((x2, -x1), -1) * sin
+
+
+def wrong_split(q, cos, sin):  # rotates by a quarter of the lanes: no mode
+    return q * cos + torch.cat((-q[..., 12:], q[..., :12]), -1) * sin
+
+
+@pytest.mark.parametrize("fn,fused", [(partial_rotary, 1), (nanochat, 1), (wrong_split, 0)])
+def test_rope_forward_spellings_and_a_near_miss(fn, fused):
+    q = torch.randn(2, 4, 6, 16, requires_grad=True)
+    width = 8 if fn is partial_rotary else 16
+    angles = torch.randn(6, width, generator=torch.Generator().manual_seed(2))
+    cos, sin = angles.cos(), angles.sin()
+    result, fw, _ = check(lambda q: fn(q, cos, sin) * 2, [q], **BOTH)
+    assert result.fused(ROPE) == fused == result.fused(ROPE_GRAD) and len(calls(fw, ROPE)) == fused
+    if not fused:
+        assert [m.op for m in result.misses if m.op == ROPE] == [ROPE], result.misses
+        assert "no mode's formula" in next(m.reason for m in result.misses if m.op == ROPE)
+
+
+def test_rope_forward_refused_by_the_target_is_a_recorded_miss():
+    """Mode 3 (DeepSeek-V3's interleave-half) runs on Ascend 950 only: on A2 the forward stays as it
+    is, a recorded miss with the target's reason; on 950 it fuses."""
+    q = torch.randn(2, 4, 6, 16, requires_grad=True)
+    angles = torch.randn(6, 16, generator=torch.Generator().manual_seed(2))
+    cos, sin = angles.cos(), angles.sin()
+
+    def deepseek(q):
+        b, h, s, d = q.shape
+        q = q.view(b, h, s, d // 2, 2).transpose(4, 3).reshape(b, h, s, d)
+        return q * cos + torch.cat((-q[..., 8:], q[..., :8]), -1) * sin
+
+    result, fw, _ = check(deepseek, [q], target="a2", **BOTH)
+    missed = [m for m in result.misses if m.op == ROPE]
+    assert not result.fused(ROPE) and len(missed) == 1 and not calls(fw, ROPE)
+    assert "mode" in missed[0].reason, missed
+    result, fw, _ = check(deepseek, [q], target="950", **BOTH)
+    assert result.fused(ROPE) == 1 and calls(fw, ROPE)[0].args[3] == 3
