@@ -345,6 +345,12 @@ class RuleContext:
             if node.name not in self._failed:
                 self._failed_at(node, exc)
 
+    def raise_if_strict(self, ev: "MemoEvaluator") -> None:
+        """With ``strict``, raise the first error an evaluator met (a pure look that records
+        nothing, such as finding a site again, still raises where the pass is strict)."""
+        if self.strict and ev.errors:
+            raise ev.errors[0][1]
+
     def rewrite(self, node: fx.Node, fn, *args) -> None:
         """Run ``fn(*args)``, which returns a :class:`Site` (committed) or a :class:`Miss`."""
         if node.name in self._failed:

@@ -729,6 +729,7 @@ def find_again(rewrites: RuleContext, site: NormMatch, leaves: List[fx.Node]) ->
         if node in site.ev.memo:
             ev.value(node)
     again = _match_root(ev, site.dx, set())
+    rewrites.raise_if_strict(ev)
     if again is None:
         return None
     if site.dgamma is not None:

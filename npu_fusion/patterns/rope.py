@@ -448,6 +448,7 @@ def find_again(rewrites: RuleContext, site: RopeMatch, leaves: List[fx.Node]) ->
         return None
     again.ev = ev
     _match_table_gradients(lambda node, fn, *args: fn(*args), ev, rewrites.graph, [again])
+    rewrites.raise_if_strict(ev)
     return again if _keeps_tables(site, again) else None
 
 
