@@ -21,6 +21,10 @@ instead of reaching for a private name that only some releases have:
 * :data:`FUSED_RMS_NORM`, :data:`FUSED_RMS_NORM_BACKWARD`: ``aten._fused_rms_norm`` and
   ``aten._fused_rms_norm_backward``, the whole RMSNorm ops torch routes ``F.rms_norm`` to
   on a device with its own kernel (None on a torch without them).
+* The FX, fake-tensor and Dynamo internals the pass reads (:func:`is_erased`,
+  :func:`empty_graph_like`, :func:`fake_tensor_type`, :func:`symbolic_expr`,
+  :func:`size_hint`, :func:`current_compile_id`, :func:`dynamo_counters`): private names of
+  every supported torch, kept here so that a release that renames one is fixed in one place.
 """
 from __future__ import annotations
 
@@ -182,3 +186,53 @@ def inductor_backend():
     from torch._dynamo import lookup_backend
 
     return lookup_backend("inductor")
+
+
+# -- FX, fake-tensor and Dynamo internals the pass reads --------------------------------------
+
+def is_erased(node) -> bool:
+    """Whether an FX node was erased from its graph (``Node._erased``)."""
+    return node._erased
+
+
+def empty_graph_like(graph):
+    """A new empty FX graph with ``graph``'s owning module, tracer and code generator (the
+    private ``_tracer_cls``, ``_tracer_extras`` and ``_codegen`` of ``fx.Graph``)."""
+    import torch.fx as fx
+
+    new = fx.Graph(owning_module=graph.owning_module, tracer_cls=graph._tracer_cls,
+                   tracer_extras=graph._tracer_extras)
+    new.set_codegen(graph._codegen)
+    return new
+
+
+def fake_tensor_type() -> type:
+    """``torch._subclasses.fake_tensor.FakeTensor``."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    return FakeTensor
+
+
+def symbolic_expr(size):
+    """The sympy expression of a ``torch.SymInt`` (``size.node.expr``)."""
+    return size.node.expr
+
+
+def size_hint(size) -> Optional[int]:
+    """The example value of a ``torch.SymInt`` (``size.node.hint``), or None when it has none."""
+    return size.node.hint
+
+
+def current_compile_id():
+    """Dynamo's id of the compilation in progress (``torch._guards.CompileContext``), or None."""
+    try:
+        from torch._guards import CompileContext
+
+        return CompileContext.current_compile_id()
+    except Exception:
+        return None
+
+
+def dynamo_counters(name: str):
+    """Dynamo's counter table ``name`` (``torch._dynamo.utils.counters[name]``)."""
+    return torch._dynamo.utils.counters[name]

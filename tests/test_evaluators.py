@@ -8,6 +8,7 @@ import torch.fx as fx
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from npu_fusion.patterns.lanes import LaneEvaluator
+from npu_fusion.patterns.rope import MAX_LANES
 
 
 def real_view(t):
@@ -71,7 +72,7 @@ def test_lane_values_equal_what_the_graph_computes(name):
     inputs = [torch.randn(ARGS[n], dtype=torch.float64, generator=torch.Generator().manual_seed(i))
               for i, n in enumerate(names)]
     output, values = traced(program, inputs)
-    ev = LaneEvaluator(None)
+    ev = LaneEvaluator(None, max_lanes=MAX_LANES)  # RoPE's bound
     lanes = ev.value(output)
     assert lanes is not None
     expected = real_view(values[output]).reshape(-1)
@@ -120,7 +121,7 @@ def test_random_programs_evaluate_exactly(source):
     program = eval(f"lambda x, y: {source}", {"torch": torch})  # noqa: S307  (drawn from the lists above)
     inputs = [torch.randn(4, dtype=torch.float64, generator=torch.Generator().manual_seed(i)) for i in range(2)]
     output, values = traced(program, inputs)
-    ev = LaneEvaluator(None)
+    ev = LaneEvaluator(None, max_lanes=MAX_LANES)  # RoPE's bound
     lanes = ev.value(output)
     if lanes is None:
         return  # not a float tensor with tracked lanes: nothing to compare
@@ -130,7 +131,8 @@ def test_random_programs_evaluate_exactly(source):
 
 # -- the RMSNorm evaluator: symbolic over the normalized (last) axis, sums as symbols ------
 
-from npu_fusion.patterns.rms_norm import NormEvaluator  # noqa: E402
+from npu_fusion.patterns.norm_algebra import NormEvaluator  # noqa: E402
+from npu_fusion.patterns.rms_norm import MAX_SYMBOLS, POLICY_LEAVES  # noqa: E402
 
 ROWS, N = 3, 4
 
@@ -178,7 +180,7 @@ def test_random_norm_programs_evaluate_exactly(source):
               torch.randn(ROWS, N, dtype=torch.float64, generator=gen),
               torch.rand(ROWS, 1, dtype=torch.float64, generator=gen) + 0.5]
     output, values = traced(program, inputs)
-    ev = NormEvaluator((N,), None)
+    ev = NormEvaluator((N,), None, max_symbols=MAX_SYMBOLS, policy_leaves=POLICY_LEAVES)  # RMSNorm's bounds
     value = ev.value(output)
     if value is None or value.lead_sum is not None or tuple(output.meta["val"].shape) != (ROWS, N):
         return

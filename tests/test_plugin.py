@@ -62,7 +62,7 @@ def test_internal_failure_leaves_the_graph_and_logs(monkeypatch, caplog):
     def broken(*_args, **_kwargs):
         raise RuntimeError("boom")
 
-    monkeypatch.setattr(Rule, "rewrite", broken)
+    monkeypatch.setattr(FusionRule, "run_round", broken)
     with caplog.at_level(logging.WARNING, logger="npu_fusion"):
         result = fuse_backward(gm, {"target": "generic"})
     assert result.error == "RuntimeError: boom" and not result.sites
@@ -156,9 +156,9 @@ def test_process_state_is_bounded():
     for frame in range(300):
         with compile_context(CompileContext(CompileId(frame_id=frame, frame_compile_id=0))):
             pass_manager.remember_forward(gm)
-            assert pass_manager._FORWARD_BY_COMPILE[CompileContext.current_compile_id()] is gm.graph
+            assert pass_manager.DEFAULT_SESSION.forwards[CompileContext.current_compile_id()] is gm.graph
         pass_manager.HISTORY.append(pass_manager.FusionResult(target=str(frame)))
-    assert len(pass_manager._FORWARD_BY_COMPILE) == pass_manager.FORWARD_GRAPHS_KEPT
+    assert len(pass_manager.DEFAULT_SESSION.forwards) == pass_manager.FORWARD_GRAPHS_KEPT
     assert len(pass_manager.HISTORY) <= 256
     assert [r.target for r in pass_manager.HISTORY.since(pass_manager.HISTORY.mark() - 3)] == ["297", "298", "299"]
     assert len(pass_manager.HISTORY.since(mark)) == len(pass_manager.HISTORY)

@@ -17,7 +17,10 @@ from .rms_norm import RmsNormGradRule
 from .rms_norm_forward import RmsNormForwardRule
 from .rope import RopeGradRule
 from .rope_forward import RopeForwardRule
-from .rule import Form, FusionRule, RoundReport, SiteProbe  # noqa: F401 (the rules' interface)
+from .rule import Form, FusionRule, RoundReport, SiteProbe
+
+__all__ = ["RULES", "FORMS", "render_forms", "FusionRule", "RoundReport", "Form", "SiteProbe",
+           "RmsNormGradRule", "RopeGradRule", "RmsNormForwardRule", "RopeForwardRule"]
 
 #: The rules in the order each round runs them. A site whose dy is another site's dx (a
 #: post- or sandwich norm's dy, RoPE's dy under Llama 4's L2 qk-norm, a qk-norm's dy under

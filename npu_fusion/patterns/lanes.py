@@ -29,7 +29,6 @@ from typing import Dict, List, Optional, Tuple
 import torch
 import torch.fx as fx
 
-from ..lowering.constraints import ROPE_MAX_D
 from ..lowering.sizes import same_shape, static_int
 from .algebra import Number, accumulate, exact_number, graph_constant
 from .evaluator import MemoEvaluator, Provenance, Unsupported
@@ -63,8 +62,6 @@ MAX_DEGREE = 2
 #: one-input ops that only move (or negate) elements: a wide factor is cut above them
 MOVES_LANES = VIEWS | {aten.reshape.default, aten.neg.default}
 MAX_TERMS = 8
-#: the widest trailing extent worth tracking: no target accepts a RoPE head dim D above it
-MAX_LANES = ROPE_MAX_D
 
 
 @dataclasses.dataclass
@@ -146,14 +143,20 @@ def _index_arg(x):
 class LaneEvaluator(MemoEvaluator):
     """Memoized evaluation of nodes into :class:`Lanes`; unknown nodes become leaves."""
 
-    def __init__(self, provenance: Optional[Provenance] = None, forced_leaves=()):
+    def __init__(self, provenance: Optional[Provenance] = None, forced_leaves=(), max_lanes: Optional[int] = None):
         super().__init__(provenance, forced_leaves)
+        #: the widest trailing extent worth tracking (None: any), a bound of the rule's op (RoPE:
+        #: no target accepts a head dim above it); a wider leaf is no value, a wider result a leaf
+        self.max_lanes = max_lanes
         #: nodes cut into leaves where they are used (reductions, wide factors), beside their value
         self.cut_leaves: Dict[fx.Node, Optional[Lanes]] = {}
         #: wide factors cut from a product, as values of their wide root (see _cut_value)
         self.cut_values: Dict[fx.Node, Lanes] = {}
         self.leaf_ids: Dict[fx.Node, int] = {}
         self.leaves: List[fx.Node] = []
+
+    def _too_wide(self, inner) -> bool:
+        return self.max_lanes is not None and math.prod(inner) > self.max_lanes
 
     # -- leaves -------------------------------------------------------------
     def leaf_id(self, node: fx.Node) -> int:
@@ -173,7 +176,7 @@ class LaneEvaluator(MemoEvaluator):
         if s is None or not s or not (v.dtype.is_floating_point or v.dtype.is_complex):
             return None
         inner = tuple(static_int(x) for x in s[len(s) - (2 if v.dtype.is_complex else 1):])
-        if None in inner or math.prod(inner) > MAX_LANES:
+        if None in inner or self._too_wide(inner):
             return None
         lid = self.leaf_id(node)
         return Lanes(inner, [{((lid, i),): 1} for i in range(math.prod(inner))],
@@ -463,7 +466,7 @@ class LaneEvaluator(MemoEvaluator):
                                                       shape(grad)[:rank - len(v.inner) - 1]):
             raise Unsupported("select_backward sizes")
         inner = v.inner[:axis] + (full,) + v.inner[axis:]
-        if math.prod(inner) > MAX_LANES:
+        if self._too_wide(inner):
             raise Unsupported("select_backward too wide")
         zero = Lanes(inner, [{} for _ in range(math.prod(inner))])
         return self._scatter(zero, Lanes(v.inner[:axis] + (1,) + v.inner[axis:], v.polys), axis,

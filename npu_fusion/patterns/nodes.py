@@ -4,13 +4,10 @@ of the pass reads graphs through these."""
 from __future__ import annotations
 
 import functools
-from typing import TYPE_CHECKING, Any, Dict, Iterable, List, Optional
+from typing import Any, Dict, Iterable, List, Optional
 
 import torch
 import torch.fx as fx
-
-if TYPE_CHECKING:
-    from .evaluator import Provenance
 
 aten = torch.ops.aten
 prims = torch.ops.prims

@@ -1,13 +1,14 @@
-"""Rewriting a backward graph: one transaction per candidate, and the one emit both
-rules share.
+"""Rewriting a graph: one transaction per candidate, and the one emit every rule shares.
 
 A rule's ``emit`` inserts the fused op's operands after the last of its inputs
-(:class:`Insertion`), then :func:`emit_fused_op` checks them with the op's own input
-checks, calls the op and casts each output as the program cast the value it
-replaces; :func:`commit` rewires the replaced outputs and erases what is dead.
-:class:`Rewrites` runs each candidate as a transaction: any failure before
-:func:`commit` costs only that candidate (a recorded miss, its inserted nodes
-erased); after it, the pass manager's whole-graph snapshot puts the graph back.
+(:class:`Insertion`, nodes made through :class:`Edit`), then :func:`emit_fused_op`
+checks them with the op's own input checks, calls the op and casts each output as the
+program cast the value it replaces; :func:`commit` rewires the replaced outputs and
+erases what is dead. :class:`RuleContext` (a rule's view of one run of the pass) runs
+each candidate as a transaction: any failure before :func:`commit` costs only that
+candidate (a recorded miss, its inserted nodes erased); after it, the pass manager's
+whole-graph snapshot puts the graph back. The open transactions are the run's
+(:class:`~.context.PassContext`), never the process's.
 """
 from __future__ import annotations
 
@@ -20,16 +21,21 @@ from typing import Dict, Iterable, List, Optional, Sequence, Union
 import torch
 import torch.fx as fx
 
-from ..compat import outside_fake_mode
+from ..compat import fake_tensor_type, is_erased, outside_fake_mode
 from ..lowering.constraints import FusedOpInputError
 from ..lowering.fused_op import FusedOp
 from ..lowering.sizes import same_shape
-from .context import PassContext, fake_mode_of  # noqa: F401 (fake_mode_of: plugin.joint imports it here)
+from .context import PassContext, fake_mode_of
 from .evaluator import MemoEvaluator, Unsupported
 from .nodes import aten, dtype, holds, is_float_cast, shape, target_name, val
 from .traffic import node_traffic
 
 log = logging.getLogger("npu_fusion")
+
+#: fake_mode_of lives in .context; plugin.joint reads it here, with call
+__all__ = ["fake_mode_of", "call", "cast", "getitem", "Edit", "Insertion", "RuleContext", "Rewrites", "Miss", "Site",
+           "commit", "emit_fused_op", "exact_common_dtype", "replacement_of", "input_problem", "erase_dead",
+           "erase_unused_upstream", "Transaction"]
 
 
 @dataclasses.dataclass
@@ -98,8 +104,7 @@ def _static_fake_value(fake_mode, target, args, kwargs):
     shapes, strides and dtypes for a tenth of that. Anything else (symbolic sizes,
     an explicit device, an op without a meta kernel) goes through the fake mode.
     """
-    from torch._subclasses.fake_tensor import FakeTensor
-
+    FakeTensor = fake_tensor_type()
     if "device" in kwargs:
         return None
     devices = []
@@ -248,7 +253,7 @@ def commit(edit: Edit, op: str, mode: Optional[str], region: List[fx.Node], outp
 def erase_dead(graph: fx.Graph, nodes: Iterable[fx.Node]) -> List[fx.Node]:
     """Erase the given nodes that no longer have users, users first."""
     erased = []
-    for node in sorted({n for n in nodes if not n._erased}, reverse=True):  # users before what they use
+    for node in sorted({n for n in nodes if not is_erased(n)}, reverse=True):  # users before what they use
         if not node.users and node.op == "call_function":
             graph.erase_node(node)
             erased.append(node)
@@ -260,7 +265,7 @@ def erase_unused_upstream(graph: fx.Graph, nodes: Iterable[fx.Node]) -> None:
     stack = list(nodes)
     while stack:
         node = stack.pop()
-        if node._erased or node.users or node.op != "call_function" or node.is_impure():
+        if is_erased(node) or node.users or node.op != "call_function" or node.is_impure():
             continue
         stack.extend(node.all_input_nodes)
         graph.erase_node(node)
@@ -339,6 +344,12 @@ class RuleContext:
                 raise exc
             if node.name not in self._failed:
                 self._failed_at(node, exc)
+
+    def raise_if_strict(self, ev: "MemoEvaluator") -> None:
+        """With ``strict``, raise the first error an evaluator met (a pure look that records
+        nothing, such as finding a site again, still raises where the pass is strict)."""
+        if self.strict and ev.errors:
+            raise ev.errors[0][1]
 
     def rewrite(self, node: fx.Node, fn, *args) -> None:
         """Run ``fn(*args)``, which returns a :class:`Site` (committed) or a :class:`Miss`."""

@@ -13,7 +13,8 @@ Fused::
 
     dx, dgamma = npu_fusion.rms_norm_grad(dy, x, rstd, gamma)
 
-How a match is found: nodes are evaluated symbolically (exact Laurent
+How a match is found: nodes are evaluated symbolically in the norm domain
+(:mod:`.norm_algebra`, with RMSNorm's bounds: :func:`norm_evaluator`; exact Laurent
 polynomials, :mod:`.algebra`; one small interpreter per aten op, in the tables
 :attr:`NormEvaluator.FORWARD_SAFE` and :attr:`NormEvaluator.BACKWARD_ONLY`, with
 any other op a leaf) with the normalized axes as an abstract index: a
@@ -71,326 +72,24 @@ from ..compat import FUSED_RMS_NORM, FUSED_RMS_NORM_BACKWARD
 from ..lowering.constraints import RMS_NORM_DTYPES, rms_norm_target_problem
 from ..lowering.rms_norm import OP
 from ..lowering.sizes import same_shape, static_int
-from .algebra import Expr, accumulate, graph_constant
-from .evaluator import MemoEvaluator, Provenance, Unsupported, kept_precision, rounding_problem
-from .nodes import (CAST_TARGETS, VIEWS, aten, downstream, dtype, gradient_dependent, gradient_product, is_float_cast,
-                    is_value_preserving_cast, last_of, normalize_dim, outermost, outside_users, region_of, shape, val)
+from .algebra import Expr, graph_constant
+from .evaluator import Provenance, Unsupported, kept_precision, rounding_problem
+from .norm_algebra import NormEvaluator, size_key
+from .nodes import (CAST_TARGETS, VIEWS, aten, downstream, dtype, gradient_dependent, gradient_product,
+                    is_value_preserving_cast, last_of, normalize_dim, outermost, region_of, shape, val)
 from .rewrite import Edit, Insertion, Miss, RuleContext, Site, commit, emit_fused_op, exact_common_dtype
 from .rule import Form, FusionRule, RoundReport, SiteProbe
+#: RMSNorm's backward involves dy, x, gamma, rstd and one sum, where x may be a chain of
+#: earlier norms' outputs (two symbols each): anything with many more leaves is some other
+#: computation, and expanding it would only cost time
 MAX_SYMBOLS = 16
+#: rstd is an input of the fused op: the evaluator keeps it a leaf
+POLICY_LEAVES = frozenset({aten.rsqrt.default})
 
 
-@dataclasses.dataclass
-class NormValue:
-    expr: Expr
-    #: for a sum over leading axes: (summand node, reduced dims), else None
-    lead_sum: Optional[tuple] = None
-
-
-def size_key(x):
-    """A size as a hashable value that equal sizes share: an int, or its symbolic expression."""
-    if isinstance(x, torch.SymInt):
-        expr = x.node.expr
-        return int(expr) if expr.is_number else expr
-    return x
-
-
-BINARY_OPS = {aten.add.Tensor: operator.add, aten.add.Scalar: operator.add,
-              aten.sub.Tensor: operator.sub, aten.sub.Scalar: operator.sub,
-              aten.mul.Tensor: operator.mul, aten.mul.Scalar: operator.mul,
-              aten.div.Tensor: operator.truediv, aten.div.Scalar: operator.truediv}
-#: ops read even where their shape neither spans the normalized axes nor is 1 along them:
-#: their interpreters check shapes themselves
-SHAPE_CHECK_EXEMPT = {aten.sum.dim_IntList, aten.view.default, aten.reshape.default, aten._unsafe_view.default}
-
-
-class NormEvaluator(MemoEvaluator):
-    """Memoized symbolic evaluation with the trailing ``len(norm_shape)`` axes abstracted."""
-
-    POLICY_LEAVES = {aten.rsqrt.default}  # rstd is an input of the fused op: keep it a leaf
-    #: ops whose every output element is >= 0 or NaN: only their leaves may take a fractional power
-    NONNEGATIVE = {aten.rsqrt.default, aten.sqrt.default, aten.exp.default, aten.abs.default}
-
-    def __init__(self, norm_shape, provenance: Optional[Provenance] = None, forced_leaves=()):
-        self.norm_shape = tuple(norm_shape)  # ints or SymInts
-        self.norm_key = tuple(size_key(x) for x in norm_shape)
-        self.k = len(norm_shape)
-        super().__init__(provenance, forced_leaves)
-        self.symbol_of: Dict[fx.Node, int] = {}
-        self.node_of: Dict[int, fx.Node] = {}
-        self.varying = set()  # symbols of leaves that span the normalized axes
-        self.nonnegative = set()  # symbols of leaves known to be >= 0 (or NaN) everywhere
-        self.sum_keys: Dict[tuple, int] = {}   # summand monomial -> its sum's symbol
-        self.sum_body: Dict[int, tuple] = {}   # a sum's symbol -> its summand monomial
-        self._symbols = 0
-        self._spans: Dict[tuple, Optional[bool]] = {}
-        self._by_value: Dict[Expr, List[fx.Node]] = {}
-        self._by_body: Dict[tuple, List[fx.Node]] = {}
-        self._indexed = -1
-        self._size_symbols: Dict[object, int] = {}
-        #: N, the number of normalized elements: a number, or a product of size symbols
-        self.n = functools.reduce(operator.mul, (self.size(x) for x in norm_shape), Expr.number(1))
-
-    def size(self, x) -> Expr:
-        """A (symbolic) size as an expression: a symbolic size is a symbol of its own,
-        constant along the normalized axes and positive; a product of sizes their product."""
-        key = size_key(x)
-        if isinstance(key, int):
-            return Expr.number(key)
-        factors = key.as_ordered_factors() if key.is_Mul else [key]
-        out = Expr.number(1)
-        for factor in factors:
-            base, exp = factor.as_base_exp()
-            if factor.is_Integer:
-                out = out * int(factor)
-            elif base.is_Symbol and exp.is_Integer and int(exp) > 0:
-                if base not in self._size_symbols:
-                    self._size_symbols[base] = sym = self._new_symbol()
-                    self.nonnegative.add(sym)
-                out = out * Expr.symbol(self._size_symbols[base]) ** int(exp)
-            else:
-                raise Unsupported(f"size {key}")
-        return out
-
-    def _new_symbol(self) -> int:
-        self._symbols += 1
-        return self._symbols
-
-    def symbol(self, node) -> Expr:
-        return Expr.symbol(self.symbol_of[node])
-
-    def value_of(self, node: Optional[fx.Node]) -> Expr:
-        """A role's value: its leaf symbol or its expression (1 for a missing gamma)."""
-        return self.memo[node].expr if node is not None else Expr.number(1)
-
-    def node_with_value(self, expr: Expr, node_shape) -> Optional[fx.Node]:
-        """The first backward-graph node of shape ``node_shape`` whose value is ``expr``."""
-        sym = expr.as_symbol()
-        if sym is not None:
-            node = self.node_of.get(sym)
-            return node if node is not None and same_shape(shape(node), node_shape) else None
-        found = [n for n in self._values()[0].get(expr, ()) if same_shape(shape(n), node_shape)]
-        # of equal values, the one rounded least (a cast to bf16 of the value is not the value)
-        return min(found, key=lambda n: (len(self.rounded.get(n, ())), n)) if found else None
-
-    def nodes_varying_as(self, body: tuple, node_shape) -> List[fx.Node]:
-        """Backward-graph nodes of shape ``node_shape`` whose value is one term whose factors
-        that vary along the normalized axes are ``body`` (times anything constant there)."""
-        return sorted((n for n in self._values()[1].get(body, ()) if same_shape(shape(n), node_shape)),
-                      key=lambda n: (len(self.rounded.get(n, ())), n))
-
-    def varying_part(self, mono) -> tuple:
-        return tuple((s, e) for s, e in mono if s in self.varying)
-
-    def _values(self):
-        """Evaluated backward-graph nodes by value, and the one-term ones by varying part."""
-        if self._indexed != len(self.memo):
-            self._by_value, self._by_body, self._indexed = {}, {}, len(self.memo)
-            for n, v in self.memo.items():
-                if v is not None and v.lead_sum is None and not self._is_forward(n):
-                    self._by_value.setdefault(v.expr, []).append(n)
-                    if len(v.expr.terms) == 1:
-                        self._by_body.setdefault(self.varying_part(next(iter(v.expr.terms))), []).append(n)
-        return self._by_value, self._by_body
-
-    def spans(self, s) -> Optional[bool]:
-        """True: the shape spans the normalized axes; False: it is 1 along them; None: neither."""
-        tail = tuple(s[max(0, len(s) - self.k):])
-        if not all(type(x) is int for x in tail):  # symbolic sizes: no cache (== would guard)
-            return self._tail_spans(tail)
-        if tail not in self._spans:
-            self._spans[tail] = self._tail_spans(tail)
-        return self._spans[tail]
-
-    def _tail_spans(self, tail) -> Optional[bool]:
-        if len(tail) == self.k and tuple(size_key(x) for x in tail) == self.norm_key:
-            return True
-        if all(static_int(x) == 1 for x in tail):
-            return False
-        return None
-
-    def _leaf(self, node) -> Optional[NormValue]:
-        if self.provenance is not None and self.provenance.is_forward(node):
-            raise Unsupported("forward node not saved for backward")
-        v = val(node)
-        if v is None or not v.dtype.is_floating_point or self.spans(v.shape) is None:
-            return None
-        sym = self._new_symbol()
-        self.symbol_of[node], self.node_of[sym] = sym, node
-        if self.spans(v.shape):
-            self.varying.add(sym)
-        definition = node
-        if node.op == "placeholder" and self.provenance is not None:
-            definition = self.provenance.forward_definition(node) or node
-        if definition.op == "call_function" and definition.target in self.NONNEGATIVE:
-            self.nonnegative.add(sym)
-        return NormValue(Expr.symbol(sym))
-
-    def _arg(self, arg) -> Expr:
-        s = graph_constant(arg)
-        if s is not None:
-            return Expr.number(s)
-        if isinstance(arg, fx.Node) and isinstance(arg.meta.get("val"), torch.SymInt):
-            return self.size(arg.meta["val"])  # mean's backward divides by a symbolic N
-        if not isinstance(arg, fx.Node) or val(arg) is None or self.spans(val(arg).shape) is None:
-            raise Unsupported("operand")
-        v = self.value(arg)
-        if v is None or v.lead_sum is not None:
-            raise Unsupported("operand")
-        return v.expr
-
-    def sum_over_normalized(self, expr: Expr) -> Expr:
-        """Sum of ``expr`` over the normalized index: each term's factors that vary along
-        the normalized axes (its body) become one symbol ``S[body]``, the rest stay."""
-        terms: Dict[tuple, object] = {}
-        constant: Dict[tuple, object] = {}  # terms with no varying factor: N times each
-        for mono, coef in expr.split_terms():
-            body = tuple((s, e) for s, e in mono if s in self.varying)
-            const = tuple((s, e) for s, e in mono if s not in self.varying)
-            if not body:
-                accumulate(constant, const, coef)
-                continue
-            if body not in self.sum_keys:
-                sym = self._new_symbol()
-                self.sum_keys[body], self.sum_body[sym] = sym, body
-            accumulate(terms, tuple(sorted(const + ((self.sum_keys[body], 1),))), coef)
-        return Expr(terms) + Expr(constant) * self.n
-
-    def _interpret(self, node: fx.Node, forward: bool) -> NormValue:
-        """Read ``node`` through :attr:`FORWARD_SAFE` or :attr:`BACKWARD_ONLY`, after the checks
-        that hold for every op."""
-        t = node.target
-        out = val(node)
-        if out is None or not out.dtype.is_floating_point:
-            raise Unsupported("not a float tensor")
-        if t in self.POLICY_LEAVES:
-            raise Unsupported("policy leaf")
-        if is_float_cast(node):
-            v = self.value(node.args[0])
-            if v is None:
-                raise Unsupported("cast of opaque")
-            return v
-        if self.spans(out.shape) is None and t not in SHAPE_CHECK_EXEMPT:
-            raise Unsupported("shape")
-        if t in self.FORWARD_SAFE:
-            return getattr(self, self.FORWARD_SAFE[t])(node, forward)
-        if forward:  # saved-tensor provenance: only value-preserving arithmetic, no reductions
-            raise Unsupported("forward op")
-        interpreter = self.BACKWARD_ONLY.get(t)
-        if interpreter is None:
-            raise Unsupported(f"op {t}")
-        return getattr(self, interpreter)(node)
-
-    # -- interpreters, one per op (see FORWARD_SAFE and BACKWARD_ONLY) --------
-    def _binary(self, node, forward: bool) -> NormValue:
-        t, args = node.target, node.args
-        if all(len(shape(a)) <= self.k for a in args[:2] if isinstance(a, fx.Node)):
-            # parameter arithmetic such as Gemma's (1 + weight): the result is gamma, an input
-            raise Unsupported("gamma arithmetic")
-        alpha = node.kwargs.get("alpha", 1)
-        a, b = self._arg(args[0]), self._arg(args[1])
-        if t in (aten.add.Tensor, aten.sub.Tensor) and (forward or not self.depends_on_gradient(node)):
-            # a saved or recomputed residual sum is x itself, not something to see through
-            raise Unsupported("forward sum: an input")
-        if self._is_input_arithmetic(t, args, a, b):
-            raise Unsupported("scaled input: the product is an input of the pattern")
-        if t in (aten.add.Tensor, aten.sub.Tensor) and not forward and self._is_accumulation(a, b):
-            raise Unsupported("gradient accumulation: the sum is an input of the pattern")
-        if t in (aten.add.Tensor, aten.sub.Tensor):
-            b = b * graph_constant(alpha)
-        return self._bounded(BINARY_OPS[t](a, b))
-
-    def _negate(self, node) -> NormValue:
-        return NormValue(-self._arg(node.args[0]))
-
-    def _power(self, node) -> NormValue:
-        exponent = graph_constant(node.args[1])
-        if exponent is None:
-            raise Unsupported(f"op {node.target}")  # a tensor exponent is no Laurent polynomial
-        return self._bounded(self._arg(node.args[0]).power(exponent, self.nonnegative))
-
-    def _sqrt(self, node) -> NormValue:
-        return self._bounded(self._arg(node.args[0]).sqrt(self.nonnegative))
-
-    def _reciprocal(self, node) -> NormValue:
-        return self._bounded(1 / self._arg(node.args[0]))
-
-    def _expand(self, node) -> NormValue:
-        return NormValue(self._arg(node.args[0]))
-
-    def _view(self, node) -> NormValue:
-        src = node.args[0]
-        v = self.value(src)
-        if v is not None and v.lead_sum is not None:
-            squeezed = lambda s: [x for x in s if static_int(x) != 1]  # noqa: E731
-            if same_shape(squeezed(shape(node)), squeezed(shape(src))):
-                return v
-        if v is not None and same_shape(shape(node), shape(src)):
-            return v
-        raise Unsupported("view")
-
-    def _is_input_arithmetic(self, t, args, a, b) -> bool:
-        """c * grad (a logits scale before the LM head, a residual scale): a leaf scaled by a
-        constant is the pattern's dy or x, not part of it. (A product of two leaves is not
-        cut here: without gamma, dy * x is the norm's own product.)"""
-        if t not in (aten.mul.Tensor, aten.mul.Scalar, aten.div.Tensor, aten.div.Scalar):
-            return False
-
-        def bare(expr, arg):  # the operand is itself a leaf (not, say, pow(x, 1.0))
-            sym = expr.as_symbol()
-            return (isinstance(arg, fx.Node) and sym is not None and self.symbol_of.get(arg) == sym
-                    and sym in self.varying and len(shape(arg)) > self.k)
-
-        if b.is_number():
-            return bare(a, args[0])
-        if a.is_number():
-            return bare(b, args[1])
-        return False
-
-    def _is_accumulation(self, a, b) -> bool:
-        """Two tensors added with no normalization statistic in either: upstream gradients."""
-        stats = lambda e: any(s not in self.varying for s in e.free_symbols)  # noqa: E731
-        return not a.is_number() and not b.is_number() and not (stats(a) or stats(b))
-
-    def _bounded(self, expr) -> NormValue:
-        # RMSNorm's backward involves dy, x, gamma, rstd and one sum, where x may be a chain
-        # of earlier norms' outputs (two symbols each): anything with many more leaves is
-        # some other computation, and expanding it would only cost time.
-        if len(expr.free_symbols) > MAX_SYMBOLS:
-            raise Unsupported("expression too large")
-        return NormValue(expr)
-
-    def _reduce(self, node) -> NormValue:
-        src = node.args[0]
-        rank = len(shape(src))
-        dims = node.args[1] if len(node.args) > 1 else None
-        keepdim = node.args[2] if len(node.args) > 2 else node.kwargs.get("keepdim", False)
-        if not dims or node.kwargs.get("dtype") is not None:
-            raise Unsupported("reduction")
-        dims = tuple(sorted(normalize_dim(d, rank) for d in dims))
-        body = self._arg(src)
-        if dims == tuple(range(rank - self.k, rank)) and keepdim and self.spans(shape(src)):
-            total = self.sum_over_normalized(body)
-            if node.target is aten.mean.dim:
-                total = total / self.n
-            return self._bounded(total)
-        if node.target is aten.sum.dim_IntList and all(d < rank - self.k for d in dims):
-            return NormValue(body, lead_sum=(src, dims))
-        raise Unsupported("reduction axes")
-
-    #: aten op -> the name of its interpreter, looked up on the instance (so a subclass or a
-    #: test can replace one). FORWARD_SAFE interpreters take (node, forward) and may read
-    #: forward nodes; BACKWARD_ONLY ones take (node). Ops in neither are leaves.
-    FORWARD_SAFE = dict.fromkeys(BINARY_OPS, "_binary")
-    BACKWARD_ONLY = {
-        aten.neg.default: "_negate",
-        aten.pow.Tensor_Scalar: "_power",
-        aten.sqrt.default: "_sqrt",
-        aten.reciprocal.default: "_reciprocal",
-        aten.expand.default: "_expand",
-        aten.sum.dim_IntList: "_reduce", aten.mean.dim: "_reduce",
-        aten.view.default: "_view", aten.reshape.default: "_view", aten._unsafe_view.default: "_view",
-    }
+def norm_evaluator(norm_shape, provenance: Optional[Provenance] = None, forced_leaves=()) -> NormEvaluator:
+    """The norm domain's evaluator with RMSNorm's bounds."""
+    return NormEvaluator(norm_shape, provenance, forced_leaves, max_symbols=MAX_SYMBOLS, policy_leaves=POLICY_LEAVES)
 
 
 # -- matching -----------------------------------------------------------------
@@ -595,7 +294,7 @@ def find_sites(graph: fx.Graph, rewrites: RuleContext) -> RoundReport:
     with_dx = set()  # the statistics of the norms whose dx the graph computes (matched or not)
     for norm_shape, reductions in _norm_reductions(graph):
         try:
-            ev = NormEvaluator(norm_shape, provenance)
+            ev = norm_evaluator(norm_shape, provenance)
         except Unsupported:  # a symbolic N that is not a product of sizes
             continue
         ev.gradient_nodes = gradient
@@ -977,7 +676,7 @@ def dgamma_only_sites(graph: fx.Graph, rewrites: RuleContext, matches: List[Norm
         if not candidates:
             continue
         try:
-            ev = NormEvaluator(norm_shape, provenance)
+            ev = norm_evaluator(norm_shape, provenance)
         except Unsupported:
             continue
         ev.gradient_nodes = gradient
@@ -1020,7 +719,7 @@ def _region(site: NormMatch, outputs) -> List[fx.Node]:
 def find_again(rewrites: RuleContext, site: NormMatch, leaves: List[fx.Node]) -> Optional[NormMatch]:
     """``site`` matched again with ``leaves`` as leaves: the same dx and dgamma (a new evaluator
     of its norm shape, reading only what the first match had read at its root), or None."""
-    ev = NormEvaluator(site.ev.norm_shape, rewrites.provenance, leaves)
+    ev = norm_evaluator(site.ev.norm_shape, rewrites.provenance, leaves)
     ev.gradient_nodes = gradient_dependent(rewrites.graph)
     if site.dgamma_only:
         again = _match_dgamma_only(ev, site.dx, site.candidates)
@@ -1030,6 +729,7 @@ def find_again(rewrites: RuleContext, site: NormMatch, leaves: List[fx.Node]) ->
         if node in site.ev.memo:
             ev.value(node)
     again = _match_root(ev, site.dx, set())
+    rewrites.raise_if_strict(ev)
     if again is None:
         return None
     if site.dgamma is not None:
@@ -1215,7 +915,7 @@ class RmsNormGradRule(FusionRule):
     rewritten into ``rms_norm_grad``; also every whole ``aten._fused_rms_norm_backward``."""
 
     stage = "backward"
-    domain = "norm"
+    domain = "norm_algebra"
     ops = (OP,)
     site_probe = SiteProbe(kind=OP.option, module_classes=r"RMSNorm",
                            source=r"rsqrt\(\s*\w+\.pow\(2\)\.mean\(|\.pow\(2\)\.mean\(-1, keepdim=True\)",

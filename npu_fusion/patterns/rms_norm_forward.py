@@ -50,7 +50,8 @@ from .evaluator import JointProvenance, Provenance, Unsupported, kept_precision,
 from .nodes import (CAST_TARGETS, VIEWS, aten, downstream, dtype, gradient_dependent, is_value_preserving_cast,
                     last_of, normalize_dim, outermost, outside_users, region_of, shape, val)
 from .rewrite import Insertion, Miss, RuleContext, commit, emit_fused_op, exact_common_dtype
-from .rms_norm import NormEvaluator, rms_statistic_operand, size_key
+from .norm_algebra import NormEvaluator, size_key
+from .rms_norm import norm_evaluator, rms_statistic_operand
 from .rule import Form, FusionRule, RoundReport
 
 #: uses from an rstd to the output y (rstd * x, a cast, the weight, a cast)
@@ -244,7 +245,7 @@ def find_sites(graph: fx.Graph, ctx: RuleContext) -> RoundReport:
     matches, misses = [], []
     for norm_shape, roots in _statistic_nodes(graph, forward).values():
         try:
-            ev = NormEvaluator(norm_shape)  # the forward's own values: no provenance, no gradient cut
+            ev = norm_evaluator(norm_shape)  # the forward's own values: no provenance, no gradient cut
         except Unsupported:
             continue
         for rstd in roots:

@@ -30,15 +30,24 @@ from typing import Dict, List, Optional, Tuple
 
 import torch.fx as fx
 
-from ..lowering.constraints import ROPE_MODES, rope_divisor, rope_target_problem
+from ..lowering.constraints import ROPE_MAX_D, ROPE_MODES, rope_divisor, rope_target_problem
 from ..lowering.rope import OP
 from ..lowering.sizes import same_shape, static_int
 from .evaluator import Provenance, kept_precision, rounding_problem
-from .lanes import Lanes, LaneEvaluator, MAX_LANES
+from .lanes import Lanes, LaneEvaluator
 from .nodes import (CAST_TARGETS, VIEWS, aten, axis_order, downstream, dtype, gradient_dependent, gradient_product,
-                    is_float_cast, last_of, outermost, outside_users, region_of, shape)
+                    is_float_cast, last_of, outermost, region_of, shape)
 from .rewrite import Edit, Insertion, Miss, RuleContext, commit, emit_fused_op, exact_common_dtype
 from .rule import Form, FusionRule, RoundReport, SiteProbe
+
+#: the widest last axis the lane evaluator tracks: no target accepts a RoPE head dim D above it
+MAX_LANES = ROPE_MAX_D
+
+
+def lane_evaluator(provenance: Optional[Provenance], forced_leaves=()) -> LaneEvaluator:
+    """The lanes domain's evaluator with RoPE's bound."""
+    return LaneEvaluator(provenance, forced_leaves, max_lanes=MAX_LANES)
+
 
 #: (leaf id, the leaf position that plays each position of the fused op's operand)
 Role = Tuple[int, Tuple[int, ...]]
@@ -335,7 +344,7 @@ def find_sites(graph: fx.Graph, rewrites: RuleContext) -> RoundReport:
     """This round's RoPE backward sites of the graph (each match with its evaluator), near
     misses and pending candidates; an internal error while examining one candidate is a miss
     in ``rewrites``."""
-    ev = LaneEvaluator(rewrites.provenance)
+    ev = lane_evaluator(rewrites.provenance)
     ev.gradient_nodes = gradient_dependent(graph)
     seeds = [n for n in graph.nodes if _moves_elements(n)]
     near = set(downstream(graph, seeds, DX_DEPTH))
@@ -346,12 +355,12 @@ def find_sites(graph: fx.Graph, rewrites: RuleContext) -> RoundReport:
     looks = [n for n in nodes if ev.depends_on_gradient(n) and _looks_like_dx(ev.memo.get(n))]
     matches, inside = _dx_matches(rewrites, ev, looks)
     _match_table_gradients(rewrites.examine, ev, graph, matches)
-    misses, pending = _near_misses(ev, looks, matches, inside)
+    misses, pending = _near_misses(rewrites, ev, looks, matches, inside)
     rewrites.evaluated(ev)
     return RoundReport(matches, misses + _symbolic_last_axis(ev, seeds), pending)
 
 
-def _dx_matches(rewrites: Rewrites, ev: LaneEvaluator, looks: List[fx.Node]):
+def _dx_matches(rewrites: RuleContext, ev: LaneEvaluator, looks: List[fx.Node]):
     """The outermost dx matches among the dx-shaped nodes, and the nodes inside them."""
     matches = [m for m in (rewrites.examine(n, match_dx, ev, n) for n in looks) if m is not None]
     matches = outermost(matches, node=lambda m: m.dx, same=lambda a, b: a.key == b.key)
@@ -408,9 +417,10 @@ def _choose_table_gradients(examine, ev: LaneEvaluator, site: RopeMatch, candida
         setattr(site, "d" + which, node)
 
 
-def _near_misses(ev: LaneEvaluator, looks, matches, inside) -> Tuple[List[Miss], int]:
+def _near_misses(rewrites: RuleContext, ev: LaneEvaluator, looks, matches, inside) -> Tuple[List[Miss], int]:
     """dx-shaped nodes that are neither a match, inside one, nor built on one (misses), and how
-    many are built on one (pending: decided next round, once the site below is fused)."""
+    many are built on one (pending: decided next round, once the site below is fused). A
+    failure while reading one node is a miss at that node."""
     matched = {m.dx for m in matches} | inside
     outputs = {n for m in matches for n in (m.dx, m.dcos, m.dsin) if n is not None}
 
@@ -418,9 +428,9 @@ def _near_misses(ev: LaneEvaluator, looks, matches, inside) -> Tuple[List[Miss],
         region = region_of([n], lambda r: r is n or (r in ev.interpreted and r not in outputs))
         return any(a in outputs for r in region for a in r.all_input_nodes)
 
-    unmatched = [n for n in looks if n not in matched]
-    built_on = [n for n in unmatched if built_on_match(n)]
-    unmatched = [n for n in unmatched if n not in built_on]
+    verdicts = {n: rewrites.examine(n, built_on_match, n) for n in looks if n not in matched}
+    built_on = [n for n, built in verdicts.items() if built is True]
+    unmatched = [n for n, built in verdicts.items() if built is False]
     return [Miss(OP.name, n.name, "two products per element like a RoPE dx, but no mode's formula "
                                   "(signs, split points or tables differ)")
             for n in outermost(unmatched)], len(built_on)
@@ -430,7 +440,7 @@ def find_again(rewrites: RuleContext, site: RopeMatch, leaves: List[fx.Node]) ->
     """``site`` matched again with ``leaves`` as leaves, in the same mode and with every table
     gradient it had (the new evaluator and its leaf numbering belong to this site only); None
     when it no longer matches so. Reads only the site's dx and the products near its dy."""
-    ev = LaneEvaluator(rewrites.provenance, leaves)
+    ev = lane_evaluator(rewrites.provenance, leaves)
     ev.gradient_nodes = gradient_dependent(rewrites.graph)
     ev.value(site.dx)
     again = match_dx(ev, site.dx)
@@ -438,6 +448,7 @@ def find_again(rewrites: RuleContext, site: RopeMatch, leaves: List[fx.Node]) ->
         return None
     again.ev = ev
     _match_table_gradients(lambda node, fn, *args: fn(*args), ev, rewrites.graph, [again])
+    rewrites.raise_if_strict(ev)
     return again if _keeps_tables(site, again) else None
 
 
@@ -511,7 +522,7 @@ def unexplained(graph: fx.Graph, provenance: Optional[Provenance], misses: List[
             groups.append((anchor, reach))
         else:
             group[1].update(reach)
-    ev = LaneEvaluator(provenance)
+    ev = lane_evaluator(provenance)
     ev.gradient_nodes = gradient
     return [Miss(OP.name, anchor.name, "a gradient multiplied by a rotary table (cos/sin/polar in the forward) "
                                   "that no RoPE form matched; " + _nearest_difference(ev, graph, anchor))

@@ -32,11 +32,11 @@ from ..lowering import ROPE as OP
 from ..lowering.constraints import ROPE_MODES, rope_divisor, rope_target_problem
 from ..lowering.sizes import same_shape, static_int
 from .evaluator import JointProvenance, kept_precision, rounding_problem
-from .lanes import MAX_LANES, LaneEvaluator, Lanes
+from .lanes import LaneEvaluator, Lanes
 from .nodes import aten, downstream, dtype, gradient_dependent, last_of, outermost, outside_users, region_of, shape
 from .rewrite import Insertion, Miss, RuleContext, commit, emit_fused_op, exact_common_dtype
 from .rms_norm_forward import _as_forward_work
-from .rope import DX_DEPTH, TABLE_SIGNS, _moves_elements, table_terms
+from .rope import DX_DEPTH, MAX_LANES, TABLE_SIGNS, _moves_elements, lane_evaluator, table_terms
 from .rule import Form, FusionRule, RoundReport
 
 #: (leaf id, the leaf position that plays each position of the fused op's operand)
@@ -129,7 +129,7 @@ def find_sites(graph: fx.Graph, ctx: RuleContext) -> RoundReport:
     if not isinstance(ctx.provenance, JointProvenance):
         return RoundReport()
     gradient = gradient_dependent(graph) or set()
-    ev = LaneEvaluator()  # the forward's own values: no provenance
+    ev = lane_evaluator(None)  # the forward's own values: no provenance
     seeds = [n for n in graph.nodes if n not in gradient and _moves_elements(n)]
     nodes = [n for n in downstream(graph, seeds, DX_DEPTH) if n not in gradient and n.op == "call_function"
              and shape(n) and static_int(shape(n)[-1]) is not None and 2 <= static_int(shape(n)[-1]) <= MAX_LANES

@@ -11,7 +11,7 @@ How a rule subclasses it::
 
     class AddRmsNormGradRule(FusionRule):
         stage = "backward"                 # the graphs it reads (see STAGES)
-        domain = "norm"                    # the abstract domain its matcher evaluates in
+        domain = "norm_algebra"            # the domain module its matcher evaluates in
         ops = (ADD_RMS_NORM_GRAD,)         # the lowering.FusedOp(s) it emits; ops[0] names it
         forms = (Form("`x + residual` then RMSNorm", "Qwen3"), ...)
         site_probe = SiteProbe(kind="add_rms_norm", module_classes=r"AddRMSNorm")
@@ -91,6 +91,7 @@ class FusionRule:
     """One kind of site and the fused op(s) it becomes (see the module docstring)."""
 
     stage: ClassVar[str] = "backward"
+    #: the domain module (``patterns/<domain>.py``) its matcher evaluates in
     domain: ClassVar[str] = ""
     ops: ClassVar[Tuple[FusedOp, ...]] = ()
     forms: ClassVar[Tuple[Form, ...]] = ()

@@ -9,6 +9,7 @@ import operator
 import torch
 import torch.fx as fx
 
+from ..compat import size_hint
 from .nodes import VIEWS, aten
 
 #: ops that move no data: the views, a reshape (of contiguous data, as backward graphs'
@@ -28,7 +29,8 @@ def tensor_bytes(value) -> int:
         return numel * value.element_size()
     numel = 1
     for size in value.shape:
-        numel *= int(size.node.hint) if isinstance(size, torch.SymInt) and size.node.hint is not None else int(size)
+        hint = size_hint(size) if isinstance(size, torch.SymInt) else None
+        numel *= int(hint) if hint is not None else int(size)
     return numel * value.element_size()
 
 def node_traffic(node: fx.Node) -> int:

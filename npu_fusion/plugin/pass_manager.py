@@ -11,15 +11,18 @@ so an internal error leaves the graph as it was (and then raises, with
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import gc
 import logging
+import threading
 import time
 from typing import Any, Callable, Dict, List, Mapping, Optional, Union
 
 import torch
 import torch.fx as fx
 
+from ..compat import current_compile_id, dynamo_counters, empty_graph_like
 from ..patterns import RULES
 from ..patterns.evaluator import JointProvenance, Provenance
 from ..patterns.context import PassContext
@@ -90,13 +93,82 @@ class History:
         return len(self._results)
 
 
-HISTORY = History()
-
-# Forward graphs seen by the torchair hook, by dynamo compile id, so the backward
-# pass of the same compilation can see what its saved tensors were. A backward is
-# compiled after its forward, usually right after it: the newest few are enough.
-_FORWARD_BY_COMPILE: "collections.OrderedDict[Any, fx.Graph]" = collections.OrderedDict()
+#: forward graphs a session keeps: a backward is compiled after its forward, usually right after it
 FORWARD_GRAPHS_KEPT = 16
+
+
+class _CollectionsPaused:
+    """The garbage collector paused while any run of the pass is in progress. The pass allocates
+    many small objects; full collections over everything Dynamo keeps alive would cost more than
+    the pass itself. The collector is the process's: nested or concurrent runs pause it once,
+    and the last one to end enables it again if it was enabled before the first began."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._depth, self._was_enabled = 0, False
+
+    def __enter__(self):
+        with self._lock:
+            if self._depth == 0:
+                self._was_enabled = gc.isenabled()
+                gc.disable()
+            self._depth += 1
+
+    def __exit__(self, *exc):
+        with self._lock:
+            self._depth -= 1
+            if self._depth == 0 and self._was_enabled:
+                gc.enable()
+
+
+_COLLECTIONS_PAUSED = _CollectionsPaused()
+
+
+class PassSession:
+    """What the pass keeps between its runs: the newest results (:class:`History`, which the
+    report and the benchmarks read) and the forward graphs torchair's hook saw, by dynamo
+    compile id, so the backward of the same compilation can see what its saved tensors were.
+    Each run takes a session (``session=``); the hooks use :data:`DEFAULT_SESSION`."""
+
+    def __init__(self, history_limit: int = 256, forwards_kept: int = FORWARD_GRAPHS_KEPT,
+                 pause_collections: bool = True):
+        self.history = History(history_limit)
+        self.forwards: "collections.OrderedDict[Any, fx.Graph]" = collections.OrderedDict()
+        self.forwards_kept = forwards_kept
+        #: pause the garbage collector during a run (see :class:`_CollectionsPaused`)
+        self.pause_collections = pause_collections
+
+    def remember_forward(self, gm: fx.GraphModule) -> None:
+        key = _compile_id()
+        if key is not None:
+            self.forwards[key] = gm.graph
+            self.forwards.move_to_end(key)
+            while len(self.forwards) > self.forwards_kept:
+                self.forwards.popitem(last=False)
+
+    def forward_for(self, gm: fx.GraphModule) -> Optional[fx.Graph]:
+        """The forward graph remembered for this backward's compile id, if it provably is this
+        backward's forward (:func:`saved_tensor_mismatch`); otherwise None, and the pass runs on
+        the backward alone (a wrong forward would make the pass see wrong saved values)."""
+        key = _compile_id()
+        forward = self.forwards.get(key) if key is not None else None
+        if forward is None:
+            return None
+        mismatch = saved_tensor_mismatch(forward, gm.graph)
+        if mismatch is not None:
+            log.warning("npu_fusion: the forward graph remembered for compile %s is not this backward's (%s); "
+                        "the pass runs on the backward alone", key, mismatch)
+            return None
+        return forward
+
+    def collections_paused(self):
+        return _COLLECTIONS_PAUSED if self.pause_collections else contextlib.nullcontext()
+
+
+#: the session of the hooks and of callers that pass none
+DEFAULT_SESSION = PassSession()
+#: the default session's results (the report and the benchmarks read them)
+HISTORY = DEFAULT_SESSION.history
 
 
 class Snapshot:
@@ -115,9 +187,7 @@ class Snapshot:
 
     def rebuild(self) -> fx.Graph:
         old = self.graph
-        new = fx.Graph(owning_module=old.owning_module, tracer_cls=old._tracer_cls,
-                       tracer_extras=old._tracer_extras)
-        new.set_codegen(old._codegen)
+        new = empty_graph_like(old)
         env: Dict[fx.Node, fx.Node] = {}
         for node, op, target, args, kwargs, name, type_expr, meta in self.nodes:
             args, kwargs = fx.node.map_arg((args, kwargs), env.__getitem__)
@@ -127,12 +197,7 @@ class Snapshot:
 
 
 def _compile_id():
-    try:
-        from torch._guards import CompileContext
-
-        return CompileContext.current_compile_id()
-    except Exception:
-        return None
+    return current_compile_id()
 
 
 def is_backward_graph(gm: fx.GraphModule) -> bool:
@@ -148,29 +213,13 @@ def in_compiled_autograd() -> bool:
     return getattr(key, "compiled_autograd_id", None) is not None
 
 
-def remember_forward(gm: fx.GraphModule) -> None:
-    key = _compile_id()
-    if key is not None:
-        _FORWARD_BY_COMPILE[key] = gm.graph
-        _FORWARD_BY_COMPILE.move_to_end(key)
-        while len(_FORWARD_BY_COMPILE) > FORWARD_GRAPHS_KEPT:
-            _FORWARD_BY_COMPILE.popitem(last=False)
+def remember_forward(gm: fx.GraphModule, session: Optional[PassSession] = None) -> None:
+    (session or DEFAULT_SESSION).remember_forward(gm)
 
 
-def forward_for(gm: fx.GraphModule) -> Optional[fx.Graph]:
-    """The forward graph remembered for this backward's compile id, if it provably is this
-    backward's forward (:func:`saved_tensor_mismatch`); otherwise None, and the pass runs on
-    the backward alone (a wrong forward would make the pass see wrong saved values)."""
-    key = _compile_id()
-    forward = _FORWARD_BY_COMPILE.get(key) if key is not None else None
-    if forward is None:
-        return None
-    mismatch = saved_tensor_mismatch(forward, gm.graph)
-    if mismatch is not None:
-        log.warning("npu_fusion: the forward graph remembered for compile %s is not this backward's (%s); "
-                    "the pass runs on the backward alone", key, mismatch)
-        return None
-    return forward
+def forward_for(gm: fx.GraphModule, session: Optional[PassSession] = None) -> Optional[fx.Graph]:
+    """The session's forward graph of this backward (:meth:`PassSession.forward_for`)."""
+    return (session or DEFAULT_SESSION).forward_for(gm)
 
 
 def _tensor_value(node) -> Optional[torch.Tensor]:
@@ -214,29 +263,34 @@ def saved_tensor_mismatch(forward: fx.Graph, backward: fx.Graph) -> Optional[str
 
 
 def fuse_backward(gm: fx.GraphModule, options: Union[FusionOptions, Mapping, None] = None,
-                  forward: Optional[fx.Graph] = None) -> FusionResult:
+                  forward: Optional[fx.Graph] = None, session: Optional[PassSession] = None) -> FusionResult:
     """Rewrite RoPE and RMSNorm backward subgraphs of ``gm`` in place.
 
     ``forward``, the forward graph of the same partition, is optional; with it the
     pass can see through saved tensors (``rotate_half(q)``, the normalized input)
-    and fuse their consumers too. Returns a :class:`FusionResult`.
+    and fuse their consumers too. Returns a :class:`FusionResult`, also added to the
+    ``session``'s history (:data:`DEFAULT_SESSION`'s when none is given).
     """
-    return _fuse(gm, options, forward, joint=False)
+    return _fuse(gm, options, forward, joint=False, session=session)
 
 
 def fuse_joint(gm: fx.GraphModule, options: Union[FusionOptions, Mapping, None] = None,
-               copy_op: Optional[Callable] = None, partitioner: Optional[str] = None) -> FusionResult:
+               copy_op: Optional[Callable] = None, partitioner: Optional[str] = None,
+               session: Optional[PassSession] = None) -> FusionResult:
     """Rewrite RoPE and RMSNorm backward subgraphs of AOTAutograd's joint graph ``gm`` in place,
     before the partition, and leave the graph ready for it (:mod:`.joint`): the partitioner then
     saves what the fused ops read. ``copy_op`` makes the forward copies of caller-reachable
     tensors (:class:`~.joint.JointGraph`; each compiler keeps a different op); ``partitioner``
-    is the one that will split the graph (default: the options'). Returns a :class:`FusionResult`."""
+    is the one that will split the graph (default: the options'). Returns a
+    :class:`FusionResult` (added to the ``session``'s history)."""
     return _fuse(gm, options, None, joint=True, layout=lambda graph, options: JointGraph(
-        graph, copy_op, min_cut=(partitioner or options.partitioner) == "min_cut"))
+        graph, copy_op, min_cut=(partitioner or options.partitioner) == "min_cut"), session=session)
 
 
-def _fuse(gm: fx.GraphModule, options, forward: Optional[fx.Graph], joint: bool, layout=None) -> FusionResult:
+def _fuse(gm: fx.GraphModule, options, forward: Optional[fx.Graph], joint: bool, layout=None,
+          session: Optional[PassSession] = None) -> FusionResult:
     """The one run of the pass both entries share: snapshot, rounds, record."""
+    session = session or DEFAULT_SESSION
     if not isinstance(options, FusionOptions):
         options = FusionOptions.from_mapping(options)
     target = options.resolved_target()
@@ -246,16 +300,29 @@ def _fuse(gm: fx.GraphModule, options, forward: Optional[fx.Graph], joint: bool,
         dump_graph(f"npu_fusion: {kind} graph before the pass ({result.nodes_before} nodes, target {target}):", gm)
     trace_graph(TRACE_BEFORE, gm)
     start = time.perf_counter()  # after the dump: result.seconds is the pass's own time
-    # The pass allocates many small objects; full collections over everything Dynamo
-    # keeps alive would cost more than the pass itself.
-    gc_was_enabled = gc.isenabled()
-    gc.disable()
+    with session.collections_paused():
+        _rewrite_or_restore(gm, options, forward, joint, layout, result)
+    result.seconds = time.perf_counter() - start
+    result.nodes_after = len(gm.graph.nodes)
+    _record(result)
+    trace_graph(TRACE_AFTER, gm)
+    trace_decisions(result)
+    if options.dump_graphs:
+        dump_graph(f"npu_fusion: {kind} graph after the pass ({result.nodes_after} nodes):", gm)
+    session.history.append(result)
+    return result
+
+
+def _rewrite_or_restore(gm: fx.GraphModule, options, forward: Optional[fx.Graph], joint: bool, layout,
+                        result: FusionResult) -> None:
+    """Rewrite ``gm`` in place (sites, misses and copies into ``result``), or, on any failure,
+    put the graph back as it was (``result.error``; ``strict`` raises)."""
     graph, snapshot = gm.graph, None
     try:
         snapshot = Snapshot(graph)
         layout = layout(graph, options) if joint else None  # before the rewrites: what the unfused backward reads
         provenance = JointProvenance(graph, layout.backward) if joint else Provenance(forward, graph)
-        context = PassContext.of(graph, provenance, target, options.strict)
+        context = PassContext.of(graph, provenance, result.target, options.strict)
         result.sites, result.misses = _rewrite_in_rounds(context, options)
         if layout is not None and result.sites:
             result.copies = [n.args[0].name for n in layout.prepare_for_partition()]
@@ -270,23 +337,11 @@ def _fuse(gm: fx.GraphModule, options, forward: Optional[fx.Graph], joint: bool,
         result.error = f"{type(exc).__name__}: {exc}"
         result.sites, result.misses, result.copies = [], [], []
         log.warning("npu_fusion: pass failed, graph left unchanged: %s", result.error, exc_info=True)
-    finally:
-        if gc_was_enabled:
-            gc.enable()
-    result.seconds = time.perf_counter() - start
-    result.nodes_after = len(gm.graph.nodes)
-    _record(result)
-    trace_graph(TRACE_AFTER, gm)
-    trace_decisions(result)
-    if options.dump_graphs:
-        dump_graph(f"npu_fusion: {kind} graph after the pass ({result.nodes_after} nodes):", gm)
-    HISTORY.append(result)
-    return result
 
 
 def _record(result: FusionResult) -> None:
     """Counters and the ``npu_fusion`` log: each site fused, each miss, a summary."""
-    counters = torch._dynamo.utils.counters[COUNTER]
+    counters = dynamo_counters(COUNTER)
     for site in result.sites:
         counters[site.op] += 1
         log.info("npu_fusion: fused %s (%s) replacing %d nodes %s", site.op, site.mode or "-",
@@ -333,14 +388,16 @@ def _rewrite_in_rounds(context: PassContext, options: FusionOptions):
     return ([s for _, ctx in rules for s in ctx.sites], [m for _, ctx in rules for m in ctx.misses])
 
 
-def make_torchair_pass(options: Union[FusionOptions, Mapping, None] = None):
-    """A ``post_grad_custom_pre_pass`` for torchair: ``fn(gm, example_inputs, config)``."""
+def make_torchair_pass(options: Union[FusionOptions, Mapping, None] = None, session: Optional[PassSession] = None):
+    """A ``post_grad_custom_pre_pass`` for torchair: ``fn(gm, example_inputs, config)``; it
+    remembers each forward graph in ``session`` (:data:`DEFAULT_SESSION`) for its backward."""
     options = options if isinstance(options, FusionOptions) else FusionOptions.from_mapping(options)
+    session = session or DEFAULT_SESSION
 
     def npu_fusion_pass(gm, example_inputs=None, config=None):
         if is_backward_graph(gm):
-            fuse_backward(gm, options, forward=forward_for(gm))
+            fuse_backward(gm, options, forward=session.forward_for(gm), session=session)
         else:
-            remember_forward(gm)
+            session.remember_forward(gm)
 
     return npu_fusion_pass

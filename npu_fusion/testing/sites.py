@@ -23,12 +23,13 @@ from typing import Dict, List, Sequence, Tuple
 
 import torch
 
-from ..lowering import FUSED_OPS, RMS_NORM_GRAD, ROPE_GRAD
+from ..lowering import RMS_NORM_GRAD, ROPE_GRAD
+from ..patterns import RULES
 
 ROPE_OP, NORM_OP = ROPE_GRAD.name, RMS_NORM_GRAD.name
-#: the counter's kinds (each fused op's option: one site per forward call) and the fused op
+#: the counter's kinds (each rule's site probe: one site per forward call) and the fused op
 #: each one should become
-KINDS = {op.option: op.name for op in FUSED_OPS}
+KINDS = {rule.site_probe.kind: rule.op.name for rule in RULES}
 
 _MODULE_CALL = ("torch/nn/modules/module.py", __file__)
 

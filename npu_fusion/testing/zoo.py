@@ -27,6 +27,7 @@ from typing import Any, Dict, List, Optional
 
 import torch
 
+from ..patterns import RmsNormGradRule, RopeGradRule
 from .capture import Capture, decomposed_leftovers
 from .grads import grad_failures
 from .sites import NORM_OP, ROPE_OP, grad_tensors
@@ -62,9 +63,10 @@ TOKEN_IDS = ("pad_token_id", "bos_token_id", "eos_token_id", "sep_token_id", "de
 
 #: module-level functions that apply RoPE to q/k (DeepSeek's ``apply_rotary_pos_emb_interleave``,
 #: Llama 4's ``apply_rotary_emb``, ...); vision and multi-dimensional variants are not text RoPE
-ROPE_FUNCTION = re.compile(r"^_?apply_.*rot|^_?apply_.*rope|rotary_pos_emb$|^rotary_emb$")
-NOT_TEXT_ROPE = re.compile(r"vision|_2d|multidimensional|time_emb")
-ROPE_CLASS = re.compile(r"Rotary|RoPE|Rope", re.I)
+#: (the RoPE rule's site probe)
+ROPE_FUNCTION = re.compile(RopeGradRule.site_probe.functions)
+NOT_TEXT_ROPE = re.compile(RopeGradRule.site_probe.excluded)
+ROPE_CLASS = re.compile(RopeGradRule.site_probe.module_classes)
 
 
 # -- discovery and tiny configs -------------------------------------------------------------
@@ -205,8 +207,9 @@ def rope_function_names(module) -> List[str]:
                   if inspect.isfunction(f) and ROPE_FUNCTION.search(n) and not NOT_TEXT_ROPE.search(n))
 
 
-_RMS_SOURCE = re.compile(r"rsqrt\(\s*\w+\.pow\(2\)\.mean\(|\.pow\(2\)\.mean\(-1, keepdim=True\)")
-_CENTERED = re.compile(r"-\s*mean\b")
+#: (the RMSNorm rule's site probe: the source of a norm that is RMSNorm without the name)
+_RMS_SOURCE = re.compile(RmsNormGradRule.site_probe.source)
+_CENTERED = re.compile(RmsNormGradRule.site_probe.excluded)
 
 
 def norm_class_names(module) -> List[str]:
@@ -216,7 +219,7 @@ def norm_class_names(module) -> List[str]:
     for n, c in vars(module).items():
         if not (inspect.isclass(c) and issubclass(c, torch.nn.Module)):
             continue
-        if "RMSNorm" in n:
+        if re.search(RmsNormGradRule.site_probe.module_classes, n):
             names.append(n)
             continue
         if "Norm" not in n or c.__module__ != module.__name__:
