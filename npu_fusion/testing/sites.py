@@ -29,7 +29,7 @@ from ..patterns import RULES
 ROPE_OP, NORM_OP = ROPE_GRAD.name, RMS_NORM_GRAD.name
 #: the counter's kinds (each rule's site probe: one site per forward call) and the fused op
 #: each one should become
-KINDS = {rule.site_probe.kind: rule.op.name for rule in RULES}
+KINDS = {rule.site_probe.kind: rule.op.name for rule in RULES if rule.site_probe is not None}
 
 _MODULE_CALL = ("torch/nn/modules/module.py", __file__)
 
