@@ -247,8 +247,9 @@ def test_bundled_llama_forward_and_backward_fused_together(dtype, partitioner, c
 
 
 def test_transformers_qwen3_forward_and_backward_fused_together():
-    """transformers' Qwen3 in bf16 (HF norms with their casts, per-head q/k norms): every norm's
-    forward and backward fused, gradients within the criterion."""
+    """transformers' Qwen3 in bf16 (HF norms with their casts, per-head q/k norms, RoPE on q and k
+    transposed to BNSD): every norm's and rotation's forward and backward fused, gradients within
+    the criterion."""
     transformers = pytest.importorskip("transformers")
     config = transformers.AutoConfig.for_model(
         "qwen3", vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=1, head_dim=16,
@@ -267,11 +268,12 @@ def test_transformers_qwen3_forward_and_backward_fused_together():
     wide = copy.deepcopy(model).double()
     wide(input_ids=ids, labels=ids).loss.backward()
     exact = {n: p.grad for n, p in wide.named_parameters() if p.grad is not None}
-    compiled, seen = _compile(model, ON)
-    fused = step(compiled)
+    compiled, seen = _compile(model, {"rms_norm_forward": True, "rope_forward": True})
+    fused = step(compiled)  # the rotation's x is a transposed view: the fused output is contiguous
     assert not grad_failures(fused, eager, exact)
     result = seen["result"]
     assert result.fused(FORWARD) == result.fused(BACKWARD) == 5 and not result.misses, result.misses
+    assert result.fused("rotary_position_embedding") == result.fused("rotary_position_embedding_grad") == 2
     assert_paired(seen["fw"].graph, seen["bw"].graph, 5)
 
 

@@ -44,7 +44,7 @@ import torch.fx as fx
 
 from ..lowering import FUSED_OPS, RMS_NORM as OP
 from ..lowering.constraints import RMS_NORM_DTYPES, rms_norm_target_problem
-from ..lowering.sizes import same_shape
+from ..lowering.sizes import same_shape, static_int
 from .algebra import Expr
 from .evaluator import JointProvenance, Provenance, Unsupported, kept_precision, rounding_problem
 from .nodes import (CAST_TARGETS, VIEWS, aten, downstream, dtype, gradient_dependent, is_value_preserving_cast,
@@ -334,6 +334,10 @@ def emit(ctx: RuleContext, site: ForwardNormMatch):
         if isinstance(emitted, Miss):
             return emitted
     fused, replacements = emitted
+    moved = [old for old, new in replacements.items() if not same_layout(new, old)]
+    if moved:  # the op's outputs are contiguous; the program's views of a permuted y rely on its strides
+        return Miss(OP.name, site.y.name, f"{moved[0].name} has strides {list(val(moved[0]).stride())}, the fused "
+                                          f"op's output is contiguous")
     added = inserted.nodes()
     _as_forward_work(added, site.y)
     return commit(ctx.edit, OP.name, None, region, outputs, replacements, {"x": site.x, "gamma": site.gamma},
@@ -350,6 +354,12 @@ def _emit_call(ctx: RuleContext, site: ForwardNormMatch, compute: torch.dtype, g
     else:
         return Miss(OP.name, site.y.name, "a norm without weight over a symbolic size: mark the hidden size static")
     return emit_fused_op(ctx, OP, site.y, (x, gamma, site.eps), outputs)
+
+
+def same_layout(a: fx.Node, b: fx.Node) -> bool:
+    """The two values have the same strides (along every axis of size above 1)."""
+    va, vb = val(a), val(b)
+    return all(static_int(n) == 1 or sa == sb for n, sa, sb in zip(va.shape, va.stride(), vb.stride()))
 
 
 #: what a node inserted as forward work takes from the node it replaces: the partitioner's

@@ -33,9 +33,10 @@ from ..lowering.constraints import ROPE_MODES, rope_divisor, rope_target_problem
 from ..lowering.sizes import same_shape, static_int
 from .evaluator import JointProvenance, kept_precision, rounding_problem
 from .lanes import LaneEvaluator, Lanes
-from .nodes import aten, downstream, dtype, gradient_dependent, last_of, outermost, outside_users, region_of, shape
-from .rewrite import Insertion, Miss, RuleContext, commit, emit_fused_op, exact_common_dtype
-from .rms_norm_forward import _as_forward_work
+from .nodes import (aten, downstream, dtype, gradient_dependent, last_of, outermost, outside_users, region_of, shape,
+                    val)
+from .rewrite import Insertion, Miss, RuleContext, commit, exact_common_dtype, input_problem, replacement_of
+from .rms_norm_forward import _as_forward_work, same_layout
 from .rope import DX_DEPTH, MAX_LANES, TABLE_SIGNS, _moves_elements, lane_evaluator, table_terms
 from .rule import Form, FusionRule, RoundReport
 
@@ -207,30 +208,72 @@ def _operands(site: ForwardRopeMatch):
     return (*roles, region)
 
 
+def _memory_order(node: fx.Node) -> Optional[List[int]]:
+    """The axes of ``node``'s value from outermost to innermost in memory (a transposed q is
+    BSND in memory though BNSD in shape), the last axis last; None when that cannot be told
+    (symbolic strides) or the last axis is not the innermost."""
+    v = val(node)
+    strides = [static_int(s) for s in v.stride()]
+    if None in strides or any(static_int(s) is None for s in v.shape):
+        return None
+    order = sorted(range(v.dim()), key=lambda d: (-strides[d] if v.shape[d] != 1 else 0, d))
+    order = [d for d in order if d != v.dim() - 1] + [v.dim() - 1]
+    return order
+
+
+def _permuted(ctx: RuleContext, node: fx.Node, order: List[int]) -> fx.Node:
+    """``node`` (right-aligned to ``len(order)`` axes) with its axes in ``order``."""
+    for _ in range(len(order) - len(shape(node))):
+        node = ctx.edit.call(aten.unsqueeze.default, (node, 0))
+    return node if order == sorted(order) else ctx.edit.call(aten.permute.default, (node, order))
+
+
 def emit(ctx: RuleContext, site: ForwardRopeMatch):
-    """One site rewritten into one fused call (a :class:`Site`), or a :class:`Miss` saying why not."""
+    """One site rewritten into one fused call (a :class:`Site`), or a :class:`Miss` saying why not.
+    The op's output is contiguous: it is called on x, cos and sin with their axes in the memory
+    order of the output it replaces (a transposed q: BSND with 1S1D tables), and its result is
+    permuted back, so the program's views of that output keep their strides."""
     operands = _operands(site)
     if isinstance(operands, str):
         return Miss(OP.name, site.y.name, operands)
     x, cos, sin, region = operands
+    order = _memory_order(site.y)
+    if order is None:
+        return Miss(OP.name, site.y.name, "the output's memory layout cannot be told (symbolic strides)")
     compute = exact_common_dtype((dtype(x), dtype(cos), dtype(sin), kept_precision(site.y)))
+    laid = [tuple(shape(x)[d] for d in order), tuple(([1] * (len(order) - len(shape(cos))) + list(shape(cos)))[d]
+                                                      for d in order)]
     problem = rounding_problem(site.ev, {"y": site.y}, [x, cos, sin]) or rope_target_problem(
-        ctx.target, site.mode, tuple(shape(x)), tuple(shape(cos)), False, compute)
+        ctx.target, site.mode, laid[0], laid[1], False, compute)
     if problem is not None:
         return Miss(OP.name, site.y.name, problem)
     with Insertion(ctx.graph, last_of(ctx.graph, [x, cos, sin])) as inserted:
-        tables = []
-        for table, sign in zip((cos, sin), site.signs):
-            table = ctx.edit.cast(table, compute)
-            tables.append(table if sign == 1 else ctx.edit.call(aten.neg.default, (table,)))
-        emitted = emit_fused_op(ctx, OP, site.y, (ctx.edit.cast(x, compute), *tables, site.mode), {"y": site.y})
-        if isinstance(emitted, Miss):
-            return emitted
-    fused, replacements = emitted
+        done = _emit_call(ctx, site, x, cos, sin, compute, order)
+        if isinstance(done, Miss):
+            return done
+    fused, replacement = done
     added = inserted.nodes()
     _as_forward_work(added, site.y)
-    return commit(ctx.edit, OP.name, ROPE_MODES[site.mode], region, {"y": site.y}, replacements,
+    return commit(ctx.edit, OP.name, ROPE_MODES[site.mode], region, {"y": site.y}, {site.y: replacement},
                   {"x": x, "cos": cos, "sin": sin}, added, fused)
+
+
+def _emit_call(ctx: RuleContext, site: ForwardRopeMatch, x, cos, sin, compute, order):
+    operands = [_permuted(ctx, ctx.edit.cast(x, compute), order)]
+    for table, sign in zip((cos, sin), site.signs):
+        table = _permuted(ctx, ctx.edit.cast(table, compute), order)
+        operands.append(table if sign == 1 else ctx.edit.call(aten.neg.default, (table,)))
+    problem = input_problem(ctx.edit.fake_mode, OP.check_inputs, *operands, site.mode)
+    if problem is not None:
+        return Miss(OP.name, site.y.name, problem)
+    fused = ctx.edit.call(OP.overload, (*operands, site.mode))
+    inverse = sorted(range(len(order)), key=order.__getitem__)
+    back = fused if order == sorted(order) else ctx.edit.call(aten.permute.default, (fused, inverse))
+    replacement = replacement_of(ctx.edit, back, site.y)
+    if not same_layout(replacement, site.y):
+        return Miss(OP.name, site.y.name, f"the output's strides {list(val(site.y).stride())} are no dense layout "
+                                          f"of its shape with the rotated axis innermost")
+    return fused, replacement
 
 
 class RopeForwardRule(FusionRule):

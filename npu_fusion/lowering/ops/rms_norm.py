@@ -54,7 +54,8 @@ def reference_kernel(x, gamma, eps):
     normalized = tuple(range(rms_norm_split(x, gamma), x.dim()))
     xf = x.float()
     rstd = torch.rsqrt(xf.pow(2).mean(dim=normalized, keepdim=True) + eps)
-    return (xf * rstd * gamma.float()).to(x.dtype), rstd.reshape(rstd_shape(x, gamma)).contiguous()
+    # contiguous, as the meta kernel says (elementwise ops would keep a permuted x's layout)
+    return (xf * rstd * gamma.float()).to(x.dtype).contiguous(), rstd.reshape(rstd_shape(x, gamma)).contiguous()
 
 
 def meta_kernel(x, gamma, eps):

@@ -60,7 +60,8 @@ def reference_kernel(x, cos, sin, mode):
     xf = x.float()
     if mode == 3:  # de-interleave x, then rotate_half
         xf = torch.cat((xf[..., ::2], xf[..., 1::2]), dim=-1)
-    return (xf * cos.float() + _rotate(xf, mode) * sin.float()).to(x.dtype)
+    # contiguous, as the meta kernel says (elementwise ops would keep a transposed x's layout)
+    return (xf * cos.float() + _rotate(xf, mode) * sin.float()).to(x.dtype).contiguous()
 
 
 def meta_kernel(x, cos, sin, mode):
