@@ -50,7 +50,9 @@ from .nodes import outside_users
 from .rewrite import Miss, RuleContext, Site
 
 #: the graphs a rule reads: a backward graph (or the backward part of a joint graph, where
-#: the forward values are what the partition saves), the whole joint graph, or a forward graph
+#: the forward values are what the partition saves), the whole joint graph, or a forward graph.
+#: (Today the pass manager runs every enabled rule on each graph it is handed, a backward or a
+#: joint graph; a rule's stage says what it reads there.)
 STAGES = ("backward", "joint", "forward")
 
 
