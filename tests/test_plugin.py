@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from npu_fusion.patterns.rule import FusionRule
+from npu_fusion.plugin import pass_manager
 from npu_fusion.plugin.options import FusionOptions
 from npu_fusion.plugin.pass_manager import fuse_backward
 from npu_fusion.plugin.targets import target_from_device_name
@@ -62,7 +62,7 @@ def test_internal_failure_leaves_the_graph_and_logs(monkeypatch, caplog):
     def broken(*_args, **_kwargs):
         raise RuntimeError("boom")
 
-    monkeypatch.setattr(FusionRule, "run_round", broken)
+    monkeypatch.setattr(pass_manager, "_run_round", broken)
     with caplog.at_level(logging.WARNING, logger="npu_fusion"):
         result = fuse_backward(gm, {"target": "generic"})
     assert result.error == "RuntimeError: boom" and not result.sites
@@ -128,7 +128,7 @@ def test_failure_after_rewrites_rebuilds_the_graph_as_it_was(monkeypatch):
     gm, forward = capture.backwards[0], capture.partition_forwards[0]
     before_code, before_nodes = gm.code, _graph_record(gm)
     values = {n.name: n.meta.get("val") for n in gm.graph.nodes}
-    real_round = FusionRule.run_round
+    real_round = pass_manager._run_round
 
     def round_then_fail(rule, graph, ctx):
         report = real_round(rule, graph, ctx)
@@ -137,7 +137,7 @@ def test_failure_after_rewrites_rebuilds_the_graph_as_it_was(monkeypatch):
             raise RuntimeError("late boom")
         return report
 
-    monkeypatch.setattr(FusionRule, "run_round", round_then_fail)
+    monkeypatch.setattr(pass_manager, "_run_round", round_then_fail)
     result = fuse_backward(gm, {"target": "generic"}, forward=forward)
     assert result.error == "RuntimeError: late boom" and not result.sites
     assert gm.code == before_code and _graph_record(gm) == before_nodes

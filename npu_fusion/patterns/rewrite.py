@@ -276,6 +276,8 @@ class Transaction:
     nodes: List[fx.Node] = dataclasses.field(default_factory=list)
     committed: bool = False
     replacements: Dict[fx.Node, fx.Node] = dataclasses.field(default_factory=dict)
+    #: what the candidate came to: a committed Site or a Miss
+    outcome: Optional[Union[Site, Miss]] = None
 
 class RuleContext:
     """One rule's view of one run of the pass: the :class:`~.context.PassContext` (graph,
@@ -351,14 +353,20 @@ class RuleContext:
         if self.strict and ev.errors:
             raise ev.errors[0][1]
 
-    def rewrite(self, node: fx.Node, fn, *args) -> None:
-        """Run ``fn(*args)``, which returns a :class:`Site` (committed) or a :class:`Miss`."""
-        if node.name in self._failed:
-            return
+    def has_failed(self, node: fx.Node) -> bool:
+        """Whether examining or rewriting the candidate at ``node`` failed earlier in this run."""
+        return node.name in self._failed
+
+    @contextlib.contextmanager
+    def transaction(self, node: fx.Node):
+        """The candidate at ``node`` as a transaction: the body sets ``tx.outcome`` to a committed
+        :class:`Site` or to a :class:`Miss`. A Miss, or an exception before :func:`commit`, erases
+        the nodes the body inserted; the exception becomes the candidate's miss (``strict``, or
+        one after the graph began to be rewired, raises)."""
         tx = Transaction()
         self.context.transactions.append(tx)
         try:
-            done = fn(*args)
+            yield tx
         except Exception as exc:
             if self.strict or tx.committed:
                 raise
@@ -367,12 +375,19 @@ class RuleContext:
             return
         finally:
             self.context.transactions.pop()
-        if isinstance(done, Miss):
+        if isinstance(tx.outcome, Miss):
             erase_dead(self.graph, tx.nodes)
-            self.round_misses.append(done)
+            self.round_misses.append(tx.outcome)
         else:
-            self.sites.append(done)
+            self.sites.append(tx.outcome)
             self._replaced.update(tx.replacements)
+
+    def rewrite(self, node: fx.Node, fn, *args) -> None:
+        """Run ``fn(*args)``, which returns a :class:`Site` (committed) or a :class:`Miss`, as the
+        transaction of the candidate at ``node`` (none if that candidate failed before)."""
+        if not self.has_failed(node):
+            with self.transaction(node) as tx:
+                tx.outcome = fn(*args)
 
 
 #: the name rules used before the context held the pass's state

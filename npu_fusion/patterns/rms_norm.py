@@ -273,10 +273,15 @@ def _norm_reductions(graph: fx.Graph):
     return found.values()
 
 
-def _lead_sums(graph: fx.Graph, rank: int) -> List[fx.Node]:
-    """Sums over leading axes (dgamma) and the views and casts right after them."""
+#: uses between a site's roles and its dgamma's sum (``sum(dy * (x * rstd))``, casts between)
+DGAMMA_REACH = 6
+
+
+def _lead_sums(graph: fx.Graph, rank: int, near: Optional[List[fx.Node]] = None) -> List[fx.Node]:
+    """Sums over leading axes (dgamma) and the views and casts right after them (with ``near``,
+    only sums at most :data:`DGAMMA_REACH` uses from those nodes)."""
     seeds = []
-    for node in graph.nodes:
+    for node in graph.nodes if near is None else downstream(graph, near, DGAMMA_REACH):
         if node.op == "call_function" and node.target is aten.sum.dim_IntList and isinstance(node.args[0], fx.Node):
             s = shape(node.args[0])
             if s and all(normalize_dim(d, len(s)) < len(s) - rank for d in node.args[1] or ()):
@@ -288,8 +293,8 @@ def find_sites(graph: fx.Graph, rewrites: RuleContext) -> RoundReport:
     """This round's RMSNorm backward sites of the graph, near misses and pending candidates;
     an internal error while examining one candidate is a miss in ``rewrites``."""
     provenance = rewrites.provenance
-    report = RoundReport()
-    matches = report.matches
+    matches: List[NormMatch] = []
+    near = RoundReport()
     gradient = gradient_dependent(graph)
     with_dx = set()  # the statistics of the norms whose dx the graph computes (matched or not)
     for norm_shape, reductions in _norm_reductions(graph):
@@ -303,12 +308,7 @@ def find_sites(graph: fx.Graph, rewrites: RuleContext) -> RoundReport:
                  and val(n) is not None and val(n).dtype.is_floating_point]
         for n in nodes:
             ev.value(n)
-        # dgamma candidates by the leaves they sum (dy, x, rstd): one lookup per site
-        lead_sums: Dict[frozenset, List[fx.Node]] = {}
-        for n in _lead_sums(graph, len(norm_shape)):
-            v = ev.value(n) if val(n) is not None else None
-            if v is not None and v.lead_sum is not None:
-                lead_sums.setdefault(frozenset(v.expr.free_symbols), []).append(n)
+        lead_sums = _lead_sums_by_leaves(ev, _lead_sums(graph, len(norm_shape)))
         found, stop = [], set()
         for n in nodes:
             if ev.spans(shape(n)) and ev.depends_on_gradient(n):
@@ -323,17 +323,31 @@ def find_sites(graph: fx.Graph, rewrites: RuleContext) -> RoundReport:
             if site.rstd in seen:  # one RMSNorm, one site: an accumulation root found twice
                 continue
             seen.add(site.rstd)
-            leaves = frozenset(_dgamma_summand(ev, site).free_symbols)
-            grads = [n for n in lead_sums.get(leaves, ()) if rewrites.examine(n, match_dgamma, ev, n, site)]
-            grads = outermost(grads)
-            if len(grads) == 1:
-                site.dgamma = grads[0]
+            site.dgamma = _dgamma_of(rewrites.examine, ev, site, lead_sums)
             matches.append(site)
-        report += _near_misses(rewrites, ev, nodes, [m for m in matches if m.ev is ev])
+        near += _near_misses(rewrites, ev, nodes, [m for m in matches if m.ev is ev])
         with_dx |= _statistics_with_dx(ev)
         rewrites.evaluated(ev)
-    report.matches += dgamma_only_sites(graph, rewrites, matches, with_dx)
-    return report
+    matches += dgamma_only_sites(graph, rewrites, matches, with_dx)
+    return RoundReport(matches, near.misses, near.pending)
+
+
+def _lead_sums_by_leaves(ev: NormEvaluator, nodes: List[fx.Node]) -> Dict[frozenset, List[fx.Node]]:
+    """dgamma candidates by the leaves they sum (dy, x, rstd): one lookup per site."""
+    lead_sums: Dict[frozenset, List[fx.Node]] = {}
+    for n in nodes:
+        v = ev.value(n) if val(n) is not None else None
+        if v is not None and v.lead_sum is not None:
+            lead_sums.setdefault(frozenset(v.expr.free_symbols), []).append(n)
+    return lead_sums
+
+
+def _dgamma_of(examine, ev: NormEvaluator, site: NormMatch, lead_sums) -> Optional[fx.Node]:
+    """The one sum among ``lead_sums`` that is the site's dgamma, or None (none, or several).
+    ``examine(node, fn, *args)`` runs ``fn(*args)`` for the candidate ``node``."""
+    leaves = frozenset(_dgamma_summand(ev, site).free_symbols)
+    grads = outermost([n for n in lead_sums.get(leaves, ()) if examine(n, match_dgamma, ev, n, site)])
+    return grads[0] if len(grads) == 1 else None
 
 
 def _statistics_with_dx(ev: NormEvaluator) -> set:
@@ -717,27 +731,38 @@ def _region(site: NormMatch, outputs) -> List[fx.Node]:
 
 
 def find_again(rewrites: RuleContext, site: NormMatch, leaves: List[fx.Node]) -> Optional[NormMatch]:
-    """``site`` matched again with ``leaves`` as leaves: the same dx and dgamma (a new evaluator
-    of its norm shape, reading only what the first match had read at its root), or None."""
-    ev = norm_evaluator(site.ev.norm_shape, rewrites.provenance, leaves)
-    ev.gradient_nodes = gradient_dependent(rewrites.graph)
+    """A dx site at ``site``'s node matched again with ``leaves`` as leaves, with the same dgamma
+    (or the same dgamma-only site), or None. Reads the site's neighbourhood only: its
+    accumulation's summands, in each norm shape the graph reduces over, in graph order (the
+    first that matches, as a scan of the graph would find it: with a shared product cut, the
+    sum at a root that two norms feed may read as the other norm's dx), and the sums near its
+    roles for dgamma."""
+    graph, gradient = rewrites.graph, gradient_dependent(rewrites.graph)
     if site.dgamma_only:
+        ev = norm_evaluator(site.ev.norm_shape, rewrites.provenance, leaves)
+        ev.gradient_nodes = gradient
         again = _match_dgamma_only(ev, site.dx, site.candidates)
         return again if again is not None and again.dx is site.dx else None
     summands, _ = _accumulation(site.dx, ())
-    for node in [*summands, site.dx]:
-        if node in site.ev.memo:
+    around = [n for n in (*summands, site.dx) if n.op == "call_function" and val(n) is not None
+              and val(n).dtype.is_floating_point]
+    for norm_shape, _ in _norm_reductions(graph):
+        try:
+            ev = norm_evaluator(norm_shape, rewrites.provenance, leaves)
+        except Unsupported:  # a symbolic N that is not a product of sizes
+            continue
+        ev.gradient_nodes = gradient
+        for node in around:
             ev.value(node)
-    again = _match_root(ev, site.dx, set())
-    rewrites.raise_if_strict(ev)
-    if again is None:
-        return None
-    if site.dgamma is not None:
-        ev.value(site.dgamma)
-        if not match_dgamma(ev, site.dgamma, again):
-            return None
-        again.dgamma = site.dgamma
-    return again
+        again = _match_root(ev, site.dx, set()) if ev.spans(shape(site.dx)) and ev.depends_on_gradient(site.dx) \
+            else None
+        rewrites.raise_if_strict(ev)
+        if again is not None:
+            near = [n for n in again.roles if n is not None]
+            again.dgamma = _dgamma_of(lambda node, fn, *args: fn(*args), ev, again,
+                                      _lead_sums_by_leaves(ev, _lead_sums(graph, ev.k, near)))
+            return again if again.dgamma is site.dgamma else None
+    return None
 
 
 def emit(rewrites: RuleContext, rule: FusionRule, site: NormMatch):

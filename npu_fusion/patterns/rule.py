@@ -22,6 +22,8 @@ How a rule subclasses it::
         def unexplained(self, graph, ctx, misses):     # after the last round: no silent misses
         def outputs(self, match), region(self, match, outputs), find_again(self, ctx, match, leaves)
 
+The pass manager runs a round of a rule as ``report = rule.find(graph, ctx)``, then, for each
+match, ``rule.emit(ctx, match)`` inside the match's transaction (``ctx.transaction(match.dx)``).
 ``find`` must not rewrite the graph and reports everything it decided in its
 :class:`RoundReport`: matches (each with a ``dx`` attribute, the node the site's transaction
 is keyed on), near misses, and ``pending``, the candidates it left undecided because they
@@ -48,7 +50,9 @@ from .nodes import outside_users
 from .rewrite import Miss, RuleContext, Site
 
 #: the graphs a rule reads: a backward graph (or the backward part of a joint graph, where
-#: the forward values are what the partition saves), the whole joint graph, or a forward graph
+#: the forward values are what the partition saves), the whole joint graph, or a forward graph.
+#: (Today the pass manager runs every enabled rule on each graph it is handed, a backward or a
+#: joint graph; a rule's stage says what it reads there.)
 STAGES = ("backward", "joint", "forward")
 
 
@@ -148,14 +152,6 @@ class FusionRule:
         return None
 
     # -- what the base class does ---------------------------------------------------
-    def run_round(self, graph: fx.Graph, ctx: RuleContext) -> RoundReport:
-        """One round: find the sites, then emit each one as its own transaction."""
-        report = self.find(graph, ctx)
-        ctx.round_misses += report.misses
-        for match in report.matches:
-            ctx.rewrite(match.dx, self.emit, ctx, match)
-        return report
-
     def resolve_shared(self, ctx: RuleContext, match, outputs: Dict[str, fx.Node],
                        refreshed_outputs: bool = False):
         """``(match, outputs, region)`` ready to rewrite, or a :class:`Miss`: where an intermediate

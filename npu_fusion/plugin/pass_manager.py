@@ -17,7 +17,7 @@ import gc
 import logging
 import threading
 import time
-from typing import Any, Callable, Dict, List, Mapping, Optional, Union
+from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple, Union
 
 import torch
 import torch.fx as fx
@@ -27,6 +27,7 @@ from ..patterns import RULES
 from ..patterns.evaluator import JointProvenance, Provenance
 from ..patterns.context import PassContext
 from ..patterns.rewrite import Miss, RuleContext, Site
+from ..patterns.rule import FusionRule, RoundReport
 from .joint import JointGraph
 from .logs import TRACE_AFTER, TRACE_BEFORE, dump_graph, log, trace_decisions, trace_graph
 from .options import FusionOptions
@@ -373,19 +374,31 @@ def _rewrite_in_rounds(context: PassContext, options: FusionOptions):
     the expression of another site's dx (post- and sandwich norms) fuses once that one is
     a fused op."""
     graph = context.graph
-    rules = [(rule, RuleContext(context, rule.op.name)) for rule in RULES if options.enables(rule)]
+    rules: List[Tuple[FusionRule, RuleContext]] = [(rule, RuleContext(context, rule.op.name)) for rule in RULES
+                                                   if options.enables(rule)]
     for _ in range(MAX_ROUNDS):
         fused = sum(len(ctx.sites) for _, ctx in rules)
         pending = 0
         for rule, ctx in rules:
             ctx.round_misses = []
-            pending += rule.run_round(graph, ctx).pending
+            pending += _run_round(rule, graph, ctx).pending
         undecided = pending or any(ctx.round_misses for _, ctx in rules)
         if sum(len(ctx.sites) for _, ctx in rules) == fused or not undecided:
             break
     for rule, ctx in rules:  # what no form matched is a miss too, never silence
         ctx.round_misses += rule.unexplained(graph, ctx, ctx.misses)
     return ([s for _, ctx in rules for s in ctx.sites], [m for _, ctx in rules for m in ctx.misses])
+
+
+def _run_round(rule: FusionRule, graph: fx.Graph, ctx: RuleContext) -> RoundReport:
+    """One round of one rule: its ``find``, then each match emitted as its own transaction."""
+    report = rule.find(graph, ctx)
+    ctx.round_misses += report.misses
+    for match in report.matches:
+        if not ctx.has_failed(match.dx):
+            with ctx.transaction(match.dx) as tx:
+                tx.outcome = rule.emit(ctx, match)
+    return report
 
 
 def make_torchair_pass(options: Union[FusionOptions, Mapping, None] = None, session: Optional[PassSession] = None):
