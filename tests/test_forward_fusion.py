@@ -123,6 +123,11 @@ def sandwich(x, w):  # Gemma 2's post-norm: the second norm's x is the first nor
     return F.rms_norm(torch.tanh(F.rms_norm(x, (16,), w, EPS)), (16,), w.flip(0), EPS)
 
 
+def cast_for_each_consumer(x, w):  # autocast's copy of y per projection: casts of y, not y
+    y = F.rms_norm(x, (16,), w, EPS)
+    return y.to(torch.float16).float() + y.to(torch.bfloat16).float() * 2
+
+
 def weightless(x, _w):
     return F.rms_norm(x, (16,), eps=EPS)
 
@@ -131,7 +136,7 @@ SPELLINGS = {  # name: (function, fused sites)
     "hf_llama": (hf_llama, 1),
     "nn_rms_norm": (lambda x, w: F.rms_norm(x, (16,), w, EPS), 1),
     "gemma": (gemma, 1), "t5": (t5, 1), "per_head": (per_head, 1), "gated": (gated, 1),
-    "sandwich": (sandwich, 2), "weightless": (weightless, 1),
+    "sandwich": (sandwich, 2), "weightless": (weightless, 1), "cast_for_each_consumer": (cast_for_each_consumer, 1),
 }
 
 

@@ -47,8 +47,8 @@ from ..lowering.constraints import RMS_NORM_DTYPES, rms_norm_target_problem
 from ..lowering.sizes import same_shape, static_int
 from .algebra import Expr
 from .evaluator import JointProvenance, Provenance, Unsupported, kept_precision, rounding_problem
-from .nodes import (CAST_TARGETS, VIEWS, aten, downstream, dtype, gradient_dependent, is_value_preserving_cast,
-                    last_of, normalize_dim, outermost, outside_users, region_of, shape, val)
+from .nodes import (CAST_TARGETS, VIEWS, aten, downstream, dtype, gradient_dependent, is_float_cast,
+                    is_value_preserving_cast, last_of, normalize_dim, outermost, outside_users, region_of, shape, val)
 from .rewrite import Insertion, Miss, RuleContext, commit, emit_fused_op, exact_common_dtype
 from .norm_algebra import NormEvaluator, size_key
 from .rms_norm import norm_evaluator, rms_statistic_operand
@@ -183,11 +183,19 @@ def _outputs(ev: NormEvaluator, graph: fx.Graph, rstd: fx.Node, x: fx.Node, forw
     return found
 
 
-def _without_widened_copies(outputs: List[tuple]) -> List[tuple]:
-    """Drop an output that is an exact widening of another one (a post-norm's ``x.float()`` of
-    the previous norm's bf16 output): it reads y, it is not y."""
+def _without_casts_of_others(outputs: List[tuple]) -> List[tuple]:
+    """Drop an output that is a float cast of another one (a post-norm's ``x.float()`` of the
+    previous norm's bf16 output, autocast's bf16 copy of y for each projection it feeds): it
+    reads y, it is not y."""
     nodes = {o[0] for o in outputs}
-    return [o for o in outputs if not (is_value_preserving_cast(o[0]) and o[0].args[0] in nodes)]
+
+    def cast_of_another(node):
+        while is_float_cast(node):
+            node = node.args[0]
+            if node in nodes:
+                return True
+        return False
+    return [o for o in outputs if not cast_of_another(o[0])]
 
 
 def _match_statistic(ev: NormEvaluator, graph: fx.Graph, rstd: fx.Node, forward):
@@ -214,7 +222,7 @@ def _site_at(ev: NormEvaluator, graph: fx.Graph, rstd: fx.Node, x: fx.Node, eps:
     """The site normalizing ``x`` by ``rstd``, or why there is none (a reason)."""
     outputs = _outputs(ev, graph, rstd, x, forward)
     weighted = [o for o in outputs if o[1] is not None]
-    chosen = _without_widened_copies(outermost(weighted or outputs, node=lambda o: o[0]))
+    chosen = _without_casts_of_others(outermost(weighted or outputs, node=lambda o: o[0]))
     if not chosen:
         return ("no node near it is rstd * x * gamma (or rstd * x): the statistic scales something else "
                 "(eps outside the root, another tensor normalized)")
@@ -293,8 +301,9 @@ def _pairing_problem(site: ForwardNormMatch, region, graph: fx.Graph) -> Optiona
     shared = outside_users(region, [site.y, site.rstd])
     if unfused or any(u in gradient for n in shared for u in n.users):
         reader = unfused[0] if unfused else next(u for n in shared for u in n.users if u in gradient)
-        return (f"its backward is not a fused rms_norm_grad yet ({reader.name} reads the forward's "
-                f"statistic or intermediates): the forward fuses paired with its fused backward")
+        return (f"a decomposed backward node ({reader.name}) reads the forward's statistic or intermediates (its "
+                f"backward is unfused, or leaves dgamma to the program): the forward fuses only where its fused "
+                f"backward alone reads them")
     if shared:
         user = next(u for u in shared[0].users if u not in region)
         return f"intermediate {shared[0].name} has a user outside the norm ({user.name})"
