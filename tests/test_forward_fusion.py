@@ -61,7 +61,8 @@ def check(fn, inputs, params=(), **options):
 
 
 def calls(graph, name):
-    return [n for n in graph.nodes if n.op == "call_function" and getattr(n.target, "__name__", "").split(".")[0] == name]
+    return [n for n in graph.nodes
+            if n.op == "call_function" and getattr(n.target, "__name__", "").split(".")[0] == name]
 
 
 def _through_casts(node):
@@ -288,7 +289,8 @@ ROPE, ROPE_GRAD = "rotary_position_embedding", "rotary_position_embedding_grad"
 BOTH = {"rms_norm_forward": True, "rope_forward": True}
 
 
-@pytest.mark.parametrize("name,dtype", [("llama", torch.bfloat16), ("gptj", torch.float32), ("deepseek", torch.bfloat16)])
+@pytest.mark.parametrize("name,dtype", [
+    ("llama", torch.bfloat16), ("gptj", torch.float32), ("deepseek", torch.bfloat16)])
 def test_bundled_models_fuse_every_forward_and_backward(name, dtype):
     """Half, interleave and interleave-half RoPE (modes 0, 1, 3) and every RMSNorm fused forward and
     backward; no decomposed rotation or statistic left in the forward."""
