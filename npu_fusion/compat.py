@@ -182,3 +182,11 @@ def inductor_backend():
     from torch._dynamo import lookup_backend
 
     return lookup_backend("inductor")
+
+
+def fresh_compile_caches():
+    """A context with empty, private Inductor and AOTAutograd caches (a temporary directory)."""
+    import torch._inductor.utils as inductor_utils
+
+    fresh = getattr(inductor_utils, "fresh_cache", None) or inductor_utils.fresh_inductor_cache
+    return fresh()
