@@ -32,8 +32,8 @@ from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 
-from ...lowering import npu, rms_norm, rope
-from ...lowering.constraints import ROPE_MODES
+from npu_fusion.lowering import npu, rms_norm, rope
+from npu_fusion.lowering.constraints import ROPE_MODES
 from . import harness
 
 ROPE_OP = torch.ops.npu_fusion.rotary_position_embedding_grad.default

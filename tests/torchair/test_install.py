@@ -103,7 +103,7 @@ def test_installed_pass_runs_on_every_torchair_graph(ge, recorded_pass):
 
 
 NO_HOOK_SCRIPT = """
-from npu_fusion.testing.torchair import harness
+from npu_fusion_testing.torchair import harness
 try:
     torchair = harness.load_torchair()
 except harness.TorchairUnavailable as error:
