@@ -18,6 +18,7 @@ from typing import Any, Callable, Dict, List, Optional
 
 import torch
 
+from ..compat import OpOverload
 from ..plugin.backend import aot_backend, fused_backward, run_keeping_unfused
 from ..plugin.options import FusionOptions
 from ..plugin.pass_manager import FusionResult
@@ -25,7 +26,7 @@ from .runs import count_calls, count_graph_runs, runs_of
 
 
 def _target_name(target, qualified: bool) -> str:
-    if qualified and isinstance(target, torch._ops.OpOverload):
+    if qualified and isinstance(target, OpOverload):
         return str(target)  # aten.mul.Tensor
     return getattr(target, "__name__", str(target))  # mul.Tensor
 
