@@ -18,7 +18,7 @@ def _tiny_llama():
     pytest.importorskip("transformers")
     from transformers import AutoModelForCausalLM
 
-    from npu_fusion.plugin.report import tiny_hf_config
+    from npu_fusion.report.subjects import tiny_hf_config
 
     torch.manual_seed(0)
     config = tiny_hf_config("llama", 2)
