@@ -112,7 +112,8 @@ def test_harness_stays_out_of_the_package():
             "npu_fusion.report.command, npu_fusion.report.explanation, npu_fusion.report.fullsize, "
             "npu_fusion.report.html, npu_fusion_testing; "
             "print([m for m in sys.modules if m.startswith(('npu_fusion_testing.', 'hypothesis'))])")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # this checkout's package and harness
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=root).stdout
     assert out.strip() == "[]"
 
 
