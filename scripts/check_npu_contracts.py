@@ -30,7 +30,10 @@ CHECK = "npu_fusion_testing.torchair.npu_contracts"
 
 def run_line(line: str, torchair_version: str) -> dict:
     env = dict(os.environ, NPU_FUSION_TORCH_NPU_VERSION=torchair_version)
-    done = subprocess.run([sys.executable, "-m", CHECK, line], env=env, capture_output=True, text=True, timeout=1800)
+    # from the repository root, where the harness (npu_fusion_testing) lives: it is not installed
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    done = subprocess.run([sys.executable, "-m", CHECK, line], env=env, capture_output=True, text=True, timeout=1800,
+                          cwd=root)
     if done.returncode != 0:
         tail = "\n".join(done.stderr.strip().splitlines()[-5:])
         return {"line": line, "error": f"exit {done.returncode}: {tail}"}
