@@ -190,3 +190,26 @@ def fresh_compile_caches():
 
     fresh = getattr(inductor_utils, "fresh_cache", None) or inductor_utils.fresh_inductor_cache
     return fresh()
+
+
+# -- what the report and its measurements (npu_fusion.report, npu_fusion.measure) reach for ---------
+
+#: the class of an ATen overload (``aten.mul.Tensor``); the report names op counts by it
+OpOverload = torch._ops.OpOverload
+
+
+def aot_function(fn, **aot_options):
+    """AOTAutograd on a plain function, without Dynamo (the recording backend's ``aot_function``)."""
+    from torch._functorch.aot_autograd import aot_function as _aot_function
+
+    return _aot_function(fn, **aot_options)
+
+
+def mark_dynamic(tensor: torch.Tensor, dim: int) -> None:
+    """Compile ``tensor``'s dimension ``dim`` as dynamic (Dynamo's ``mark_dynamic``)."""
+    torch._dynamo.mark_dynamic(tensor, dim)
+
+
+def compiled_autograd_enabled():
+    """A context in which ``torch.compile`` compiles the backward with compiled autograd."""
+    return torch._dynamo.config.patch(compiled_autograd=True)

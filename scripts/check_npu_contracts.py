@@ -1,12 +1,12 @@
 """Check npu-fusion's NPU-side contracts against every torch_npu release line and print a table.
 
-For each line, ``npu_fusion.testing.torchair.npu_contracts`` runs in its own process (one
+For each line, ``npu_fusion_testing.torchair.npu_contracts`` runs in its own process (one
 torchair per process): the eager kernels against stand-in ``torch.ops.npu`` ops
 made from that wheel's schemas, and the GE nodes our converters build against
 that wheel's generated ``REG_OP`` definitions. The nodes are built by the line's
 own torchair; where that torchair does not import with the installed torch, by
 the torchair matching it, and the table says so. Wheels are downloaded once into
-the cache of ``npu_fusion.testing.torchair.harness`` (``~/.cache/npu_fusion``).
+the cache of ``npu_fusion_testing.torchair.harness`` (``~/.cache/npu_fusion``).
 
     python scripts/check_npu_contracts.py            # every line below
     python scripts/check_npu_contracts.py 2.13.0     # some lines
@@ -25,12 +25,15 @@ import torch
 #: 2.9 has two: 2.9.0.post9 and 2.9.1).
 LINES = ("2.6.0.post5", "2.7.1.post11", "2.8.0.post5", "2.9.0.post9", "2.9.1", "2.10.0.post7",
          "2.11.0.post3", "2.12.0.post3", "2.13.0", "2.14.0")
-CHECK = "npu_fusion.testing.torchair.npu_contracts"
+CHECK = "npu_fusion_testing.torchair.npu_contracts"
 
 
 def run_line(line: str, torchair_version: str) -> dict:
     env = dict(os.environ, NPU_FUSION_TORCH_NPU_VERSION=torchair_version)
-    done = subprocess.run([sys.executable, "-m", CHECK, line], env=env, capture_output=True, text=True, timeout=1800)
+    # from the repository root, where the harness (npu_fusion_testing) lives: it is not installed
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    done = subprocess.run([sys.executable, "-m", CHECK, line], env=env, capture_output=True, text=True, timeout=1800,
+                          cwd=root)
     if done.returncode != 0:
         tail = "\n".join(done.stderr.strip().splitlines()[-5:])
         return {"line": line, "error": f"exit {done.returncode}: {tail}"}

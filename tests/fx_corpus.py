@@ -34,7 +34,7 @@ def _hf_model(model_type: str, dtype=torch.bfloat16, **overrides):
     def build():
         from transformers import AutoModelForCausalLM
 
-        from npu_fusion.plugin.report import tiny_hf_config
+        from npu_fusion.report.subjects import tiny_hf_config
 
         torch.manual_seed(0)
         config = tiny_hf_config(model_type, 1)

@@ -9,7 +9,7 @@ import torch.fx as fx
 
 import fx_corpus
 from npu_fusion.plugin.pass_manager import fuse_backward, fuse_joint
-from npu_fusion.testing.grads import MODEL_FACTOR, grad_failures
+from npu_fusion.measure.grads import MODEL_FACTOR, grad_failures
 
 
 def test_the_corpus_is_up_to_date():

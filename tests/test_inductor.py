@@ -11,7 +11,7 @@ import npu_fusion
 from npu_fusion.compat import inductor_config, no_compile_caches
 from npu_fusion.plugin.inductor import uninstall_inductor
 from npu_fusion.plugin.pass_manager import COUNTER
-from npu_fusion.testing.grads import MODEL_FACTOR, grad_failures
+from npu_fusion.measure.grads import MODEL_FACTOR, grad_failures
 
 B, S = 2, 8
 
@@ -162,8 +162,8 @@ def test_hugging_face_trainer_with_the_inductor_backend(installed, tmp_path):
 def test_caller_updating_the_input_in_place_before_backward(installed):
     """Legal in eager and unfused through Inductor; still legal with the pass: the fused op reads a
     copy of the caller's tensor (``x * 1``, which Inductor keeps), with the gradients of x as it was."""
-    from npu_fusion.testing.grads import assert_close_as_unfused
-    from npu_fusion.testing.in_place import grads_after_updating_the_input as updated, hf_rms_norm
+    from npu_fusion.measure.grads import assert_close_as_unfused
+    from npu_fusion_testing.in_place import grads_after_updating_the_input as updated, hf_rms_norm
 
     expected, exact = updated(hf_rms_norm), updated(hf_rms_norm, torch.float64)
     got = updated(torch.compile(hf_rms_norm))
@@ -180,7 +180,7 @@ def test_compile_caches_keep_the_fused_code_and_key_on_the_options():
 
     from npu_fusion.compat import fresh_compile_caches
     from npu_fusion.plugin.pass_manager import HISTORY
-    from npu_fusion.testing.in_place import hf_rms_norm
+    from npu_fusion_testing.in_place import hf_rms_norm
 
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(B, S, 64, generator=gen).requires_grad_()

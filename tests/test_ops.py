@@ -16,8 +16,8 @@ from torch.fx.experimental.symbolic_shapes import ShapeEnv
 import npu_fusion  # noqa: F401
 from npu_fusion import compat
 from npu_fusion.lowering.constraints import ROPE_MAX_D, FusedOpInputError
-from npu_fusion.testing.grads import assert_close_as_unfused
-from npu_fusion.testing.reference import rms_norm_grads, rope_grads
+from npu_fusion.measure.grads import assert_close_as_unfused
+from npu_fusion_testing.reference import rms_norm_grads, rope_grads
 
 pytestmark = pytest.mark.smoke  # in the version matrix's smoke set: the fused ops
 

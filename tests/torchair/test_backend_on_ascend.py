@@ -14,7 +14,7 @@ from npu_fusion.plugin.backend import get_backend
 
 pytest.importorskip("transformers")
 
-from npu_fusion.testing.torchair.llama_block import (  # noqa: E402
+from npu_fusion_testing.torchair.llama_block import (  # noqa: E402
     FUSED, LlamaBlock, assert_grads_close, decomposed_ops, grads, inputs)
 
 
@@ -61,7 +61,7 @@ def test_options_a_path_cannot_honour_are_errors(torchair):
 def test_caller_updating_the_input_in_place_before_backward(ge):
     """The in-place program through the backend as on an Ascend host: backward runs, gradients
     as eager (the fused op reads the forward's copy of the caller's tensor)."""
-    from npu_fusion.testing.in_place import grads_after_updating_the_input as updated, hf_rms_norm
+    from npu_fusion_testing.in_place import grads_after_updating_the_input as updated, hf_rms_norm
 
     expected, exact = updated(hf_rms_norm), updated(hf_rms_norm, torch.float64)
     mark = pass_manager.HISTORY.mark()
@@ -76,7 +76,7 @@ def test_caller_updating_the_input_in_place_before_backward(ge):
 def _tiny_transformers_llama():
     from transformers import AutoModelForCausalLM
 
-    from npu_fusion.plugin.report import tiny_hf_config
+    from npu_fusion.report.subjects import tiny_hf_config
 
     torch.manual_seed(0)
     config = tiny_hf_config("llama", 2)
@@ -108,7 +108,7 @@ def test_transformers_llama_bf16_on_an_ascend_host(ge, partitioner):
     eager = param_grads(model, model)
     wide = copy.deepcopy(model).double()
     exact = {n: g.to(eager[n].dtype) for n, g in param_grads(wide, wide).items()}
-    from npu_fusion.testing.grads import MODEL_FACTOR, grad_failures
+    from npu_fusion.measure.grads import MODEL_FACTOR, grad_failures
 
     assert not grad_failures(got, eager, exact, MODEL_FACTOR)
     assert sum(r.fused("rms_norm_grad") for r in results) == 5

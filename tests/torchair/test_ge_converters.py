@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import npu_fusion  # noqa: F401  (registers torch.ops.npu_fusion)
-from npu_fusion.testing.torchair import cann_stub
+from npu_fusion_testing.torchair import cann_stub
 
 ROPE = torch.ops.npu_fusion.rotary_position_embedding_grad
 RMS = torch.ops.npu_fusion.rms_norm_grad
@@ -242,7 +242,7 @@ def _materialize(arg):
                                              ("rms_norm_grad", "RmsNormGrad")])
 def test_declared_supported_cases_compile(torchair, tmp_path, op_name, ge_type):
     """Each ``Support`` case declared for a converter builds its GE op, as torchair's converter tests do."""
-    from npu_fusion.testing.torchair.ge_graph_view import GeCapture
+    from npu_fusion_testing.torchair.ge_graph_view import GeCapture
 
     op = getattr(torch.ops.npu_fusion, op_name).default
     converter = _declared()[op]

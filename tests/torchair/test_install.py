@@ -103,7 +103,7 @@ def test_installed_pass_runs_on_every_torchair_graph(ge, recorded_pass):
 
 
 NO_HOOK_SCRIPT = """
-from npu_fusion.testing.torchair import harness
+from npu_fusion_testing.torchair import harness
 try:
     torchair = harness.load_torchair()
 except harness.TorchairUnavailable as error:
@@ -144,8 +144,8 @@ def test_caller_updating_the_input_in_place_before_backward(ge):
     the partition, so the forward saved what the unfused program saved (the float32 upcast, a copy)
     and the caller's update stays legal; gradients as eager."""
     from npu_fusion.plugin import pass_manager
-    from npu_fusion.testing.in_place import grads_after_updating_the_input as updated, hf_rms_norm
-    from npu_fusion.testing.torchair.llama_block import assert_grads_close
+    from npu_fusion_testing.in_place import grads_after_updating_the_input as updated, hf_rms_norm
+    from npu_fusion_testing.torchair.llama_block import assert_grads_close
 
     expected, exact = updated(hf_rms_norm), updated(hf_rms_norm, torch.float64)
     mark = pass_manager.HISTORY.mark()

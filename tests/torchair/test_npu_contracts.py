@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from npu_fusion.lowering import npu, rms_norm
-from npu_fusion.testing.torchair import harness, npu_contracts
+from npu_fusion_testing.torchair import harness, npu_contracts
 
 ROPE_CASES_WITH_X_IN_EAGER_MODES = sum(
     1 for *_, x, mode in npu_contracts.rope_cases() if x is not None and mode in npu.TORCH_NPU_ROTARY_MODES)

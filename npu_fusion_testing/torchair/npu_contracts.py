@@ -16,7 +16,7 @@ a release line says (read by :func:`harness.contract_sources`):
   compared with the ``REG_OP`` definitions torchair generated in that wheel.
 
 Each check returns a list of problems (empty: the contract holds) and what it saw.
-Run as a module for one line (``python -m npu_fusion.testing.torchair.npu_contracts LINE``,
+Run as a module for one line (``python -m npu_fusion_testing.torchair.npu_contracts LINE``,
 ``NPU_FUSION_TORCH_NPU_VERSION``), it prints that line's results as JSON; ``scripts/check_npu_contracts.py`` runs it for every line.
 """
 from __future__ import annotations
@@ -32,8 +32,8 @@ from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 
-from ...lowering import npu, rms_norm, rope
-from ...lowering.constraints import ROPE_MODES
+from npu_fusion.lowering import npu, rms_norm, rope
+from npu_fusion.lowering.constraints import ROPE_MODES
 from . import harness
 
 ROPE_OP = torch.ops.npu_fusion.rotary_position_embedding_grad.default
