@@ -213,3 +213,17 @@ def mark_dynamic(tensor: torch.Tensor, dim: int) -> None:
 def compiled_autograd_enabled():
     """A context in which ``torch.compile`` compiles the backward with compiled autograd."""
     return torch._dynamo.config.patch(compiled_autograd=True)
+
+
+def decompositions_of(*ops) -> dict:
+    """PyTorch's own decompositions of ``ops`` (a table for AOTAutograd)."""
+    from torch._decomp import get_decompositions
+
+    return get_decompositions(list(ops))
+
+
+def math_attention():
+    """A context in which ``scaled_dot_product_attention`` runs PyTorch's math form."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    return sdpa_kernel([SDPBackend.MATH])

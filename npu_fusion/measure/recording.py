@@ -7,7 +7,8 @@ The pass runs where the ``npu_fusion`` backend runs it (``fuse_joint`` on each j
 with ``stage="backward"`` after the partition (torchair's hook). ``before`` is the backward graph
 without the pass (on the joint stage the partition of the joint graph as it was), ``after`` the
 backward the backend partitioned. :class:`InductorRecorder` reads the same from stock Inductor,
-which hands over no graph (no op counts there).
+which hands over no graph (no op counts there), and :class:`TorchairRecorder` from torchair's
+own backend after ``npu_fusion.install`` (the pass after torchair's partition).
 """
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ from typing import Any, Callable, Dict, List, Optional
 
 import torch
 
-from ..compat import OpOverload
+from ..compat import OpOverload, decompositions_of, math_attention
 from ..plugin.backend import aot_backend, fused_backward, run_keeping_unfused
 from ..plugin.options import FusionOptions
 from ..plugin.pass_manager import FusionResult
@@ -172,6 +173,65 @@ class InductorRecorder(Recorder):
                 yield
         finally:
             uninstall_inductor()
+
+
+class TorchairRecorder(InductorRecorder):
+    """torchair's own backend (``torchair.get_npu_backend``) with ``npu_fusion.install``: the pass
+    in its post-grad hook, on each backward graph after torchair's partition. torchair compiles a
+    backward graph when it first runs, so the results are read from ``HISTORY`` when the step is
+    over (the end of :meth:`installed`), and each is counted with its forward graph's runs: the
+    backward graphs compile in the reverse order of their forwards. Off an NPU, torchair builds
+    the GE graphs and runs the FX graphs eagerly (``debug.run_eagerly``), and two CPU ops that
+    torch_npu would replace on an NPU get forms GE converts: ``aten.silu_backward`` decomposed,
+    attention in PyTorch's math SDPA (the CPU's flash-attention op has no converter)."""
+
+    def __init__(self, options: FusionOptions, on_graph: Optional[Callable] = None):
+        super().__init__(options, on_graph=on_graph)
+        self._forward_keys: List[int] = []
+
+    def __call__(self, gm, example_inputs):
+        import torchair
+
+        from ..plugin.torchair import install
+
+        if self.on_graph is not None:
+            self.on_graph(None, None)
+        config = install(torchair_config(), **{k: v for k, v in dataclasses.asdict(self.options).items()
+                                               if k not in ("partitioner", "decompositions")})
+        stand_ins = {} if on_npu() else decompositions_of(torch.ops.aten.silu_backward)
+        backend = torchair.get_npu_backend(compiler_config=config, custom_decompositions=stand_ins)
+        key, counted = count_calls(backend(gm, example_inputs))
+        self._forward_keys.append(key)
+        return counted
+
+    @contextlib.contextmanager
+    def installed(self):
+        from ..plugin.pass_manager import HISTORY
+
+        mark = HISTORY.mark()
+        try:
+            with contextlib.nullcontext() if on_npu() else math_attention():
+                yield
+        finally:
+            new = HISTORY.since(mark)
+            self.results.extend(new)
+            self.paths.extend({} for _ in new)
+            self.saved_before.extend(None for _ in new)
+            self.run_keys.extend(list(reversed(self._forward_keys))[:len(new)])
+
+
+def torchair_config():
+    """A fresh ``torchair.CompilerConfig``; off an NPU, one that runs the compiled graphs eagerly."""
+    import torchair
+
+    config = torchair.CompilerConfig()
+    config.debug.run_eagerly = not on_npu()
+    return config
+
+
+def on_npu() -> bool:
+    npu = getattr(torch, "npu", None)
+    return npu is not None and npu.is_available()
 
 
 def module_path(node: torch.fx.Node) -> str:

@@ -24,7 +24,7 @@ import torch
 from ..compat import compiled_autograd_enabled, mark_dynamic
 from ..lowering import FUSED_OPS as LOWERED_OPS
 from ..measure.grads import compare_gradients
-from ..measure.recording import InductorRecorder, Recorder, op_counts
+from ..measure.recording import InductorRecorder, Recorder, TorchairRecorder, op_counts
 from ..measure.sites import account
 from ..plugin.options import FusionOptions
 from ..plugin.pass_manager import FusionResult
@@ -42,6 +42,8 @@ def recorder_for(options: FusionOptions, compiler: str = "npu_fusion") -> Record
     announced on stderr."""
     if compiler == "inductor":
         return InductorRecorder(options, on_graph=_announce_inductor)
+    if compiler == "torchair":
+        return TorchairRecorder(options, on_graph=_announce_torchair)
     return Recorder(options, module_paths=True, on_graph=_announce)
 
 
@@ -51,6 +53,10 @@ def _announce(gm, run) -> None:
 
 def _announce_inductor(_gm, _run) -> None:
     progress("compiling with Inductor (the pass runs in its partition)...")
+
+
+def _announce_torchair(_gm, _run) -> None:
+    progress("compiling with torchair (the pass runs on each backward graph after its partition)...")
 
 
 def _placed(records: List[Dict[str, Any]], paths: Dict[str, str], nodes) -> List[Dict[str, Any]]:

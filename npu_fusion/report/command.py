@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib.util
 import json
 import sys
 from typing import Any, Dict, Sequence
@@ -29,7 +30,7 @@ from .subjects import DTYPES, SubjectSource, UsageError, bundled_subject, hf_sub
 from .text import finite, format_text
 
 EXIT_OK, EXIT_GRADIENTS, EXIT_USAGE, EXIT_PASS_ERROR, EXIT_ACCOUNTING = 0, 1, 2, 3, 4
-COMPILERS = ("npu_fusion", "inductor")
+COMPILERS = ("npu_fusion", "inductor", "torchair")
 
 
 def add_arguments(parser: argparse.ArgumentParser, sources: Sequence[SubjectSource] = ()) -> None:
@@ -59,7 +60,8 @@ def add_arguments(parser: argparse.ArgumentParser, sources: Sequence[SubjectSour
     parser.add_argument("--compiler", choices=COMPILERS, default="npu_fusion",
                         help="npu_fusion: the backend (the pass on the joint graph); inductor: stock Inductor "
                              "after npu_fusion.install_inductor (its min-cut partitioner; no op counts, Inductor "
-                             "hands over no graph)")
+                             "hands over no graph); torchair: torchair's own backend after npu_fusion.install "
+                             "(the pass after its default partition; needs torch_npu's torchair)")
     parser.add_argument("--checkpointing", choices=("none", "full", "selective"), default="none",
                         help="activation checkpointing of each block (transformers models: full only, "
                              "through gradient_checkpointing_enable)")
@@ -122,8 +124,11 @@ def collect(args: argparse.Namespace, sources: Sequence[SubjectSource] = ()) -> 
     if len(args.target) != 1:
         raise UsageError("one --target at a time (several only with --hf-config)")
     compiler = getattr(args, "compiler", "npu_fusion")
-    if compiler == "inductor" and args.partitioner is not None:
-        raise UsageError("--partitioner is not honoured with --compiler inductor (Inductor partitions with min-cut)")
+    if compiler != "npu_fusion" and args.partitioner is not None:
+        raise UsageError(f"--partitioner is not honoured with --compiler {compiler} "
+                         f"({'Inductor partitions with min-cut' if compiler == 'inductor' else 'torchair partitions with default'})")
+    if compiler == "torchair" and "torchair" not in sys.modules and importlib.util.find_spec("torchair") is None:
+        raise UsageError("--compiler torchair needs torchair (it comes with torch_npu, on an Ascend host)")
     partitioner = args.partitioner or ("min_cut" if compiler == "inductor" else "default")
     args = argparse.Namespace(**dict(vars(args), target=args.target[0], dtype=args.dtype or "float32",
                                      partitioner=partitioner, compiler=compiler))
