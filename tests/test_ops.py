@@ -16,7 +16,8 @@ from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
 import npu_fusion  # noqa: F401
 from npu_fusion import compat
-from npu_fusion.lowering.constraints import ROPE_MAX_D, FusedOpInputError
+from npu_fusion.lowering.checks import FusedOpInputError
+from npu_fusion.lowering.ops.rope_grad import ROPE_MAX_D
 from npu_fusion.testing.grads import assert_close_as_unfused
 from npu_fusion.testing.reference import rms_norm_grads, rope_grads
 
