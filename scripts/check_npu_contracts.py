@@ -6,7 +6,9 @@ made from that wheel's schemas, and the GE nodes our converters build against
 that wheel's generated ``REG_OP`` definitions. The nodes are built by the line's
 own torchair; where that torchair does not import with the installed torch, by
 the torchair matching it, and the table says so. Wheels are downloaded once into
-the cache of ``npu_fusion_testing.torchair.harness`` (``~/.cache/npu_fusion``).
+the cache of ``npu_fusion_testing.torchair.harness`` (``~/.cache/npu_fusion``). Every fused op
+of ``npu_fusion.lowering.FUSED_OPS`` (of the checkout the checks run in) is checked, from its own
+declaration.
 
     python scripts/check_npu_contracts.py            # every line below
     python scripts/check_npu_contracts.py 2.13.0     # some lines
@@ -49,27 +51,42 @@ def check_line(line: str, default_torchair: str) -> dict:
     return report
 
 
+def _modes_cell(eager: dict) -> str:
+    """The rotary modes that reached torch_npu eagerly, and what its kernels accept (per op where
+    they differ)."""
+    used = {op: values for op, values in eager["values_on_npu"].items()}
+    accepted = {op: values.get("mode", []) for op, values in eager["eager_values"].items() if values}
+    cells = {f"{', '.join(used.get(op, []))} (accepts: {', '.join(accepted[op])})" for op in accepted}
+    if len(cells) == 1:
+        return cells.pop()
+    return "; ".join(f"{op}: {', '.join(used.get(op, []))} (accepts: {', '.join(accepted[op])})"
+                     for op in sorted(accepted))
+
+
 def row(report: dict) -> list:
     if "error" in report:
         return [report["line"], "error", "", "", "", report["error"].splitlines()[-1][:80]]
     eager = report["eager"]
     calls = eager["calls"]
-    bound = sum(1 for op in ("npu_rotary_mul_backward", "npu_rms_norm_backward") if calls.get(op))
-    eager_cell = f"{bound}/2 ops, {sum(calls.values())} calls, {len(report['eager_problems'])} problems"
-    modes = f"{', '.join(eager['rotary_modes_on_npu'])} (accepts: {', '.join(eager['eager_rotary_modes'])})"
+    ops = report["ops"]  # {fused op: [its torch_npu op, its GE op]}, as the checked code declares them
+    bound = sum(1 for npu_op, _ in ops.values() if calls.get(npu_op))
+    eager_cell = f"{bound}/{len(ops)} ops, {sum(calls.values())} calls, {len(report['eager_problems'])} problems"
     if "ge" not in report:
-        return [report["line"], eager_cell, modes, "not run", "", report.get("torchair_error", "")[:80]]
+        return [report["line"], eager_cell, _modes_cell(eager), "not run", "", report.get("torchair_error", "")[:80]]
     nodes = report["ge"]["nodes_checked"]
-    ge_cell = (f"{nodes.get('RotaryPositionEmbeddingGrad', 0)} + {nodes.get('RmsNormGrad', 0)} nodes, "
-               f"{len(report['ge_problems'])} problems")
+    ge_cell = (" + ".join(str(nodes.get(ge_op, 0)) for _, ge_op in ops.values())
+               + f" nodes, {len(report['ge_problems'])} problems")
     built = report["torchair"] + (" (its own does not import)" if "own_torchair_error" in report else "")
     builders = " / ".join(report["builders"].values())
-    return [report["line"], eager_cell, modes, ge_cell, built, builders]
+    return [report["line"], eager_cell, _modes_cell(eager), ge_cell, built, builders]
 
 
 def print_table(reports) -> None:
-    header = ["torch_npu", "eager kernels bound", "rotary modes on torch_npu eagerly", "GE definitions matched",
-              "GE nodes built by torchair", "builders: rope / rope without x / rms norm"]
+    builders = next((r["builders"] for r in reports if "builders" in r), {})
+    ge_ops = next((" + ".join(ge for _, ge in r["ops"].values()) for r in reports if "ops" in r), "")
+    header = ["torch_npu", "eager kernels bound", "rotary modes on torch_npu eagerly",
+              f"GE definitions matched ({ge_ops})", "GE nodes built by torchair",
+              "builders: " + " / ".join(builders)]
     print("| " + " | ".join(header) + " |")
     print("|" + "---|" * len(header))
     for report in reports:

@@ -187,8 +187,6 @@ def test_npu_kernels_failing_to_register_warn(stand_ins):
 
 def test_ge_converters_failing_to_register_warn(stand_ins, monkeypatch):
     """A torchair whose API lacks what the converters import: nothing registered, a warning."""
-    for name in ge_converters.converter_modules():  # put back whatever a torchair test registered
-        monkeypatch.delitem(sys.modules, ge_converters.__name__ + name, raising=False)
     monkeypatch.setattr(ge_converters, "_REGISTERED", False)  # as in a process that has not registered yet
     stand_ins(torchair=lambda module: None)
     with pytest.warns(FallbackWarning, match="GE converters.*ImportError: cannot import name"):

@@ -1,30 +1,35 @@
 """The NPU-side contracts of npu-fusion, checked on the CPU against one torch_npu wheel.
 
-What only runs on an Ascend host is checked against what the torch_npu wheel of
-a release line says (read by :func:`harness.contract_sources`):
+What only runs on an Ascend host is checked, for every fused op of
+:data:`npu_fusion.lowering.FUSED_OPS` and every case it declares, against what the
+torch_npu wheel of a release line says (read by :func:`harness.contract_sources`). Both
+checks read the op's own declaration, never a table of their own:
 
-* eager kernels (:func:`check_eager_kernels`): ``npu_fusion.lowering.npu``'s
-  kernels run on the CPU against stand-in ``torch.ops.npu`` ops defined from the
-  wheel's own schema strings (the one compiled into ``libtorch_npu.so`` and the
-  codegen yaml's) and computed by our reference math, refusing the
-  ``rotary_mode`` values the wheel's eager kernel refuses. A call that does not
-  bind to the schema, or binds its tensors to the wrong roles, fails; results
-  must equal the reference kernels'.
-* GE converters (:func:`check_ge_converters`): the nodes our registered
-  converters build (input names, order and sources, optional inputs left unfed,
-  attribute names, types and values, output names, the dtypes per SPEC) are
-  compared with the ``REG_OP`` definitions torchair generated in that wheel.
+* eager kernels (:func:`check_eager_kernels`): each op's NPU kernel
+  (:func:`npu_fusion.lowering.npu.kernel_for`, from its ``NpuBinding``) runs on the CPU
+  against a stand-in ``torch.ops.npu`` op defined from the wheel's own schema string (the
+  one compiled into ``libtorch_npu.so`` and the codegen yaml's), which reads its
+  arguments by position as torch_npu does, maps them back to ours by the binding,
+  refuses the values the wheel's eager kernel refuses ("The rotary_mode of ... should be
+  half or interleave") and computes with the op's reference kernel. A call that does
+  not bind to the schema, or binds a tensor to the wrong role, fails; results must
+  equal the reference kernel's.
+* GE converters (:func:`check_ge_converters`): the node each registered converter
+  builds (input names, order and sources, optional inputs left unfed, attribute names,
+  types and values, output names, the declared dtypes) is compared with the
+  ``REG_OP`` definition torchair generated in that wheel.
 
 Each check returns a list of problems (empty: the contract holds) and what it saw.
 Run as a module for one line (``python -m npu_fusion_testing.torchair.npu_contracts LINE``,
-``NPU_FUSION_TORCH_NPU_VERSION``), it prints that line's results as JSON; ``scripts/check_npu_contracts.py`` runs it for every line.
+``NPU_FUSION_TORCH_NPU_VERSION``), it prints that line's results as JSON;
+``scripts/check_npu_contracts.py`` runs it for every line.
 """
 from __future__ import annotations
 
 import collections
 import contextlib
-import itertools
 import json
+import math
 import re
 import sys
 from dataclasses import dataclass, field
@@ -32,15 +37,9 @@ from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 
-from npu_fusion.lowering import npu, rms_norm, rope
-from npu_fusion.lowering.constraints import ROPE_MODES
+from npu_fusion.lowering import FUSED_OPS, npu
 from . import harness
 
-ROPE_OP = torch.ops.npu_fusion.rotary_position_embedding_grad.default
-RMS_OP = torch.ops.npu_fusion.rms_norm_grad.default
-#: our op's arguments, each fed to the GE input of the same name (the IRs name them as we do).
-ARGUMENTS = {ROPE_OP: ("dy", "cos", "sin", "x"), RMS_OP: ("dy", "x", "rstd", "gamma")}
-GE_TYPE = {ROPE_OP: "RotaryPositionEmbeddingGrad", RMS_OP: "RmsNormGrad"}
 DTYPE_NAMES = {torch.float32: "DT_FLOAT", torch.float16: "DT_FLOAT16", torch.bfloat16: "DT_BF16"}
 #: GE spells bfloat16 two ways in generated IR.
 _DTYPE_ALIASES = {"DT_BFLOAT16": "DT_BF16"}
@@ -48,33 +47,30 @@ _DTYPE_ALIASES = {"DT_BFLOAT16": "DT_BF16"}
 ATTR_FIELD = {"Int": "i", "Float": "f", "Bool": "b", "String": "s", "Str": "s", "ListInt": "list", "Type": "type"}
 
 
-# -- cases --------------------------------------------------------------------
-
-def rope_cases():
-    """``(dy, cos, sin, x, mode)``: every mode and dtype, with and without x; BSND and BNSD layouts."""
-    torch.manual_seed(0)
-    for mode, dtype, with_x in itertools.product(ROPE_MODES, DTYPE_NAMES, (True, False)):
-        shape, table = ((2, 8, 3, 16), (1, 8, 1, 16)) if mode % 2 == 0 else ((2, 3, 8, 16), (1, 1, 8, 16))
-        dy, x = torch.randn(shape, dtype=dtype), torch.randn(shape, dtype=dtype)
-        cos, sin = torch.randn(table, dtype=dtype), torch.randn(table, dtype=dtype)
-        yield dy, cos, sin, (x if with_x else None), mode
-
-
-def rms_norm_cases():
-    """``(dy, x, rstd, gamma)``: SPEC's five A2/A3 dtype combinations, keep-dim and plain rstd."""
-    torch.manual_seed(0)
-    combos = [(torch.float32, torch.float32), (torch.float16, torch.float32), (torch.bfloat16, torch.float32),
-              (torch.float16, torch.float16), (torch.bfloat16, torch.bfloat16)]
-    for (dtype, gamma_dtype), keepdim in itertools.product(combos, (True, False)):
-        dy, x = torch.randn(3, 5, 32, dtype=dtype), torch.randn(3, 5, 32, dtype=dtype)
-        rstd = torch.rand((3, 5, 1) if keepdim else (3, 5), dtype=torch.float32) + 0.5
-        yield dy, x, rstd, torch.randn(32, dtype=gamma_dtype)
+def describe(op, case) -> str:
+    """A case for messages: each argument as dtype and shape, or its value."""
+    shown = [f"{n}={a.dtype}{list(a.shape)}".replace("torch.", "") if isinstance(a, torch.Tensor) else f"{n}={a}"
+             for n, a in zip(op.argument_names(), case)]
+    return f"{op.name}({', '.join(shown)})"
 
 
 # -- eager kernels ------------------------------------------------------------
 
+def eager_values(sources, op) -> Dict[str, List[str]]:
+    """``{our argument: [torch_npu values]}`` the wheel's eager kernel of ``op`` accepts, for each
+    argument the binding translates; raises when the wheel does not say."""
+    accepted = {}
+    worded = sources.get("eager_values", {}).get(op.npu.op, {})
+    for theirs, ours in op.npu.keywords:
+        if ours in op.npu.values:
+            if theirs not in worded:
+                raise ValueError(f"{sources['wheel']}: no '{theirs}' message of {op.npu.op} found")
+            accepted[ours] = [w.strip() for w in re.split(r",|\bor\b", worded[theirs]) if w.strip()]
+    return accepted
+
+
 def eager_rotary_modes(sources) -> List[str]:
-    """The ``rotary_mode`` values the wheel's eager kernel accepts ("half or interleave")."""
+    """The ``rotary_mode`` values the wheel's eager ``npu_rotary_mul_backward`` accepts."""
     words = sources.get("eager_rotary_modes")
     if not words:
         raise ValueError(f"{sources['wheel']}: no rotary_mode message of npu_rotary_mul_backward found")
@@ -83,40 +79,46 @@ def eager_rotary_modes(sources) -> List[str]:
 
 @dataclass
 class EagerCalls:
-    """What reached the stand-in ops: calls per op, rotary modes used, refusals."""
+    """What reached the stand-in ops: calls per torch_npu op, translated values used per op."""
     calls: collections.Counter = field(default_factory=collections.Counter)
-    rotary_modes: set = field(default_factory=set)
+    values: Dict[str, set] = field(default_factory=lambda: collections.defaultdict(set))
+
+
+def _stand_in(op, accepted: Dict[str, List[str]], seen: EagerCalls) -> Callable:
+    """``torch.ops.npu.<op.npu.op>`` on the CPU: refuses what the wheel refuses, computes with
+    ``op``'s reference kernel from the arguments read by position."""
+    binding = op.npu
+    keyword_of = {ours: theirs for theirs, ours in binding.keywords}
+
+    def implementation(*args, **kwargs):
+        schema = getattr(torch.ops.npu, binding.op).default._schema
+        names = [a.name for a in schema.arguments]
+        given = {a.name: a.default_value for a in schema.arguments if a.has_default_value()}
+        given.update(zip(names, args), **kwargs)
+        for ours, values in accepted.items():
+            if given[keyword_of[ours]] not in values:
+                raise RuntimeError(f"The {keyword_of[ours]} of {binding.op} should be {' or '.join(values)}, "
+                                   f"but got {given[keyword_of[ours]]}")
+            seen.values[binding.op].add(given[keyword_of[ours]])
+        seen.calls[binding.op] += 1
+        ours = binding.our_arguments(tuple(given[n] for n in names), {}, names)
+        return op.reference(*(ours.get(n) for n in op.argument_names()))
+
+    return implementation
 
 
 @contextlib.contextmanager
-def stand_in_npu_ops(schemas: Dict[str, str], accepted_modes: List[str], seen: EagerCalls):
-    """``torch.ops.npu.<op>`` defined from ``schemas`` for the CPU, computed by the reference kernels.
-
-    Arguments are read by their position in the schema, as torch_npu reads them:
-    ``(grad, self, r1, r2, rotary_mode)`` and ``(dy, self, gamma, rstd)``."""
-    for op in schemas:
-        if hasattr(torch.ops.npu, op):
-            raise RuntimeError(f"torch.ops.npu.{op} already exists (torch_npu imported?): cannot stand in for it")
-    mode_numbers = {name: number for number, name in ROPE_MODES.items()}
-
-    def rotary_mul_backward(grad, input, r1, r2, rotary_mode="half"):  # noqa: A002  (the schema's names)
-        if rotary_mode not in accepted_modes:
-            raise RuntimeError(f"The rotary_mode of npu_rotary_mul_backward should be "
-                               f"{' or '.join(accepted_modes)}, but got {rotary_mode}")
-        seen.calls["npu_rotary_mul_backward"] += 1
-        seen.rotary_modes.add(rotary_mode)
-        return rope.reference_kernel(grad, r1, r2, input, mode_numbers[rotary_mode])
-
-    def rms_norm_backward(dy, input, gamma, rstd):  # noqa: A002
-        seen.calls["npu_rms_norm_backward"] += 1
-        return rms_norm.reference_kernel(dy, input, rstd, gamma)
-
-    implementations = {"npu_rotary_mul_backward": rotary_mul_backward, "npu_rms_norm_backward": rms_norm_backward}
+def stand_in_npu_ops(schemas: Dict[str, str], sources, seen: EagerCalls, ops=FUSED_OPS):
+    """``torch.ops.npu.<op>`` defined from ``schemas`` for the CPU (see :func:`_stand_in`)."""
+    for op in ops:
+        if hasattr(torch.ops.npu, op.npu.op):
+            raise RuntimeError(f"torch.ops.npu.{op.npu.op} already exists (torch_npu imported?): "
+                               f"cannot stand in for it")
     library = torch.library.Library("npu", "FRAGMENT")
     try:
-        for op, schema in schemas.items():
-            library.define(schema)
-            library.impl(op, implementations[op], "CPU")
+        for op in ops:
+            library.define(schemas[op.npu.op])
+            library.impl(op.npu.op, _stand_in(op, eager_values(sources, op), seen), "CPU")
         yield
     finally:
         library._destroy()
@@ -124,6 +126,8 @@ def stand_in_npu_ops(schemas: Dict[str, str], accepted_modes: List[str], seen: E
 
 def _compare(name: str, got, want, problems: List[str]) -> None:
     try:
+        got = got if isinstance(got, (tuple, list)) else (got,)
+        want = want if isinstance(want, (tuple, list)) else (want,)
         assert len(got) == len(want), f"{len(got)} outputs, want {len(want)}"
         for g, w in zip(got, want):
             torch.testing.assert_close(g, w, rtol=0, atol=0)
@@ -131,62 +135,71 @@ def _compare(name: str, got, want, problems: List[str]) -> None:
         problems.append(f"{name}: result differs from the reference kernel: {str(error).splitlines()[0]}")
 
 
-def _run_kernels(rope_kernel, rms_kernel, problems: List[str]) -> None:
-    for dy, cos, sin, x, mode in rope_cases():
-        case = f"rotary_position_embedding_grad mode={mode} {dy.dtype} x={'given' if x is not None else 'None'}"
-        try:
-            _compare(case, rope_kernel(dy, cos, sin, x, mode), rope.reference_kernel(dy, cos, sin, x, mode), problems)
-        except Exception as error:  # noqa: BLE001
-            problems.append(f"{case}: {type(error).__name__}: {str(error).splitlines()[0]}")
-    for dy, x, rstd, gamma in rms_norm_cases():
-        case = f"rms_norm_grad {dy.dtype}/{gamma.dtype} rstd {list(rstd.shape)}"
-        try:
-            _compare(case, rms_kernel(dy, x, rstd, gamma), rms_norm.reference_kernel(dy, x, rstd, gamma), problems)
-        except Exception as error:  # noqa: BLE001
-            problems.append(f"{case}: {type(error).__name__}: {str(error).splitlines()[0]}")
+def _run_kernels(kernels: Dict[str, Callable], problems: List[str], ops=FUSED_OPS) -> None:
+    for op in ops:
+        for case in op.cases():
+            name = describe(op, case)
+            try:
+                _compare(name, kernels[op.name](*case), op.reference(*case), problems)
+            except Exception as error:  # noqa: BLE001
+                problems.append(f"{name}: {type(error).__name__}: {str(error).splitlines()[0]}")
 
 
-def check_rotary_mode_table(sources, rotary_modes: Dict[int, str]) -> List[str]:
-    """Each ``mode: rotary_mode`` we send is one the eager kernel accepts, for the GE mode
-    torchair's own converter maps it to."""
+def check_value_tables(sources, ops=FUSED_OPS, tables: Optional[Dict[str, dict]] = None) -> List[str]:
+    """Each value a binding sends (``tables``: ``{op name: {argument: {ours: theirs}}}``, default the
+    bindings' own) is one the eager kernel accepts, for the GE value torchair's own converter maps it to."""
     problems = []
-    accepted = eager_rotary_modes(sources)
-    torchair_modes = {name: int(number) for name, number in sources.get("torchair_rotary_modes", [])}
-    for mode, name in rotary_modes.items():
-        if name not in accepted:
-            problems.append(f"rotary_mode {name!r} (mode {mode}): torch_npu's eager kernel accepts only "
-                            f"{' or '.join(accepted)}")
-        if torchair_modes and torchair_modes.get(name) != mode:
-            problems.append(f"rotary_mode {name!r} is GE mode {torchair_modes.get(name)} in torchair's converter, "
-                            f"we use it for mode {mode}")
+    for op in ops:
+        accepted = eager_values(sources, op)
+        torchair_map = {name: int(number) for name, number in sources.get("torchair_value_maps", {}).get(op.npu.op, [])}
+        for argument, table in ((tables or {}).get(op.name) or op.npu.values).items():
+            for ours, theirs in table.items():
+                if theirs not in accepted.get(argument, []):
+                    problems.append(f"{op.npu.op} {argument} {theirs!r} ({argument} {ours}): torch_npu's eager kernel "
+                                    f"accepts only {' or '.join(accepted.get(argument, []))}")
+                if torchair_map and torchair_map.get(theirs) != ours:
+                    problems.append(f"{op.npu.op} {argument} {theirs!r} is GE {argument} {torchair_map.get(theirs)} in "
+                                    f"torchair's converter, we use it for {ours}")
     return problems
 
 
-def check_eager_kernels(sources, rope_kernel: Callable = npu.rope_grad_on_npu,
-                        rms_kernel: Callable = npu.rms_norm_grad_on_npu,
-                        rotary_modes: Optional[Dict[int, str]] = None) -> Tuple[List[str], dict]:
-    """Run the eager kernels against the wheel's schemas (each source in turn); every op, and
-    every rotary mode we map, must reach the stand-in."""
-    accepted = eager_rotary_modes(sources)
-    problems = check_rotary_mode_table(sources, npu.TORCH_NPU_ROTARY_MODES if rotary_modes is None else rotary_modes)
+def _unused(seen: EagerCalls, ops, tables) -> List[str]:
+    """Translated values, and ops, that never reached torch_npu (a kernel that falls back where
+    torch_npu could run it binds nothing)."""
+    unused = []
+    for op in ops:
+        table = (tables or {}).get(op.name) or op.npu.values
+        unused += sorted(f"{op.npu.op} {v}" for t in table.values() for v in t.values()
+                         if v not in seen.values[op.npu.op])
+        unused += [] if seen.calls[op.npu.op] else [op.npu.op]
+    return unused
+
+
+def check_eager_kernels(sources, kernels: Optional[Dict[str, Callable]] = None, ops=FUSED_OPS,
+                        tables: Optional[Dict[str, dict]] = None) -> Tuple[List[str], dict]:
+    """Run every op's NPU kernel (``kernels`` by op name replace some) against the wheel's schemas,
+    each schema source in turn; every op, and every value a binding translates, must reach the stand-in."""
+    kernels = {op.name: npu.kernel_for(op) for op in ops} | dict(kernels or {})
+    problems = check_value_tables(sources, ops, tables)
     seen = EagerCalls()
     sets = {"registered": sources["registered_schemas"], "yaml": sources["yaml_schemas"]}
     for label, schemas in sets.items():
-        missing = {"npu_rotary_mul_backward", "npu_rms_norm_backward"} - set(schemas)
+        missing = {op.npu.op for op in ops} - set(schemas)
         if missing:
             problems.append(f"{label} schemas: no schema for {sorted(missing)} in {sources['wheel']}")
             continue
         before = len(problems)
-        with stand_in_npu_ops(schemas, accepted, seen):
-            _run_kernels(rope_kernel, rms_kernel, problems)
+        with stand_in_npu_ops(schemas, sources, seen, ops):
+            _run_kernels(kernels, problems, ops)
         problems[before:] = [f"[{label} schema] {p}" for p in problems[before:]]
-    table = npu.TORCH_NPU_ROTARY_MODES if rotary_modes is None else rotary_modes
-    unused = sorted(set(table.values()) - seen.rotary_modes) + [
-        op for op in ("npu_rotary_mul_backward", "npu_rms_norm_backward") if not seen.calls[op]]
-    if unused:  # a kernel that falls back where torch_npu could run it binds nothing
+    unused = _unused(seen, ops, tables)
+    if unused:
         problems.append(f"never reached torch_npu: {unused}")
-    summary = {"calls": dict(seen.calls), "rotary_modes_on_npu": sorted(seen.rotary_modes),
-               "eager_rotary_modes": accepted, "schemas": sets}
+    summary = {"calls": dict(seen.calls), "values_on_npu": {k: sorted(v) for k, v in seen.values.items()},
+               "eager_values": {op.npu.op: eager_values(sources, op) for op in ops}, "schemas": sets,
+               # the table's column: RoPE's modes (npu_rotary_mul_backward's, as before the forward ops)
+               "rotary_modes_on_npu": sorted(seen.values.get("npu_rotary_mul_backward", ())),
+               "eager_rotary_modes": eager_rotary_modes(sources)}
     return problems, summary
 
 
@@ -239,24 +252,25 @@ def registered_converter(op):
     return converter
 
 
-def build_node(converter, op, args: tuple, kwargs: dict):
-    """Build ``op(*args, **kwargs)`` with ``converter`` in a fresh GE graph: one Data per
-    tensor argument, named after it. Returns (the graph, the converter's outputs)."""
+def build_node(converter, op, case: tuple):
+    """Build ``op(*case)`` with ``converter`` in a fresh GE graph: one Data per tensor argument,
+    named after it. Returns (the graph, the converter's outputs as a tuple, the meta outputs)."""
     from torchair._ge_concrete_graph import ge_apis as ge
     from torchair.ge._ge_graph import GeGraph, torch_type_to_ge_type
 
-    fakes = op(*[a.to("meta") if a is not None else None for a in args], **kwargs)
+    fakes = op.overload(*[a.to("meta") if isinstance(a, torch.Tensor) else a for a in case])
+    fakes = tuple(fakes) if isinstance(fakes, (tuple, list)) else (fakes,)
     with GeGraph(name="npu_fusion_contract") as graph:
-        data = []
-        for index, (name, arg) in enumerate(zip(ARGUMENTS[op], args)):
-            if arg is not None:  # torchair stamps each input with its FX meta, so does this
-                data.append(ge.Data(index=index, dtype=torch_type_to_ge_type(arg.dtype), shape=list(arg.shape),
+        args = []
+        for index, (name, arg) in enumerate(zip(op.argument_names(), case)):
+            if isinstance(arg, torch.Tensor):  # torchair stamps each input with its FX meta, so does this
+                args.append(ge.Data(index=index, dtype=torch_type_to_ge_type(arg.dtype), shape=list(arg.shape),
                                     placement="CPU", node_name=name))
-                data[-1].set_meta(arg.to("meta"))
+                args[-1].set_meta(arg.to("meta"))
             else:
-                data.append(None)
-        outputs = converter(*data, **kwargs, meta_outputs=list(fakes))
-    return graph, outputs, fakes
+                args.append(arg)
+        outputs = converter(*args, meta_outputs=list(fakes) if len(fakes) > 1 else fakes[0])
+    return graph, (tuple(outputs) if isinstance(outputs, (tuple, list)) else (outputs,)), fakes
 
 
 def _the_node(graph, ge_type: str, problems: List[str], case: str):
@@ -267,8 +281,7 @@ def _the_node(graph, ge_type: str, problems: List[str], case: str):
     return nodes[0]
 
 
-def _check_inputs(node, ir: IrDef, args: tuple, names: tuple, case: str, problems: List[str]) -> None:
-    given = {name: arg for name, arg in zip(names, args)}
+def _check_inputs(node, ir: IrDef, given: dict, case: str, problems: List[str]) -> None:
     fed = [d.name for d in node.input_desc]
     expected = [n for n, optional, _ in ir.inputs if given.get(n) is not None or not optional]
     if fed != expected:
@@ -280,26 +293,33 @@ def _check_inputs(node, ir: IrDef, args: tuple, names: tuple, case: str, problem
     kinds = {n: k for n, _, k in ir.inputs}
     for name in fed:
         arg = given.get(name)
-        if arg is not None and name in kinds and DTYPE_NAMES[arg.dtype] not in kinds[name]:
+        if isinstance(arg, torch.Tensor) and name in kinds and DTYPE_NAMES[arg.dtype] not in kinds[name]:
             problems.append(f"{case}: input {name} dtype {DTYPE_NAMES[arg.dtype]} not in the IR's {sorted(kinds[name])}")
 
 
-def _check_attrs(node, ir: IrDef, kwargs: dict, case: str, problems: List[str]) -> None:
+def _same_value(a, b) -> bool:
+    if isinstance(a, float) or isinstance(b, float):
+        return math.isclose(float(a), float(b), rel_tol=1e-6)
+    return a == b
+
+
+def _check_attrs(node, ir: IrDef, wanted: dict, case: str, problems: List[str]) -> None:
+    """``wanted``: each attribute's value as the op's declaration sets it from our arguments."""
     ours = {k: v for k, v in node.attr.items() if not k.startswith("_")}
     for name, value in ours.items():
         if name not in ir.attrs:
             problems.append(f"{case}: attribute {name!r} is not in the IR (which has {sorted(ir.attrs)})")
             continue
-        wanted = ATTR_FIELD.get(ir.attrs[name][0], ir.attrs[name][0])
-        if value.WhichOneof("value") != wanted:
+        field_name = ATTR_FIELD.get(ir.attrs[name][0], ir.attrs[name][0])
+        if value.WhichOneof("value") != field_name:
             problems.append(f"{case}: attribute {name!r} is {value.WhichOneof('value')!r}, "
-                            f"the IR's type {ir.attrs[name][0]} wants {wanted!r}")
-        elif name in kwargs and getattr(value, wanted) != kwargs[name]:
-            problems.append(f"{case}: attribute {name!r} = {getattr(value, wanted)!r}, the op's is {kwargs[name]!r}")
+                            f"the IR's type {ir.attrs[name][0]} wants {field_name!r}")
+        elif name in wanted and not _same_value(getattr(value, field_name), wanted[name]):
+            problems.append(f"{case}: attribute {name!r} = {getattr(value, field_name)!r}, the op's is {wanted[name]!r}")
     for name, (_, default) in ir.attrs.items():
-        if name in kwargs and name not in ours and str(kwargs[name]) != str(default):
+        if name in wanted and name not in ours and not _same_value(wanted[name], type(wanted[name])(float(default))):
             problems.append(f"{case}: attribute {name!r} left out, so GE uses the IR default {default}, "
-                            f"not the op's {kwargs[name]}")
+                            f"not the op's {wanted[name]}")
 
 
 def _check_outputs(node, ir: IrDef, outputs, fakes, case: str, problems: List[str]) -> None:
@@ -316,52 +336,53 @@ def _check_outputs(node, ir: IrDef, outputs, fakes, case: str, problems: List[st
                             f"not in the IR's {sorted(ir.outputs[out.index][1])}")
 
 
-def _ge_cases():
-    for dy, cos, sin, x, mode in rope_cases():
-        yield ROPE_OP, (dy, cos, sin, x), {"mode": mode}
-    for args in rms_norm_cases():
-        yield RMS_OP, args, {}
+def check_case(op, case, ir: IrDef, converter, problems: List[str]) -> bool:
+    """Build one case and compare its node with ``ir``; whether a node was built."""
+    name = describe(op, case)
+    try:
+        graph, outputs, fakes = build_node(converter, op, case)
+    except Exception as error:  # noqa: BLE001
+        problems.append(f"{name}: the converter raised {type(error).__name__}: {str(error).splitlines()[0]}")
+        return False
+    node = _the_node(graph, op.ge.op, problems, name)
+    if node is None:
+        return False
+    arguments = dict(zip(op.argument_names(), case))
+    _check_inputs(node, ir, arguments, name, problems)
+    _check_attrs(node, ir, {a.name: arguments[a.source] for a in op.ge.attrs}, name, problems)
+    _check_outputs(node, ir, outputs, fakes, name, problems)
+    return True
 
 
-def check_ge_converters(sources, converters: Optional[dict] = None) -> Tuple[List[str], dict]:
-    """Build every case with our converters and compare each node with the wheel's IR."""
+def check_ge_converters(sources, converters: Optional[dict] = None, ops=FUSED_OPS) -> Tuple[List[str], dict]:
+    """Build every op's every declared case with our converters (``converters`` by overload replace
+    some) and compare each node with the wheel's IR."""
     irs = ir_definitions(sources)
     problems: List[str] = []
     nodes = collections.Counter()
-    for op, args, kwargs in _ge_cases():
-        case = f"{GE_TYPE[op]} {args[0].dtype} {kwargs or ''} x={'None' if args[3] is None else 'given'}"
-        ir = irs.get(GE_TYPE[op])
+    for op in ops:
+        ir = irs.get(op.ge.op)
         if ir is None:
-            problems.append(f"{sources['wheel']}: torchair generated no {GE_TYPE[op]}")
+            problems.append(f"{sources['wheel']}: torchair generated no {op.ge.op}")
             continue
-        converter = (converters or {}).get(op) or registered_converter(op)
-        try:
-            graph, outputs, fakes = build_node(converter, op, args, kwargs)
-        except Exception as error:  # noqa: BLE001
-            problems.append(f"{case}: the converter raised {type(error).__name__}: {str(error).splitlines()[0]}")
-            continue
-        node = _the_node(graph, GE_TYPE[op], problems, case)
-        if node is not None:
-            nodes[GE_TYPE[op]] += 1
-            _check_inputs(node, ir, args, ARGUMENTS[op], case, problems)
-            _check_attrs(node, ir, kwargs, case, problems)
-            _check_outputs(node, ir, outputs, fakes, case, problems)
+        converter = (converters or {}).get(op.overload) or registered_converter(op.overload)
+        nodes[op.ge.op] += sum(check_case(op, case, ir, converter, problems) for case in op.cases())
     return problems, {"nodes_checked": dict(nodes), "ir": {k: str(v) for k, v in irs.items()}}
 
 
 def builders_in_use() -> Dict[str, str]:
-    """Whose GE builder each converter calls: torchair's generated one, or ours written from the IR."""
-    from torchair._ge_concrete_graph import ge_apis as ge
+    """Whose GE builder each converter calls: torchair's generated one, or ours written from the IR
+    (and, for an IR with optional inputs, whose when one is absent)."""
+    from npu_fusion.lowering.ge_converters import BUILDERS
 
-    from npu_fusion.lowering.ge_converters import rms_norm_grad, rotary_position_embedding_grad as rope_module
-
-    def whose(builder, name):
-        return "torchair" if builder is getattr(ge, name, None) else "own"
-
-    return {"RotaryPositionEmbeddingGrad": whose(rope_module.ROPE_BUILDER, "RotaryPositionEmbeddingGrad"),
-            "RotaryPositionEmbeddingGrad without x": whose(rope_module.ROPE_BUILDER_WITHOUT_X,
-                                                           "RotaryPositionEmbeddingGrad"),
-            "RmsNormGrad": whose(rms_norm_grad.RMS_NORM_BUILDER, "RmsNormGrad")}
+    used = {}
+    for op in FUSED_OPS:
+        builders = BUILDERS[op.name]
+        used[op.ge.op] = builders.full_source
+        if op.ge.optional():
+            absent = "/".join(i.name for i in op.ge.optional())
+            used[f"{op.ge.op} without {absent}"] = builders.without_optional_source
+    return used
 
 
 def line_report(line: str) -> dict:
@@ -370,7 +391,7 @@ def line_report(line: str) -> dict:
     sources = harness.contract_sources(line)
     eager_problems, eager = check_eager_kernels(sources)
     report = {"line": line, "wheel": sources["wheel"], "eager_problems": eager_problems, "eager": eager,
-              "torchair": harness.torch_npu_version()}
+              "torchair": harness.torch_npu_version(), "ops": {op.name: [op.npu.op, op.ge.op] for op in FUSED_OPS}}
     try:
         harness.load_torchair()
     except Exception as error:  # noqa: BLE001  (an old torchair against this torch: reported, not fatal)
