@@ -19,7 +19,7 @@ from npu_fusion import fallback
 from npu_fusion.fallback import FallbackWarning
 from npu_fusion.lowering import ge_converters, npu
 from npu_fusion.plugin import backend, targets
-from npu_fusion.testing.capture import compile_and_compare
+from npu_fusion_testing.capture import compile_and_compare
 
 pytestmark = pytest.mark.smoke  # in the version matrix's smoke set: fallbacks
 
@@ -187,8 +187,6 @@ def test_npu_kernels_failing_to_register_warn(stand_ins):
 
 def test_ge_converters_failing_to_register_warn(stand_ins, monkeypatch):
     """A torchair whose API lacks what the converters import: nothing registered, a warning."""
-    for name in ge_converters.converter_modules():  # put back whatever a torchair test registered
-        monkeypatch.delitem(sys.modules, ge_converters.__name__ + name, raising=False)
     monkeypatch.setattr(ge_converters, "_REGISTERED", False)  # as in a process that has not registered yet
     stand_ins(torchair=lambda module: None)
     with pytest.warns(FallbackWarning, match="GE converters.*ImportError: cannot import name"):

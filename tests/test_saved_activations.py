@@ -9,7 +9,7 @@ import torch
 from npu_fusion.plugin import pass_manager
 from npu_fusion.plugin.backend import aot_backend
 from npu_fusion.plugin.options import FusionOptions
-from npu_fusion.testing.grads import MODEL_FACTOR, assert_close_as_unfused
+from npu_fusion.measure.grads import MODEL_FACTOR, assert_close_as_unfused, grad_failures
 
 B, S, H = 2, 16, 64
 
@@ -18,7 +18,7 @@ def _tiny_llama():
     pytest.importorskip("transformers")
     from transformers import AutoModelForCausalLM
 
-    from npu_fusion.plugin.report import tiny_hf_config
+    from npu_fusion.report.subjects import tiny_hf_config
 
     torch.manual_seed(0)
     config = tiny_hf_config("llama", 2)
@@ -66,7 +66,7 @@ def test_joint_graph_saves_x_not_its_float32_upcast(partitioner):
 def test_caller_updating_the_input_in_place_before_backward(partitioner):
     """Legal in eager and unfused: the forward saved the upcast, a copy. The fused op reads x,
     which the caller holds: it must read a copy saved by the forward, not the caller's tensor."""
-    from npu_fusion.testing.in_place import grads_after_updating_the_input as updated, hf_rms_norm
+    from npu_fusion_testing.in_place import grads_after_updating_the_input as updated, hf_rms_norm
 
     expected = updated(hf_rms_norm)
     exact = updated(hf_rms_norm, torch.float64)
@@ -170,3 +170,36 @@ def _grads(model, loss):
 def test_the_retired_narrowing_option_is_an_error_naming_it():
     with pytest.raises(ValueError, match="narrow_saved"):
         FusionOptions.from_mapping({"narrow_saved": False})
+
+
+def test_inductors_partition_saves_no_more_than_for_the_unfused_graph():
+    """The joint graph as Inductor partitions it (its decompositions, min-cut): the fused RoPE op
+    reads the tables through a hand-off (``plugin/joint.py``), so min-cut still recomputes them
+    from the positions, as for the unfused graph, instead of saving them."""
+    from npu_fusion.compat import inductor_decompositions
+    from npu_fusion.plugin.backend import run_keeping_unfused
+
+    model, config = _tiny_llama()
+    exact = _tiny_llama()[0].double()
+    captured = {}
+
+    def around_pass(gm, run):
+        captured["result"], _, captured["unfused_saved"] = run_keeping_unfused(gm, run)
+
+    options = FusionOptions(partitioner="min_cut", target="generic")
+    backend = aot_backend(options, around_pass, stage="joint")
+    backend.kwargs["decompositions"] = inductor_decompositions()
+    torch._dynamo.reset()
+    ids = torch.randint(0, config.vocab_size, (B, S), generator=torch.Generator().manual_seed(1))
+    torch.compile(model, backend=backend)(input_ids=ids, labels=ids).loss.backward()
+    got = {n: p.grad for n, p in model.named_parameters()}
+    eager_model = _tiny_llama()[0]
+    eager_model(input_ids=ids, labels=ids).loss.backward()
+    exact(input_ids=ids, labels=ids).loss.backward()
+    eager = {n: p.grad for n, p in eager_model.named_parameters()}
+    wide = {n: p.grad.to(eager[n].dtype) for n, p in exact.named_parameters()}
+    assert not grad_failures(got, eager, wide, MODEL_FACTOR)
+    result = captured["result"]
+    assert result.fused("rms_norm_grad") == 5 and result.fused("rotary_position_embedding_grad") == 4
+    assert result.saved.count(torch.float32, (B, S, H)) == 0, result.saved.kinds
+    assert result.saved.bytes <= captured["unfused_saved"].bytes, (result.saved.kinds, captured["unfused_saved"].kinds)

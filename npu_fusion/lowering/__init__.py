@@ -1,23 +1,31 @@
-"""What a fused op is to the compiler and the machine: its description
-(:mod:`.fused_op`), SPEC's facts (:mod:`.constraints`), schema, meta and reference
-kernels (one module per op), NPU eager kernels (:mod:`.npu`) and torchair GE
-converters (:mod:`.ge_converters`, one module per op).
+"""What a fused op is to the compiler and the machine.
 
-Importing this package registers ``torch.ops.npu_fusion.*``.
+Each fused op is one declarative module under :mod:`.ops` (its :class:`FusedOp`:
+schema, meta and reference kernels, the unfused program it replaces, input checks,
+per-target limits, declared cases, NPU binding, GE IR), listed in
+:data:`.ops.FUSED_OPS`. :mod:`.registrar` defines them as ``torch.ops.npu_fusion.*``
+and registers their NPU eager kernels (:mod:`.npu`) and torchair GE converters
+(:mod:`.ge_converters`) where torch_npu and torchair import.
+
+Importing this package registers ``torch.ops.npu_fusion.*``; nothing here depends on
+the order of its imports.
 """
-from . import rms_norm, rope
-from . import npu as _npu
+from . import registrar
 from .fused_op import FusedOp
+from .ops import FUSED_OPS
+from .ops import rms_norm as _rms_norm, rms_norm_grad as _rms_norm_grad, rope as _rope, rope_grad as _rope_grad
 
-#: every fused op, by its description
-FUSED_OPS = (rms_norm.OP, rope.OP)
-ROPE_GRAD, RMS_NORM_GRAD = rope.OP, rms_norm.OP
+registrar.define_all(FUSED_OPS)
+NPU_KERNELS, GE_CONVERTERS = registrar.register_backends(FUSED_OPS)
 
-NPU_KERNELS = _npu.register()
-from . import ge_converters as _ge  # noqa: E402  (register() never raises: False without torchair)
-GE_CONVERTERS = _ge.register()
+ROPE_GRAD, RMS_NORM_GRAD = _rope_grad.OP, _rms_norm_grad.OP
+ROPE, RMS_NORM = _rope.OP, _rms_norm.OP
 
-rotary_position_embedding_grad = rope.rotary_position_embedding_grad
-rms_norm_grad = rms_norm.rms_norm_grad
+# The backward ops' custom ops under their old names. The forward ops are reached as
+# ``torch.ops.npu_fusion.*`` or by their description: ``lowering.rms_norm`` is the module the
+# pattern rules import, which an attribute of that name here would shadow, or be shadowed by.
+rotary_position_embedding_grad = registrar.CUSTOM_OPS[ROPE_GRAD.name]
+rms_norm_grad = registrar.CUSTOM_OPS[RMS_NORM_GRAD.name]
 
-__all__ = ["FUSED_OPS", "FusedOp", "RMS_NORM_GRAD", "ROPE_GRAD", "rms_norm_grad", "rotary_position_embedding_grad"]
+__all__ = ["FUSED_OPS", "FusedOp", "RMS_NORM", "RMS_NORM_GRAD", "ROPE", "ROPE_GRAD", "rms_norm_grad",
+           "rotary_position_embedding_grad"]

@@ -33,7 +33,7 @@ NOT_HONOURED = ("partitioner", "decompositions")
 
 def _sources() -> tuple:
     root = pathlib.Path(__file__).resolve().parent.parent
-    return tuple(str(p) for sub in ("lowering", "patterns", "plugin") for p in sorted((root / sub).glob("*.py")))
+    return tuple(str(p) for sub in ("lowering", "patterns", "plugin") for p in sorted((root / sub).rglob("*.py")))
 
 
 def _make_pass_class():
@@ -53,7 +53,7 @@ def _make_pass_class():
             if gm is None:
                 return
             if is_joint_graph(graph):
-                result = fuse_joint(gm, self.options, copy_op=_copy_by_multiplying)
+                result = fuse_joint(gm, self.options, copy_op=_copy_by_multiplying, partitioner="min_cut")
             elif in_compiled_autograd():  # the whole backward, compiled as an inference graph
                 result = fuse_backward(gm, self.options)
             else:

@@ -26,6 +26,15 @@ Two things the partitioners need from the graph the pass leaves them:
   forward values that activation checkpointing recomputes (their inputs are saved); the
   min-cut partitioner's own recomputation is not predicted, so under it a copy may be made
   where the unfused program would have saved the tensor itself (the safe side).
+* **Recomputation** (min-cut only). Min-cut never recomputes a value that a backward op it
+  cannot fuse with (a fused op, a custom op to it) reads: that value must be materialized in the
+  backward anyway, so it saves it. The unfused backward read RoPE's tables through pointwise
+  ops, and min-cut recomputed them from the positions and the inverse frequencies instead of
+  saving them. A fused op reads each table it shares with the forward through a hand-off, one
+  pointwise node in the backward (``table * 1``, tagged ``must_be_in_backward``), so min-cut
+  keeps that choice (``RECOMPUTABLE_ARGUMENTS``). The hand-off writes the table once per
+  backward; the fused op reads it as before. Larger operands (x, dy) get none: recomputing
+  them costs a full activation's traffic.
 """
 from __future__ import annotations
 
@@ -39,6 +48,10 @@ from ..patterns.rewrite import call, fake_mode_of
 from ..patterns.traffic import storage_of
 
 TAG = "partitioner_tag"
+
+#: fused-op arguments min-cut may recompute rather than save (see Recomputation above): RoPE's
+#: tables, functions of the positions only
+RECOMPUTABLE_ARGUMENTS = ("cos", "sin")
 
 
 def _must_recompute(node: fx.Node) -> bool:
@@ -85,8 +98,10 @@ class JointGraph:
     """A joint graph as it was before the pass: its nodes, and the forward values its unfused
     backward reads. :meth:`prepare_for_partition` then places and guards what the pass added."""
 
-    def __init__(self, graph: fx.Graph, copy_op: Optional[Callable] = None):
+    def __init__(self, graph: fx.Graph, copy_op: Optional[Callable] = None, min_cut: bool = False):
         self.graph = graph
+        #: whether min-cut partitions the graph (it then gets hand-offs, see Recomputation above)
+        self.min_cut = min_cut
         #: ``copy_op(graph, fake_mode, value)`` inserts a copy of ``value`` (at the insertion point)
         self.copy_op = copy_op or copy_by_to_copy
         self.original = set(graph.nodes)
@@ -123,7 +138,10 @@ class JointGraph:
         for node in added:
             node.meta[TAG] = "is_backward"
         self._move_after_forward(added)
-        return self._copy_reachable_reads(added)
+        copies = self._copy_reachable_reads(added)
+        if self.min_cut:
+            self._hand_off_recomputable_reads(added)
+        return copies
 
     def _move_after_forward(self, added: List[fx.Node]) -> None:
         """Move inserted nodes that sit among the forward nodes to just after the last one, in
@@ -136,6 +154,25 @@ class JointGraph:
         for node in early:
             anchor.append(node)
             anchor = node
+
+    def _hand_off_recomputable_reads(self, added: List[fx.Node]) -> None:
+        """Each fused op's ``RECOMPUTABLE_ARGUMENTS`` that are forward values computed in the
+        graph: read through a hand-off in the backward, so min-cut may recompute them."""
+        for node in added:
+            schema = getattr(node.target, "_schema", None)
+            if schema is None or not schema.name.startswith("npu_fusion::"):
+                continue
+            for index, argument in enumerate(schema.arguments[:len(node.args)]):
+                value = node.args[index]
+                if argument.name in RECOMPUTABLE_ARGUMENTS and self._computed_forward_value(value):
+                    with self.graph.inserting_before(node):
+                        hand_off = call(self.graph, fake_mode_of(self.graph), aten.mul.Tensor, (value, 1))
+                    hand_off.meta[TAG] = "must_be_in_backward"
+                    node.replace_input_with(value, hand_off)
+
+    def _computed_forward_value(self, value) -> bool:
+        return (isinstance(value, fx.Node) and value in self.original and value not in self.backward
+                and value.op == "call_function" and isinstance(value.meta.get("val"), torch.Tensor))
 
     def _reachable_storages(self) -> Set[fx.Node]:
         outputs = next(iter(self.graph.find_nodes(op="output"))).args[0]

@@ -1,122 +1,110 @@
-"""The GE op builders the converters call: torchair's generated ones wherever
-they accept our inputs, builders written from the same IR otherwise.
+"""The GE op builders the converters call, chosen per op from its :class:`~..fused_op.GeIr`:
+torchair's generated builder (``auto_generated_ge_raw_ops``) wherever it accepts our
+inputs, a builder written from the same IR otherwise.
 
-torchair's generated ``RotaryPositionEmbeddingGrad`` (every torch_npu line from
-2.6 to 2.14) declares x optional in its signature and IR but not in its
-``auto_convert_to_tensor`` flags, so it rejects ``x=None``; :func:`ge_builders`
-finds that out by trying, and only then uses :func:`ir_builders`' builder.
+torchair's generated ``RotaryPositionEmbeddingGrad`` (every torch_npu line from 2.6 to
+2.14) declares x optional in its signature and IR but not in its
+``auto_convert_to_tensor`` flags, so it rejects ``x=None``: :func:`op_builders` finds
+that out by building once with every optional input absent, and only then uses
+:func:`ir_builder`'s builder for such calls.
+
+Every builder is called the same way: the IR's required inputs by position, its
+optional inputs and its attributes by keyword (how torchair's generated builders
+take them: ``RotaryPositionEmbedding(x, cos, sin, *, mode=0, rotate=None)``).
 """
 from __future__ import annotations
 
-from .. import rms_norm, rope
+import dataclasses
+from typing import Callable
 
-#: the two GE operators, as CANN registers them (``REG_OP``).
-ROPE_GRAD_IR = rope.OP.ge_op
-RMS_NORM_GRAD_IR = rms_norm.OP.ge_op
+from ...compat import torchair_converter_api
+from ..fused_op import GeIr
 
 
-def ir_builders():
-    """GE op builders for the two operators, written from their IR the way
-    torchair's generated builders (``auto_generated_ge_raw_ops``) are::
-
-        REG_OP(RotaryPositionEmbeddingGrad)
-            .INPUT(dy, cos, sin) .OPTIONAL_INPUT(x)      // fp16, fp32, bf16
-            .OUTPUT(dx, dcos, dsin) .ATTR(mode, Int, 0)
-        REG_OP(RmsNormGrad)
-            .INPUT(dy, x) .INPUT(rstd) .INPUT(gamma)     // rstd fp32, others fp32/fp16/bf16
-            .OUTPUT(dx)                                  // like dy
-            .OUTPUT(dgamma)                              // fp32
-    """
-    from torchair._ge_concrete_graph.compat_ir import IrDef, ge_op
+def ir_builder(ir: GeIr) -> Callable:
+    """A GE op builder written from ``ir`` the way torchair generates them."""
     from torchair.ge import attr
-    from torchair.ge._ge_graph import auto_convert_to_tensor
 
-    rope_kinds = "DT_FLOAT16, DT_FLOAT, DT_BFLOAT16"
-    rms_kinds = "DT_FLOAT, DT_FLOAT16, DT_BF16"
+    api = torchair_converter_api()
+    ge_op = api.ge_op
+    definition = api.IrDef(ir.op)
+    for item in ir.inputs:
+        definition = (definition.optional_input if item.optional else definition.input)(item.name, item.dtypes)
+    for item in ir.attrs:
+        definition = definition.attr(item.name, getattr(attr, item.kind)(item.default))
+    for name, dtypes in ir.outputs:
+        definition = definition.output(name, dtypes)
 
-    @auto_convert_to_tensor([False, False, False, False], [False, False, False, True])
-    def RotaryPositionEmbeddingGrad(dy, cos, sin, x, *, mode: int = 0, dependencies=(), node_name=None):  # noqa: N802
-        return ge_op(
-            op_type=ROPE_GRAD_IR,
-            inputs={"dy": dy, "cos": cos, "sin": sin, "x": x},
-            attrs={"mode": attr.Int(mode)},
-            outputs=["dx", "dcos", "dsin"],
-            dependencies=list(dependencies),
-            node_name=node_name,
-            ir=IrDef(ROPE_GRAD_IR)
-            .input("dy", rope_kinds).input("cos", rope_kinds).input("sin", rope_kinds)
-            .optional_input("x", rope_kinds)
-            .attr("mode", attr.Int(0))
-            .output("dx", rope_kinds).output("dcos", rope_kinds).output("dsin", rope_kinds),
-        )
+    def build(*required, dependencies=(), node_name=None, **keywords):
+        inputs = dict(zip((i.name for i in ir.required()), required))
+        inputs.update({i.name: keywords.get(i.name) for i in ir.optional()})
+        attrs = {a.name: getattr(attr, a.kind)(keywords.get(a.name, a.default)) for a in ir.attrs}
+        return ge_op(op_type=ir.op, inputs={i.name: inputs[i.name] for i in ir.inputs}, attrs=attrs,
+                     outputs=[name for name, _ in ir.outputs], dependencies=list(dependencies),
+                     node_name=node_name, ir=definition)
 
-    @auto_convert_to_tensor([False, False, False, False], [False, False, False, False])
-    def RmsNormGrad(dy, x, rstd, gamma, *, dependencies=(), node_name=None):  # noqa: N802
-        return ge_op(
-            op_type=RMS_NORM_GRAD_IR,
-            inputs={"dy": dy, "x": x, "rstd": rstd, "gamma": gamma},
-            attrs={},
-            outputs=["dx", "dgamma"],
-            dependencies=list(dependencies),
-            node_name=node_name,
-            ir=IrDef(RMS_NORM_GRAD_IR)
-            .input("dy", rms_kinds).input("x", rms_kinds).input("rstd", "DT_FLOAT").input("gamma", rms_kinds)
-            .output("dx", rms_kinds).output("dgamma", "DT_FLOAT"),
-        )
-
-    return RotaryPositionEmbeddingGrad, RmsNormGrad
+    build.__name__ = ir.op
+    return build
 
 
-def _accepts_absent_x(rope_builder) -> bool:
-    """Whether ``rope_builder`` builds a RotaryPositionEmbeddingGrad with x None (in a scratch graph)."""
-    from torchair._ge_concrete_graph import ge_apis as ge
+def _accepts_absent_optionals(builder, ir: GeIr) -> bool:
+    """Whether ``builder`` builds ``ir``'s op with every optional input absent (in a scratch graph)."""
     from torchair.ge import DataType
-    from torchair.ge._ge_graph import GeGraph
 
+    api = torchair_converter_api()
     try:
-        with GeGraph(name="npu_fusion_builder_probe"):
-            t = [ge.Data(index=i, dtype=DataType.DT_FLOAT, shape=[1, 2, 1, 4], placement="CPU") for i in range(3)]
-            rope_builder(t[0], t[1], t[2], None, mode=0)
+        with api.GeGraph(name="npu_fusion_builder_probe"):
+            data = [api.ge.Data(index=i, dtype=DataType.DT_FLOAT, shape=[1, 2, 1, 4], placement="CPU")
+                    for i in range(len(ir.required()))]
+            builder(*data, **{i.name: None for i in ir.optional()})
     except (AssertionError, TypeError, ValueError):
         return False
     return True
 
 
-def ge_builders():
-    """``(rope_with_x, rope_without_x, rms_norm)``: torchair's generated builders
-    where they exist and accept the call, :func:`ir_builders`' otherwise."""
-    from torchair._ge_concrete_graph import ge_apis as ge
+@dataclasses.dataclass(frozen=True)
+class OpBuilders:
+    """The builders of one GE op: ``full`` when every optional input is fed, ``without_optional``
+    when one is absent; each ``torchair``'s generated one or ``own`` (:func:`ir_builder`)."""
+    full: Callable
+    without_optional: Callable
+    full_source: str
+    without_optional_source: str
 
-    own_rope, own_rms = ir_builders()
-    rope = getattr(ge, ROPE_GRAD_IR, None)
-    rope_without_x = rope if rope is not None and _accepts_absent_x(rope) else own_rope
-    return rope or own_rope, rope_without_x, getattr(ge, RMS_NORM_GRAD_IR, None) or own_rms
+    def for_inputs(self, inputs: dict, ir: GeIr) -> Callable:
+        return self.without_optional if any(inputs.get(i.name) is None for i in ir.optional()) else self.full
+
+
+def op_builders(ir: GeIr) -> OpBuilders:
+    """torchair's generated builders where they exist and accept the call, :func:`ir_builder`'s otherwise."""
+    generated = getattr(torchair_converter_api().ge, ir.op, None)
+    own = ir_builder(ir)
+    full = generated or own
+    if not ir.optional() or (generated is not None and _accepts_absent_optionals(generated, ir)):
+        without = full
+    else:
+        without = own
+    return OpBuilders(full, without, "torchair" if full is generated else "own",
+                      "torchair" if without is generated else "own")
 
 
 def as_dtype(tensor, produced, wanted):
     """``tensor`` is a GE output known to be of GE dtype ``produced``; Cast it to
     ``wanted`` (the op's declared output dtype, a GE dtype) where they differ."""
     from torchair.ge import Cast
-    from torchair.ge._ge_graph import ge_type_to_torch_type
 
     if wanted is None or wanted == produced:
         return tensor
-    tensor.set_torch_dtype(ge_type_to_torch_type(produced))
+    tensor.set_torch_dtype(torchair_converter_api().ge_type_to_torch_type(produced))
     return Cast(tensor, dst_type=wanted)
 
 
 def tensor_spec(dtype, shape):
     """torchair's ``F32(*shape)``-style supported-shape spec of a torch dtype and shape."""
-    import torch
-    from torchair._ge_concrete_graph.supported_declaration import BF16, F16, F32
-
-    return {torch.float32: F32, torch.float16: F16, torch.bfloat16: BF16}[dtype](*shape)
+    return torchair_converter_api().specs[dtype](*shape)
 
 
 def declare_supported(cases):
     """torchair's ``declare_supported(cases)`` where this torchair has the API, else no decorator."""
-    try:
-        from torchair._ge_concrete_graph.fx2ge_converter import declare_supported as declare
-    except ImportError:
-        return lambda converter: converter
-    return declare(cases)
+    declare = torchair_converter_api().declare_supported
+    return declare(cases) if declare is not None else (lambda converter: converter)
