@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Coverage of the npu-fusion pass on the model code of training frameworks.
 
-Builds tiny random models of torchtitan, torchtune and Megatron-core (``npu_fusion.testing.frameworks``:
+Builds tiny random models of torchtitan, torchtune and Megatron-core (``npu_fusion_testing.frameworks``:
 2 layers, random weights, nothing downloaded), counts their RoPE applications and RMSNorm calls in an
 eager step independently of the pass, compiles forward and backward with the real pass and prints,
 per model and dtype: RoPE and RMSNorm sites fused / counted, sites that ran outside every compiled
@@ -18,15 +18,19 @@ import argparse
 import dataclasses
 import json
 import logging
+import os
 import sys
 import time
 import warnings
 from typing import Dict, List, Optional
 
+# the repository root, where the test harness (npu_fusion_testing) lives: it is not installed
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
 import torch
 
 from npu_fusion.lowering import FUSED_OPS
-from npu_fusion.testing.frameworks import FRAMEWORKS, measure
+from npu_fusion_testing.frameworks import FRAMEWORKS, measure
 
 LABELS = {op.option: op.label for op in FUSED_OPS}
 

@@ -22,10 +22,10 @@ small and the percentage an upper bound of what it is under torchair.
 torchair's real Python backend: ``torchair.get_npu_backend(compiler_config=config)``
 with ``npu_fusion.install(config, target=...)`` (target ``a2`` unless ``--target``).
 There is no CANN here, so this mode depends on the test harness
-``npu_fusion.testing.torchair``: ``harness.load_torchair()``
+``npu_fusion_testing.torchair``: ``harness.load_torchair()``
 unpacks torchair from the torch_npu wheel (downloaded once into a cache; needs the
 package index the first time) and stubs its four compiled CANN modules
-(``npu_fusion.testing.torchair.cann_stub``). The config sets ``debug.run_eagerly``, as the
+(``npu_fusion_testing.torchair.cann_stub``). The config sets ``debug.run_eagerly``, as the
 torchair tests do: torchair converts every FX graph to a GE graph and runs its GE
 graph passes, then runs the FX graph eagerly on CPU, so forward and backward run
 for real. The "compile time" is then the first forward + backward call of the
@@ -57,12 +57,16 @@ import contextlib
 import cProfile
 import gc
 import io
+import math
 import os
 import pstats
 import statistics
 import sys
 import time
 import warnings
+
+# the repository root, where the test harness (npu_fusion_testing) lives: it is not installed
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch
 
@@ -190,7 +194,7 @@ def measure_inductor(layers: int, target: str = "generic", dtype=torch.float32, 
 
 def load_torchair():
     """torchair from the torch_npu wheel with CANN stubbed, through the test harness."""
-    from npu_fusion.testing.torchair import harness
+    from npu_fusion_testing.torchair import harness
 
     torchair = harness.load_torchair()
     from npu_fusion.lowering import ge_converters
@@ -313,7 +317,7 @@ def profile_pass(layers: int, top: int = 25) -> str:
     import copy
 
     from npu_fusion.plugin.pass_manager import fuse_backward
-    from npu_fusion.testing.capture import Capture
+    from npu_fusion_testing.capture import Capture
 
     model = bundled("llama", num_layers=layers)
     ids = torch.randint(0, model.config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
@@ -338,7 +342,7 @@ def profile_pass(layers: int, top: int = 25) -> str:
     return out.getvalue()
 
 
-def main(argv=None) -> int:
+def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--layers", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32])
     parser.add_argument("--repeat", type=int, default=1, help="runs per size; the table shows the medians")
@@ -353,24 +357,25 @@ def main(argv=None) -> int:
                              "graph; the first call includes Inductor's code generation and C++ compiles)")
     parser.add_argument("--target", default=None,
                         help="npu-fusion target (default: generic, or a2 with --torchair)")
-    args = parser.parse_args(argv)
+    return parser.parse_args(argv)
 
-    torch.set_num_threads(args.threads)
+
+def chosen_path(args: argparse.Namespace):
+    """``(run, description)``: one measurement per model size on the path the options chose."""
     if args.torchair:
         torchair = load_torchair()
         target = args.target or "a2"
-        run = lambda layers: measure_torchair(torchair, layers, target=target)  # noqa: E731
-        mode = f"torchair {os.path.dirname(torchair.__file__)}, target {target}"
-    elif args.inductor:
-        target = args.target or "generic"
-        run = lambda layers: measure_inductor(layers, target=target)  # noqa: E731
-        mode = f"stock Inductor with install_inductor, target {target}"
-    else:
-        target = args.target or "generic"
-        run = lambda layers: measure(layers, target=target)  # noqa: E731
-        mode = f"aot_autograd CPU backend, target {target}"
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} thread(s); {mode}; warming up...", file=sys.stderr)
-    run(1)
+        return (lambda layers: measure_torchair(torchair, layers, target=target),
+                f"torchair {os.path.dirname(torchair.__file__)}, target {target}")
+    target = args.target or "generic"
+    if args.inductor:
+        return (lambda layers: measure_inductor(layers, target=target),
+                f"stock Inductor with install_inductor, target {target}")
+    return lambda layers: measure(layers, target=target), f"aot_autograd CPU backend, target {target}"
+
+
+def measure_sizes(run, args: argparse.Namespace) -> list:
+    """One row per model size: the medians of ``--repeat`` runs."""
     rows = []
     keys = ["first_call", "first_call_cpu", "second_call", "pass", "pass_cpu", "pass_gc"]
     if args.torchair:
@@ -384,47 +389,64 @@ def main(argv=None) -> int:
         rows.append(row)
         print(f"{layers} layers: first call {row['first_call']:.2f} s, pass {row['pass'] * 1e3:.0f} ms "
               f"({time.perf_counter() - start:.0f} s for {args.repeat} run(s))", file=sys.stderr, flush=True)
+    return rows
 
-    if args.torchair:
-        print("| layers | backward nodes before -> after | sites fused | GE ops fw + bw | "
-              "first fwd+bw call: wall (CPU) | of which torchair graph compile fw + bw | second call | "
-              "pass: wall (CPU) | of which GC (full collections) | pass / first call: wall (CPU time) | "
-              "pass CPU time per node |")
-        print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
-        for r in rows:
-            fw_ops, bw_ops = r["ge_ops"]
-            print(f"| {r['layers']} | {r['nodes_before']} -> {r['nodes_after']} | {r['sites']} | "
-                  f"{fw_ops} + {bw_ops} | {r['first_call']:.2f} s ({r['first_call_cpu']:.2f} s) | "
-                  f"{r['torchair_graph_compile']:.2f} s | {r['second_call'] * 1e3:.0f} ms | "
-                  f"{r['pass'] * 1e3:.0f} ms ({r['pass_cpu'] * 1e3:.0f} ms) | "
-                  f"{r['pass_gc'] * 1e3:.0f} ms ({r['gc_full']}) | "
-                  f"{100 * r['pass'] / r['first_call']:.1f}% ({100 * r['pass_cpu'] / r['first_call_cpu']:.1f}%) | "
-                  f"{1e6 * r['pass_cpu'] / r['nodes_before']:.0f} us |")
-    else:
-        print("| layers | nodes the pass sees, before -> after | sites fused | first fwd+bw call: wall (CPU) | "
-              "second call | pass: wall (CPU) | of which GC (full collections) | pass / first call, CPU time | "
-              "pass CPU time per node |")
-        print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
-        for r in rows:
-            print(f"| {r['layers']} | {r['nodes_before']} -> {r['nodes_after']} | {r['sites']} | "
-                  f"{r['first_call']:.2f} s ({r['first_call_cpu']:.2f} s) | {r['second_call'] * 1e3:.0f} ms | "
-                  f"{r['pass'] * 1e3:.0f} ms ({r['pass_cpu'] * 1e3:.0f} ms) | "
-                  f"{r['pass_gc'] * 1e3:.0f} ms ({r['gc_full']}) | "
-                  f"{100 * r['pass_cpu'] / r['first_call_cpu']:.1f}% | "
-                  f"{1e6 * r['pass_cpu'] / r['nodes_before']:.0f} us |")
+
+def print_torchair_table(rows) -> None:
+    print("| layers | backward nodes before -> after | sites fused | GE ops fw + bw | "
+          "first fwd+bw call: wall (CPU) | of which torchair graph compile fw + bw | second call | "
+          "pass: wall (CPU) | of which GC (full collections) | pass / first call: wall (CPU time) | "
+          "pass CPU time per node |")
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for r in rows:
+        fw_ops, bw_ops = r["ge_ops"]
+        print(f"| {r['layers']} | {r['nodes_before']} -> {r['nodes_after']} | {r['sites']} | "
+              f"{fw_ops} + {bw_ops} | {r['first_call']:.2f} s ({r['first_call_cpu']:.2f} s) | "
+              f"{r['torchair_graph_compile']:.2f} s | {r['second_call'] * 1e3:.0f} ms | "
+              f"{r['pass'] * 1e3:.0f} ms ({r['pass_cpu'] * 1e3:.0f} ms) | "
+              f"{r['pass_gc'] * 1e3:.0f} ms ({r['gc_full']}) | "
+              f"{100 * r['pass'] / r['first_call']:.1f}% ({100 * r['pass_cpu'] / r['first_call_cpu']:.1f}%) | "
+              f"{1e6 * r['pass_cpu'] / r['nodes_before']:.0f} us |")
+
+
+def print_table(rows) -> None:
+    print("| layers | nodes the pass sees, before -> after | sites fused | first fwd+bw call: wall (CPU) | "
+          "second call | pass: wall (CPU) | of which GC (full collections) | pass / first call, CPU time | "
+          "pass CPU time per node |")
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for r in rows:
+        print(f"| {r['layers']} | {r['nodes_before']} -> {r['nodes_after']} | {r['sites']} | "
+              f"{r['first_call']:.2f} s ({r['first_call_cpu']:.2f} s) | {r['second_call'] * 1e3:.0f} ms | "
+              f"{r['pass'] * 1e3:.0f} ms ({r['pass_cpu'] * 1e3:.0f} ms) | "
+              f"{r['pass_gc'] * 1e3:.0f} ms ({r['gc_full']}) | "
+              f"{100 * r['pass_cpu'] / r['first_call_cpu']:.1f}% | "
+              f"{1e6 * r['pass_cpu'] / r['nodes_before']:.0f} us |")
+
+
+def print_fits(rows) -> None:
+    """How the pass's CPU time grows with the graph: a linear and a power fit over the sizes."""
+    xs = [r["nodes_before"] for r in rows]
+    ys = [r["pass_cpu"] for r in rows]
+    a, b, r2 = fit(xs, ys)
+    print(f"\nlinear fit: pass CPU time ~= {a * 1e3:.1f} ms + {b * 1e6:.0f} us x nodes (R^2 = {r2:.4f})")
+    la, lb, lr2 = fit([math.log(x) for x in xs], [math.log(y) for y in ys])
+    print(f"power fit: pass CPU time ~ nodes^{lb:.2f} (R^2 = {lr2:.4f}; 1.00 = linear)")
+    small, large = rows[0], rows[-1]
+    growth = (large["pass_cpu"] / small["pass_cpu"]) / (large["nodes_before"] / small["nodes_before"])
+    print(f"from {small['nodes_before']} to {large['nodes_before']} nodes the CPU time per node changes "
+          f"x{growth:.2f} (1.00 = linear)")
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    torch.set_num_threads(args.threads)
+    run, mode = chosen_path(args)
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} thread(s); {mode}; warming up...", file=sys.stderr)
+    run(1)
+    rows = measure_sizes(run, args)
+    (print_torchair_table if args.torchair else print_table)(rows)
     if len(rows) >= 2:
-        xs = [r["nodes_before"] for r in rows]
-        ys = [r["pass_cpu"] for r in rows]
-        a, b, r2 = fit(xs, ys)
-        print(f"\nlinear fit: pass CPU time ~= {a * 1e3:.1f} ms + {b * 1e6:.0f} us x nodes (R^2 = {r2:.4f})")
-        import math
-
-        la, lb, lr2 = fit([math.log(x) for x in xs], [math.log(y) for y in ys])
-        print(f"power fit: pass CPU time ~ nodes^{lb:.2f} (R^2 = {lr2:.4f}; 1.00 = linear)")
-        small, large = rows[0], rows[-1]
-        growth = (large["pass_cpu"] / small["pass_cpu"]) / (large["nodes_before"] / small["nodes_before"])
-        print(f"from {small['nodes_before']} to {large['nodes_before']} nodes the CPU time per node changes "
-              f"x{growth:.2f} (1.00 = linear)")
+        print_fits(rows)
     if args.profile:
         print(f"\n```\n{profile_pass(args.profile)}```")
     return 0

@@ -10,12 +10,12 @@ no downloads, no weights). For each model it
    whose source is RMSNorm's, like Llama 4's ``L2Norm``) and the RoPE applications
    (a wrapper around the modeling module's apply-rotary functions: one per rotated
    tensor returned); a site counts when its output receives a gradient;
-2. compiles the model with ``npu_fusion.testing.capture.Capture``, which runs the
+2. compiles the model with ``npu_fusion_testing.capture.Capture``, which runs the
    real pass (``fuse_backward(bw_gm, options, forward=fw_graph)``), and runs forward
    and backward of the causal-LM loss (if torch.compile fails on the model without
    the pass too, it retries with core ATen decompositions and says so);
 3. compares every parameter gradient against eager in the same dtype and against
-   float64, with the tests' criterion (``npu_fusion.testing.grads.grad_failures``, factor 4);
+   float64, with the tests' criterion (``npu_fusion.measure.grads.grad_failures``, factor 4);
 
 and prints a table per model (RoPE and RMSNorm sites fused/counted, the gradient
 verdict, decomposed RoPE/RMSNorm nodes left), then per model the counted sites left
@@ -26,7 +26,7 @@ the node) and notes; then the overall coverage and the wall time.
     python benchmarks/zoo_coverage.py --models llama,gptj   # some
     python benchmarks/zoo_coverage.py --dtype bfloat16 --json out.json --limit 20
 
-The sweep itself is :mod:`npu_fusion.testing.zoo`; this is its command line.
+The sweep itself is :mod:`npu_fusion_testing.zoo`; this is its command line.
 """
 from __future__ import annotations
 
@@ -37,12 +37,15 @@ import os
 import sys
 import time
 
+# the repository root, where the test harness (npu_fusion_testing) lives: it is not installed
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
 import torch
 
-from npu_fusion.testing.zoo import discover, print_details, print_table, run_model, summary
+from npu_fusion_testing.zoo import discover, print_details, print_table, run_model, summary
 
 
-def main(argv=None) -> int:
+def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", help="comma-separated model types (default: every RoPE/RMSNorm causal LM)")
@@ -52,19 +55,23 @@ def main(argv=None) -> int:
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--dynamic", action="store_true", help="mark batch and sequence of input_ids dynamic")
     parser.add_argument("--show-skipped", action="store_true")
-    args = parser.parse_args(argv)
-    torch.set_num_threads(max(1, min(torch.get_num_threads(), os.cpu_count() or 1)))
-    import logging
+    return parser.parse_args(argv)
 
-    logging.getLogger("torch._dynamo").setLevel(logging.ERROR)
+
+def quiet_libraries() -> None:
+    """Only errors from Dynamo and transformers, no warnings: the sweep prints its own table."""
+    import logging
     import warnings
 
+    logging.getLogger("torch._dynamo").setLevel(logging.ERROR)
     warnings.filterwarnings("ignore")
-    import transformers
+    import transformers  # after the filter: its import warns too
 
     transformers.logging.set_verbosity_error()
 
-    wall = time.perf_counter()
+
+def sweep(args: argparse.Namespace) -> list:
+    """Every discovered model run (or skipped), with a progress line per model on stderr."""
     models = [m.strip() for m in args.models.split(",")] if args.models else None
     entries = discover(models, layers=args.layers)
     dtype = getattr(torch, args.dtype)
@@ -79,6 +86,30 @@ def main(argv=None) -> int:
             print(f"[{ran}] {outcome.model_type}: {outcome.status} "
                   f"rope {outcome.rope_fused}/{outcome.rope_present} norm {outcome.norm_fused}/{outcome.norm_present}"
                   f" ({outcome.seconds:.1f}s) {outcome.reason}", file=sys.stderr, flush=True)
+    return outcomes
+
+
+def print_summary(s) -> None:
+    print(f"\nmodels: {s['models_ran']} ran, {s['models_error']} failed to build/run, "
+          f"{s['models_skipped']} skipped (no RoPE/RMSNorm, composite, duplicate or unbuildable)")
+    print(f"RoPE sites fused:    {s['rope_sites'][0]}/{s['rope_sites'][1]}"
+          f" ({100.0 * s['rope_sites'][0] / max(1, s['rope_sites'][1]):.1f}%),"
+          f" models fully fused {s['rope_models_fully_fused'][0]}/{s['rope_models_fully_fused'][1]}")
+    print(f"RMSNorm sites fused: {s['rms_norm_sites'][0]}/{s['rms_norm_sites'][1]}"
+          f" ({100.0 * s['rms_norm_sites'][0] / max(1, s['rms_norm_sites'][1]):.1f}%),"
+          f" models fully fused {s['rms_norm_models_fully_fused'][0]}/{s['rms_norm_models_fully_fused'][1]}")
+    print(f"models with every site fused: {s['models_fully_fused'][0]}/{s['models_fully_fused'][1]}; "
+          f"gradients match eager (float64 criterion): {s['grads_ok'][0]}/{s['grads_ok'][1]}")
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    torch.set_num_threads(max(1, min(torch.get_num_threads(), os.cpu_count() or 1)))
+    quiet_libraries()
+    import transformers
+
+    wall = time.perf_counter()
+    outcomes = sweep(args)
     wall = time.perf_counter() - wall
 
     print(f"\nnpu-fusion zoo coverage: transformers {transformers.__version__}, torch {torch.__version__}, "
@@ -94,16 +125,7 @@ def main(argv=None) -> int:
         for o in skipped:
             print(f"  {o.model_type:<26} {o.reason}")
     s = summary(outcomes)
-    print(f"\nmodels: {s['models_ran']} ran, {s['models_error']} failed to build/run, "
-          f"{s['models_skipped']} skipped (no RoPE/RMSNorm, composite, duplicate or unbuildable)")
-    print(f"RoPE sites fused:    {s['rope_sites'][0]}/{s['rope_sites'][1]}"
-          f" ({100.0 * s['rope_sites'][0] / max(1, s['rope_sites'][1]):.1f}%),"
-          f" models fully fused {s['rope_models_fully_fused'][0]}/{s['rope_models_fully_fused'][1]}")
-    print(f"RMSNorm sites fused: {s['rms_norm_sites'][0]}/{s['rms_norm_sites'][1]}"
-          f" ({100.0 * s['rms_norm_sites'][0] / max(1, s['rms_norm_sites'][1]):.1f}%),"
-          f" models fully fused {s['rms_norm_models_fully_fused'][0]}/{s['rms_norm_models_fully_fused'][1]}")
-    print(f"models with every site fused: {s['models_fully_fused'][0]}/{s['models_fully_fused'][1]}; "
-          f"gradients match eager (float64 criterion): {s['grads_ok'][0]}/{s['grads_ok'][1]}")
+    print_summary(s)
     print(f"wall time {wall:.0f}s on {torch.get_num_threads()} threads")
     if args.json:
         with open(args.json, "w") as f:

@@ -3,17 +3,18 @@ from __future__ import annotations
 
 import argparse
 import sys
-from typing import List, Optional
+from typing import List, Optional, Sequence
 
 
-def main(argv: Optional[List[str]] = None) -> int:
+def main(argv: Optional[List[str]] = None, sources: Sequence = ()) -> int:
+    """``sources``: :class:`~npu_fusion.report.subjects.SubjectSource` s adding models to the
+    report (the repository's harness adds ``--framework``: ``python -m npu_fusion_testing report``)."""
     parser = argparse.ArgumentParser(prog="npu-fusion", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     report = sub.add_parser("report", help="compile a model, train one step, report what was fused")
-    from .plugin.report import add_arguments, run
-    from .report import fullsize, html
+    from .report import command, fullsize, html
 
-    add_arguments(report)
+    command.add_arguments(report, sources)
     fullsize.add_arguments(report)
     args = parser.parse_args(argv)
     if args.command != "report":
@@ -23,7 +24,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         return fullsize.run(args, sinks)
     if args.overrides:
         parser.error(f"key=value overrides {args.overrides} are for --hf-config")
-    return run(args, sinks)
+    return command.run(args, sinks, sources)
 
 
 if __name__ == "__main__":

@@ -18,6 +18,10 @@ instead of reaching for a private name that only some releases have:
   torch_npu 2.7.1 itself has no user pass hook at all (its backward compiler is
   built inside the backend from the config, with no callback), so installing there
   raises :class:`UnsupportedTorchair` naming the release.
+* :func:`op_schema`, :func:`check_with`: an op overload's ``FunctionSchema`` and
+  ``torch._check_with`` (the fused ops' declarations and input checks).
+* :func:`torchair_converter_api`: what the GE converters use of torchair, which sits in
+  its private modules (``_ge_concrete_graph``, ``ge._ge_graph``) in every release.
 * :data:`FUSED_RMS_NORM`, :data:`FUSED_RMS_NORM_BACKWARD`: ``aten._fused_rms_norm`` and
   ``aten._fused_rms_norm_backward``, the whole RMSNorm ops torch routes ``F.rms_norm`` to
   on a device with its own kernel (None on a torch without them).
@@ -236,3 +240,82 @@ def current_compile_id():
 def dynamo_counters(name: str):
     """Dynamo's counter table ``name`` (``torch._dynamo.utils.counters[name]``)."""
     return torch._dynamo.utils.counters[name]
+
+
+def fresh_compile_caches():
+    """A context with empty, private Inductor and AOTAutograd caches (a temporary directory)."""
+    import torch._inductor.utils as inductor_utils
+
+    fresh = getattr(inductor_utils, "fresh_cache", None) or inductor_utils.fresh_inductor_cache
+    return fresh()
+
+
+# -- what the report and its measurements (npu_fusion.report, npu_fusion.measure) reach for ---------
+
+#: the class of an ATen overload (``aten.mul.Tensor``); the report names op counts by it
+OpOverload = torch._ops.OpOverload
+
+
+def aot_function(fn, **aot_options):
+    """AOTAutograd on a plain function, without Dynamo (the recording backend's ``aot_function``)."""
+    from torch._functorch.aot_autograd import aot_function as _aot_function
+
+    return _aot_function(fn, **aot_options)
+
+
+def mark_dynamic(tensor: torch.Tensor, dim: int) -> None:
+    """Compile ``tensor``'s dimension ``dim`` as dynamic (Dynamo's ``mark_dynamic``)."""
+    torch._dynamo.mark_dynamic(tensor, dim)
+
+
+def compiled_autograd_enabled():
+    """A context in which ``torch.compile`` compiles the backward with compiled autograd."""
+    return torch._dynamo.config.patch(compiled_autograd=True)
+
+
+def decompositions_of(*ops) -> dict:
+    """PyTorch's own decompositions of ``ops`` (a table for AOTAutograd)."""
+    from torch._decomp import get_decompositions
+
+    return get_decompositions(list(ops))
+
+
+def math_attention():
+    """A context in which ``scaled_dot_product_attention`` runs PyTorch's math form."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    return sdpa_kernel([SDPBackend.MATH])
+
+
+def op_schema(overload):
+    """``overload``'s ``torch._C.FunctionSchema`` (its arguments' names and defaults, its returns)."""
+    return overload._schema
+
+
+def check_with(error_type, condition, message) -> None:
+    """``torch._check_with``: raise ``error_type`` unless ``condition``; a SymBool gets a guard or a
+    runtime assertion."""
+    torch._check_with(error_type, condition, message)
+
+
+def torchair_converter_api():
+    """torchair's converter API, by the names the GE converters use: ``ge`` (its op builders,
+    ``ge_apis``), ``IrDef`` and ``ge_op`` (builders written from an IR; ``compat_ir``), ``GeGraph``
+    and ``ge_type_to_torch_type`` (``ge._ge_graph``), ``Support`` and ``specs`` (``{torch dtype:
+    F32/F16/BF16}``, ``supported_declaration``), and ``declare_supported`` (None where this torchair
+    lacks it)."""
+    import types
+
+    from torchair._ge_concrete_graph import ge_apis
+    from torchair._ge_concrete_graph.compat_ir import IrDef, ge_op
+    from torchair._ge_concrete_graph.supported_declaration import BF16, F16, F32, Support
+    from torchair.ge._ge_graph import GeGraph, ge_type_to_torch_type
+
+    try:
+        from torchair._ge_concrete_graph.fx2ge_converter import declare_supported
+    except ImportError:
+        declare_supported = None
+    return types.SimpleNamespace(ge=ge_apis, IrDef=IrDef, ge_op=ge_op, GeGraph=GeGraph,
+                                 ge_type_to_torch_type=ge_type_to_torch_type, Support=Support,
+                                 specs={torch.float32: F32, torch.float16: F16, torch.bfloat16: BF16},
+                                 declare_supported=declare_supported)

@@ -2,20 +2,25 @@
 
 Loads the torchair of the newest torch_npu release of the installed torch's line (the
 test harness: downloaded wheel, CANN stubbed), installs the pass, trains the Llama-style
-block of :mod:`npu_fusion.testing.torchair.llama_block` one step through torchair and counts
+block of :mod:`npu_fusion_testing.torchair.llama_block` one step through torchair and counts
 the fused GE nodes in the backward graph torchair built (1 RmsNormGrad and 2
 RotaryPositionEmbeddingGrad expected). Prints one JSON object.
 """
 from __future__ import annotations
 
 import json
+import os
+import sys
 import tempfile
 import traceback
 from pathlib import Path
 
+# the repository root, where the test harness (npu_fusion_testing) lives: it is not installed
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
 import torch
 
-from npu_fusion.testing.torchair import harness
+from npu_fusion_testing.torchair import harness
 
 
 def probe() -> dict:
@@ -28,8 +33,8 @@ def probe() -> dict:
     marker = Path(torchair.__file__).parent.parent / ".complete"
     found["torch_npu"] = marker.read_text().split("\n")[0] if marker.exists() else "?"
     import npu_fusion
-    from npu_fusion.testing.torchair import llama_block as llama
-    from npu_fusion.testing.torchair.ge_graph_view import GeCapture
+    from npu_fusion_testing.torchair import llama_block as llama
+    from npu_fusion_testing.torchair.ge_graph_view import GeCapture
 
     with tempfile.TemporaryDirectory() as tmp:
         ge = GeCapture(torchair, Path(tmp))

@@ -1,6 +1,6 @@
 """Whether each torch_npu line registers an NPU kernel for torch's whole RMSNorm ops
 (``aten._fused_rms_norm``, ``aten._fused_rms_norm_backward``), read from the wheels by
-``npu_fusion.testing.torchair.whole_ops`` (never installed; downloaded once into
+``npu_fusion_testing.torchair.whole_ops`` (never installed; downloaded once into
 ``~/.cache/npu_fusion/wheels``), printed as the README's table.
 
     python scripts/whole_rms_norm_registrations.py            # every line of check_npu_contracts.LINES
@@ -9,12 +9,16 @@ Exit status 1 when a wheel's control registration (``native_layer_norm``) was no
 """
 from __future__ import annotations
 
+import os
 import sys
+
+# the repository root, where the test harness (npu_fusion_testing) lives: it is not installed
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from check_npu_contracts import LINES
 
-from npu_fusion.testing.torchair.harness import wheel_file
-from npu_fusion.testing.torchair.whole_ops import OPS, read_wheel
+from npu_fusion_testing.torchair.harness import wheel_file
+from npu_fusion_testing.torchair.whole_ops import OPS, read_wheel
 
 
 def readable(text: str) -> str:

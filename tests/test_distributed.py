@@ -94,7 +94,7 @@ def _calls(prof, name: str) -> int:
 
 
 def _worker(rank, port, scenario, out_path):
-    from npu_fusion.testing.capture import Capture
+    from npu_fusion_testing.capture import Capture
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=2)

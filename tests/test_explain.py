@@ -10,8 +10,8 @@ import torch.nn.functional as F
 
 import npu_fusion
 from npu_fusion.models import bundled
-from npu_fusion.plugin import report
-from npu_fusion.testing.sites import SiteCounter
+from npu_fusion.report import command as report
+from npu_fusion.measure.sites import SiteCounter
 
 ROPE, RMS = "rotary_position_embedding_grad", "rms_norm_grad"
 

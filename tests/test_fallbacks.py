@@ -19,7 +19,7 @@ from npu_fusion import fallback
 from npu_fusion.fallback import FallbackWarning
 from npu_fusion.lowering import ge_converters, npu
 from npu_fusion.plugin import backend, targets
-from npu_fusion.testing.capture import compile_and_compare
+from npu_fusion_testing.capture import compile_and_compare
 
 pytestmark = pytest.mark.smoke  # in the version matrix's smoke set: fallbacks
 

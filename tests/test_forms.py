@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from npu_fusion.models import rotate_every_two, rotate_half
-from npu_fusion.testing.capture import compile_and_compare, decomposed_leftovers
+from npu_fusion_testing.capture import compile_and_compare, decomposed_leftovers
 
 pytestmark = pytest.mark.smoke  # in the version matrix's smoke set: a sample of forms
 

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from npu_fusion.models import bundled
 from npu_fusion.plugin.backend import aot_backend
 from npu_fusion.plugin.options import FusionOptions
-from npu_fusion.testing.grads import MODEL_FACTOR, assert_close_as_unfused, float64_grads, grad_failures, run_grads
+from npu_fusion.measure.grads import MODEL_FACTOR, assert_close_as_unfused, float64_grads, grad_failures, run_grads
 
 FORWARD, BACKWARD = "rms_norm", "rms_norm_grad"
 ON = {"rms_norm_forward": True}

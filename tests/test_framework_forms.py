@@ -12,7 +12,7 @@ from typing import Callable, Optional
 import pytest
 import torch
 
-from npu_fusion.testing.capture import compile_and_compare
+from npu_fusion_testing.capture import compile_and_compare
 
 ROPE, RMS = "rotary_position_embedding_grad", "rms_norm_grad"
 BF16 = torch.bfloat16

@@ -4,7 +4,7 @@ For each library's own model code: the RoPE and RMSNorm sites an independent cou
 eager step (checked against the architecture's own numbers), every one of them that ran inside a
 compiled graph replaced by its fused op, and every parameter gradient within the float64
 criterion (``assert_close_as_unfused``, factor 4). The CPU-only workarounds these libraries need
-are in ``npu_fusion.testing.cpu_workarounds``.
+are in ``npu_fusion_testing.cpu_workarounds``.
 """
 import json
 import os
@@ -14,8 +14,8 @@ import sys
 import pytest
 import torch
 
-from npu_fusion.testing.frameworks import FRAMEWORKS, Framework, measure
-from npu_fusion.testing.sites import SiteCounter
+from npu_fusion_testing.frameworks import FRAMEWORKS, Framework, measure
+from npu_fusion.measure.sites import SiteCounter
 
 #: sites per eager step, from the architectures (2 layers): RoPE on q and k of each layer; norms
 #: before attention and MLP of each layer and a final one, plus per-head q/k norms (Qwen3, Megatron
@@ -92,7 +92,7 @@ def test_megatron_cpu_workarounds_are_undone():
     pytest.importorskip("megatron.core")
     from megatron.core import parallel_state, tensor_parallel
 
-    from npu_fusion.testing.cpu_workarounds import cpu_workarounds_megatron
+    from npu_fusion_testing.cpu_workarounds import cpu_workarounds_megatron
 
     before = (torch.cuda.current_device, tensor_parallel.get_cuda_rng_tracker)
     with cpu_workarounds_megatron():
@@ -104,18 +104,23 @@ def test_megatron_cpu_workarounds_are_undone():
 
 
 def test_harness_stays_out_of_the_package():
-    """Importing npu_fusion, its backend and its pass loads nothing of the test harness (whose CPU
-    workarounds patch torch and Megatron)."""
-    code = ("import sys, npu_fusion, npu_fusion.plugin.backend, npu_fusion.plugin.pass_manager; "
-            "print([m for m in sys.modules if m.startswith('npu_fusion.testing')])")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    """Importing npu_fusion, its backend, its pass, what it measures and the report loads nothing of
+    the test harness (whose CPU workarounds patch torch and Megatron) and not hypothesis, though the
+    harness is importable here (the repository root is on the path)."""
+    code = ("import sys, npu_fusion, npu_fusion.plugin.backend, npu_fusion.plugin.pass_manager, npu_fusion.cli, "
+            "npu_fusion.measure.recording, npu_fusion.measure.sites, npu_fusion.measure.grads, "
+            "npu_fusion.report.command, npu_fusion.report.explanation, npu_fusion.report.fullsize, "
+            "npu_fusion.report.html, npu_fusion_testing; "
+            "print([m for m in sys.modules if m.startswith(('npu_fusion_testing.', 'hypothesis'))])")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # this checkout's package and harness
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=root).stdout
     assert out.strip() == "[]"
 
 
 def test_report_builds_a_framework_model_and_accounts_for_its_sites(capsys):
     pytest.importorskip("torchtune")
     pytest.importorskip("torchao")
-    from npu_fusion.cli import main
+    from npu_fusion_testing.report import main
 
     status = main(["report", "--framework", "torchtune:gemma", "--json"])
     report = json.loads(capsys.readouterr().out)

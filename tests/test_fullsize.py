@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from npu_fusion.plugin import report
+from npu_fusion.report import command as report
 from npu_fusion.report import fullsize, html, screenshot
 
 pytest.importorskip("transformers")

@@ -11,7 +11,7 @@ import npu_fusion
 from npu_fusion.compat import inductor_config, no_compile_caches
 from npu_fusion.plugin.inductor import uninstall_inductor
 from npu_fusion.plugin.pass_manager import COUNTER
-from npu_fusion.testing.grads import MODEL_FACTOR, grad_failures
+from npu_fusion.measure.grads import MODEL_FACTOR, grad_failures
 
 B, S = 2, 8
 
@@ -162,11 +162,43 @@ def test_hugging_face_trainer_with_the_inductor_backend(installed, tmp_path):
 def test_caller_updating_the_input_in_place_before_backward(installed):
     """Legal in eager and unfused through Inductor; still legal with the pass: the fused op reads a
     copy of the caller's tensor (``x * 1``, which Inductor keeps), with the gradients of x as it was."""
-    from npu_fusion.testing.grads import assert_close_as_unfused
-    from npu_fusion.testing.in_place import grads_after_updating_the_input as updated, hf_rms_norm
+    from npu_fusion.measure.grads import assert_close_as_unfused
+    from npu_fusion_testing.in_place import grads_after_updating_the_input as updated, hf_rms_norm
 
     expected, exact = updated(hf_rms_norm), updated(hf_rms_norm, torch.float64)
     got = updated(torch.compile(hf_rms_norm))
     assert dict(torch._dynamo.utils.counters[COUNTER]) == {"rms_norm_grad": 1}
     for g, e, x in zip(got, expected, exact):
         assert_close_as_unfused(g, e, x, factor=MODEL_FACTOR)
+
+
+def test_compile_caches_keep_the_fused_code_and_key_on_the_options():
+    """A cache hit skips Inductor's joint passes, the pass among them (no result, no counter),
+    and loads the code compiled with it: the fused op is still there. Changing an option changes
+    the pass's uuid, so the cached fused code is not reused for a program that asks for no fusion."""
+    from torch._inductor.utils import run_and_get_code
+
+    from npu_fusion.compat import fresh_compile_caches
+    from npu_fusion.plugin.pass_manager import HISTORY
+    from npu_fusion_testing.in_place import hf_rms_norm
+
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(B, S, 64, generator=gen).requires_grad_()
+    w = torch.randn(64, generator=gen).requires_grad_()
+
+    def compile_and_run(**options):
+        npu_fusion.install_inductor(target="generic", **options)
+        torch._dynamo.reset()
+        mark = HISTORY.mark()
+        compiled = torch.compile(hf_rms_norm)
+        _, codes = run_and_get_code(lambda: compiled(x, w).sum().backward())
+        return len(HISTORY.since(mark)), "torch.ops.npu_fusion.rms_norm_grad.default" in "\n".join(codes)
+
+    try:
+        with fresh_compile_caches():
+            assert compile_and_run() == (1, True)
+            assert compile_and_run() == (0, True)  # a hit: no pass ran, the fused code came back
+            assert compile_and_run(rms_norm=False) == (1, False)
+    finally:
+        uninstall_inductor()
+        torch._dynamo.reset()

@@ -14,8 +14,8 @@ import torch
 import npu_fusion.patterns.rms_norm as rms_patterns
 import npu_fusion.patterns.rope as rope_patterns
 from npu_fusion.models import bundled
-from npu_fusion.testing.capture import Capture
-from npu_fusion.testing.grads import assert_close_as_unfused
+from npu_fusion_testing.capture import Capture
+from npu_fusion.measure.grads import assert_close_as_unfused
 
 ROPE, RMS = "rotary_position_embedding_grad", "rms_norm_grad"
 

@@ -10,8 +10,8 @@ import transformers
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from npu_fusion.plugin.pass_manager import COUNTER, HISTORY
-from npu_fusion.testing.capture import Capture, decomposed_leftovers
-from npu_fusion.testing.grads import assert_close_as_unfused, grad_failures
+from npu_fusion_testing.capture import Capture, decomposed_leftovers
+from npu_fusion.measure.grads import assert_close_as_unfused, grad_failures
 
 def tiny_llama(dtype, layers=2, seed=0):
     config = LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=layers,

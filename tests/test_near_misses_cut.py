@@ -19,8 +19,8 @@ import torch
 from torch.utils.checkpoint import checkpoint
 from transformers.models.llama.modeling_llama import rotate_half
 
-from npu_fusion.testing.capture import Capture, compile_and_compare
-from npu_fusion.testing.grads import assert_close_as_unfused, float64_grads, run_grads
+from npu_fusion_testing.capture import Capture, compile_and_compare
+from npu_fusion.measure.grads import assert_close_as_unfused, float64_grads, run_grads
 
 ROPE, RMS = "rotary_position_embedding_grad", "rms_norm_grad"
 BF16 = torch.bfloat16

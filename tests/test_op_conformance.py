@@ -3,13 +3,19 @@ declared case, without per-op test code.
 
 * numerics: the op (its reference kernel, through the dispatcher) against the unfused program
   it replaces, run in the inputs' dtype and in float64, by the shared float64 criterion
-  (:func:`npu_fusion.testing.grads.assert_close_as_unfused`); shapes as the unfused program's;
+  (:func:`npu_fusion.measure.grads.assert_close_as_unfused`); shapes as the unfused program's;
 * meta: the fake kernel's shapes and dtypes equal the reference kernel's;
 * targets: every declared case passes the op's checks and runs on some chip;
-* schema: the declaration names as many outputs as the schema returns.
+* schema: the declaration names as many outputs as the schema returns, and
+  ``torch.library.opcheck`` holds on the first and last declared case (its checks are of the
+  registration, not of the numbers);
+* GE: the node the registered converter builds for each declared case, against the ``REG_OP``
+  torchair generated in the torch_npu wheel of the installed torch's line (torchair's real
+  sources, CANN stubbed; :mod:`npu_fusion_testing.torchair.npu_contracts`);
+* NPU binding: the op's eager kernel against that wheel's schemas of its torch_npu op, both
+  the compiled one and the codegen yaml's (``scripts/check_npu_contracts.py`` checks every line).
 
-The GE and NPU-binding halves run per op and case in ``tests/torchair/test_op_contracts.py``
-(they need torchair's sources and a torch_npu wheel).
+The GE and NPU tests skip only when the package index that has the wheel cannot be reached.
 """
 import pytest
 import torch
@@ -17,7 +23,8 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 import npu_fusion  # noqa: F401  (registers the fused ops)
 from npu_fusion.lowering import FUSED_OPS
-from npu_fusion.testing.grads import assert_close_as_unfused
+from npu_fusion.measure.grads import assert_close_as_unfused
+from npu_fusion_testing.torchair import harness, npu_contracts
 
 CASES = [pytest.param(op, number, case, id=f"{op.name}-{number}")
          for op in FUSED_OPS for number, case in enumerate(op.cases())]
@@ -56,6 +63,12 @@ def test_declared_case_is_valid_on_some_chip(op, number, case):
     assert any(op.target_problem(target, *case) is None for target in ("a2", "a3", "950"))
 
 
+@pytest.mark.parametrize("op, case", [pytest.param(op, case, id=f"{op.name}-{end}") for op in FUSED_OPS
+                                      for end, case in (("first", list(op.cases())[0]), ("last", list(op.cases())[-1]))])
+def test_opcheck(op, case):
+    torch.library.opcheck(op.overload, case)
+
+
 @pytest.mark.parametrize("op", FUSED_OPS, ids=lambda op: op.name)
 def test_declaration_matches_the_schema(op):
     assert len(op.overload._schema.returns) == len(op.outputs)
@@ -63,3 +76,41 @@ def test_declaration_matches_the_schema(op):
     assert set(op.npu.bound_names()) <= set(op.argument_names())
     assert {i.name for i in op.ge.inputs if not i.optional} <= set(op.argument_names())
     assert len(op.ge.outputs) == len(op.outputs)
+
+
+def _or_skip(load):
+    try:
+        return load()
+    except harness.TorchairUnavailable as error:
+        if error.offline or error.unpublished:
+            pytest.skip(f"needs the torch_npu wheel of this torch's line: {error}")
+        raise
+
+
+@pytest.fixture(scope="module")
+def sources():
+    return _or_skip(harness.contract_sources)
+
+
+@pytest.fixture(scope="module")
+def ge_irs(sources):
+    from npu_fusion.lowering import ge_converters
+
+    _or_skip(harness.load_torchair)
+    assert ge_converters.register(), "npu_fusion's GE converters did not register with torchair"
+    return npu_contracts.ir_definitions(sources)
+
+
+@pytest.mark.parametrize("op, number, case", CASES)
+def test_ge_node_matches_the_wheels_ir(ge_irs, op, number, case):
+    problems = []
+    converter = npu_contracts.registered_converter(op.overload)
+    assert npu_contracts.check_case(op, case, ge_irs[op.ge.op], converter, problems)
+    assert problems == []
+
+
+@pytest.mark.parametrize("op", FUSED_OPS, ids=lambda op: op.name)
+def test_npu_kernel_binds_to_the_wheels_schemas(sources, op):
+    problems, seen = npu_contracts.check_eager_kernels(sources, ops=(op,))
+    assert problems == []
+    assert seen["calls"][op.npu.op] > 0

@@ -13,8 +13,8 @@ from torch._functorch.aot_autograd import make_boxed_func
 from npu_fusion.models import bundled
 from npu_fusion.plugin import pass_manager
 from npu_fusion.plugin.pass_manager import make_torchair_pass, saved_tensor_mismatch
-from npu_fusion.testing.capture import VARIANTS, Capture
-from npu_fusion.testing.grads import MODEL_FACTOR, assert_close_as_unfused, float64_grads, run_grads
+from npu_fusion_testing.capture import VARIANTS, Capture
+from npu_fusion.measure.grads import MODEL_FACTOR, assert_close_as_unfused, float64_grads, run_grads
 
 pytestmark = pytest.mark.smoke  # in the version matrix's smoke set: the torchair hook's pairing
 

@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from transformers.models.llama.modeling_llama import LlamaRMSNorm, apply_rotary_pos_emb
 
 from npu_fusion.plugin.pass_manager import COUNTER
-from npu_fusion.testing.capture import VARIANTS, Capture, compile_and_compare
+from npu_fusion_testing.capture import VARIANTS, Capture, compile_and_compare
 
 ROPE = "rotary_position_embedding_grad"
 RMS = "rms_norm_grad"

@@ -118,7 +118,7 @@ def test_failure_after_rewrites_rebuilds_the_graph_as_it_was(monkeypatch):
     """A failure after some sites were already rewritten in place (RMSNorm's, then
     RoPE's, then an error) still leaves the graph, its code and its results as they were."""
     from npu_fusion.models import bundled
-    from npu_fusion.testing.capture import Capture
+    from npu_fusion_testing.capture import Capture
 
     model = bundled("llama", num_layers=1)
     ids = torch.randint(0, model.config.vocab_size, (2, 8), generator=torch.Generator().manual_seed(0))

@@ -14,8 +14,8 @@ import functools
 import pytest
 import torch
 
-from npu_fusion.testing.capture import Capture
-from npu_fusion.testing.grads import MODEL_FACTOR, assert_close_as_unfused, float64_grads, run_grads, ulps_apart
+from npu_fusion_testing.capture import Capture
+from npu_fusion.measure.grads import MODEL_FACTOR, assert_close_as_unfused, float64_grads, run_grads, ulps_apart
 
 ROPE, NORM = "rotary_position_embedding_grad", "rms_norm_grad"
 BF16, F16, FP8 = torch.bfloat16, torch.float16, torch.float8_e4m3fn

@@ -1,6 +1,6 @@
 """Property tests: the pass must never change a gradient.
 
-Hypothesis draws forward programs around RoPE and RMSNorm (npu_fusion/testing/programs.py):
+Hypothesis draws forward programs around RoPE and RMSNorm (npu_fusion_testing/programs.py):
 every supported form (with the framework spellings: torchtune's selects on a (cos, sin) cache,
 Megatron's [S, B, H, D] with tables from freqs, complex RoPE in float32 followed by an
 elementwise use, tables computed again at each use so that copies are saved), and
@@ -46,9 +46,9 @@ import torch
 from hypothesis import currently_in_test_context, event, given, note, settings, strategies as st
 
 from npu_fusion.models import rotate_half
-from npu_fusion.testing.capture import Capture
-from npu_fusion.testing.grads import assert_close_as_unfused, run_grads, ulps_apart
-from npu_fusion.testing.programs import (F16, BF16, F32, FP8, PrecisionForm, Program, RopeForm,
+from npu_fusion_testing.capture import Capture
+from npu_fusion.measure.grads import assert_close_as_unfused, run_grads, ulps_apart
+from npu_fusion_testing.programs import (F16, BF16, F32, FP8, PrecisionForm, Program, RopeForm,
                                          norm_precision_program, precision_programs, rms_norm_programs,
                                          rope_precision_program, rope_program, rope_programs)
 

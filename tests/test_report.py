@@ -12,7 +12,12 @@ import torch
 
 from npu_fusion import cli
 from npu_fusion.models import bundled
-from npu_fusion.plugin import report
+from npu_fusion.measure.grads import compare_gradients
+from npu_fusion.measure.recording import Recorder
+from npu_fusion.plugin.options import FusionOptions
+from npu_fusion.report import analysis
+from npu_fusion.report import command as report
+from npu_fusion.report.text import format_text
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ROPE, RMS = "rotary_position_embedding_grad", "rms_norm_grad"
@@ -74,7 +79,7 @@ def test_llama_every_site_fused_and_gradients_close(llama_one_layer):
 
 
 def test_text_output_shows_the_tables(llama_one_layer):
-    text = report.format_text(llama_one_layer)
+    text = format_text(llama_one_layer)
     for heading in ("## Fused ops", "## Left unfused", "## Backward graph ops", "## Modelled memory traffic",
                     "## Parameter gradients"):
         assert heading in text
@@ -97,7 +102,7 @@ def test_deepseek_on_a2_leaves_rope_unfused_with_the_reason(capsys):
         assert "950" in miss["reason"] and miss["node"]
     assert r["op_counts"]["after"].get(f"npu_fusion.{ROPE}.default", 0) == 0
     assert "compiling" in err and "backward" in err
-    text = report.format_text(r)
+    text = format_text(r)
     assert "0 of 2 sites fused" in text
     assert rope_misses[0]["node"] in text and "Ascend 950" in text
 
@@ -148,20 +153,20 @@ def test_gradient_check_detects_a_wrong_gradient():
     torch.manual_seed(0)
     exact = {"w": torch.randn(8, 8, dtype=torch.float64)}
     eager = {"w": exact["w"].float()}
-    good = report.compare_gradients({"w": eager["w"].clone()}, eager, exact)
+    good = compare_gradients({"w": eager["w"].clone()}, eager, exact)
     assert good["passed"] and good["per_dtype"]["float32"]["max_abs_diff_vs_eager"] == 0.0
     wrong = eager["w"].clone()
     wrong[3, 4] += 0.01
-    bad = report.compare_gradients({"w": wrong}, eager, exact)
+    bad = compare_gradients({"w": wrong}, eager, exact)
     assert not bad["passed"] and bad["failures"][0]["param"] == "w"
     assert not bad["per_dtype"]["float32"]["as_close_to_fp64_as_eager"]
-    assert not report.compare_gradients({}, eager, exact)["passed"]  # a missing gradient fails too
+    assert not compare_gradients({}, eager, exact)["passed"]  # a missing gradient fails too
 
 
 def test_exit_status_follows_the_gradient_check(monkeypatch, capsys, llama_one_layer):
     failed = json.loads(json.dumps(llama_one_layer))
     failed["gradients"]["passed"] = False
-    monkeypatch.setattr(report, "collect", lambda args: failed)
+    monkeypatch.setattr(report, "collect", lambda args, sources=(): failed)
     assert cli.main(["report"]) == report.EXIT_GRADIENTS
     assert "gradient check: FAILED" in capsys.readouterr().out
     failed["pass_errors"] = ["RuntimeError: boom"]
@@ -183,13 +188,13 @@ def test_accounting_disagrees_while_a_compiled_graph_has_not_run():
     function runs, the pass's fused site has run 0 times, which the accounting reports; one run
     (called directly, without Dynamo) is counted by the graph's own code."""
     x, w = torch.randn(2, 5, 32, requires_grad=True), torch.randn(32, requires_grad=True)
-    recorder = report.Recorder(report.FusionOptions.from_mapping({"target": "generic"}))
+    recorder = Recorder(FusionOptions.from_mapping({"target": "generic"}))
     compiled = recorder(torch.fx.symbolic_trace(rms_norm_loss), [x, w])
     (result,) = recorder.results
     assert result.fused(RMS) == 1 and recorder.runs == [0]
 
     def accounting():
-        return report.accounting_errors({"ops": report.summarize_sites(recorder.results, None, recorder.runs)},
+        return analysis.accounting_errors({"ops": analysis.summarize_sites(recorder.results, None, recorder.runs)},
                                         recorder)
 
     graph_error, table_error = accounting()
@@ -203,8 +208,8 @@ def test_accounting_disagrees_while_a_compiled_graph_has_not_run():
 def test_a_graph_reused_per_layer_counts_each_run():
     """One compiled graph run three times in a step (Dynamo reuses it for each 'layer'): its
     site ran three times, counted by the graph's own code; gradients against eager and float64."""
-    from npu_fusion.testing.capture import Capture
-    from npu_fusion.testing.grads import MODEL_FACTOR, assert_close_as_unfused, float64_grads, run_grads
+    from npu_fusion_testing.capture import Capture
+    from npu_fusion.measure.grads import MODEL_FACTOR, assert_close_as_unfused, float64_grads, run_grads
 
     capture = Capture(target="generic")
     torch._dynamo.reset()

@@ -9,7 +9,7 @@ import torch
 from npu_fusion.plugin import pass_manager
 from npu_fusion.plugin.backend import aot_backend
 from npu_fusion.plugin.options import FusionOptions
-from npu_fusion.testing.grads import MODEL_FACTOR, assert_close_as_unfused, grad_failures
+from npu_fusion.measure.grads import MODEL_FACTOR, assert_close_as_unfused, grad_failures
 
 B, S, H = 2, 16, 64
 
@@ -18,7 +18,7 @@ def _tiny_llama():
     pytest.importorskip("transformers")
     from transformers import AutoModelForCausalLM
 
-    from npu_fusion.plugin.report import tiny_hf_config
+    from npu_fusion.report.subjects import tiny_hf_config
 
     torch.manual_seed(0)
     config = tiny_hf_config("llama", 2)
@@ -66,7 +66,7 @@ def test_joint_graph_saves_x_not_its_float32_upcast(partitioner):
 def test_caller_updating_the_input_in_place_before_backward(partitioner):
     """Legal in eager and unfused: the forward saved the upcast, a copy. The fused op reads x,
     which the caller holds: it must read a copy saved by the forward, not the caller's tensor."""
-    from npu_fusion.testing.in_place import grads_after_updating_the_input as updated, hf_rms_norm
+    from npu_fusion_testing.in_place import grads_after_updating_the_input as updated, hf_rms_norm
 
     expected = updated(hf_rms_norm)
     exact = updated(hf_rms_norm, torch.float64)

@@ -10,8 +10,8 @@ import torch.nn.functional as F
 from transformers.models.llama.modeling_llama import rotate_half
 
 from npu_fusion.models import bundled
-from npu_fusion.testing.capture import Capture, compile_and_compare
-from npu_fusion.testing.grads import assert_close_as_unfused, run_grads
+from npu_fusion_testing.capture import Capture, compile_and_compare
+from npu_fusion.measure.grads import assert_close_as_unfused, run_grads
 
 ROPE, RMS = "rotary_position_embedding_grad", "rms_norm_grad"
 PARTITIONERS = ["default", "min_cut"]

@@ -3,7 +3,7 @@ its own ``_fused_rms_norm`` kernel (CUDA, MPS, XPU; no torch_npu line registers 
 README), rewritten into ``npu_fusion.rms_norm_grad`` or left with its reason.
 
 The routing is simulated on the CPU as a device with its own kernels would have it
-(:mod:`npu_fusion.testing.whole_rms_norm`: CPU kernels for the two ops, for this module's tests
+(:mod:`npu_fusion_testing.whole_rms_norm`: CPU kernels for the two ops, for this module's tests
 only): autograd records ``_fused_rms_norm``'s own derivative and AOTAutograd keeps both ops whole.
 """
 import pytest
@@ -16,9 +16,9 @@ from npu_fusion.compat import FUSED_RMS_NORM, FUSED_RMS_NORM_BACKWARD
 from npu_fusion.lowering import RMS_NORM_GRAD
 from npu_fusion.patterns.rms_norm import WHOLE_FORWARD_REASON
 from npu_fusion.plugin.pass_manager import fuse_backward
-from npu_fusion.testing.capture import Capture, compile_and_compare
-from npu_fusion.testing.grads import assert_close_as_unfused, float64_grads, grad_failures, run_grads
-from npu_fusion.testing.whole_rms_norm import (device_rms_norm_kernels, forward_decomposition, routes_whole,
+from npu_fusion_testing.capture import Capture, compile_and_compare
+from npu_fusion.measure.grads import assert_close_as_unfused, float64_grads, grad_failures, run_grads
+from npu_fusion_testing.whole_rms_norm import (device_rms_norm_kernels, forward_decomposition, routes_whole,
                                                   unavailable)
 
 pytestmark = pytest.mark.skipif(bool(unavailable()), reason=unavailable())

@@ -3,13 +3,13 @@ full forward and backward of the causal-LM loss, compiled with the real pass.
 
 For each model, in float32 and bfloat16 (and with dynamic batch and sequence for some):
 every RoPE application and RMSNorm call, counted independently in an eager run, is one fused
-op; nothing of the decomposed RoPE/RMSNorm backward is left (npu_fusion.testing.capture's
+op; nothing of the decomposed RoPE/RMSNorm backward is left (npu_fusion_testing.capture's
 ``decomposed_leftovers``, attributed to the forward code each node came from: GELU-tanh's pow or
 partial rotary's ``x[..., :w]``/``x[..., w:]`` split around a fused op of width w are not RoPE's or
 RMSNorm's); every parameter gradient is as close to float64 as eager's.
 
 Model building, the independent counts and the attribution live in
-``npu_fusion.testing.zoo`` (``benchmarks/zoo_coverage.py`` sweeps the whole zoo with it).
+``npu_fusion_testing.zoo`` (``benchmarks/zoo_coverage.py`` sweeps the whole zoo with it).
 """
 import copy
 
@@ -17,9 +17,9 @@ import pytest
 import torch
 
 pytest.importorskip("transformers")
-from npu_fusion.testing import zoo  # noqa: E402
-from npu_fusion.testing.capture import Capture  # noqa: E402
-from npu_fusion.testing.grads import assert_close_as_unfused  # noqa: E402
+from npu_fusion_testing import zoo  # noqa: E402
+from npu_fusion_testing.capture import Capture  # noqa: E402
+from npu_fusion.measure.grads import assert_close_as_unfused  # noqa: E402
 
 ROPE, NORM = "rotary_position_embedding_grad", "rms_norm_grad"
 F32, BF16 = torch.float32, torch.bfloat16

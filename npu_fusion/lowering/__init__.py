@@ -21,10 +21,11 @@ NPU_KERNELS, GE_CONVERTERS = registrar.register_backends(FUSED_OPS)
 ROPE_GRAD, RMS_NORM_GRAD = _rope_grad.OP, _rms_norm_grad.OP
 ROPE, RMS_NORM = _rope.OP, _rms_norm.OP
 
+# The backward ops' custom ops under their old names. The forward ops are reached as
+# ``torch.ops.npu_fusion.*`` or by their description: ``lowering.rms_norm`` is the module the
+# pattern rules import, which an attribute of that name here would shadow, or be shadowed by.
 rotary_position_embedding_grad = registrar.CUSTOM_OPS[ROPE_GRAD.name]
 rms_norm_grad = registrar.CUSTOM_OPS[RMS_NORM_GRAD.name]
-rotary_position_embedding = registrar.CUSTOM_OPS[ROPE.name]
-rms_norm = registrar.CUSTOM_OPS[RMS_NORM.name]
 
-__all__ = ["FUSED_OPS", "FusedOp", "RMS_NORM", "RMS_NORM_GRAD", "ROPE", "ROPE_GRAD", "rms_norm", "rms_norm_grad",
-           "rotary_position_embedding", "rotary_position_embedding_grad"]
+__all__ = ["FUSED_OPS", "FusedOp", "RMS_NORM", "RMS_NORM_GRAD", "ROPE", "ROPE_GRAD", "rms_norm_grad",
+           "rotary_position_embedding_grad"]

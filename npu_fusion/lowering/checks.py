@@ -15,7 +15,7 @@ from typing import Callable, Sequence, Union
 
 import torch
 
-from ..compat import guard_or_true as _guard_or_true
+from ..compat import check_with, guard_or_true as _guard_or_true
 
 #: the chips the pass can target: ``generic`` (any device: every form of every op, as the
 #: reference kernels run them), Atlas A2, Atlas A3, Ascend 950PR/950DT, and ``common``: only
@@ -35,7 +35,7 @@ def require(condition, message: Message) -> None:
     """Raise FusedOpInputError(message) unless ``condition``; messages may be lazy."""
     lazy = message if callable(message) else (lambda: message)
     if isinstance(condition, torch.SymBool):
-        torch._check_with(FusedOpInputError, condition, lazy)
+        check_with(FusedOpInputError, condition, lazy)
     elif not condition:
         raise FusedOpInputError(lazy())
 

@@ -18,6 +18,8 @@ from typing import Any, Callable, Dict, Mapping, Optional, Sequence, Tuple
 
 import torch
 
+from ..compat import op_schema
+
 
 @dataclasses.dataclass(frozen=True)
 class NpuBinding:
@@ -150,12 +152,12 @@ class FusedOp:
         return getattr(torch.ops.npu_fusion, self.name).default
 
     def argument_names(self) -> Tuple[str, ...]:
-        return tuple(a.name for a in self.overload._schema.arguments)
+        return tuple(a.name for a in op_schema(self.overload).arguments)
 
     def bind(self, args: tuple, kwargs: Mapping[str, Any]) -> Dict[str, Any]:
         """Our arguments by name, defaults filled in from the schema."""
         bound = {}
-        for index, argument in enumerate(self.overload._schema.arguments):
+        for index, argument in enumerate(op_schema(self.overload).arguments):
             if index < len(args):
                 bound[argument.name] = args[index]
             elif argument.name in kwargs:

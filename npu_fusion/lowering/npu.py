@@ -71,17 +71,3 @@ def register(ops=None, custom_ops=None) -> bool:
                                      f"torch_npu must import and provide the npu device")
         return False
     return True
-
-
-def rope_grad_on_npu(dy, cos, sin, x=None, mode=0):
-    """``rotary_position_embedding_grad``'s NPU kernel (the contract tests call it by name)."""
-    from .ops.rope_grad import OP
-
-    return kernel_for(OP)(dy, cos, sin, x, mode)
-
-
-def rms_norm_grad_on_npu(dy, x, rstd, gamma):
-    """``rms_norm_grad``'s NPU kernel (the contract tests call it by name)."""
-    from .ops.rms_norm_grad import OP
-
-    return kernel_for(OP)(dy, x, rstd, gamma)

@@ -33,7 +33,7 @@ NOT_HONOURED = ("partitioner", "decompositions")
 
 def _sources() -> tuple:
     root = pathlib.Path(__file__).resolve().parent.parent
-    return tuple(str(p) for sub in ("lowering", "patterns", "plugin") for p in sorted((root / sub).glob("*.py")))
+    return tuple(str(p) for sub in ("lowering", "patterns", "plugin") for p in sorted((root / sub).rglob("*.py")))
 
 
 def _make_pass_class():

@@ -282,8 +282,8 @@ def fuse_joint(gm: fx.GraphModule, options: Union[FusionOptions, Mapping, None] 
     before the partition, and leave the graph ready for it (:mod:`.joint`): the partitioner then
     saves what the fused ops read. ``copy_op`` makes the forward copies of caller-reachable
     tensors (:class:`~.joint.JointGraph`; each compiler keeps a different op); ``partitioner``
-    is the one that will split the graph (default: the options'). Returns a
-    :class:`FusionResult` (added to the ``session``'s history)."""
+    is the one that will split the graph (default: the options'). Returns a :class:`FusionResult`
+    (added to the ``session``'s history)."""
     return _fuse(gm, options, None, joint=True, layout=lambda graph, options: JointGraph(
         graph, copy_op, min_cut=(partitioner or options.partitioner) == "min_cut"), session=session)
 
@@ -302,7 +302,7 @@ def _fuse(gm: fx.GraphModule, options, forward: Optional[fx.Graph], joint: bool,
     trace_graph(TRACE_BEFORE, gm)
     start = time.perf_counter()  # after the dump: result.seconds is the pass's own time
     with session.collections_paused():
-        _rewrite_or_restore(gm, options, forward, joint, layout, result)
+        _rewrite_or_restore(gm, options, forward, layout if joint else None, result)
     result.seconds = time.perf_counter() - start
     result.nodes_after = len(gm.graph.nodes)
     _record(result)
@@ -314,15 +314,17 @@ def _fuse(gm: fx.GraphModule, options, forward: Optional[fx.Graph], joint: bool,
     return result
 
 
-def _rewrite_or_restore(gm: fx.GraphModule, options, forward: Optional[fx.Graph], joint: bool, layout,
+def _rewrite_or_restore(gm: fx.GraphModule, options, forward: Optional[fx.Graph], joint_layout,
                         result: FusionResult) -> None:
     """Rewrite ``gm`` in place (sites, misses and copies into ``result``), or, on any failure,
-    put the graph back as it was (``result.error``; ``strict`` raises)."""
+    put the graph back as it was (``result.error``; ``strict`` raises). ``joint_layout(graph,
+    options)`` reads a joint graph's layout (None: ``gm`` is a backward graph)."""
     graph, snapshot = gm.graph, None
     try:
         snapshot = Snapshot(graph)
-        layout = layout(graph, options) if joint else None  # before the rewrites: what the unfused backward reads
-        provenance = JointProvenance(graph, layout.backward) if joint else Provenance(forward, graph)
+        # before the rewrites: what the unfused backward reads
+        layout = joint_layout(graph, options) if joint_layout is not None else None
+        provenance = JointProvenance(graph, layout.backward) if layout is not None else Provenance(forward, graph)
         context = PassContext.of(graph, provenance, result.target, options.strict)
         result.sites, result.misses = _rewrite_in_rounds(context, options)
         if layout is not None and result.sites:

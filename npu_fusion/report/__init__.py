@@ -1,11 +1,15 @@
-"""The report as an application above :mod:`npu_fusion.plugin`: :func:`explain` (one training step
-of the user's own module or function with the pass, reported), the full-size analysis of a
-transformers config on fake tensors (:mod:`.fullsize`) and the HTML page (:mod:`.html`).
+"""The report, an application above :mod:`npu_fusion.plugin`: ``npu-fusion report``
+(:mod:`.command`), :func:`explain` (one training step of the user's own module or function with
+the pass, reported; :mod:`.explanation`), the full-size analysis of a transformers config on fake
+tensors (:mod:`.fullsize`) and the HTML page (:mod:`.html`).
 
-Nothing in ``plugin/`` imports this package. The step, its recording backend, the gradient
-comparison and the text tables are :mod:`npu_fusion.plugin.report`'s, which the command line's
-report uses too (its :func:`~npu_fusion.plugin.report.analyse`), so both print the same text and
-serialize to the same JSON.
+All of them run one step through :func:`.analysis.analyse` (or, on fake tensors, its assembly),
+with what :mod:`npu_fusion.measure` measures (the recording backend, run counts, the gradient
+criterion, the independent site counter), so the command line and ``explain`` print the same text
+(:mod:`.text`) and serialize to the same JSON. What the step runs is a :class:`.subjects.Subject`:
+a bundled decoder, a tiny transformers model, or the user's own.
+
+Nothing in ``plugin/`` or ``measure/`` imports this package.
 """
 __all__ = ["Explanation", "explain"]
 

@@ -5,7 +5,7 @@ It runs one step three times without touching the user's code: in float64 on a d
 reference), eagerly (the baseline, while an independent counter counts the RoPE and RMSNorm sites),
 and compiled with the pass (the counter active again: it then sees only the sites that ran outside
 every compiled graph). The result is the command line's report for that step
-(:func:`npu_fusion.plugin.report.analyse`): sites fused per op and per mode, misses with reasons,
+(:func:`npu_fusion.report.analysis.analyse`): sites fused per op and per mode, misses with reasons,
 backward ops before and after, modelled traffic, saved activations, the gradient check, and where
 each counted site ended.
 
@@ -13,20 +13,21 @@ The independent counter, unless ``counter=`` names one, counts calls of module c
 ``*RMSNorm`` and tensors returned by functions named ``apply_rotary_pos_emb*`` in the modules that
 define the model's classes (or the function): the transformers convention. A site it cannot see
 shows as ``expected`` lower than ``found``; pass ``counter=`` (a
-:class:`~npu_fusion.testing.sites.SiteCounter` factory) to name the classes and functions.
+:class:`~npu_fusion.measure.sites.SiteCounter` factory) to name the classes and functions.
 """
 from __future__ import annotations
 
 import dataclasses
 import json
-import sys
-from typing import Any, Callable, Dict, Optional, Sequence
+from typing import Any, Callable, Dict, Optional
 
 import torch
 
+from ..measure.sites import SiteCounter
 from ..plugin.options import FusionOptions
-from ..plugin.report import Subject, _finite, analyse, format_text
-from ..testing.sites import SiteCounter
+from .analysis import analyse
+from .subjects import FunctionModule, Subject, conventional_counter
+from .text import finite, format_text
 
 
 @dataclasses.dataclass
@@ -40,7 +41,7 @@ class Explanation:
 
     def to_dict(self) -> Dict[str, Any]:
         """The report as JSON-safe data (a non-finite float becomes a string)."""
-        return _finite(self.report)
+        return finite(self.report)
 
     def to_json(self, indent: Optional[int] = 2) -> str:
         return json.dumps(self.to_dict(), indent=indent, allow_nan=False)
@@ -104,50 +105,18 @@ def _tensors(value) -> list:
     return []
 
 
-class _Function(torch.nn.Module):
-    """A plain function as a module whose parameters are the inputs that take gradients."""
-
-    def __init__(self, fn: Callable, inputs: Sequence[Any]):
-        super().__init__()
-        self.fn = fn
-        wanted = [i for i, a in enumerate(inputs) if isinstance(a, torch.Tensor) and a.requires_grad]
-        self.positions = wanted or [i for i, a in enumerate(inputs)
-                                    if isinstance(a, torch.Tensor) and a.is_floating_point()]
-        for i in self.positions:
-            self.register_parameter(f"input{i}", torch.nn.Parameter(inputs[i].detach().clone()))
-
-    def forward(self, *others):
-        rest = iter(others)
-        count = len(self.positions) + len(others)
-        return self.fn(*(getattr(self, f"input{i}") if i in self.positions else next(rest) for i in range(count)))
-
-
 def _subject(model_or_fn, inputs, loss, counter, name) -> tuple:
-    """The report's :class:`~npu_fusion.plugin.report.Subject` and the step's inputs."""
+    """The report's :class:`~.subjects.Subject` and the step's inputs."""
     if isinstance(model_or_fn, torch.nn.Module):
         model, batch = model_or_fn, tuple(inputs)
         label = name or f"{type(model).__name__} (explain)"
     else:
-        model = _Function(model_or_fn, inputs)
+        model = FunctionModule(model_or_fn, inputs)
         batch = tuple(a for i, a in enumerate(inputs) if i not in model.positions)
         label = name or f"{getattr(model_or_fn, '__qualname__', repr(model_or_fn))} (explain)"
     return Subject(name=label, model=model, loss=lambda m, b: loss(m(*b)), vocab_size=0,
                    counter=counter or conventional_counter, counts_outside=True,
                    widen=_widened), batch
-
-
-def conventional_counter(model: torch.nn.Module) -> SiteCounter:
-    """A site counter for the transformers naming convention (module docstring). A plain function
-    is counted through the attribute that holds it, itself an apply-RoPE function or not."""
-    norm_types = tuple({type(m) for m in model.modules() if type(m).__name__.lower().endswith("rmsnorm")})
-    modules = {sys.modules.get(type(m).__module__) for m in model.modules()}
-    if isinstance(model, _Function):
-        modules.add(sys.modules.get(getattr(model.fn, "__module__", None)))
-    rope_functions = [(module, attr) for module in modules if module is not None for attr in dir(module)
-                      if attr.startswith("apply_rotary_pos_emb") and callable(getattr(module, attr))]
-    if isinstance(model, _Function) and getattr(model.fn, "__name__", "").startswith("apply_rotary_pos_emb"):
-        rope_functions.append((model, "fn"))
-    return SiteCounter(model, norm_types=norm_types, rope_functions=rope_functions)
 
 
 def _widened(batch):

@@ -34,10 +34,11 @@ from typing import Any, Dict, List
 
 import torch
 
-from ..plugin import report as cli_report
 from ..plugin.options import FusionOptions
-from ..plugin.report import DTYPES, Recorder, Subject, UsageError, progress
-from .explanation import conventional_counter
+from . import analysis, command
+from .analysis import progress, recorder_for
+from .subjects import DTYPES, Subject, UsageError, conventional_counter
+from .text import finite, format_accounting, format_ops, format_saved, format_traffic, table
 
 EXIT_UNEXPLAINED = 1  # a counted site neither fused nor recorded as a miss
 NO_GRADIENTS = {"checked": False, "passed": None, "per_dtype": {}, "failures": [],
@@ -146,8 +147,8 @@ def _one_target(model, ids, settings: Dict[str, Any], counted) -> Dict[str, Any]
     """The pass on one compiled step for ``settings["target"]``: the report's data, per site."""
     options = FusionOptions.from_mapping({"target": settings["target"], "partitioner": settings["partitioner"]})
     progress(f"target {options.resolved_target()}: compiling forward and backward on fake tensors...")
-    torch._dynamo.reset()
-    recorder = Recorder(options)
+    torch.compiler.reset()
+    recorder = recorder_for(options)
     outside = conventional_counter(model)
     start = time.perf_counter()
     with outside:
@@ -156,9 +157,9 @@ def _one_target(model, ids, settings: Dict[str, Any], counted) -> Dict[str, Any]
     seconds = time.perf_counter() - start
     model.zero_grad(set_to_none=True)
     subject = Subject(name=settings["model"], model=model, loss=meta_loss, vocab_size=0)
-    report = cli_report._assemble(settings, subject, options, recorder, counted.counts, NO_GRADIENTS,
+    report = analysis.assemble(settings, subject, options, recorder, counted.counts, NO_GRADIENTS,
                                   (seconds, 0.0))
-    report["accounting"] = cli_report._accounting(counted, outside, recorder)
+    report["accounting"] = analysis.accounting(counted, outside, recorder)
     return report
 
 
@@ -175,10 +176,10 @@ def status(report: Dict[str, Any]) -> int:
     """0, or 3 for an internal error of the pass, or 1 for a counted site left unexplained."""
     targets = report["targets"].values()
     if any(t["pass_errors"] for t in targets):
-        return cli_report.EXIT_PASS_ERROR
+        return command.EXIT_PASS_ERROR
     if any(a["unexplained"] for t in targets for a in t["accounting"].values()):
         return EXIT_UNEXPLAINED
-    return cli_report.EXIT_OK
+    return command.EXIT_OK
 
 
 def run(args: argparse.Namespace, sinks=()) -> int:
@@ -188,9 +189,9 @@ def run(args: argparse.Namespace, sinks=()) -> int:
             sink(report)
     except UsageError as exc:
         print(f"npu-fusion report: {exc}", file=sys.stderr)
-        return cli_report.EXIT_USAGE
+        return command.EXIT_USAGE
     if args.json:
-        json.dump(cli_report._finite(report), sys.stdout, indent=2, allow_nan=False)
+        json.dump(finite(report), sys.stdout, indent=2, allow_nan=False)
         sys.stdout.write("\n")
     else:
         sys.stdout.write(format_text(report))
@@ -209,8 +210,7 @@ def format_text(report: Dict[str, Any]) -> str:
                    f"batch {s['batch']} x seq {s['seq']}\n")
         out += [f"PASS ERROR (graph left unchanged): {err}\n" for err in r["pass_errors"]]
         out.append(format_sites(r))
-        out += [cli_report._format_ops(r), cli_report._format_accounting(r), cli_report._format_traffic(r),
-                cli_report._format_saved(r)]
+        out += [format_ops(r), format_accounting(r), format_traffic(r), format_saved(r)]
     return "".join(out)
 
 
@@ -220,7 +220,7 @@ def format_sites(report: Dict[str, Any]) -> str:
             for s in report["sites"]]
     rows += [[m["module"] or "?", m["op"], "REFUSED", m["reason"]] for m in report["misses"]]
     rows.sort(key=lambda r: _module_order(r[0]))
-    return "\n## Sites\n\n" + cli_report._table(["module", "op", "on this chip", "reason"], rows)
+    return "\n## Sites\n\n" + table(["module", "op", "on this chip", "reason"], rows)
 
 
 def _module_order(path: str):

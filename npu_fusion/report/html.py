@@ -36,7 +36,7 @@ svg text { font-family: inherit; } svg { display: block; margin-bottom: 8px; }
 
 
 def writer(path: str):
-    """A report sink (``npu_fusion.plugin.report.run``) that writes the page to ``path``."""
+    """A report sink (``npu_fusion.report.command.run``) that writes the page to ``path``."""
     def write(report: Dict[str, Any]) -> None:
         with open(path, "w", encoding="utf-8") as f:
             f.write(render(report))

@@ -2,8 +2,8 @@
 
 * ``torchair``: the ``torchair`` package unpacked from the torch_npu wheel
   matching the installed torch (downloaded once and cached, see
-  :mod:`npu_fusion.testing.torchair.harness`), its CANN extension modules replaced by
-  :mod:`npu_fusion.testing.torchair.cann_stub`; the npu-fusion GE converters registered. Skips only when
+  :mod:`npu_fusion_testing.torchair.harness`), its CANN extension modules replaced by
+  :mod:`npu_fusion_testing.torchair.cann_stub`; the npu-fusion GE converters registered. Skips only when
   the package index cannot be reached or has no torch_npu for this torch (a torch
   newer than every torch_npu release).
 * ``ge``: compiles functions with ``torchair.get_npu_backend`` and returns the
@@ -17,7 +17,7 @@ eagerly, here on CPU with the fused ops' reference kernels, so a forward pass
 yields real values and its backward graph gets compiled too).
 ``ge.graphs()`` parses the dumps. With ``run_eagerly=False`` torchair instead
 hands the graph to GE, which the stub records (``ge.loaded()``) and refuses to
-run (:class:`npu_fusion.testing.torchair.cann_stub.CannUnavailableError`).
+run (:class:`npu_fusion_testing.torchair.cann_stub.CannUnavailableError`).
 """
 from __future__ import annotations
 
@@ -26,8 +26,8 @@ import sys
 import pytest
 import torch
 
-from npu_fusion.testing.torchair import cann_stub, harness
-from npu_fusion.testing.torchair.ge_graph_view import GeCapture
+from npu_fusion_testing.torchair import cann_stub, harness
+from npu_fusion_testing.torchair.ge_graph_view import GeCapture
 
 
 @pytest.fixture(scope="session")

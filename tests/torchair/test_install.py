@@ -103,7 +103,7 @@ def test_installed_pass_runs_on_every_torchair_graph(ge, recorded_pass):
 
 
 NO_HOOK_SCRIPT = """
-from npu_fusion.testing.torchair import harness
+from npu_fusion_testing.torchair import harness
 try:
     torchair = harness.load_torchair()
 except harness.TorchairUnavailable as error:
@@ -137,3 +137,19 @@ def test_install_names_a_torchair_without_a_hook(tmp_path):
     assert done.stdout.startswith("REFUSED"), done.stdout + done.stderr[-3000:]
     assert "post_grad_custom_pre_pass" in done.stdout and "torchair-2.7.1" in done.stdout
     assert "2.7.1.post11" in done.stdout  # the fix: the newest post release of the line
+
+
+def test_caller_updating_the_input_in_place_before_backward(ge):
+    """The in-place program through torchair's own backend after ``install``: the pass runs after
+    the partition, so the forward saved what the unfused program saved (the float32 upcast, a copy)
+    and the caller's update stays legal; gradients as eager."""
+    from npu_fusion.plugin import pass_manager
+    from npu_fusion_testing.in_place import grads_after_updating_the_input as updated, hf_rms_norm
+    from npu_fusion_testing.torchair.llama_block import assert_grads_close
+
+    expected, exact = updated(hf_rms_norm), updated(hf_rms_norm, torch.float64)
+    mark = pass_manager.HISTORY.mark()
+    got = updated(ge.compile(hf_rms_norm, config=npu_fusion.install(ge.config(), target="a2")))
+    assert sum(r.fused("rms_norm_grad") for r in pass_manager.HISTORY.since(mark)) == 1
+    assert ge.backward().types()["RmsNormGrad"] == 1
+    assert_grads_close(got, expected, exact)

@@ -21,7 +21,7 @@ pytestmark = pytest.mark.smoke  # in the version matrix's smoke set: torchair
 
 pytest.importorskip("transformers")
 
-from npu_fusion.testing.torchair.llama_block import (  # noqa: E402
+from npu_fusion_testing.torchair.llama_block import (  # noqa: E402
     DECOMPOSED, FUSED, assert_grads_close, decomposed_ops, train_step)
 
 

@@ -1,5 +1,5 @@
 """The wheel reader behind the README's table of what each torch_npu line registers for the whole
-RMSNorm ops (``npu_fusion.testing.torchair.whole_ops``): on a made-up wheel it must see each kind
+RMSNorm ops (``npu_fusion_testing.torchair.whole_ops``): on a made-up wheel it must see each kind
 of entry, and the default line's wheel must register no NPU kernel and no torchair converter for
 either op (else the rewrite of ``aten._fused_rms_norm_backward`` is live on that line, and the
 README is wrong)."""
@@ -9,8 +9,8 @@ import zipfile
 
 import pytest
 
-from npu_fusion.testing.torchair import harness
-from npu_fusion.testing.torchair.whole_ops import OPS, read_wheel
+from npu_fusion_testing.torchair import harness
+from npu_fusion_testing.torchair.whole_ops import OPS, read_wheel
 
 FORWARD, BACKWARD = OPS
 

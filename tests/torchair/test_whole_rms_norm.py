@@ -1,5 +1,5 @@
 """The whole RMSNorm ops through torchair (CANN stubbed), with the CPU routing ``F.rms_norm`` to
-``aten._fused_rms_norm`` as a device with its own kernel does (:mod:`npu_fusion.testing.whole_rms_norm`).
+``aten._fused_rms_norm`` as a device with its own kernel does (:mod:`npu_fusion_testing.whole_rms_norm`).
 
 torchair has no converter for either op in any torch_npu line from 2.6.0 to 2.14.0. With the forward
 decomposed (``custom_decompositions``), the backward ``_fused_rms_norm_backward`` reaches the pass
@@ -13,8 +13,8 @@ import torch.nn.functional as F
 
 import npu_fusion
 from npu_fusion.plugin import pass_manager
-from npu_fusion.testing.grads import assert_close_as_unfused, float64_grads, run_grads
-from npu_fusion.testing.whole_rms_norm import device_rms_norm_kernels, forward_decomposition, unavailable
+from npu_fusion.measure.grads import assert_close_as_unfused, float64_grads, run_grads
+from npu_fusion_testing.whole_rms_norm import device_rms_norm_kernels, forward_decomposition, unavailable
 
 pytestmark = pytest.mark.skipif(bool(unavailable()), reason=unavailable())
 

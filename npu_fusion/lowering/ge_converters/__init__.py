@@ -106,9 +106,10 @@ def converter_for(op: FusedOp, builders):
 
 def supported(op: FusedOp) -> list:
     """``op``'s declared cases as torchair ``Support`` s: tensors as specs by position, the rest by name."""
-    from torchair._ge_concrete_graph.supported_declaration import Support
-
+    from ...compat import torchair_converter_api
     from .builders import tensor_spec
+
+    Support = torchair_converter_api().Support
 
     names = op.argument_names()
     declared = []

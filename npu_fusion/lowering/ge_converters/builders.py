@@ -17,15 +17,17 @@ from __future__ import annotations
 import dataclasses
 from typing import Callable
 
+from ...compat import torchair_converter_api
 from ..fused_op import GeIr
 
 
 def ir_builder(ir: GeIr) -> Callable:
     """A GE op builder written from ``ir`` the way torchair generates them."""
-    from torchair._ge_concrete_graph.compat_ir import IrDef, ge_op
     from torchair.ge import attr
 
-    definition = IrDef(ir.op)
+    api = torchair_converter_api()
+    ge_op = api.ge_op
+    definition = api.IrDef(ir.op)
     for item in ir.inputs:
         definition = (definition.optional_input if item.optional else definition.input)(item.name, item.dtypes)
     for item in ir.attrs:
@@ -47,13 +49,12 @@ def ir_builder(ir: GeIr) -> Callable:
 
 def _accepts_absent_optionals(builder, ir: GeIr) -> bool:
     """Whether ``builder`` builds ``ir``'s op with every optional input absent (in a scratch graph)."""
-    from torchair._ge_concrete_graph import ge_apis as ge
     from torchair.ge import DataType
-    from torchair.ge._ge_graph import GeGraph
 
+    api = torchair_converter_api()
     try:
-        with GeGraph(name="npu_fusion_builder_probe"):
-            data = [ge.Data(index=i, dtype=DataType.DT_FLOAT, shape=[1, 2, 1, 4], placement="CPU")
+        with api.GeGraph(name="npu_fusion_builder_probe"):
+            data = [api.ge.Data(index=i, dtype=DataType.DT_FLOAT, shape=[1, 2, 1, 4], placement="CPU")
                     for i in range(len(ir.required()))]
             builder(*data, **{i.name: None for i in ir.optional()})
     except (AssertionError, TypeError, ValueError):
@@ -76,9 +77,7 @@ class OpBuilders:
 
 def op_builders(ir: GeIr) -> OpBuilders:
     """torchair's generated builders where they exist and accept the call, :func:`ir_builder`'s otherwise."""
-    from torchair._ge_concrete_graph import ge_apis as ge
-
-    generated = getattr(ge, ir.op, None)
+    generated = getattr(torchair_converter_api().ge, ir.op, None)
     own = ir_builder(ir)
     full = generated or own
     if not ir.optional() or (generated is not None and _accepts_absent_optionals(generated, ir)):
@@ -93,26 +92,19 @@ def as_dtype(tensor, produced, wanted):
     """``tensor`` is a GE output known to be of GE dtype ``produced``; Cast it to
     ``wanted`` (the op's declared output dtype, a GE dtype) where they differ."""
     from torchair.ge import Cast
-    from torchair.ge._ge_graph import ge_type_to_torch_type
 
     if wanted is None or wanted == produced:
         return tensor
-    tensor.set_torch_dtype(ge_type_to_torch_type(produced))
+    tensor.set_torch_dtype(torchair_converter_api().ge_type_to_torch_type(produced))
     return Cast(tensor, dst_type=wanted)
 
 
 def tensor_spec(dtype, shape):
     """torchair's ``F32(*shape)``-style supported-shape spec of a torch dtype and shape."""
-    import torch
-    from torchair._ge_concrete_graph.supported_declaration import BF16, F16, F32
-
-    return {torch.float32: F32, torch.float16: F16, torch.bfloat16: BF16}[dtype](*shape)
+    return torchair_converter_api().specs[dtype](*shape)
 
 
 def declare_supported(cases):
     """torchair's ``declare_supported(cases)`` where this torchair has the API, else no decorator."""
-    try:
-        from torchair._ge_concrete_graph.fx2ge_converter import declare_supported as declare
-    except ImportError:
-        return lambda converter: converter
-    return declare(cases)
+    declare = torchair_converter_api().declare_supported
+    return declare(cases) if declare is not None else (lambda converter: converter)

@@ -3,9 +3,9 @@
 Each :class:`Framework` builds one library's own model code (torchtitan, torchtune, Megatron-core;
 2 layers, head_dim 16 where the library lets us choose, random weights, nothing downloaded), runs it
 forward and gives the causal-LM loss, and counts its RoPE and RMSNorm sites independently of the
-pass (:class:`~npu_fusion.testing.sites.SiteCounter` on the library's own norm and RoPE classes or
+pass (:class:`~npu_fusion.measure.sites.SiteCounter` on the library's own norm and RoPE classes or
 apply-RoPE function). :func:`measure` runs one training step eagerly (counting), in float64 (the
-reference), and compiled with the real pass (:class:`~npu_fusion.testing.capture.Capture`), and
+reference), and compiled with the real pass (:class:`~npu_fusion_testing.capture.Capture`), and
 returns where every counted site ended and whether the gradients meet the criterion.
 
 What a library needs to run on a CPU at all is in :mod:`.cpu_workarounds`, applied here only.
@@ -22,8 +22,8 @@ import torch.nn.functional as F
 
 from .capture import Capture
 from .cpu_workarounds import cpu_workarounds_megatron, cpu_workarounds_torchtitan
-from .grads import grad_failures
-from .sites import Accounting, SiteCounter, account
+from npu_fusion.measure.grads import grad_failures
+from npu_fusion.measure.sites import Accounting, SiteCounter, account
 
 VOCAB = 128  # token ids are drawn below this; every model's vocabulary is at least this large
 

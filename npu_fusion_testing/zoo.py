@@ -3,7 +3,7 @@ built from a tiny random config, compiled with the real pass and measured.
 
 For each model: the sites counted independently of the pass in an eager step
 (:func:`count_sites`), where they ended after the pass (fused, with a recorded miss, left
-unfused by module), the gradient criterion (:func:`~npu_fusion.testing.grads.grad_failures`)
+unfused by module), the gradient criterion (:func:`~npu_fusion.measure.grads.grad_failures`)
 and what is left of the decomposed RoPE/RMSNorm backward (:func:`site_leftovers`).
 ``benchmarks/zoo_coverage.py`` is its command line and ``tests/test_zoo.py`` its test.
 
@@ -27,10 +27,10 @@ from typing import Any, Dict, List, Optional
 
 import torch
 
-from ..patterns import RmsNormGradRule, RopeGradRule
 from .capture import Capture, decomposed_leftovers
-from .grads import grad_failures
-from .sites import NORM_OP, ROPE_OP, grad_tensors
+from npu_fusion.measure.grads import grad_failures
+from npu_fusion.measure.sites import NORM_OP, ROPE_OP, grad_tensors
+from npu_fusion.patterns import RmsNormGradRule, RopeGradRule
 
 #: the tiny sizes; an attribute is set only when the config has it (directly or via attribute_map)
 SHRINK = {
@@ -345,7 +345,7 @@ def count_sites(model, entry: Entry):
     apply function (the attention), so unfused sites can be named; ``forward`` counts the calls
     of the forward whether or not a gradient reached them.
 
-    Not :class:`~npu_fusion.testing.sites.SiteCounter`, whose counts would differ here: this one
+    Not :class:`~npu_fusion.measure.sites.SiteCounter`, whose counts would differ here: this one
     finds the norm classes by name or source in any model, counts only the innermost of nested
     norm modules, skips norms that return only the statistic, counts an apply function that calls
     another once, names the caller from a module stack rather than frames, hooks each output
@@ -550,7 +550,7 @@ def _is_partial_rotary_split(node, widths) -> bool:
 
 
 def site_leftovers(graph, entry: Entry) -> Dict[str, List[str]]:
-    """:func:`~npu_fusion.testing.capture.decomposed_leftovers` of ``graph``, by origin: what is left of a RoPE
+    """:func:`~npu_fusion_testing.capture.decomposed_leftovers` of ``graph``, by origin: what is left of a RoPE
     or RMSNorm backward (``rope``/``rms_norm``), of unknown origin (``unknown``), of other code
     (``other``: GELU-tanh's pow, GPT-J's partial-rotary split in the attention), and partial
     rotary's split inside the apply function (GPT-NeoX) around a fused op (``partial_rotary``)."""

@@ -1,12 +1,13 @@
 """The gradient criterion of the tests, the benchmarks and ``npu-fusion report``: a compiled (fused)
 gradient is at least as close to the float64 gradient as the eager (unfused) one, up to a factor,
 with a per-dtype floor; :func:`ulps_apart`, which sees what the float64 run cannot (a rounding the
-program does and the compiled run dropped); and the helpers that compute the gradients compared."""
+program does and the compiled run dropped); the helpers that compute the gradients compared; and
+:func:`compare_gradients`, the per-parameter table the report prints."""
 from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Dict, List
+from typing import Any, Dict, List
 
 import torch
 
@@ -117,3 +118,45 @@ def float64_grads(fn, inputs, params, grad_outputs):
         for p, s in zip(params, saved):
             p.data = s
     return grads
+
+
+def compare_gradients(fused: Dict[str, torch.Tensor], eager: Dict[str, torch.Tensor],
+                      exact: Dict[str, torch.Tensor]) -> Dict[str, Any]:
+    """Per parameter, the float64 criterion (:func:`grad_error`, factor :data:`MODEL_FACTOR`):
+    ``err(compiled) <= 4 * err(eager) + floor``, ``err`` the max abs difference to the float64
+    gradient and the floor per dtype; it must hold for every parameter. ``max |compiled - eager|``
+    is reported beside it, per dtype."""
+    per_dtype: Dict[str, Dict[str, Any]] = {}
+    failures = []
+    missing = sorted(set(eager) ^ set(fused))
+    for name in sorted(set(eager) & set(fused)):
+        g, e = fused[name], eager[name]
+        row = per_dtype.setdefault(str(g.dtype).replace("torch.", ""), {
+            "params": 0, "max_abs_diff_vs_eager": 0.0, "worst_param": None, "max_err_compiled_vs_fp64": 0.0,
+            "max_err_eager_vs_fp64": 0.0, "as_close_to_fp64_as_eager": True})
+        failures += _compare_parameter(name, g, e, exact[name], row)
+    return {"per_dtype": per_dtype, "failures": failures, "params_without_grad_in_one_run": missing,
+            "passed": not failures and not missing and bool(per_dtype)}
+
+
+def _compare_parameter(name: str, g: torch.Tensor, e: torch.Tensor, x: torch.Tensor,
+                       row: Dict[str, Any]) -> List[Dict[str, Any]]:
+    """One parameter's gradient into its dtype's ``row``; its failures (none when it passes)."""
+    row["params"] += 1
+    if g.dtype != e.dtype or g.shape != e.shape:
+        row["as_close_to_fp64_as_eager"] = False
+        return [{"param": name, "error": f"{g.dtype}{list(g.shape)} vs eager {e.dtype}{list(e.shape)}"}]
+    diff = (g.double() - e.double()).abs().max().item() if g.numel() else 0.0
+    error = grad_error(g, e, x, factor=MODEL_FACTOR)
+    if diff >= row["max_abs_diff_vs_eager"]:
+        row["max_abs_diff_vs_eager"], row["worst_param"] = diff, name
+    row["max_err_compiled_vs_fp64"] = max(row["max_err_compiled_vs_fp64"], error.fused)
+    row["max_err_eager_vs_fp64"] = max(row["max_err_eager_vs_fp64"], error.unfused)
+    row["as_close_to_fp64_as_eager"] &= error.ok
+    failures = []
+    if not error.ok:
+        failures.append({"param": name, "err_compiled_vs_fp64": error.fused, "err_eager_vs_fp64": error.unfused,
+                         "floor": error.floor, "bound": error.bound, "max_abs_diff_vs_eager": diff})
+    if not math.isfinite(diff):
+        failures.append({"param": name, "error": "non-finite gradient"})
+    return failures

@@ -509,6 +509,14 @@ def rope_body(form: RopeForm, p) -> List[str]:
         lines += ["q = q @ wp"] + (["k = k @ wp"] if form.with_k else [])
     if "qk_norm" in p:
         lines += ["q = qk_norm(q, wq)"] + (["k = qk_norm(k, wq)"] if form.with_k else [])
+    table_lines, tables = rope_tables(form, p)
+    outs = [rope_output(form, p, tables, x) for x in ["q", "k"][:1 + form.with_k]]
+    return lines + table_lines + [f"return {', '.join(outs + rope_extra_outputs(form, p))}"]
+
+
+def rope_tables(form: RopeForm, p) -> Tuple[List[str], List[str]]:
+    """The lines that prepare the tables RoPE reads in this spelling, and the tables' names."""
+    lines = []
     after_s = form.layout.index("D") - 1 - form.layout.index(form.position_axis)
     index = "[:" + ", None" * after_s + ", :]" if after_s else ""  # computed tables broadcast over the axes after S
     if form.spelling in COMPLEX:
@@ -535,32 +543,38 @@ def rope_body(form: RopeForm, p) -> List[str]:
     if form.upcast:  # new names: the originals stay in use (table_reuse)
         lines += [f"{t}32 = {t}.to(torch.float32)" for t in tables]
         tables = [f"{t}32" for t in tables]
+    return lines, tables
 
-    def apply(x):
-        xin = f"{x}.to(torch.float32)" if form.upcast else x
 
-        def rope(t):
-            once = f"rope({t}, {', '.join(tables)})"
-            if "twice" in p:  # the same rotation of its own output: one site's dx is the other's dy
-                return f"rope({once}, {', '.join(tables)})"
-            if "swapped_too" in p:  # a second RoPE of the same x (tables swapped): two dx summed
-                return f"({once} + rope({t}, {', '.join(reversed(tables))}))"
-            if "residual" in p:  # x's gradient is dx plus dy
-                return f"({once} + {t})"
-            return once
+def rope_output(form: RopeForm, p, tables: List[str], x: str) -> str:
+    """The expression of ``x`` (q or k) rotated over its rotary width, with the wrappers drawn."""
+    xin = f"{x}.to(torch.float32)" if form.upcast else x
 
-        y = rope(xin)
-        if form.width < form.head_dim:
-            w, d = form.width, form.head_dim
-            rest = f"{x}[..., {w - 2}:{d - 2}]" if "rest_overlap" in p else f"{x}[..., {w}:]"
-            y = f"torch.cat(({rope(f'{xin}[..., :{w}]')}, {rest}), dim=-1)"
-        y = scaled(f"({y}).to({x}.dtype)" if form.upcast else y, p)
-        y = ROPE_AFTER[form.after].format(y)
-        if "transpose_out" in p:
-            y = f"({y}).transpose(1, 2)"
-        return f"({y}).flatten(-2)" if "flatten_out" in p else y
+    def rope(t):
+        once = f"rope({t}, {', '.join(tables)})"
+        if "twice" in p:  # the same rotation of its own output: one site's dx is the other's dy
+            return f"rope({once}, {', '.join(tables)})"
+        if "swapped_too" in p:  # a second RoPE of the same x (tables swapped): two dx summed
+            return f"({once} + rope({t}, {', '.join(reversed(tables))}))"
+        if "residual" in p:  # x's gradient is dx plus dy
+            return f"({once} + {t})"
+        return once
 
-    outs = [apply(x) for x in ["q", "k"][:1 + form.with_k]]
+    y = rope(xin)
+    if form.width < form.head_dim:
+        w, d = form.width, form.head_dim
+        rest = f"{x}[..., {w - 2}:{d - 2}]" if "rest_overlap" in p else f"{x}[..., {w}:]"
+        y = f"torch.cat(({rope(f'{xin}[..., :{w}]')}, {rest}), dim=-1)"
+    y = scaled(f"({y}).to({x}.dtype)" if form.upcast else y, p)
+    y = ROPE_AFTER[form.after].format(y)
+    if "transpose_out" in p:
+        y = f"({y}).transpose(1, 2)"
+    return f"({y}).flatten(-2)" if "flatten_out" in p else y
+
+
+def rope_extra_outputs(form: RopeForm, p) -> List[str]:
+    """Outputs beside the rotated q (and k) that reuse an intermediate or a table of the rotation."""
+    outs = []
     if "extra_output" in p:  # an intermediate of the rotation used outside it
         whole = form.spelling in USES_ROT and form.width == form.head_dim
         outs.append("rot(q)" if whole else "q * 2.0")
@@ -568,7 +582,7 @@ def rope_body(form: RopeForm, p) -> List[str]:
         table = {"tune": "cache[..., 0]", "megatron": "emb", "half_computed": "freqs"}.get(form.spelling, "cos")
         cos_width = form.width // 2 if form.spelling in ("half", "half_computed", "tune") else form.width
         outs.append(f"(v[..., :{cos_width}] * {table})[..., :4]" if form.spelling not in COMPLEX else "v * 2.0")
-    return lines + [f"return {', '.join(outs)}"]
+    return outs
 
 
 def rope_program(form: RopeForm, p) -> Program:

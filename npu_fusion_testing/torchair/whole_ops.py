@@ -17,7 +17,7 @@ library, so the reader looks at:
 As a control, the same strings must show a registration torch_npu does make
 (``native_layer_norm``): a reader that saw nothing at all would otherwise read as "no kernel".
 
-    python -m npu_fusion.testing.torchair.whole_ops [WHEEL_OR_VERSION ...]   # JSON per wheel
+    python -m npu_fusion_testing.torchair.whole_ops [WHEEL_OR_VERSION ...]   # JSON per wheel
 """
 from __future__ import annotations
 

@@ -216,13 +216,20 @@ def ensure_torchair_sources(version: Optional[str] = None) -> Path:
     return target
 
 
-#: the two torch_npu ops npu-fusion's eager kernels call, and the two GE ops its converters build.
-TORCH_NPU_OPS = ("npu_rotary_mul_backward", "npu_rms_norm_backward")
-GE_OPS = ("RotaryPositionEmbeddingGrad", "RmsNormGrad")
+def _declared_ops():
+    """The torch_npu ops our eager kernels call and the GE ops our converters build, as the fused
+    ops declare them (:data:`npu_fusion.lowering.FUSED_OPS`)."""
+    from npu_fusion.lowering import FUSED_OPS
+
+    return tuple(op.npu.op for op in FUSED_OPS), tuple(op.ge.op for op in FUSED_OPS)
+
+
+TORCH_NPU_OPS, GE_OPS = _declared_ops()
 _GENERATED_GE_OPS = WHEEL_PREFIX + "_ge_concrete_graph/auto_generated_ge_raw_ops.py"
-_TORCHAIR_ROTARY_CONVERTER = WHEEL_PREFIX + "_ge_concrete_graph/ge_converter/custom/npu_rotary_mul_backward.py"
-#: the eager kernel's refusal of other rotary modes, compiled into torch_npu's library.
-_EAGER_MODE_MESSAGE = re.compile(rb"The rotary_mode of npu_rotary_mul_backward should be ([ -~]*?), but got")
+_TORCHAIR_CONVERTERS = WHEEL_PREFIX + "_ge_concrete_graph/ge_converter/custom/{op}.py"
+#: an eager kernel's refusal of an argument's value, compiled into torch_npu's library
+#: ("The rotary_mode of npu_rotary_mul_backward should be half or interleave, but got").
+_EAGER_VALUE_MESSAGE = re.compile(rb"The (\w+) of (\w+) should be ([ -~]*?), but got")
 
 
 def _schemas_in(text: str, pattern: str) -> dict:
@@ -250,22 +257,29 @@ def _read_contract_sources(wheel: Path) -> dict:
         names = archive.namelist()
         yaml_schemas, yaml_path = {}, None
         for name in sorted(n for n in names if n.startswith("torch_npu/") and n.endswith(".yaml")):
-            found = _schemas_in(archive.read(name).decode(errors="replace"), r"- func: ({op}\(.*\) -> .*)")
+            found = _schemas_in(archive.read(name).decode(errors="replace"), r"\bfunc: ({op}\(.*\) -> .*)")
             if found and not yaml_schemas:
                 yaml_schemas, yaml_path = found, name
         library = archive.read("torch_npu/lib/libtorch_npu.so")
         registered = _schemas_in(library.decode("latin-1"), r"\x00({op}\([ -~]*\) -> [ -~]*)\x00")
-        modes = _EAGER_MODE_MESSAGE.search(library)
+        values = {}
+        for keyword, op, words in _EAGER_VALUE_MESSAGE.findall(library):
+            if op.decode() in TORCH_NPU_OPS:
+                values.setdefault(op.decode(), {})[keyword.decode()] = words.decode()
         generated = archive.read(_GENERATED_GE_OPS).decode()
-        rotary_converter = archive.read(_TORCHAIR_ROTARY_CONVERTER).decode() if _TORCHAIR_ROTARY_CONVERTER in names else ""
+        converters = {op: archive.read(_TORCHAIR_CONVERTERS.format(op=op)).decode()
+                      for op in TORCH_NPU_OPS if _TORCHAIR_CONVERTERS.format(op=op) in names}
     return {
+        "ops": sorted(TORCH_NPU_OPS + GE_OPS),
         "wheel": wheel.name,
         "yaml_path": yaml_path,
         "yaml_schemas": yaml_schemas,
         "registered_schemas": registered,
-        "eager_rotary_modes": modes.group(1).decode() if modes else None,
+        "eager_values": values,
+        "eager_rotary_modes": values.get("npu_rotary_mul_backward", {}).get("rotary_mode"),
         "ge_ir": _generated_ir_docs(generated),
-        "torchair_rotary_modes": re.findall(r'"([a-z-]+)": (\d)', rotary_converter),
+        "torchair_value_maps": {op: re.findall(r'"([a-z-]+)": (\d)', text) for op, text in converters.items()},
+        "torchair_rotary_modes": re.findall(r'"([a-z-]+)": (\d)', converters.get("npu_rotary_mul_backward", "")),
     }
 
 
@@ -274,15 +288,21 @@ def contract_sources(version: Optional[str] = None) -> dict:
 
     * ``yaml_schemas`` / ``registered_schemas``: ``{op: schema}`` from the codegen yaml
       (``yaml_path``) and as compiled into ``libtorch_npu.so`` (what the dispatcher registers);
-    * ``eager_rotary_modes``: the modes the eager ``npu_rotary_mul_backward`` accepts, as its
-      own error message words them (``"half or interleave"``);
+    * ``eager_values``: ``{op: {argument: values}}``, what an eager kernel accepts where its own
+      error message words it (``"half or interleave"``); ``eager_rotary_modes``: that of
+      ``npu_rotary_mul_backward``'s ``rotary_mode``;
     * ``ge_ir``: ``{GE op: REG_OP text}`` from torchair's generated builders' docstrings;
-    * ``torchair_rotary_modes``: ``[(rotary_mode, GE mode)]`` torchair's own converter maps.
+    * ``torchair_value_maps``: ``{op: [(value, GE mode)]}`` torchair's own converter of each op
+      maps (``torchair_rotary_modes``: ``npu_rotary_mul_backward``'s).
+
+    The cache is read again when the fused ops name other ops than it holds.
     """
     key = cache_key() if version is None else f"torch_npu-{version}"
-    cached = cache_root() / f"{key}-contracts.json"
+    cached = cache_root() / f"{key}-op-contracts.json"
     if cached.exists():
-        return json.loads(cached.read_text())
+        sources = json.loads(cached.read_text())
+        if sources.get("ops") == sorted(TORCH_NPU_OPS + GE_OPS):
+            return sources
     sources = _read_contract_sources(wheel_file(version))
     cached.write_text(json.dumps(sources, indent=1))
     return sources
