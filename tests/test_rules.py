@@ -10,7 +10,8 @@ import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
 import npu_fusion.patterns.rms_norm as rms_patterns
-from npu_fusion.patterns import FORMS, RULES, FusionRule, RmsNormGradRule, RopeGradRule, RoundReport
+from npu_fusion.patterns import (FORMS, RULES, FusionRule, RmsNormForwardRule, RmsNormGradRule, RopeForwardRule,
+                                 RopeGradRule, RoundReport)
 from npu_fusion.patterns.context import PassContext
 from npu_fusion.patterns.evaluator import Provenance
 from npu_fusion.patterns.rewrite import RuleContext
@@ -52,10 +53,13 @@ def rope_rule():
 
 
 def test_rule_list_is_ordered_and_typed():
-    assert [type(r) for r in RULES] == [RmsNormGradRule, RopeGradRule]
-    assert all(isinstance(r, FusionRule) and r.stage == "backward" and r.domain for r in RULES)
-    assert [r.op.name for r in RULES] == [RMS, ROPE]
-    assert all(r.site_probe is not None and r.site_probe.kind == r.option for r in RULES)
+    assert [type(r) for r in RULES] == [RmsNormGradRule, RopeGradRule, RmsNormForwardRule, RopeForwardRule]
+    assert all(isinstance(r, FusionRule) and r.domain for r in RULES)
+    assert [r.stage for r in RULES] == ["backward", "backward", "joint", "joint"]
+    assert [r.op.name for r in RULES] == [RMS, ROPE, "rms_norm", "rotary_position_embedding"]
+    # the forward rules count no sites of their own yet (off by default)
+    assert [r.site_probe is not None and r.site_probe.kind == r.option for r in RULES] == [True, True, False, False]
+    assert [r.enabled_by_default for r in RULES] == [True, True, False, False]
 
 
 def test_forms_and_options_derive_from_the_rules():
