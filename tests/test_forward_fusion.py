@@ -354,3 +354,32 @@ def test_rope_forward_refused_by_the_target_is_a_recorded_miss():
     assert "mode" in missed[0].reason, missed
     result, fw, _ = check(deepseek, [q], target="950", **BOTH)
     assert result.fused(ROPE) == 1 and calls(fw, ROPE)[0].args[3] == 3
+
+
+@pytest.mark.parametrize("dynamic", ["batch_and_sequence", "all"])
+def test_dynamic_shapes(dynamic):
+    """Symbolic batch and sequence: every forward fused (the rotation's layout read off symbolic
+    strides, no guard). ``dynamic=True`` passes eps as a tensor: the norms' forward stays, a
+    recorded miss saying so; the rotations still fuse."""
+    model = bundled("llama", num_layers=1, dtype=torch.bfloat16)
+    ids = torch.randint(0, model.config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(1))
+    options = FusionOptions.from_mapping(dict(target="generic", strict=True, **BOTH))
+    seen = {}
+    torch._dynamo.reset()
+    compiled = torch.compile(model.loss, backend=aot_backend(options, lambda gm, run: seen.update(result=run())),
+                             dynamic=dynamic == "all")
+    if dynamic != "all":
+        torch._dynamo.mark_dynamic(ids, 0)
+        torch._dynamo.mark_dynamic(ids, 1)
+    model.zero_grad(set_to_none=True)
+    compiled(ids).backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    assert not grad_failures(grads, *_eager_and_exact(model, ids))
+    result, sites = seen["result"], model.expected_sites
+    assert result.fused(ROPE) == result.fused(ROPE_GRAD) == sites[ROPE_GRAD]
+    assert result.fused(BACKWARD) == sites[BACKWARD]
+    if dynamic == "all":
+        assert not result.fused(FORWARD) and len(result.misses) == sites[BACKWARD]
+        assert all("eps is a tensor" in m.reason for m in result.misses)
+    else:
+        assert result.fused(FORWARD) == sites[BACKWARD] and not result.misses

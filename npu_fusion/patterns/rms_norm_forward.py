@@ -42,6 +42,7 @@ from typing import Dict, List, Optional
 import torch
 import torch.fx as fx
 
+from ..compat import symbolic_expr
 from ..lowering import FUSED_OPS, RMS_NORM as OP
 from ..lowering.constraints import RMS_NORM_DTYPES, rms_norm_target_problem
 from ..lowering.sizes import same_shape, static_int
@@ -207,6 +208,9 @@ def _match_statistic(ev: NormEvaluator, graph: fx.Graph, rstd: fx.Node, forward)
         return None
     eps = _eps(argument.expr)
     inputs = _statistic_inputs(ev, rstd, argument.expr, eps) if eps is not None else []
+    if not inputs and _tensor_eps(ev, argument.expr):
+        return Miss(OP.name, rstd.name, "eps is a tensor (dynamic=True passes the float as a graph input), and the "
+                                        "fused op takes eps as a number: mark only batch and sequence dynamic")
     reasons = []
     for x in inputs:
         site = _site_at(ev, graph, rstd, x, float(eps), forward)
@@ -216,6 +220,13 @@ def _match_statistic(ev: NormEvaluator, graph: fx.Graph, rstd: fx.Node, forward)
     if not reasons:
         return None
     return Miss(OP.name, rstd.name, f"an RMS statistic rsqrt(mean(x*x) + eps) of {inputs[0].name}, but {reasons[0]}")
+
+
+def _tensor_eps(ev: NormEvaluator, argument: Expr) -> bool:
+    """The argument is ``mean(x*x) + e`` with ``e`` a one-element tensor leaf."""
+    return any(len(mono) == 1 and mono[0][1] == 1 and coef == 1 and mono[0][0] in ev.node_of
+               and all(static_int(n) == 1 for n in shape(ev.node_of[mono[0][0]]))
+               for mono, coef in argument.split_terms())
 
 
 def _site_at(ev: NormEvaluator, graph: fx.Graph, rstd: fx.Node, x: fx.Node, eps: float, forward):
@@ -366,9 +377,16 @@ def _emit_call(ctx: RuleContext, site: ForwardNormMatch, compute: torch.dtype, g
 
 
 def same_layout(a: fx.Node, b: fx.Node) -> bool:
-    """The two values have the same strides (along every axis of size above 1)."""
+    """The two values have the same strides (along every axis of size above 1), compared as
+    expressions (no guard on a symbolic stride)."""
     va, vb = val(a), val(b)
-    return all(static_int(n) == 1 or sa == sb for n, sa, sb in zip(va.shape, va.stride(), vb.stride()))
+    return all(static_int(n) == 1 or expression(sa) == expression(sb)
+               for n, sa, sb in zip(va.shape, va.stride(), vb.stride()))
+
+
+def expression(size):
+    """A size or stride as a value equal ones share without a guard: an int, or its expression."""
+    return size if isinstance(size, int) else symbolic_expr(size)
 
 
 #: what a node inserted as forward work takes from the node it replaces: the partitioner's

@@ -24,6 +24,7 @@ a table's gradient) keeps the forward as it is until that backward is fused.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from typing import List, Optional, Tuple
 
 import torch.fx as fx
@@ -36,7 +37,7 @@ from .lanes import LaneEvaluator, Lanes
 from .nodes import (aten, downstream, dtype, gradient_dependent, last_of, outermost, outside_users, region_of, shape,
                     val)
 from .rewrite import Insertion, Miss, RuleContext, commit, exact_common_dtype, input_problem, replacement_of
-from .rms_norm_forward import _as_forward_work, same_layout
+from .rms_norm_forward import _as_forward_work, expression, same_layout
 from .rope import DX_DEPTH, MAX_LANES, TABLE_SIGNS, _moves_elements, lane_evaluator, table_terms
 from .rule import Form, FusionRule, RoundReport
 
@@ -210,15 +211,19 @@ def _operands(site: ForwardRopeMatch):
 
 def _memory_order(node: fx.Node) -> Optional[List[int]]:
     """The axes of ``node``'s value from outermost to innermost in memory (a transposed q is
-    BSND in memory though BNSD in shape), the last axis last; None when that cannot be told
-    (symbolic strides) or the last axis is not the innermost."""
+    BSND in memory though BNSD in shape), the last axis innermost: the order of the leading axes
+    whose dense strides equal the value's, compared as expressions (symbolic sizes included,
+    no guard); None when no such order exists."""
     v = val(node)
-    strides = [static_int(s) for s in v.stride()]
-    if None in strides or any(static_int(s) is None for s in v.shape):
-        return None
-    order = sorted(range(v.dim()), key=lambda d: (-strides[d] if v.shape[d] != 1 else 0, d))
-    order = [d for d in order if d != v.dim() - 1] + [v.dim() - 1]
-    return order
+    rank, size = v.dim(), [expression(s) for s in v.shape]
+    strides = [expression(s) for s in v.stride()]
+    for lead in itertools.permutations(range(rank - 1)):
+        order, dense, expected = list(lead) + [rank - 1], 1, [None] * rank
+        for axis in reversed(order):
+            expected[axis], dense = dense, dense * size[axis]
+        if all(static_int(v.shape[d]) == 1 or expected[d] == strides[d] for d in range(rank)):
+            return order
+    return None
 
 
 def _permuted(ctx: RuleContext, node: fx.Node, order: List[int]) -> fx.Node:
@@ -239,7 +244,8 @@ def emit(ctx: RuleContext, site: ForwardRopeMatch):
     x, cos, sin, region = operands
     order = _memory_order(site.y)
     if order is None:
-        return Miss(OP.name, site.y.name, "the output's memory layout cannot be told (symbolic strides)")
+        return Miss(OP.name, site.y.name, f"the output's strides {list(val(site.y).stride())} are no dense layout "
+                                          f"of its shape with the rotated axis innermost")
     compute = exact_common_dtype((dtype(x), dtype(cos), dtype(sin), kept_precision(site.y)))
     laid = [tuple(shape(x)[d] for d in order), tuple(([1] * (len(order) - len(shape(cos))) + list(shape(cos)))[d]
                                                       for d in order)]
