@@ -163,6 +163,17 @@ def test_forward_stays_unfused_while_its_backward_is_decomposed():
     assert [m.op for m in result.misses] == [FORWARD] and "backward" in result.misses[0].reason
 
 
+def test_norm_of_an_input_without_gradient_keeps_its_forward():
+    """A norm whose input takes no gradient: its fused dgamma-only backward reads the saved
+    normalized value, an intermediate of the forward, which therefore stays (a recorded miss)."""
+    w = _weight(torch.float32)
+    h = torch.randn(2, 3, 16)
+    result, fw, _ = check(lambda h: F.rms_norm(h, (16,), w, EPS) * 2, [h], [w], **ON)
+    assert result.fused(BACKWARD) == 1 and not result.fused(FORWARD) and calls(fw, "rsqrt")
+    (miss,) = result.misses
+    assert miss.op == FORWARD and "has a user outside the norm" in miss.reason
+
+
 def test_options_off_leave_the_forward_decomposed():
     w = _weight(torch.float32)
     x = torch.randn(2, 3, 16, requires_grad=True)

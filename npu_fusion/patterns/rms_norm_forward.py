@@ -305,19 +305,20 @@ def _unfused_readers(node: fx.Node, region, gradient) -> List[fx.Node]:
 
 def _pairing_problem(site: ForwardNormMatch, region, graph: fx.Graph) -> Optional[str]:
     """Why the site cannot fuse yet: a decomposed backward reads its statistic or an
-    intermediate (it is paired with a fused backward, or has none), or a forward node outside
-    the site reads an intermediate. None when nothing but the site and fused ops reads them."""
-    gradient = gradient_dependent(graph) or set()
-    unfused = _unfused_readers(site.rstd, region, gradient)
-    shared = outside_users(region, [site.y, site.rstd])
-    if unfused or any(u in gradient for n in shared for u in n.users):
-        reader = unfused[0] if unfused else next(u for n in shared for u in n.users if u in gradient)
-        return (f"a decomposed backward node ({reader.name}) reads the forward's statistic or intermediates (its "
-                f"backward is unfused, or leaves dgamma to the program): the forward fuses only where its fused "
-                f"backward alone reads them")
-    if shared:
-        user = next(u for u in shared[0].users if u not in region)
-        return f"intermediate {shared[0].name} has a user outside the norm ({user.name})"
+    intermediate (the forward fuses paired with a fused backward, or with none), or another node
+    reads an intermediate (a fused dgamma-only backward reads the normalized value as its x). None
+    when nothing but the site and fused ops reads its outputs, and nothing else its intermediates."""
+    gradient, fused_ops = gradient_dependent(graph) or set(), {op.overload for op in FUSED_OPS}
+    readers = [(n, u) for n in outside_users(region, [site.y, site.rstd]) for u in n.users if u not in region]
+    decomposed = _unfused_readers(site.rstd, region, gradient) + [
+        u for _, u in readers if u in gradient and u.target not in fused_ops]
+    if decomposed:
+        return (f"a decomposed backward node ({decomposed[0].name}) reads the forward's statistic or intermediates "
+                f"(its backward is unfused, or leaves dgamma to the program): the forward fuses only where its "
+                f"fused backward alone reads them")
+    if readers:
+        node, user = readers[0]
+        return f"intermediate {node.name} has a user outside the norm ({user.name})"
     return None
 
 
