@@ -17,7 +17,8 @@ import torch
 
 from npu_fusion import fallback
 from npu_fusion.fallback import FallbackWarning
-from npu_fusion.lowering import ge_converters, npu
+from npu_fusion.lowering import FUSED_OPS, ge_converters, npu
+from npu_fusion.lowering.registrar import CUSTOM_OPS
 from npu_fusion.plugin import backend, targets
 from npu_fusion_testing.capture import compile_and_compare
 
@@ -174,7 +175,7 @@ def test_backend_host_check_error_warns_and_takes_the_cpu_path(stand_ins, monkey
 def test_npu_kernels_failing_to_import_warn(stand_ins):
     stand_ins(torch_npu=raising(ImportError("libhccl.so: cannot open shared object file")))
     with pytest.warns(FallbackWarning, match="NPU eager kernels.*ImportError: libhccl.so.*reference kernels"):
-        assert npu.register() is False
+        assert npu.register(FUSED_OPS, CUSTOM_OPS) is False
 
 
 def test_npu_kernels_failing_to_register_warn(stand_ins):
@@ -182,7 +183,7 @@ def test_npu_kernels_failing_to_register_warn(stand_ins):
     registering the kernels raises, nothing is registered, and it warns."""
     stand_ins(torch_npu=lambda module: None)
     with pytest.warns(FallbackWarning, match="NPU eager kernels of the fused ops were not registered \\(RuntimeError: .*npu"):
-        assert npu.register() is False
+        assert npu.register(FUSED_OPS, CUSTOM_OPS) is False
 
 
 def test_ge_converters_failing_to_register_warn(stand_ins, monkeypatch):

@@ -48,17 +48,14 @@ def kernel_for(op: FusedOp) -> Callable:
     return kernel
 
 
-def register(ops=None, custom_ops=None) -> bool:
-    """Register the kernels for the ``npu`` device; False (nothing changed) without torch_npu.
+def register(ops, custom_ops) -> bool:
+    """Register the kernels of ``ops`` (their ``torch.library`` custom ops by name in
+    ``custom_ops``) for the ``npu`` device; False (nothing changed) without torch_npu.
 
     With torch_npu installed, a failure (its import, or the registration) leaves the fused
     ops on their reference kernels, which would then run on the NPU: that warns."""
     if importlib.util.find_spec("torch_npu") is None:
         return False
-    if ops is None:
-        from .ops import FUSED_OPS as ops
-    if custom_ops is None:
-        from .registrar import CUSTOM_OPS as custom_ops
     try:
         import torch_npu  # noqa: F401  (registers torch.ops.npu)
 
