@@ -319,3 +319,45 @@ def torchair_converter_api():
                                  ge_type_to_torch_type=ge_type_to_torch_type, Support=Support,
                                  specs={torch.float32: F32, torch.float16: F16, torch.bfloat16: BF16},
                                  declare_supported=declare_supported)
+
+
+# -- what the backend and the logs reach for (plugin/backend.py, plugin/logs.py) ------------------
+
+def aot_autograd(**kwargs):
+    """Dynamo's AOTAutograd backend factory (``torch._dynamo.backends.common.aot_autograd``)."""
+    from torch._dynamo.backends.common import aot_autograd as _aot_autograd
+
+    return _aot_autograd(**kwargs)
+
+
+def make_boxed_func(fn):
+    """``fn`` taking AOTAutograd's boxed (list) arguments."""
+    from torch._functorch.aot_autograd import make_boxed_func as _make_boxed_func
+
+    return _make_boxed_func(fn)
+
+
+def partition_function(name: str):
+    """AOTAutograd's partitioner by the option's name: ``default`` or ``min_cut``."""
+    from torch._functorch import partitioners
+
+    return {"default": partitioners.default_partition,
+            "min_cut": partitioners.min_cut_rematerialization_partition}[name]
+
+
+def core_aten_decompositions() -> dict:
+    from torch._decomp import core_aten_decompositions as _core
+
+    return _core()
+
+
+def register_log_name(name: str) -> None:
+    """Make ``TORCH_LOGS`` accept ``name`` (torch's log registry); nothing on a torch without it."""
+    try:
+        from torch._logging import _internal
+
+        if name not in _internal.log_registry.log_alias_to_log_qnames:
+            _internal.register_log(name, name)
+            _internal._init_logs()
+    except Exception:  # an older or newer torch without this hook: plain logging still works
+        pass

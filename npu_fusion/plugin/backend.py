@@ -12,9 +12,8 @@ import importlib.util
 from typing import Any, Callable, Dict, Optional
 
 import torch
-from torch._dynamo.backends.common import aot_autograd
-from torch._functorch.aot_autograd import make_boxed_func
 
+from ..compat import aot_autograd, core_aten_decompositions, make_boxed_func, partition_function
 from ..fallback import warn_fallback
 from .options import FusionOptions
 from .pass_manager import fuse_backward, fuse_joint, in_compiled_autograd
@@ -36,19 +35,8 @@ def _on_npu_host() -> bool:
         return False
 
 
-def _partition_fn(name: str):
-    from torch._functorch import partitioners
-
-    return {"default": partitioners.default_partition,
-            "min_cut": partitioners.min_cut_rematerialization_partition}[name]
-
-
 def _decompositions(name: str):
-    if name == "core":
-        from torch._decomp import core_aten_decompositions
-
-        return core_aten_decompositions()
-    return {}
+    return core_aten_decompositions() if name == "core" else {}
 
 
 def aot_backend(options: FusionOptions, around_pass: Optional[Callable] = None, stage: str = "joint",
@@ -81,7 +69,7 @@ def aot_backend(options: FusionOptions, around_pass: Optional[Callable] = None, 
     """
     if stage not in ("joint", "backward"):
         raise ValueError(f"stage must be 'joint' or 'backward', got {stage!r}")
-    partition = _partition_fn(options.partitioner)
+    partition = partition_function(options.partitioner)
     fuse = _fuser(options, stage, around_pass)
 
     def partition_fn(joint, joint_inputs, **kwargs):

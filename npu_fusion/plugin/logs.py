@@ -19,20 +19,10 @@ import dataclasses
 import logging
 import sys
 
-from ..compat import trace_artifact
+from ..compat import register_log_name, trace_artifact
 
 log = logging.getLogger("npu_fusion")
-
-try:  # register the name with torch._logging so TORCH_LOGS accepts it
-    from torch._logging._internal import log_registry, register_log
-
-    if "npu_fusion" not in log_registry.log_alias_to_log_qnames:
-        register_log("npu_fusion", "npu_fusion")
-        import torch._logging
-
-        torch._logging._internal._init_logs()
-except Exception:  # an older or newer torch without this hook: plain logging still works
-    pass
+register_log_name("npu_fusion")  # so that TORCH_LOGS accepts it
 
 
 def graph_text(gm) -> str:
