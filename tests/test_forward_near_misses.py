@@ -91,3 +91,33 @@ def test_rope_forward_near_miss(name):
     q = _seeded(1, 2, 4, 6, 16).requires_grad_()
     result, fw, _ = check(lambda q: rotate(q) * 2, [q], **BOTH)
     assert result.fused(ROPE) == len(calls(fw, ROPE)) == int(fuses), (result.sites, result.misses)
+
+
+# -- BSND: tables [S, 1, D] over x [B, S, N, D] (the rotation before the heads' transpose) --------
+
+PROJECTION = torch.nn.Parameter(_seeded(8, 64, 64) / 8)
+
+BSND = {  # name: (the rotation of p, p's shape, its recorded miss or None where it fuses)
+    "x_an_input": (lambda p: p * COS[:6, None] + _rotate_half(p) * SIN[:6, None], (2, 6, 4, 16), None),
+    "x_a_view_of_a_projection": (
+        lambda p: (lambda q: q * COS[:6, None] + _rotate_half(q) * SIN[:6, None])((p @ PROJECTION).view(2, 6, 4, 16)),
+        (2, 6, 64), None),
+    "tables_per_head": (lambda p: p * COS[:4, None] + _rotate_half(p) * SIN[:4, None], (2, 4, 6, 16), None),
+    "tables_broadcast_differently": (lambda p: p * COS[:6] + _rotate_half(p) * SIN[:4, None], (2, 4, 6, 16),
+                                     "cos and sin must have the same shape"),
+}
+
+
+@pytest.mark.parametrize("name", BSND)
+def test_rope_forward_with_tables_broadcast_over_heads(name):
+    """A table with a size-1 axis before the last ([S, 1, D]) and an x that is a view splitting
+    a projection into heads are read as leaves: the rotation fuses (it was neither fused nor a
+    recorded miss), or is a recorded miss where the op refuses it."""
+    rotate, size, reason = BSND[name]
+    p = _seeded(1, *size).requires_grad_()
+    result, fw, _ = check(lambda p: rotate(p) * 2, [p], [PROJECTION] if "projection" in name else [], **BOTH)
+    missed = [m.reason for m in result.misses if m.op == ROPE]
+    if reason is None:
+        assert result.fused(ROPE) == len(calls(fw, ROPE)) == 1 and not missed, (result.sites, result.misses)
+    else:
+        assert not result.fused(ROPE) and len(missed) == 1 and reason in missed[0], result.misses
