@@ -97,12 +97,20 @@ def test_rope_forward_near_miss(name):
 
 PROJECTION = torch.nn.Parameter(_seeded(8, 64, 64) / 8)
 
-BSND = {  # name: (the rotation of p, p's shape, its recorded miss or None where it fuses)
+BSND = {  # name: (the rotation of p, p's shape, its recorded miss, None where it fuses, "" where it is
+        # no rotation)
     "x_an_input": (lambda p: p * COS[:6, None] + _rotate_half(p) * SIN[:6, None], (2, 6, 4, 16), None),
     "x_a_view_of_a_projection": (
         lambda p: (lambda q: q * COS[:6, None] + _rotate_half(q) * SIN[:6, None])((p @ PROJECTION).view(2, 6, 4, 16)),
         (2, 6, 64), None),
     "tables_per_head": (lambda p: p * COS[:4, None] + _rotate_half(p) * SIN[:4, None], (2, 4, 6, 16), None),
+    "split_at_six": (lambda p: p * COS[:6, None] + _rotate_half(p, 6) * SIN[:6, None], (2, 6, 4, 16),
+                     "no mode's formula"),
+    "rotated_x_flipped_over_heads": (lambda p: p * COS[:6, None] + _rotate_half(p.flip(2)) * SIN[:6, None],
+                                     (2, 6, 4, 16), ""),
+    "a_term_rounded_to_bf16": (
+        lambda p: (p * COS[:6, None]).bfloat16().float() + _rotate_half(p) * SIN[:6, None], (2, 6, 4, 16),
+        "rounds a value inside the site to torch.bfloat16"),
     "tables_broadcast_differently": (lambda p: p * COS[:6] + _rotate_half(p) * SIN[:4, None], (2, 4, 6, 16),
                                      "cos and sin must have the same shape"),
 }
@@ -119,5 +127,7 @@ def test_rope_forward_with_tables_broadcast_over_heads(name):
     missed = [m.reason for m in result.misses if m.op == ROPE]
     if reason is None:
         assert result.fused(ROPE) == len(calls(fw, ROPE)) == 1 and not missed, (result.sites, result.misses)
-    else:
+    elif reason:
         assert not result.fused(ROPE) and len(missed) == 1 and reason in missed[0], result.misses
+    else:  # no rotation at all: x and its flip are two leaves
+        assert not result.fused(ROPE) and not calls(fw, ROPE), result.sites
