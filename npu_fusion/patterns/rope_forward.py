@@ -143,9 +143,9 @@ def _axis_makers(ev: LaneEvaluator, looks) -> set:
     spanning = [y for y in looks if len(ev.memo[y].inner) > 1]
     near = {n for y in spanning for n in region_of([y], lambda r: r in ev.interpreted)}
     makers = set()
-    for n in ev.interpreted:
-        v, source = ev.memo.get(n), ev.memo.get(n.args[0]) if n.args else None
-        if n.target not in RESHAPES or v is None or len(v.inner) < 2 or (source is not None and len(source.inner) > 1):
+    for n in (n for n in ev.interpreted if n.target in RESHAPES and isinstance(n.args[0], fx.Node)):
+        v, source = ev.memo.get(n), ev.memo.get(n.args[0])
+        if v is None or len(v.inner) < 2 or (source is not None and len(source.inner) > 1):
             continue
         if n in near or static_int(shape(n)[-2]) == 1:
             makers.add(n)
