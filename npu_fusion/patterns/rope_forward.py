@@ -118,12 +118,46 @@ def match_y(ev: LaneEvaluator, node: fx.Node) -> Optional[ForwardRopeMatch]:
 
 
 def _looks_like_y(v: Optional[Lanes]) -> bool:
-    """Two products of two leaf elements per position, one leaf read at two positions."""
-    if not (v is not None and v.reduction is None and not v.complex and len(v.inner) == 1 and v.inner[0] >= 2
+    """Two products of two leaf elements per position, one leaf read at two positions (over
+    one tracked axis, or several: see :func:`_axis_makers`)."""
+    if not (v is not None and v.reduction is None and not v.complex and v.inner and v.inner[-1] >= 2
             and all(len(p) == 2 and all(len(m) == 2 for m in p) for p in v.polys)):
         return False
     a, b = v.polys[0]
     return any(l1 == l2 and p1 != p2 for l1, p1 in a for l2, p2 in b)
+
+
+#: the lane evaluator's views: a view that reshapes the tracked axes
+RESHAPES = {aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.unflatten.int,
+            aten.unsqueeze.default, aten.squeeze.dim, aten.squeeze.dims}
+
+
+def _axis_makers(ev: LaneEvaluator, looks) -> set:
+    """The views that give a rotation a second tracked axis, from a value tracked over one:
+    BSND's tables ``cos[:, None]`` ([S, 1, D], tracked as (1, D); the product with an x of
+    [B, S, N, D] is then no value at all) and, for a rotation-shaped value over several axes,
+    ``proj.view(B, S, N, D)`` of a projection N*D wide (tracked as (N, D)). Read as leaves
+    (always sound: a leaf is its own value), the rotation is one of the last axis again. A
+    view the formula reads through (DeepSeek's interleave-half ``view(..., D/2, 2)``) is none
+    of these and stays read."""
+    spanning = [y for y in looks if len(ev.memo[y].inner) > 1]
+    near = {n for y in spanning for n in region_of([y], lambda r: r in ev.interpreted)}
+    makers = set()
+    for n in (n for n in ev.interpreted if n.target in RESHAPES and isinstance(n.args[0], fx.Node)):
+        v, source = ev.memo.get(n), ev.memo.get(n.args[0])
+        if v is None or len(v.inner) < 2 or (source is not None and len(source.inner) > 1):
+            continue
+        if n in near or static_int(shape(n)[-2]) == 1:
+            makers.add(n)
+    return makers
+
+
+def _evaluated(ctx: RuleContext, nodes, forced=()) -> tuple:
+    """(the evaluator, the rotation-shaped nodes) with ``forced`` nodes read as leaves."""
+    ev = lane_evaluator(None, forced)  # the forward's own values: no provenance
+    for node in nodes:
+        ctx.examine(node, ev.value, node)
+    return ev, [n for n in nodes if _looks_like_y(ev.memo.get(n))]
 
 
 def find_sites(graph: fx.Graph, ctx: RuleContext) -> RoundReport:
@@ -131,14 +165,15 @@ def find_sites(graph: fx.Graph, ctx: RuleContext) -> RoundReport:
     if not isinstance(ctx.provenance, JointProvenance):
         return RoundReport()
     gradient = gradient_dependent(graph) or set()
-    ev = lane_evaluator(None)  # the forward's own values: no provenance
     seeds = [n for n in graph.nodes if n not in gradient and _moves_elements(n)]
     nodes = [n for n in downstream(graph, seeds, DX_DEPTH) if n not in gradient and n.op == "call_function"
              and shape(n) and static_int(shape(n)[-1]) is not None and 2 <= static_int(shape(n)[-1]) <= MAX_LANES
              and dtype(n) is not None and dtype(n).is_floating_point]
-    for node in nodes:
-        ctx.examine(node, ev.value, node)
-    looks = [n for n in nodes if _looks_like_y(ev.memo.get(n))]
+    ev, looks = _evaluated(ctx, nodes)
+    makers = _axis_makers(ev, looks)
+    if makers:
+        ctx.evaluated(ev)
+        ev, looks = _evaluated(ctx, nodes, makers)
     matches = [m for m in (ctx.examine(n, match_y, ev, n) for n in looks) if m is not None]
     matches = outermost(matches, node=lambda m: m.y, same=lambda a, b: (a.mode, a.x, a.cos, a.sin) ==
                         (b.mode, b.x, b.cos, b.sin))
@@ -159,7 +194,12 @@ def _near_misses(ev: LaneEvaluator, looks, matches, inside) -> List[Miss]:
 
     unmatched = [n for n in looks if n not in matched and not built_on_match(n)]
     return [Miss(OP.name, n.name, "two products per element like a RoPE forward, but no mode's formula "
-                                  "(signs, split points or tables differ)") for n in outermost(unmatched)]
+                                  "(signs, split points or tables differ)" + _spanning(ev, n)) for n in outermost(unmatched)]
+
+
+def _spanning(ev: LaneEvaluator, node: fx.Node) -> str:
+    inner = ev.memo[node].inner
+    return "" if len(inner) == 1 else f"; its value spans the axes {list(inner)} (x or a table a view across them)"
 
 
 # -- the rewrite --------------------------------------------------------------
