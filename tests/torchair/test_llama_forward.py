@@ -97,3 +97,43 @@ def test_950_forward_rotation_fused_norm_a_recorded_miss(ge, rope):
     assert decomposed_forward_ops(forward) == {"Rsqrt", "ReduceMean", "Pow"}, forward
     for rotation in forward.of_type("RotaryPositionEmbedding") + backward.of_type("RotaryPositionEmbeddingGrad"):
         assert (forward if rotation in forward.ops else backward).attrs(rotation).get("mode", 0) == MODES[rope]
+
+
+def test_a2_symbolic_sequence_fp16(ge):
+    """A symbolic sequence length (tables shared by the batch, as A2's limits need for a batch the
+    pass cannot bound otherwise): both forward ops and both Grad ops with the symbolic size, in fp16."""
+    block, args = LlamaBlock(dtype=torch.float16), inputs(torch.float16, b=3, s=6, cos_batch=1)
+    mark = pass_manager.HISTORY.mark()
+    backend = get_backend({"target": "a2", **FORWARD}, torchair_config=ge.config(), ascend_host=True)
+    got = outputs_and_grads(block, args, torch.compile(block, backend=backend, fullgraph=True), dynamic_dims=(1,))
+    (result,) = pass_manager.HISTORY.since(mark)
+    eager = outputs_and_grads(block, args)
+    exact = outputs_and_grads(copy.deepcopy(block).double(), [a.double() for a in args])
+    assert not grad_failures(got, eager, exact, MODEL_FACTOR), grad_failures(got, eager, exact, MODEL_FACTOR)
+    assert not result.misses and result.fused("rms_norm") == 1 and result.fused("rotary_position_embedding") == 2
+    forward, backward = ge.forward(), ge.backward()
+    norm = forward.one("RmsNorm")
+    assert [d.isdigit() for d in forward.input_meta_dims(norm, "x")] == [True, False, True]
+    for rotation in forward.of_type("RotaryPositionEmbedding"):  # BSND, tables 1S1D
+        assert [d.isdigit() for d in forward.input_meta_dims(rotation, "x")] == [True, False, True, True]
+        assert forward.input_meta_dims(rotation, "cos")[0] == "1"
+    assert backward.types()["RmsNormGrad"] == 1 and backward.types()["RotaryPositionEmbeddingGrad"] == 2
+    assert not decomposed_forward_ops(forward) and not decomposed_ops(backward)
+
+
+def test_forward_graph_handed_to_ge(ge):
+    """Without run_eagerly torchair hands the forward GE graph to GE (the stub, which refuses to
+    run it): RmsNorm and RotaryPositionEmbedding there with the IR input names GE matches by."""
+    from npu_fusion_testing.torchair import cann_stub
+
+    block, args = LlamaBlock(dtype=torch.bfloat16), inputs(torch.bfloat16, cos_batch=1)
+    backend = get_backend({"target": "a2", **FORWARD}, torchair_config=ge.config(run_eagerly=False),
+                          ascend_host=True)
+    with pytest.raises(cann_stub.CannUnavailableError):
+        outputs_and_grads(block, args, torch.compile(block, backend=backend, fullgraph=True), dynamic_dims=(1,))
+    (loaded,) = ge.loaded()
+    names = {op.type: [s.decode() for s in op.attr["_input_name_key"].list.s] for op in loaded.ops
+             if op.type in FORWARD_FUSED}
+    assert names == {"RmsNorm": ["x", "gamma"], "RotaryPositionEmbedding": ["x", "cos", "sin"]}, loaded
+    assert loaded.types()["RotaryPositionEmbedding"] == 2 and not decomposed_forward_ops(loaded), loaded
+    assert ("compile", (loaded.name,)) in cann_stub.CALLS
