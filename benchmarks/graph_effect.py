@@ -62,6 +62,10 @@ def gib(n: float) -> str:
     return f"{n / 2**30:.3f} GiB" if n >= 2**27 else f"{n / 2**20:.1f} MiB"
 
 
+def _saved(n: int) -> str:
+    return f"{gib(n)} ({n:,} bytes)"
+
+
 def fused_traffic(graph) -> dict:
     """Per fused op, the modelled traffic around each fused node in a final graph (backward or forward):
     the node itself and the casts right before and after it (what the pass added, as the
@@ -184,7 +188,7 @@ def main(argv=None) -> int:
         _print_sites_table(result, after, ops, expected)
     unfused = captured["unfused_saved"]
     print(f"\nsaved for the backward (activations: graph inputs and their views not counted): "
-          f"{gib(unfused.bytes) if unfused else 'the same'} without the pass, {gib(result.saved.bytes)} with it; "
+          f"{_saved(unfused.bytes) if unfused else 'the same'} without the pass, {_saved(result.saved.bytes)} with it; "
           f"float32 [B, S, H] tensors saved: "
           f"{result.saved.count(torch.float32, (args.batch, args.seq, config.hidden_size))}")
     for miss in result.misses:

@@ -137,3 +137,16 @@ def test_forward_graph_handed_to_ge(ge):
     assert names == {"RmsNorm": ["x", "gamma"], "RotaryPositionEmbedding": ["x", "cos", "sin"]}, loaded
     assert loaded.types()["RotaryPositionEmbedding"] == 2 and not decomposed_forward_ops(loaded), loaded
     assert ("compile", (loaded.name,)) in cann_stub.CALLS
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_forward_fused_saves_no_more_than_the_backward_alone(ge, dtype):
+    """The forward ops hand the backward what it read before (the norm's rstd is the rsqrt it
+    saved): the saved set is no larger than with the backward fused alone, and keeps no float32
+    upcast of x."""
+    with_forward, _ = _step(ge, {"target": "a2", **FORWARD}, dtype, "half")
+    backward_alone, _ = _step(ge, {"target": "a2"}, dtype, "half")
+    assert with_forward.saved.bytes <= backward_alone.saved.bytes, (with_forward.saved.kinds,
+                                                                   backward_alone.saved.kinds)
+    if dtype == torch.bfloat16:
+        assert with_forward.saved.count(torch.float32, (2, 8, 64)) == 0, with_forward.saved.kinds
