@@ -86,10 +86,11 @@ def test_without_the_forward_options_the_forward_is_decomposed(ge, rope):
 
 
 @pytest.mark.parametrize("rope", ["half", "interleave", "interleave_half"])
-def test_950_forward_rotation_fused_norm_a_recorded_miss(ge, rope):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_950_forward_rotation_fused_norm_a_recorded_miss(ge, dtype, rope):
     """Ascend 950 runs RotaryPositionEmbedding in every mode, RmsNorm(Grad) not: the norm stays
     decomposed forward and backward, each a recorded miss."""
-    result, _ = _step(ge, {"target": "950", **FORWARD}, torch.bfloat16, rope)
+    result, _ = _step(ge, {"target": "950", **FORWARD}, dtype, rope)
     assert sorted(m.op for m in result.misses) == ["rms_norm", "rms_norm_grad"], result.misses
     assert result.fused("rotary_position_embedding") == 2 and result.fused("rotary_position_embedding_grad") == 2
     forward, backward = ge.forward(), ge.backward()
