@@ -22,12 +22,21 @@ compiler is assumed, so "before" is what an op-by-op (eager-like) backend moves.
 
 * the activation bytes the forward saves for the backward, without and with the pass.
 
+With ``--forward`` (the options ``rms_norm_forward`` and ``rope_forward``; joint-graph paths
+only, a backward graph has no forward to fuse) the forward graph gets the same two tables:
+its nodes and whole traffic before and after, and per forward fused op (``rms_norm``,
+``rotary_position_embedding``) its sites and their modelled traffic after the pass (the fused
+node and the casts next to it) against the fused op's minimum. Compare the saved bytes with a
+run without ``--forward`` (the backward fused alone).
+
     python benchmarks/graph_effect.py [--layers 1] [--path npu_fusion|torchair|inductor] [--partitioner default]
+                                      [--forward]
 """
 from __future__ import annotations
 
 import argparse
 import collections
+import copy
 import sys
 import time
 
@@ -35,12 +44,13 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 import npu_fusion  # noqa: F401  (registers the ops)
-from npu_fusion.lowering import RMS_NORM_GRAD, ROPE_GRAD
+from npu_fusion.lowering import RMS_NORM, RMS_NORM_GRAD, ROPE, ROPE_GRAD
 from npu_fusion.models import RMSNorm, TinyConfig, TinyDecoder
 from npu_fusion.patterns.nodes import is_float_cast
 from npu_fusion.patterns.traffic import node_traffic
 from npu_fusion.compat import inductor_decompositions
-from npu_fusion.plugin.backend import aot_backend, fused_backward, run_keeping_unfused
+from npu_fusion.plugin.backend import aot_backend
+from npu_fusion.plugin.saved_activations import saved_set
 from npu_fusion.plugin.options import FusionOptions
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -52,8 +62,12 @@ def gib(n: float) -> str:
     return f"{n / 2**30:.3f} GiB" if n >= 2**27 else f"{n / 2**20:.1f} MiB"
 
 
+def _saved(n: int) -> str:
+    return f"{gib(n)} ({n:,} bytes)"
+
+
 def fused_traffic(graph) -> dict:
-    """Per fused op, the modelled traffic around each fused node in the final backward graph:
+    """Per fused op, the modelled traffic around each fused node in a final graph (backward or forward):
     the node itself and the casts right before and after it (what the pass added, as the
     partition left them: on the joint graph a cast of a saved upcast back to x's dtype is gone)."""
     out = collections.Counter()
@@ -89,7 +103,12 @@ def _parse(argv):
                         help="npu_fusion: the backend, pass on the joint graph; torchair: the pass after "
                              "the partition (npu_fusion.install); inductor: the joint graph with Inductor's "
                              "decompositions and min-cut partitioner (npu_fusion.install_inductor; no codegen)")
-    return parser.parse_args(argv)
+    parser.add_argument("--forward", action="store_true",
+                        help="fuse the forward too (rms_norm_forward, rope_forward; joint-graph paths only)")
+    args = parser.parse_args(argv)
+    if args.forward and PATHS[args.path][0] != "joint":
+        parser.error(f"--forward needs a joint-graph path; {args.path} runs the pass on the backward graph")
+    return args
 
 
 def _build(args):
@@ -107,13 +126,31 @@ def _build(args):
     return config, fake_mode, model, ids
 
 
+def _keeping_unfused(gm, run) -> dict:
+    """Run the pass; the graphs and saved set of the program without it: on a joint graph the
+    partition of a copy taken before the pass, else a copy of the backward graph (and the forward
+    graph given for provenance, which the pass leaves as it is; the saved set is then unchanged)."""
+    if run.stage == "joint" and run.split is not None:
+        unfused = torch.fx.GraphModule(gm, copy.deepcopy(gm.graph))  # its attributes shared, not copied
+        result = run()
+        fw_gm, bw_gm = run.split(unfused)
+        return dict(result=result, before=bw_gm.graph, forward_before=fw_gm.graph,
+                    unfused_saved=saved_set(fw_gm, bw_gm))
+    before = copy.deepcopy(gm.graph)
+    return dict(result=run(), before=before, forward_before=run.forward, unfused_saved=None)
+
+
 def _backend(args, captured):
     stage, partitioner, decompositions = PATHS[args.path]
-    options = FusionOptions.from_mapping({"target": args.target, "partitioner": partitioner or args.partitioner})
+    options = FusionOptions.from_mapping({"target": args.target, "partitioner": partitioner or args.partitioner,
+                                          "rms_norm_forward": args.forward, "rope_forward": args.forward})
 
     def around_pass(gm, run):
-        captured["result"], captured["before"], captured["unfused_saved"] = run_keeping_unfused(gm, run)
-        captured["after"] = fused_backward(gm, run)
+        captured.update(_keeping_unfused(gm, run))
+        joint = run.stage == "joint" and run.split is not None
+        # after the compile: the partition of the fused joint graph, or the rewritten backward
+        captured["after"] = (lambda: run.partitioned[1].graph) if joint else (lambda: gm.graph)
+        captured["forward_after"] = (lambda: run.partitioned[0].graph) if joint else (lambda: run.forward)
 
     backend = aot_backend(options, around_pass, stage=stage)
     if decompositions == "inductor":
@@ -134,18 +171,24 @@ def main(argv=None) -> int:
     traced = time.perf_counter() - start
     result = captured["result"]
     assert not result.error, result.error
-    before, after = captured["before"], captured["after"]()
     partitioner = PATHS[args.path][1] or args.partitioner
     print(f"## Llama-7B-shaped decoder: {args.layers} layer(s), hidden {config.hidden_size}, "
           f"{config.num_heads} heads x {config.head_dim}, MLP {config.intermediate_size}, vocab {config.vocab_size}, "
           f"batch {args.batch} x seq {args.seq}, {args.dtype}, target {args.target}, path {args.path} "
-          f"(pass on the {result.graph} graph), partitioner {partitioner}\n")
+          f"(pass on the {result.graph} graph), partitioner {partitioner}, "
+          f"forward fusion {'on' if args.forward else 'off'}\n")
     print(f"traced and compiled in {traced:.1f} s; the pass took {result.seconds * 1e3:.0f} ms\n")
-    _print_graph_table(before, after)
-    _print_sites_table(result, after, {RMS_NORM_GRAD.name: norms, ROPE_GRAD.name: 2 * args.layers})
+    expected = {RMS_NORM_GRAD.name: norms, ROPE_GRAD.name: 2 * args.layers,
+                RMS_NORM.name: norms, ROPE.name: 2 * args.layers}
+    graphs = [("backward", captured["before"], captured["after"](), (RMS_NORM_GRAD.name, ROPE_GRAD.name))]
+    if args.forward:
+        graphs.append(("forward", captured["forward_before"], captured["forward_after"](), (RMS_NORM.name, ROPE.name)))
+    for kind, before, after, ops in graphs:
+        _print_graph_table(kind, before, after)
+        _print_sites_table(result, after, ops, expected)
     unfused = captured["unfused_saved"]
     print(f"\nsaved for the backward (activations: graph inputs and their views not counted): "
-          f"{gib(unfused.bytes) if unfused else 'the same'} without the pass, {gib(result.saved.bytes)} with it; "
+          f"{_saved(unfused.bytes) if unfused else 'the same'} without the pass, {_saved(result.saved.bytes)} with it; "
           f"float32 [B, S, H] tensors saved: "
           f"{result.saved.count(torch.float32, (args.batch, args.seq, config.hidden_size))}")
     for miss in result.misses:
@@ -153,8 +196,8 @@ def main(argv=None) -> int:
     return 0
 
 
-def _print_graph_table(before, after) -> None:
-    print("| | backward graph nodes | modelled traffic of the whole backward graph |")
+def _print_graph_table(kind, before, after) -> None:
+    print(f"\n| | {kind} graph nodes | modelled traffic of the whole {kind} graph |")
     print("|---|---:|---:|")
     whole_before = sum(node_traffic(n) for n in before.nodes)
     whole_after = sum(node_traffic(n) for n in after.nodes)
@@ -164,7 +207,8 @@ def _print_graph_table(before, after) -> None:
           f"{100 * (whole_after - whole_before) / whole_before:+.1f}% |\n")
 
 
-def _print_sites_table(result, after, expected) -> None:
+def _print_sites_table(result, after, ops, expected) -> None:
+    """Per fused op of ``ops``: its sites, and their modelled traffic in the final graph ``after``."""
     by_op = collections.defaultdict(list)
     for site in result.sites:
         by_op[site.op].append(site)
@@ -172,7 +216,7 @@ def _print_sites_table(result, after, expected) -> None:
     print("| fused op | sites (expected) | replaced nodes | traffic before | after | fused-op minimum | "
           "after / minimum | saved |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|")
-    for op in (RMS_NORM_GRAD.name, ROPE_GRAD.name):
+    for op in ops:
         sites = by_op.get(op, [])
         b = sum(s.bytes_before for s in sites)
         a = final.get(op, 0)

@@ -1,5 +1,7 @@
 """A Llama-style block (input RMSNorm, q/k projections, transformers' rotary embedding) trained one
 step through torchair: the end-to-end torchair tests and ``scripts/torchair_probe.py`` use it.
+``LlamaBlock(rope=...)`` rotates as transformers' Llama (``"half"``), GPT-J (``"interleave"``) or
+DeepSeek-V3 (``"interleave_half"``) does.
 
 Needs transformers (the test extra).
 """
@@ -12,8 +14,15 @@ from torch import nn
 from transformers.models.llama.modeling_llama import LlamaRMSNorm, apply_rotary_pos_emb
 
 import npu_fusion
+from npu_fusion.models import apply_rope
 
 FUSED = {"RmsNormGrad", "RotaryPositionEmbeddingGrad"}
+#: the forward fused ops' GE nodes
+FORWARD_FUSED = {"RmsNorm", "RotaryPositionEmbedding"}
+#: GE op types that, in these steps, only the decomposed forward norm and rotation make: RMSNorm's
+#: statistic (square, mean, root) and the rotation's slices, negation and joining (rotate_half's
+#: concatenation, rotate_every_two's stack) (``decomposed_forward_ops``)
+FORWARD_DECOMPOSED = {"Rsqrt", "ReduceMean", "Pow", "StridedSliceV2", "Neg", "ConcatV2", "Pack"}
 #: op types that, in these steps, only the decomposed backward makes and the fused ops
 #: replace: rotate_half's transpose (slices and concatenation) and RMSNorm's rsqrt/mean
 #: backward (a power).
@@ -33,11 +42,24 @@ def decomposed_ops(backward) -> set:
     return left
 
 
+def decomposed_forward_ops(forward) -> set:
+    """The op types of :data:`FORWARD_DECOMPOSED` left in a forward GE graph. A Pack counts only
+    where it stacks sliced or negated halves (rotate_every_two's stack): under symbolic shapes
+    torchair packs sizes into shapes too."""
+    left = {op.type for op in forward.ops if op.type in FORWARD_DECOMPOSED - {"Pack"}}
+    for pack in forward.of_type("Pack"):
+        fed = {forward.producer(pack, i)[0].type for i in range(len(forward.data_inputs(pack)))}
+        if fed & {"Neg", "StridedSliceV2"}:
+            left.add("Pack")
+    return left
+
+
 class LlamaBlock(nn.Module):
     """The head of Llama's attention: input RMSNorm, q/k projections, HF rotary embedding."""
 
-    def __init__(self, hidden=64, heads=4, kv_heads=2, dtype=torch.float32):
+    def __init__(self, hidden=64, heads=4, kv_heads=2, dtype=torch.float32, rope="half"):
         super().__init__()
+        self.rope = rope
         self.heads, self.kv_heads, self.head_dim = heads, kv_heads, hidden // heads
         self.input_layernorm = LlamaRMSNorm(hidden, eps=1e-6)
         self.q_proj = nn.Linear(hidden, heads * self.head_dim, bias=False)
@@ -51,7 +73,9 @@ class LlamaBlock(nn.Module):
         h = self.input_layernorm(hidden_states)
         q = self.q_proj(h).view(b, s, self.heads, self.head_dim).transpose(1, 2)
         k = self.k_proj(h).view(b, s, self.kv_heads, self.head_dim).transpose(1, 2)
-        return apply_rotary_pos_emb(q, k, cos, sin)
+        if self.rope == "half":
+            return apply_rotary_pos_emb(q, k, cos, sin)
+        return apply_rope(q, k, cos, sin, self.rope)
 
 
 def inputs(dtype, b=2, s=8, hidden=64, heads=4, cos_batch=None):
@@ -76,6 +100,24 @@ def grads(module, args, compiled=None, dynamic_dims=()):
     gen = torch.Generator().manual_seed(1)
     torch.autograd.backward(outs, [torch.randn(o.shape, generator=gen).to(o.dtype) for o in outs])
     return [x.grad.clone()] + [p.grad.clone() for p in module.parameters()]
+
+
+def outputs_and_grads(module, args, compiled=None, dynamic_dims=()) -> dict:
+    """The outputs (q, k) and the gradients of the input and the parameters, by name, for fixed
+    random output gradients (as :func:`grads`): what the float64 criterion compares."""
+    fn = compiled if compiled is not None else module
+    x = args[0].detach().requires_grad_()
+    for t in (x, *args[1:]):
+        for dim in dynamic_dims:
+            if t.shape[dim] > 1:
+                torch._dynamo.mark_dynamic(t, dim)
+    module.zero_grad(set_to_none=True)
+    outs = fn(x, *args[1:])
+    gen = torch.Generator().manual_seed(1)
+    torch.autograd.backward(outs, [torch.randn(o.shape, generator=gen).to(o.dtype) for o in outs])
+    values = {"q": outs[0].detach().clone(), "k": outs[1].detach().clone(), "x.grad": x.grad.clone()}
+    values.update({f"{n}.grad": p.grad.clone() for n, p in module.named_parameters()})
+    return values
 
 
 def train_step(ge, dtype=torch.float32, install=None, config=None, dynamic_dims=(), **shape):
