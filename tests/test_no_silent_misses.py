@@ -108,3 +108,12 @@ def test_rope_dx_summed_with_other_gradients_of_x_fuses(name, options):
     assert result.fused(ROPE_GRAD) == len(calls(bw, ROPE_GRAD)) == rotations, (result.sites, result.misses)
     assert result.fused(ROPE) == len(calls(fw, ROPE)) == (rotations if options else 0)
     assert not result.misses, result.misses
+
+
+@pytest.mark.parametrize("name", ["x_read_again_by_a_product", "two_rotations_of_one_x"])
+def test_rope_dx_summed_with_other_gradients_of_a_bf16_x_fuses(name):
+    """The other gradients are added back to the fused dx in the program's dtype."""
+    program, rotations = ACCUMULATED[name]
+    q = _seeded(1, 2, 4, 6, 16).bfloat16().requires_grad_()
+    result, _, bw = check(lambda q: program(q) * 2, [q])
+    assert result.fused(ROPE_GRAD) == len(calls(bw, ROPE_GRAD)) == rotations, (result.sites, result.misses)

@@ -33,7 +33,7 @@ import torch.fx as fx
 from ..lowering.constraints import ROPE_MAX_D, ROPE_MODES, rope_divisor, rope_target_problem
 from ..lowering.rope import OP
 from ..lowering.sizes import same_shape, static_int
-from .evaluator import Provenance, kept_precision, rounding_problem
+from .evaluator import Provenance, Unsupported, kept_precision, rounding_problem
 from .lanes import Lanes, LaneEvaluator, _add
 from .nodes import (CAST_TARGETS, VIEWS, aten, axis_order, downstream, dtype, gradient_dependent, gradient_product,
                     is_float_cast, last_of, outermost, region_of, shape)
@@ -401,17 +401,25 @@ def _accumulated_matches(rewrites: RuleContext, ev: LaneEvaluator, nodes, matche
         # a dx matched this round is summed here too (two rotations of one x): it is the rest
         done = [n for n in summands if n in matched]
         for rest in done if len(done) == 1 else () if done else summands:
-            polys = [{} for _ in values[0].polys]
-            for part, v in zip(summands, values):
-                if part is not rest:
-                    polys = [_add(a, b) for a, b in zip(polys, v.polys)]
-            site = rewrites.examine(root, match_dx, ev, root, Lanes(values[0].inner, polys))
+            site = rewrites.examine(root, _match_without, ev, root, summands, values, rest)
             if site is not None:
                 site.ev, site.rest = ev, [rest]
                 inside.update(n for n in _region(site, {"dx": root}) if n is not root)
                 found.append(site)
                 break
     return found
+
+
+def _match_without(ev: LaneEvaluator, root: fx.Node, summands, values, rest) -> Optional[RopeMatch]:
+    """A match at ``root`` when its summands but ``rest`` sum to a RoPE dx."""
+    polys = [{} for _ in values[0].polys]
+    try:
+        for part, v in zip(summands, values):
+            if part is not rest:
+                polys = [_add(a, b) for a, b in zip(polys, v.polys)]
+    except Unsupported:  # more terms than any dx has
+        return None
+    return match_dx(ev, root, Lanes(values[0].inner, polys))
 
 
 def _match_table_gradients(examine, ev: LaneEvaluator, graph: fx.Graph, matches) -> None:
