@@ -21,6 +21,11 @@ and sin; a node is a ``dcos``/``dsin`` of that site when it equals the
 broadcast-reduced ``dy * x`` / ``dy * rotate(x)`` with the same dy. Equality of
 those polynomials is equality of the functions, so near misses (a wrong sign, a
 wrong split point, a swapped table) simply do not match.
+
+Where x is also read outside the rotation (``rope(q) * q``) or rotated twice, autograd sums
+dx with x's other gradients and dx is no node of its own: at the root of such a tree of adds,
+the summands but one are summed in the same algebra and matched as dx; the one left out
+is added back to the fused dx (as the RMSNorm rule does with the residual gradient).
 """
 from __future__ import annotations
 
