@@ -396,7 +396,7 @@ def _spelling_above(node: fx.Node, provenance: Optional[Provenance]) -> Optional
         above = []
         for n in frontier:
             if n.op == "call_function" and n.target in (aten.mul.Tensor, aten.div.Tensor):
-                reason = next(filter(None, (unmatched_spelling(a, provenance) for a in n.args[:2]
+                reason = next(filter(None, (unmatched_spelling(a, provenance) for a in (n, *n.args[:2])
                                             if isinstance(a, fx.Node))), None)
                 if reason is not None:
                     return reason
@@ -453,7 +453,8 @@ def unexplained(graph: fx.Graph, provenance: Optional[Provenance], misses: List[
     weight_gradient = _unfused_weight_gradient(graph, provenance, missed)
     for node in graph.nodes:
         operand = _forward_operand(node, gradient) if node not in reached else None
-        reason = unmatched_spelling(operand, provenance) if operand is not None else None
+        reason = unmatched_spelling(node if node.target is aten.div.Tensor else operand, provenance) \
+            if operand is not None else None
         if operand is None or not (reason or _is_rms_statistic(operand, provenance) or weight_gradient(node, operand)):
             continue
         reach = set(downstream(graph, [node], 2 * DX_DEPTH))
@@ -618,8 +619,8 @@ KEEPDIM_REASON = ("an RMSNorm statistic rsqrt(mean(x*x) + eps) taken with keepdi
 
 def unmatched_spelling(node: fx.Node, provenance: Optional[Provenance]) -> Optional[str]:
     """Why ``node`` (through casts, reshapes and saved tensors' definitions) is an RMSNorm
-    spelling no form reads, or None: the root ``sqrt(mean(y*y) + eps)``, a value divided by it,
-    or a statistic ``rsqrt(mean(y*y) + eps)`` whose mean drops its axes (``keepdim=False``)."""
+    spelling no form reads, or None: a value divided by the root ``sqrt(mean(y*y) + eps)``, or a
+    statistic ``rsqrt(mean(y*y) + eps)`` whose mean drops its axes (``keepdim=False``)."""
     root = spelled_root(node, provenance)
     if root is None:
         return None
@@ -628,15 +629,15 @@ def unmatched_spelling(node: fx.Node, provenance: Optional[Provenance]) -> Optio
 
 def spelled_root(node: fx.Node, provenance: Optional[Provenance]) -> Optional[fx.Node]:
     """The root node of an RMSNorm spelling no form reads (see :func:`unmatched_spelling`):
-    ``node`` is the root, a value divided by a ``sqrt`` root, or a value times a statistic
-    taken with ``keepdim=False``."""
+    ``node`` is a value divided by a ``sqrt`` root, or a statistic taken with ``keepdim=False``
+    or a value times it."""
     node = _definition(node, provenance)
     candidates = [node]
     if node.op == "call_function" and node.target in (aten.div.Tensor, aten.mul.Tensor):
         candidates += [_definition(a, provenance) for a in node.args[:2] if isinstance(a, fx.Node)]
     for root in candidates:
         if _rms_root(root, provenance, lambda n: n.target is aten.sqrt.default) is not None and (
-                root is node or node.target is aten.div.Tensor and root is _definition(node.args[1], provenance)):
+                node.target is aten.div.Tensor and root is _definition(node.args[1], provenance)):
             return root
         found = _rms_root(root, provenance, _is_reciprocal_root)
         if found is not None and not found[2]:

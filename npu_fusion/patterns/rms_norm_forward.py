@@ -422,7 +422,7 @@ def unexplained(graph: fx.Graph, provenance: Optional[Provenance], misses: List[
             aten.div.Tensor, aten.rsqrt.default, aten.pow.Tensor_Scalar) else None
         if root is not None and root not in spelled and not any(
                 r.name in missed for r in downstream(graph, [n], Y_DEPTH)):
-            spelled[root] = (n, unmatched_spelling(root, None))
+            spelled[root] = (n, unmatched_spelling(n, None))
     return [Miss(OP.name, n.name, "a forward RMS statistic rsqrt(mean(x*x) + eps) that no forward RMSNorm form "
                                   "matched (run with TORCH_LOGS=npu_fusion and dump_graphs to see it)") for n in found] + [
         Miss(OP.name, n.name, reason) for n, reason in spelled.values()]
