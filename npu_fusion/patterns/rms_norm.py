@@ -383,9 +383,27 @@ def _near_misses(rewrites: RuleContext, ev: NormEvaluator, nodes, matched: List[
         elif verdict == "suspect":
             suspects.append(n)
     outer = outermost(suspects)
-    return RoundReport([], [Miss(OP.name, n.name, "normalizes over the last axes like an RMSNorm dx, but its terms differ from "
-                             "rstd*dy*g - rstd**3*x*sum(dy*g*x)/N (eps outside the root, another "
-                             "statistic or a missing term)") for n in outer], pending)
+    return RoundReport([], [Miss(OP.name, n.name, _spelling_above(n, rewrites.provenance) or (
+        "normalizes over the last axes like an RMSNorm dx, but its terms differ from rstd*dy*g - "
+        "rstd**3*x*sum(dy*g*x)/N (eps outside the root, another statistic or a missing term)")) for n in outer], pending)
+
+
+def _spelling_above(node: fx.Node, provenance: Optional[Provenance]) -> Optional[str]:
+    """The :func:`unmatched_spelling` of an operand of a product or quotient at most
+    :data:`DX_DEPTH` steps above ``node`` (the reason a dx-shaped node matched no form)."""
+    frontier, seen = [node], {node}
+    for _ in range(DX_DEPTH):
+        above = []
+        for n in frontier:
+            if n.op == "call_function" and n.target in (aten.mul.Tensor, aten.div.Tensor):
+                reason = next(filter(None, (unmatched_spelling(a, provenance) for a in (n, *n.args[:2])
+                                            if isinstance(a, fx.Node))), None)
+                if reason is not None:
+                    return reason
+            above += [a for a in n.all_input_nodes if a not in seen]
+        seen.update(above)
+        frontier = above
+    return None
 
 
 def _sums_and_region(ev: NormEvaluator, site: NormMatch) -> tuple:
@@ -434,17 +452,30 @@ def unexplained(graph: fx.Graph, provenance: Optional[Provenance], misses: List[
     found, reached = [], set()
     weight_gradient = _unfused_weight_gradient(graph, provenance, missed)
     for node in graph.nodes:
-        product = gradient_product(node, gradient) if node not in reached else None
-        if product is None or not (_is_rms_statistic(product[1], provenance) or weight_gradient(node, product[1])):
+        operand = _forward_operand(node, gradient) if node not in reached else None
+        reason = unmatched_spelling(node if node.target is aten.div.Tensor else operand, provenance) \
+            if operand is not None else None
+        if operand is None or not (reason or _is_rms_statistic(operand, provenance) or weight_gradient(node, operand)):
             continue
         reach = set(downstream(graph, [node], 2 * DX_DEPTH))
         reached |= reach
         if not any(n.name in missed for n in reach):
-            found.append(node)
-    return [Miss(OP.name, n.name, "a gradient scaled by an RMS statistic rsqrt(mean(x*x) + eps), or by the "
-                             "normalized value x*rsqrt(mean(x*x) + eps) and summed as a weight's gradient, that no "
-                             "RMSNorm form matched (run with TORCH_LOGS=npu_fusion and dump_graphs to see it)")
-            for n in found]
+            found.append((node, reason))
+    return [Miss(OP.name, n.name, reason or (
+        "a gradient scaled by an RMS statistic rsqrt(mean(x*x) + eps), or by the normalized value "
+        "x*rsqrt(mean(x*x) + eps) and summed as a weight's gradient, that no RMSNorm form matched (run with "
+        "TORCH_LOGS=npu_fusion and dump_graphs to see it)")) for n, reason in found]
+
+
+def _forward_operand(node: fx.Node, gradient: set) -> Optional[fx.Node]:
+    """The forward operand of a gradient times a forward value, or of a gradient divided by one."""
+    product = gradient_product(node, gradient)
+    if product is not None:
+        return product[1]
+    if node.op == "call_function" and node.target is aten.div.Tensor and node.args[0] in gradient \
+            and isinstance(node.args[1], fx.Node) and node.args[1] not in gradient:
+        return node.args[1]
+    return None
 
 
 def _unfused_weight_gradient(graph: fx.Graph, provenance: Optional[Provenance], missed: set):
@@ -537,9 +568,18 @@ def rms_statistic_operand(node: fx.Node, provenance: Optional[Provenance]) -> Op
     ``** -0.5``) with eps inside the root (a number >= 0, or a one-element tensor): the statistic
     of an RMSNorm of ``y`` over its last k axes. Structural, as the forward is no Laurent
     polynomial: a LayerNorm's centred square, eps outside the root or another axis is none."""
-    node = _definition(node, provenance)
-    if node.op != "call_function" or not (node.target is aten.rsqrt.default or (
-            node.target is aten.pow.Tensor_Scalar and node.args[1] == -0.5)):
+    found = _rms_root(_definition(node, provenance), provenance, _is_reciprocal_root)
+    return found[:2] if found is not None and found[2] else None
+
+
+def _is_reciprocal_root(node: fx.Node) -> bool:
+    return node.target is aten.rsqrt.default or (node.target is aten.pow.Tensor_Scalar and node.args[1] == -0.5)
+
+
+def _rms_root(node: fx.Node, provenance: Optional[Provenance], is_root) -> Optional[tuple]:
+    """``(y, k, keepdim)`` when ``node`` is ``root(mean(y*y, last k axes) + eps)`` for a ``root``
+    op ``is_root`` accepts, eps inside the root; ``keepdim`` whether the mean keeps its axes."""
+    if node.op != "call_function" or not is_root(node):
         return None
     shifted = node.args[0]
     if not (isinstance(shifted, fx.Node) and shifted.target in (aten.add.Tensor, aten.add.Scalar)
@@ -554,7 +594,7 @@ def rms_statistic_operand(node: fx.Node, provenance: Optional[Provenance]) -> Op
         return None
     square, dims = mean.args[0], mean.args[1]
     keepdim = mean.args[2] if len(mean.args) > 2 else mean.kwargs.get("keepdim", False)
-    if not (isinstance(square, fx.Node) and keepdim and dims and mean.kwargs.get("dtype") is None):
+    if not (isinstance(square, fx.Node) and dims and mean.kwargs.get("dtype") is None):
         return None
     if square.target is aten.pow.Tensor_Scalar and square.args[1] == 2:
         y = square.args[0]
@@ -566,7 +606,43 @@ def rms_statistic_operand(node: fx.Node, provenance: Optional[Provenance]) -> Op
     dims = sorted(normalize_dim(d, rank) for d in dims)
     if dims != list(range(rank - len(dims), rank)) or len(dims) == rank or _is_centred(y, provenance):
         return None
-    return y, len(dims)
+    return y, len(dims), bool(keepdim)
+
+
+#: why an RMSNorm spelled with a division by the root fuses in no form
+DIVISION_REASON = ("an RMSNorm spelled x / sqrt(mean(x*x) + eps) (a division by the root): no form reads the "
+                   "division; write x * torch.rsqrt(mean(x*x) + eps), the same value, to fuse it")
+#: why an RMSNorm whose statistic drops the normalized axes fuses in no form
+KEEPDIM_REASON = ("an RMSNorm statistic rsqrt(mean(x*x) + eps) taken with keepdim=False and unsqueezed after: "
+                  "no form reads it; write x.pow(2).mean(-1, keepdim=True), the same value, to fuse it")
+
+
+def unmatched_spelling(node: fx.Node, provenance: Optional[Provenance]) -> Optional[str]:
+    """Why ``node`` (through casts, reshapes and saved tensors' definitions) is an RMSNorm
+    spelling no form reads, or None: a value divided by the root ``sqrt(mean(y*y) + eps)``, or a
+    statistic ``rsqrt(mean(y*y) + eps)`` whose mean drops its axes (``keepdim=False``)."""
+    root = spelled_root(node, provenance)
+    if root is None:
+        return None
+    return DIVISION_REASON if root.target is aten.sqrt.default else KEEPDIM_REASON
+
+
+def spelled_root(node: fx.Node, provenance: Optional[Provenance]) -> Optional[fx.Node]:
+    """The root node of an RMSNorm spelling no form reads (see :func:`unmatched_spelling`):
+    ``node`` is a value divided by a ``sqrt`` root, or a statistic taken with ``keepdim=False``
+    or a value times it."""
+    node = _definition(node, provenance)
+    candidates = [node]
+    if node.op == "call_function" and node.target in (aten.div.Tensor, aten.mul.Tensor):
+        candidates += [_definition(a, provenance) for a in node.args[:2] if isinstance(a, fx.Node)]
+    for root in candidates:
+        if _rms_root(root, provenance, lambda n: n.target is aten.sqrt.default) is not None and (
+                node.target is aten.div.Tensor and root is _definition(node.args[1], provenance)):
+            return root
+        found = _rms_root(root, provenance, _is_reciprocal_root)
+        if found is not None and not found[2]:
+            return root
+    return None
 
 
 def _is_scalar_eps(eps) -> bool:

@@ -52,7 +52,7 @@ from .nodes import (CAST_TARGETS, VIEWS, aten, downstream, dtype, gradient_depen
                     is_value_preserving_cast, last_of, normalize_dim, outermost, outside_users, region_of, shape, val)
 from .rewrite import Insertion, Miss, RuleContext, commit, emit_fused_op, exact_common_dtype
 from .norm_algebra import NormEvaluator, size_key
-from .rms_norm import norm_evaluator, rms_statistic_operand
+from .rms_norm import norm_evaluator, rms_statistic_operand, spelled_root, unmatched_spelling
 from .rule import Form, FusionRule, RoundReport
 
 #: uses from an rstd to the output y (rstd * x, a cast, the weight, a cast)
@@ -416,8 +416,16 @@ def unexplained(graph: fx.Graph, provenance: Optional[Provenance], misses: List[
     found = [n for n in graph.nodes if n not in gradient and n.op == "call_function" and _is_root(n)
              and rms_statistic_operand(n, None) is not None
              and not any(r.name in missed for r in downstream(graph, [n], Y_DEPTH))]
+    spelled = {}  # one miss per root, at its first reader: recomputed copies read it too
+    for n in graph.nodes:
+        root = spelled_root(n, None) if n not in gradient and n.op == "call_function" and n.target in (
+            aten.div.Tensor, aten.rsqrt.default, aten.pow.Tensor_Scalar) else None
+        if root is not None and root not in spelled and not any(
+                r.name in missed for r in downstream(graph, [n], Y_DEPTH)):
+            spelled[root] = (n, unmatched_spelling(n, None))
     return [Miss(OP.name, n.name, "a forward RMS statistic rsqrt(mean(x*x) + eps) that no forward RMSNorm form "
-                                  "matched (run with TORCH_LOGS=npu_fusion and dump_graphs to see it)") for n in found]
+                                  "matched (run with TORCH_LOGS=npu_fusion and dump_graphs to see it)") for n in found] + [
+        Miss(OP.name, n.name, reason) for n, reason in spelled.values()]
 
 
 class RmsNormForwardRule(FusionRule):

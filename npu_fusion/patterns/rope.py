@@ -21,6 +21,11 @@ and sin; a node is a ``dcos``/``dsin`` of that site when it equals the
 broadcast-reduced ``dy * x`` / ``dy * rotate(x)`` with the same dy. Equality of
 those polynomials is equality of the functions, so near misses (a wrong sign, a
 wrong split point, a swapped table) simply do not match.
+
+Where x is also read outside the rotation (``rope(q) * q``) or rotated twice, autograd sums
+dx with x's other gradients and dx is no node of its own: at the root of such a tree of adds,
+the summands but one are summed in the same algebra and matched as dx; the one left out
+is added back to the fused dx (as the RMSNorm rule does with the residual gradient).
 """
 from __future__ import annotations
 
@@ -33,11 +38,12 @@ import torch.fx as fx
 from ..lowering.constraints import ROPE_MAX_D, ROPE_MODES, rope_divisor, rope_target_problem
 from ..lowering.rope import OP
 from ..lowering.sizes import same_shape, static_int
-from .evaluator import Provenance, kept_precision, rounding_problem
-from .lanes import Lanes, LaneEvaluator
+from .evaluator import Provenance, Unsupported, kept_precision, rounding_problem
+from .lanes import Lanes, LaneEvaluator, _add
 from .nodes import (CAST_TARGETS, VIEWS, aten, axis_order, downstream, dtype, gradient_dependent, gradient_product,
                     is_float_cast, last_of, outermost, region_of, shape)
 from .rewrite import Edit, Insertion, Miss, RuleContext, commit, emit_fused_op, exact_common_dtype
+from .rms_norm import _accumulation, _add_back_accumulated
 from .rule import Form, FusionRule, RoundReport, SiteProbe
 
 #: the widest last axis the lane evaluator tracks: no target accepts a RoPE head dim D above it
@@ -143,6 +149,9 @@ class RopeMatch:
     signs: Tuple[int, int] = (1, 1)
     #: the evaluator whose leaf numbering the roles use
     ev: Optional[LaneEvaluator] = None
+    #: other gradients of x summed with dx in ``dx``'s node (x also read outside the rotation,
+    #: or rotated twice): added back to the fused dx
+    rest: List[fx.Node] = dataclasses.field(default_factory=list)
 
     @property
     def key(self):
@@ -179,8 +188,9 @@ def _read_tables(v: Lanes, mode: int, dy: Role) -> Optional[Tuple[Role, Role]]:
     return tuple((next(iter(lids[t])), tuple(p for _, p in found[t])) for t in ("cos", "sin"))
 
 
-def match_dx(ev: LaneEvaluator, node: fx.Node) -> Optional[RopeMatch]:
-    v = ev.memo.get(node)
+def match_dx(ev: LaneEvaluator, node: fx.Node, v: Optional[Lanes] = None) -> Optional[RopeMatch]:
+    """A match when ``node``'s value (or ``v``, a part of it) is a RoPE dx."""
+    v = ev.memo.get(node) if v is None else v
     if v is None or v.reduction is not None or len(v.inner) != 1:
         return None
     d = v.inner[0]
@@ -354,6 +364,7 @@ def find_sites(graph: fx.Graph, rewrites: RuleContext) -> RoundReport:
     # a forward value recomputed in the backward (checkpointing) can look like a dx: it is none
     looks = [n for n in nodes if ev.depends_on_gradient(n) and _looks_like_dx(ev.memo.get(n))]
     matches, inside = _dx_matches(rewrites, ev, looks)
+    matches += _accumulated_matches(rewrites, ev, nodes, {m.dx for m in matches} | inside, inside)
     _match_table_gradients(rewrites.examine, ev, graph, matches)
     misses, pending = _near_misses(rewrites, ev, looks, matches, inside)
     rewrites.evaluated(ev)
@@ -375,6 +386,45 @@ def _dx_matches(rewrites: RuleContext, ev: LaneEvaluator, looks: List[fx.Node]):
     for m in matches:
         m.ev = ev
     return matches, inside
+
+
+def _accumulated_matches(rewrites: RuleContext, ev: LaneEvaluator, nodes, matched: set, inside: set):
+    """Sites whose dx autograd sums with other gradients of x in one accumulation (``rope(q) * q``:
+    dx plus ``dy * rope(q)``; two rotations of one q: one dx plus the other): the root of a
+    tree of single-use adds whose summands, all but one, sum to a RoPE dx. The one left out is
+    added back to the fused dx (:attr:`RopeMatch.rest`); each is its own site."""
+    found = []
+    for root in nodes:
+        if root in matched or root.target is not aten.add.Tensor or not ev.depends_on_gradient(root) or any(
+                u.target is aten.add.Tensor and len(root.users) == 1 for u in root.users):
+            continue
+        summands, _ = _accumulation(root, matched)
+        values = [ev.memo.get(n) if isinstance(n, fx.Node) else None for n in summands]
+        if len(summands) < 3 or ev.memo.get(root) is None or any(
+                v is None or v.reduction is not None or v.complex or v.inner != ev.memo[root].inner for v in values):
+            continue
+        # a dx matched this round is summed here too (two rotations of one x): it is the rest
+        done = [n for n in summands if n in matched]
+        for rest in done if len(done) == 1 else () if done else summands:
+            site = rewrites.examine(root, _match_without, ev, root, summands, values, rest)
+            if site is not None:
+                site.ev, site.rest = ev, [rest]
+                inside.update(n for n in _region(site, {"dx": root}) if n is not root)
+                found.append(site)
+                break
+    return found
+
+
+def _match_without(ev: LaneEvaluator, root: fx.Node, summands, values, rest) -> Optional[RopeMatch]:
+    """A match at ``root`` when its summands but ``rest`` sum to a RoPE dx."""
+    polys = [{} for _ in values[0].polys]
+    try:
+        for part, v in zip(summands, values):
+            if part is not rest:
+                polys = [_add(a, b) for a, b in zip(polys, v.polys)]
+    except Unsupported:  # more terms than any dx has
+        return None
+    return match_dx(ev, root, Lanes(values[0].inner, polys))
 
 
 def _match_table_gradients(examine, ev: LaneEvaluator, graph: fx.Graph, matches) -> None:
@@ -596,9 +646,10 @@ class TableLayoutError(Exception):
 
 
 def _region(site: RopeMatch, outputs) -> List[fx.Node]:
-    """The interpreted nodes between the site's outputs and its role leaves."""
+    """The interpreted nodes between the site's outputs and its role leaves (not the other
+    gradients summed with dx)."""
     ev = site.ev
-    roles = {ev.leaves[r[0]] for r in (site.dy, site.cos, site.sin, site.x) if r is not None}
+    roles = {ev.leaves[r[0]] for r in (site.dy, site.cos, site.sin, site.x) if r is not None} | set(site.rest)
     return region_of(outputs.values(), lambda n: n in ev.interpreted and n not in roles
                      and ev.depends_on_gradient(n))
 
@@ -639,8 +690,11 @@ def emit(rewrites: RuleContext, site: RopeMatch, outputs, region):
         if isinstance(emitted, Miss):
             return emitted
     fused, replacements = emitted
+    added = inserted.nodes()
+    if site.rest:
+        added += _add_back_accumulated(edit, site, replacements)
     return commit(edit, OP.name, ROPE_MODES[site.mode], region, outputs, replacements,
-                  {"dy": dy_leaf, "cos": cos_leaf, "sin": sin_leaf, "x": x_leaf}, inserted.nodes(), fused)
+                  {"dy": dy_leaf, "cos": cos_leaf, "sin": sin_leaf, "x": x_leaf}, added, fused)
 
 
 def _operands(edit: Edit, site: RopeMatch, leaves, outputs) -> list:
@@ -681,6 +735,7 @@ class RopeGradRule(FusionRule):
         ("cos/sin requiring grad: x passed, dcos/dsin wired", "learned or scaled tables; q and k sharing them"),
         ("output scaled by a constant before use", "`q * scale`, SDPA's math path"),
         ("a dy that is itself computed: output used elementwise, scaled per position, also when the rotation's backward reads it in pieces (halves, pair lanes)", "`q_rot . k_rot`, `q.square()`, Llama 4's L2 qk-norm, Ministral 3's q scaling, torchtune RoPE then `exp`"),
+        ("dx summed in one accumulation with other gradients of x (x read again after the rotation, `rope(q) * q`, `rope(q) + q`; two rotations of one x), those added back", "adversarial programs (`tests/test_no_silent_misses.py`)"),
         ("a table negated as a whole (`cat(x2, -x1)`: mode 0 with sin negated)", "nanochat"),
         ("mode 1 interleave: `stack` of `x[..., 0]`/`x[..., 1]` products with a `[S, D/2, 2]` cache (`select_backward`)", "torchtune `RotaryPositionalEmbeddings`, `Llama3ScaledRoPE`"),
         ("`[S, B, H, D]` with tables computed from `freqs` in the graph, half or interleaved (`stack((-x2, x1), -1)`)", "Megatron-core `_apply_rotary_pos_emb_bshd`"),
@@ -704,6 +759,7 @@ class RopeGradRule(FusionRule):
         return find_again(ctx, match, leaves)
 
     def emit(self, ctx: RuleContext, match: RopeMatch):
+        match.rest = [ctx.current(n) for n in match.rest]
         # the shared value may be a role now (a slice of a wide dy that dcos and dsin read
         # too): the match found again may see table gradients the first could not
         resolved = self.resolve_shared(ctx, match, _outputs(match), refreshed_outputs=True)

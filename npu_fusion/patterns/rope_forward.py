@@ -180,10 +180,42 @@ def find_sites(graph: fx.Graph, ctx: RuleContext) -> RoundReport:
     inside = {n for m in matches for n in _region(m) if n is not m.y}
     matches = [m for m in matches if m.y not in inside]
     ctx.evaluated(ev)
-    return RoundReport(matches, _near_misses(ev, looks, matches, inside))
+    scaled = [n for n in nodes if n not in looks and _reads_scaled_copy(ev, n)]
+    return RoundReport(matches, _near_misses(ev, looks, matches, inside) + _near_misses(
+        ev, scaled, matches, inside, SCALED_COPY_REASON))
 
 
-def _near_misses(ev: LaneEvaluator, looks, matches, inside) -> List[Miss]:
+#: why a rotation that reads x in one term and a constant multiple of x in the other fuses in no form
+SCALED_COPY_REASON = ("two products per element like a RoPE forward, one of x and one of x scaled by a constant "
+                      "(x * cos + rotate(c * x) * sin): no form folds the constant into a table; scale the table "
+                      "instead (x * cos + rotate(x) * (c * sin)) to fuse it")
+
+
+def _unscaled(node: fx.Node) -> fx.Node:
+    """``node`` without the products and quotients by constants it is (``2 * q`` is q)."""
+    while node.op == "call_function" and node.target in (aten.mul.Tensor, aten.mul.Scalar, aten.div.Tensor,
+                                                         aten.div.Scalar):
+        tensors = [a for a in node.args[:2] if isinstance(a, fx.Node)]
+        if len(tensors) != 1 or (node.target in (aten.div.Tensor, aten.div.Scalar) and node.args[0] is not tensors[0]):
+            break
+        node = tensors[0]
+    return node
+
+
+def _reads_scaled_copy(ev: LaneEvaluator, node: fx.Node) -> bool:
+    """Two products of two leaf elements per position, one term reading a leaf and the other a
+    constant multiple of the same tensor at another position: a rotation of x whose rotated
+    term reads ``c * x`` (a leaf of its own to the evaluator)."""
+    v = ev.memo.get(node)
+    if not (v is not None and v.reduction is None and not v.complex and v.inner and v.inner[-1] >= 2
+            and all(len(p) == 2 and all(len(m) == 2 for m in p) for p in v.polys)):
+        return False
+    a, b = v.polys[0]
+    return any(l1 != l2 and p1 != p2 and _unscaled(ev.leaves[l1]) is _unscaled(ev.leaves[l2])
+               for l1, p1 in a for l2, p2 in b)
+
+
+def _near_misses(ev: LaneEvaluator, looks, matches, inside, reason: Optional[str] = None) -> List[Miss]:
     """Rotation-shaped forward nodes that are neither a match, inside one, nor built on one."""
     outputs = {m.y for m in matches}
     matched = outputs | inside
@@ -193,8 +225,9 @@ def _near_misses(ev: LaneEvaluator, looks, matches, inside) -> List[Miss]:
         return any(a in outputs for r in region for a in r.all_input_nodes)
 
     unmatched = [n for n in looks if n not in matched and not built_on_match(n)]
-    return [Miss(OP.name, n.name, "two products per element like a RoPE forward, but no mode's formula "
-                                  "(signs, split points or tables differ)" + _spanning(ev, n)) for n in outermost(unmatched)]
+    return [Miss(OP.name, n.name, reason or ("two products per element like a RoPE forward, but no mode's formula "
+                                            "(signs, split points or tables differ)" + _spanning(ev, n)))
+            for n in outermost(unmatched)]
 
 
 def _spanning(ev: LaneEvaluator, node: fx.Node) -> str:

@@ -1,0 +1,119 @@
+"""No silent misses, on the programs an adversarial session found silent: every RMSNorm and RoPE
+application ends fused or as a recorded miss whose reason says what to change. Each program is
+compiled by the ``npu_fusion`` backend (target ``generic``), with the forward rules off and on;
+outputs and every gradient pass the float64 criterion against eager (``check``)."""
+import pytest
+import torch
+
+from npu_fusion.patterns.rms_norm import DIVISION_REASON, KEEPDIM_REASON
+from npu_fusion.patterns.rope_forward import SCALED_COPY_REASON
+from test_forward_fusion import calls, check
+
+EPS = 1e-6
+BOTH = {"rms_norm_forward": True, "rope_forward": True}
+NORM, NORM_GRAD = "rms_norm", "rms_norm_grad"
+ROPE, ROPE_GRAD = "rotary_position_embedding", "rotary_position_embedding_grad"
+
+
+def _seeded(seed, *size):
+    return torch.randn(*size, generator=torch.Generator().manual_seed(seed))
+
+
+def _reasons(result, op):
+    return [m.reason for m in result.misses if m.op == op]
+
+
+# -- RMSNorm spellings no form reads: recorded, with the spelling that fuses -------------------
+
+NORMS = {  # name: (the norm of x with weight w, the reason its miss must give)
+    "division_by_the_root": (lambda x, w: x / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + EPS) * w,
+                             DIVISION_REASON),
+    "statistic_without_keepdim": (lambda x, w: x * torch.rsqrt(x.pow(2).mean(-1) + EPS).unsqueeze(-1) * w,
+                                  KEEPDIM_REASON),
+}
+
+
+@pytest.mark.parametrize("options", [{}, BOTH], ids=["backward", "forward_too"])
+@pytest.mark.parametrize("name", NORMS)
+def test_norm_spelling_of_a_trained_input_is_a_miss_saying_how_to_fuse(name, options):
+    norm, reason = NORMS[name]
+    w = torch.nn.Parameter(_seeded(3, 16))
+    x = _seeded(1, 2, 3, 16).requires_grad_()
+    result, _, _ = check(lambda x: norm(x, w), [x], [w], **options)
+    assert result.fused(NORM_GRAD) == 0 and reason in _reasons(result, NORM_GRAD), result.misses
+    assert not any("terms differ" in r for r in _reasons(result, NORM_GRAD)), result.misses
+    if options:
+        assert result.fused(NORM) == 0 and reason in _reasons(result, NORM), result.misses
+
+
+@pytest.mark.parametrize("name", NORMS)
+def test_norm_spelling_of_an_input_without_gradient_is_a_miss(name):
+    """The norm's input and weight take no gradient: only the forward rule sees the norm."""
+    norm, reason = NORMS[name]
+    h, w = _seeded(2, 2, 3, 16), _seeded(3, 16)
+    x = _seeded(5, 2, 3, 16).requires_grad_()
+    result, _, _ = check(lambda x: x * norm(h, w), [x], **BOTH)
+    assert result.fused(NORM) == 0 and _reasons(result, NORM) == [reason], result.misses
+
+
+@pytest.mark.parametrize("name", NORMS)
+def test_norm_spelling_whose_weight_alone_takes_gradient_is_a_miss(name):
+    """Only the weight's gradient is computed (dgamma alone): the backward scan records it."""
+    norm, reason = NORMS[name]
+    h, w = _seeded(2, 2, 3, 16), torch.nn.Parameter(_seeded(3, 16))
+    x = _seeded(5, 2, 3, 16).requires_grad_()
+    result, _, _ = check(lambda x: x * norm(h, w), [x], [w])
+    assert result.fused(NORM_GRAD) == 0 and reason in _reasons(result, NORM_GRAD), result.misses
+
+
+# -- RoPE -----------------------------------------------------------------------------------------
+
+ANGLES = _seeded(2, 7, 16)
+COS, SIN = ANGLES.cos(), ANGLES.sin()
+
+
+def _rotate_half(q):
+    return torch.cat((-q[..., 8:], q[..., :8]), -1)
+
+
+def _rope(q, cos=COS[:6], sin=SIN[:6]):
+    return q * cos + _rotate_half(q) * sin
+
+
+def test_rope_reading_a_scaled_x_in_its_rotated_term_is_a_forward_miss():
+    q = _seeded(1, 2, 4, 6, 16).requires_grad_()
+    result, fw, _ = check(lambda q: (q * COS[:6] + _rotate_half(2 * q) * SIN[:6]) * 2, [q], **BOTH)
+    assert not calls(fw, ROPE) and _reasons(result, ROPE) == [SCALED_COPY_REASON], result.misses
+
+
+def test_the_scaled_table_the_forward_miss_suggests_fuses():
+    q = _seeded(1, 2, 4, 6, 16).requires_grad_()
+    result, fw, _ = check(lambda q: (q * COS[:6] + _rotate_half(q) * (2 * SIN[:6])) * 2, [q], **BOTH)
+    assert result.fused(ROPE) == result.fused(ROPE_GRAD) == len(calls(fw, ROPE)) == 1, result.misses
+
+
+ACCUMULATED = {  # name: (program of q, rotations): dx summed with other gradients of q
+    "x_read_again_by_a_product": (lambda q: _rope(q) * q, 1),
+    "x_added_to_its_rotation": (lambda q: _rope(q) + q, 1),
+    "two_rotations_of_one_x": (lambda q: _rope(q) + _rope(q, COS[1:], SIN[1:]) * 2, 2),
+}
+
+
+@pytest.mark.parametrize("options", [{}, BOTH], ids=["backward", "forward_too"])
+@pytest.mark.parametrize("name", ACCUMULATED)
+def test_rope_dx_summed_with_other_gradients_of_x_fuses(name, options):
+    program, rotations = ACCUMULATED[name]
+    q = _seeded(1, 2, 4, 6, 16).requires_grad_()
+    result, fw, bw = check(lambda q: program(q) * 2, [q], **options)
+    assert result.fused(ROPE_GRAD) == len(calls(bw, ROPE_GRAD)) == rotations, (result.sites, result.misses)
+    assert result.fused(ROPE) == len(calls(fw, ROPE)) == (rotations if options else 0)
+    assert not result.misses, result.misses
+
+
+@pytest.mark.parametrize("name", ["x_read_again_by_a_product", "two_rotations_of_one_x"])
+def test_rope_dx_summed_with_other_gradients_of_a_bf16_x_fuses(name):
+    """The other gradients are added back to the fused dx in the program's dtype."""
+    program, rotations = ACCUMULATED[name]
+    q = _seeded(1, 2, 4, 6, 16).bfloat16().requires_grad_()
+    result, _, bw = check(lambda q: program(q) * 2, [q])
+    assert result.fused(ROPE_GRAD) == len(calls(bw, ROPE_GRAD)) == rotations, (result.sites, result.misses)
