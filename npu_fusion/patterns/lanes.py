@@ -84,7 +84,7 @@ def _bounded(p: Poly) -> Poly:
     return p
 
 
-def _add(a: Poly, b: Poly, scale: Number = 1) -> Poly:
+def add_polys(a: Poly, b: Poly, scale: Number = 1) -> Poly:
     out = dict(a)
     for m, c in b.items():
         accumulate(out, m, scale * c)
@@ -306,7 +306,7 @@ class LaneEvaluator(MemoEvaluator):
         if t in (aten.add.Tensor, aten.sub.Tensor) and all(
                 isinstance(a, fx.Node) and _degree(self._checked(a)) <= 1 for a in args[:2]):
             raise Unsupported("gradient accumulation: the sum is an input of the pattern")
-        return self._elementwise(node, args[:2], lambda a, b: _add(a, b, sign))
+        return self._elementwise(node, args[:2], lambda a, b: add_polys(a, b, sign))
 
     def _refuse_scaled_input(self, args) -> None:
         """A product or quotient by a constant of a degree-one value is a leaf."""
@@ -324,10 +324,10 @@ class LaneEvaluator(MemoEvaluator):
         if graph_constant(args[1]) in (None, 0):
             raise Unsupported(f"op {node.target}")  # a quotient by a tensor is no polynomial
         inv = exact_number(1 / Fraction(graph_constant(args[1])))
-        return self._elementwise(node, args[:1], lambda a: _add({}, a, inv))
+        return self._elementwise(node, args[:1], lambda a: add_polys({}, a, inv))
 
     def _negate(self, node, args) -> Lanes:
-        return self._elementwise(node, args[:1], lambda a: _add({}, a, -1))
+        return self._elementwise(node, args[:1], lambda a: add_polys({}, a, -1))
 
     def _slice(self, node, args) -> Lanes:
         v = self._checked(args[0])
@@ -480,7 +480,7 @@ class LaneEvaluator(MemoEvaluator):
             return Lanes(v.inner, v.polys, complex=_is_complex(node))
         if t in CONJ_TARGETS:
             v = self._checked(args[0])
-            return Lanes(v.inner, [p if i % 2 == 0 else _add({}, p, -1) for i, p in enumerate(v.polys)],
+            return Lanes(v.inner, [p if i % 2 == 0 else add_polys({}, p, -1) for i, p in enumerate(v.polys)],
                          complex=True)
         if t is aten.mul.Tensor and all(_is_complex(a) for a in args[:2]):
             try:
@@ -499,8 +499,8 @@ class LaneEvaluator(MemoEvaluator):
         polys = []
         for j in range(0, len(a.polys), 2):
             (ar, ai), (br, bi) = a.polys[j:j + 2], b.polys[j:j + 2]
-            polys.append(_add(_mul(ar, br), _mul(ai, bi), -1))
-            polys.append(_add(_mul(ar, bi), _mul(ai, br)))
+            polys.append(add_polys(_mul(ar, br), _mul(ai, bi), -1))
+            polys.append(add_polys(_mul(ar, bi), _mul(ai, br)))
         return Lanes(inner, polys, complex=True)
 
     def _product(self, node, args) -> Lanes:

@@ -412,3 +412,43 @@ def emit_fused_op(ctx: RuleContext, op: FusedOp, at: fx.Node, operands: Sequence
         if old is not None:
             replacements[old] = replacement_of(edit, fused if single else edit.getitem(fused, index), old)
     return fused, replacements
+
+
+# -- gradients autograd accumulated with a site's dx ----------------------------------------
+
+def gradient_accumulation(node: fx.Node, stop) -> tuple:
+    """(summands, adds) of the tree of single-use ``add`` nodes rooted at ``node``.
+
+    Autograd sums every contribution to a tensor's gradient: with no cast in
+    between, the two terms of RMSNorm's dx are added into the residual stream's
+    gradient one by one, and dx itself is never a node of its own.
+    """
+    def is_add(n):
+        return (isinstance(n, fx.Node) and n.op == "call_function" and n.target is aten.add.Tensor
+                and n.kwargs.get("alpha", 1) == 1 and all(isinstance(a, fx.Node) for a in n.args[:2]))
+
+    if not is_add(node):
+        return [node], []
+    summands, adds, stack = [], [node], list(node.args[:2])
+    while stack:
+        n = stack.pop()
+        if is_add(n) and len(n.users) == 1 and n not in stop:
+            adds.append(n)
+            stack.extend(n.args[:2])
+        else:
+            summands.append(n)
+    return summands, adds
+
+
+def add_back_accumulated(edit: Edit, site, replacements) -> List[fx.Node]:
+    """The other gradients accumulated with ``site.dx`` (``site.rest``), added back to the fused dx
+    after all of them (the RMSNorm and RoPE rules share this)."""
+    added = []
+    with edit.graph.inserting_before(site.dx):
+        total = replacements[site.dx]
+        for i, other in enumerate(site.rest):
+            last = i == len(site.rest) - 1  # it computes the replaced node's value
+            total = edit.call(aten.add.Tensor, (other, total), value=site.dx.meta["val"] if last else None)
+            added.append(total)
+        replacements[site.dx] = total
+    return added

@@ -77,7 +77,8 @@ from .evaluator import Provenance, Unsupported, kept_precision, rounding_problem
 from .norm_algebra import NormEvaluator, size_key
 from .nodes import (CAST_TARGETS, VIEWS, aten, downstream, dtype, gradient_dependent, gradient_product,
                     is_value_preserving_cast, last_of, normalize_dim, outermost, region_of, shape, val)
-from .rewrite import Edit, Insertion, Miss, RuleContext, Site, commit, emit_fused_op, exact_common_dtype
+from .rewrite import (Edit, Insertion, Miss, RuleContext, Site, add_back_accumulated, commit, emit_fused_op,
+                      exact_common_dtype, gradient_accumulation)
 from .rule import Form, FusionRule, RoundReport, SiteProbe
 #: RMSNorm's backward involves dy, x, gamma, rstd and one sum, where x may be a chain of
 #: earlier norms' outputs (two symbols each): anything with many more leaves is some other
@@ -178,30 +179,6 @@ def _match_expression_roles(ev: NormEvaluator, node, expr: Expr, stats, gammas, 
     return None
 
 
-def _accumulation(node: fx.Node, stop) -> tuple:
-    """(summands, adds) of the tree of single-use ``add`` nodes rooted at ``node``.
-
-    Autograd sums every contribution to a tensor's gradient: with no cast in
-    between, the two terms of RMSNorm's dx are added into the residual stream's
-    gradient one by one, and dx itself is never a node of its own.
-    """
-    def is_add(n):
-        return (isinstance(n, fx.Node) and n.op == "call_function" and n.target is aten.add.Tensor
-                and n.kwargs.get("alpha", 1) == 1 and all(isinstance(a, fx.Node) for a in n.args[:2]))
-
-    if not is_add(node):
-        return [node], []
-    summands, adds, stack = [], [node], list(node.args[:2])
-    while stack:
-        n = stack.pop()
-        if is_add(n) and len(n.users) == 1 and n not in stop:
-            adds.append(n)
-            stack.extend(n.args[:2])
-        else:
-            summands.append(n)
-    return summands, adds
-
-
 def _stat_leaves(ev: NormEvaluator, expr) -> frozenset:
     return frozenset(s for s in expr.free_symbols if s in ev.node_of and s not in ev.varying)
 
@@ -213,7 +190,7 @@ def _match_root(ev: NormEvaluator, root: fx.Node, stop) -> Optional[NormMatch]:
         if found is not None:
             found.parts = [root]
             return found
-    summands, adds = _accumulation(root, stop)
+    summands, adds = gradient_accumulation(root, stop)
     if len(summands) < 3:
         return None
     # dx's terms are the summands with this norm's rstd in every term (another norm's rstd
@@ -819,7 +796,7 @@ def find_again(rewrites: RuleContext, site: NormMatch, leaves: List[fx.Node]) ->
         ev.gradient_nodes = gradient
         again = _match_dgamma_only(ev, site.dx, site.candidates)
         return again if again is not None and again.dx is site.dx else None
-    summands, _ = _accumulation(site.dx, ())
+    summands, _ = gradient_accumulation(site.dx, ())
     around = [n for n in (*summands, site.dx) if n.op == "call_function" and val(n) is not None
               and val(n).dtype.is_floating_point]
     for norm_shape, _ in _norm_reductions(graph):
@@ -898,7 +875,7 @@ def _emit(rewrites: RuleContext, site: NormMatch, outputs, region):
     fused, replacements = emitted
     added = inserted.nodes()
     if site.rest:
-        added += _add_back_accumulated(edit, site, replacements)
+        added += add_back_accumulated(edit, site, replacements)
     return commit(edit, OP.name, None, region, outputs, replacements,
                   {"dy": site.dy, "x": site.x, "rstd": site.rstd, "gamma": site.gamma}, added, fused)
 
@@ -912,19 +889,6 @@ def _ones_of_part(edit: Edit, x: fx.Node, k: int, to: torch.dtype, gamma_part: b
         part = edit.call(*((aten.select.int, (part, 0, 0)) if gamma_part
                                         else (aten.slice.Tensor, (part, d, 0, 1))))
     return edit.call(aten.full_like.default, (part, 1.0), {"dtype": to})
-
-
-def _add_back_accumulated(edit: Edit, site: NormMatch, replacements) -> List[fx.Node]:
-    """The other gradients accumulated with dx, added back to the fused dx after all of them."""
-    added = []
-    with edit.graph.inserting_before(site.dx):
-        total = replacements[site.dx]
-        for i, other in enumerate(site.rest):
-            last = i == len(site.rest) - 1  # it computes the replaced node's value
-            total = edit.call(aten.add.Tensor, (other, total), value=site.dx.meta["val"] if last else None)
-            added.append(total)
-        replacements[site.dx] = total
-    return added
 
 
 # -- aten._fused_rms_norm_backward: the whole backward torch keeps on some devices ----

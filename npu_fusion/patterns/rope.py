@@ -39,11 +39,11 @@ from ..lowering.constraints import ROPE_MAX_D, ROPE_MODES, rope_divisor, rope_ta
 from ..lowering.rope import OP
 from ..lowering.sizes import same_shape, static_int
 from .evaluator import Provenance, Unsupported, kept_precision, rounding_problem
-from .lanes import Lanes, LaneEvaluator, _add
+from .lanes import Lanes, LaneEvaluator, add_polys
 from .nodes import (CAST_TARGETS, VIEWS, aten, axis_order, downstream, dtype, gradient_dependent, gradient_product,
                     is_float_cast, last_of, outermost, region_of, shape)
-from .rewrite import Edit, Insertion, Miss, RuleContext, commit, emit_fused_op, exact_common_dtype
-from .rms_norm import _accumulation, _add_back_accumulated
+from .rewrite import (Edit, Insertion, Miss, RuleContext, add_back_accumulated, commit, emit_fused_op,
+                      exact_common_dtype, gradient_accumulation)
 from .rule import Form, FusionRule, RoundReport, SiteProbe
 
 #: the widest last axis the lane evaluator tracks: no target accepts a RoPE head dim D above it
@@ -398,7 +398,7 @@ def _accumulated_matches(rewrites: RuleContext, ev: LaneEvaluator, nodes, matche
         if root in matched or root.target is not aten.add.Tensor or not ev.depends_on_gradient(root) or any(
                 u.target is aten.add.Tensor and len(root.users) == 1 for u in root.users):
             continue
-        summands, _ = _accumulation(root, matched)
+        summands, _ = gradient_accumulation(root, matched)
         values = [ev.memo.get(n) if isinstance(n, fx.Node) else None for n in summands]
         if len(summands) < 3 or ev.memo.get(root) is None or any(
                 v is None or v.reduction is not None or v.complex or v.inner != ev.memo[root].inner for v in values):
@@ -421,7 +421,7 @@ def _match_without(ev: LaneEvaluator, root: fx.Node, summands, values, rest) -> 
     try:
         for part, v in zip(summands, values):
             if part is not rest:
-                polys = [_add(a, b) for a, b in zip(polys, v.polys)]
+                polys = [add_polys(a, b) for a, b in zip(polys, v.polys)]
     except Unsupported:  # more terms than any dx has
         return None
     return match_dx(ev, root, Lanes(values[0].inner, polys))
@@ -692,7 +692,7 @@ def emit(rewrites: RuleContext, site: RopeMatch, outputs, region):
     fused, replacements = emitted
     added = inserted.nodes()
     if site.rest:
-        added += _add_back_accumulated(edit, site, replacements)
+        added += add_back_accumulated(edit, site, replacements)
     return commit(edit, OP.name, ROPE_MODES[site.mode], region, outputs, replacements,
                   {"dy": dy_leaf, "cos": cos_leaf, "sin": sin_leaf, "x": x_leaf}, added, fused)
 
