@@ -53,7 +53,7 @@ from .nodes import (CAST_TARGETS, VIEWS, aten, downstream, dtype, gradient_depen
 from .rewrite import Insertion, Miss, RuleContext, commit, emit_fused_op, exact_common_dtype
 from .norm_algebra import NormEvaluator, size_key
 from .rms_norm import norm_evaluator, rms_statistic_operand
-from .rule import Form, FusionRule, RoundReport
+from .rule import Form, FusionRule, RoundReport, SiteProbe
 
 #: uses from an rstd to the output y (rstd * x, a cast, the weight, a cast)
 Y_DEPTH = 5
@@ -428,6 +428,8 @@ class RmsNormForwardRule(FusionRule):
     domain = "norm"
     ops = (OP,)
     enabled_by_default = False  # until the zoo and framework sweeps show it complete
+    #: each norm call the model runs is one forward site, the backward's site
+    site_probe = SiteProbe(kind=OP.option, same_sites_as="rms_norm")
     forms = tuple(Form(*row) for row in (
         ("forward on the joint graph, paired with its fused backward (which reads the forward's rstd): "
          "fp32 statistics with the casts, `nn.RMSNorm`/`F.rms_norm` with or without weight, `1 + weight`, "

@@ -39,7 +39,7 @@ from .nodes import (aten, downstream, dtype, gradient_dependent, last_of, outerm
 from .rewrite import Insertion, Miss, RuleContext, commit, exact_common_dtype, input_problem, replacement_of
 from .rms_norm_forward import _as_forward_work, expression, same_layout
 from .rope import DX_DEPTH, MAX_LANES, TABLE_SIGNS, _moves_elements, lane_evaluator, table_terms
-from .rule import Form, FusionRule, RoundReport
+from .rule import Form, FusionRule, RoundReport, SiteProbe
 
 #: (leaf id, the leaf position that plays each position of the fused op's operand)
 Role = Tuple[int, Tuple[int, ...]]
@@ -290,6 +290,8 @@ class RopeForwardRule(FusionRule):
     domain = "lanes"
     ops = (OP,)
     enabled_by_default = False  # until the zoo and framework sweeps show it complete
+    #: each rotation the model runs is one forward site, the backward's site
+    site_probe = SiteProbe(kind=OP.option, same_sites_as="rope")
     forms = tuple(Form(*row) for row in (
         ("forward on the joint graph, modes 0 to 3 (2 and 3 on Ascend 950 and `generic`), a table negated as "
          "a whole, partial rotary (the slice of x the rotation reads), tables broadcast from 11SD/1S1D/...",

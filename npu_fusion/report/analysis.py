@@ -25,7 +25,7 @@ from ..compat import compiled_autograd_enabled, mark_dynamic
 from ..lowering import FUSED_OPS as LOWERED_OPS
 from ..measure.grads import compare_gradients
 from ..measure.recording import InductorRecorder, Recorder, TorchairRecorder, op_counts
-from ..measure.sites import account
+from ..measure.sites import account, expected_for
 from ..plugin.options import FusionOptions
 from ..plugin.pass_manager import FusionResult
 from .subjects import Subject
@@ -105,7 +105,7 @@ def analyse(subject: Subject, batch, options: FusionOptions, settings: Dict[str,
     progress("eager step...")
     counting = subject.counter(subject.model) if subject.counter is not None else None
     eager_loss, eager = _step(subject, subject.model, batch, counting=counting or contextlib.nullcontext())
-    expected = dict(counting.counts) if counting is not None else subject.expected
+    expected = expected_for(options, dict(counting.counts) if counting is not None else subject.expected)
 
     compiler = settings.get("compiler", "npu_fusion")
     recorder = recorder_for(options, compiler)

@@ -34,6 +34,7 @@ from typing import Any, Dict, List
 
 import torch
 
+from ..measure.sites import expected_for
 from ..plugin.options import FusionOptions
 from . import analysis, command
 from .analysis import progress, recorder_for
@@ -157,8 +158,8 @@ def _one_target(model, ids, settings: Dict[str, Any], counted) -> Dict[str, Any]
     seconds = time.perf_counter() - start
     model.zero_grad(set_to_none=True)
     subject = Subject(name=settings["model"], model=model, loss=meta_loss, vocab_size=0)
-    report = analysis.assemble(settings, subject, options, recorder, counted.counts, NO_GRADIENTS,
-                                  (seconds, 0.0))
+    expected = expected_for(options, counted.counts)
+    report = analysis.assemble(settings, subject, options, recorder, expected, NO_GRADIENTS, (seconds, 0.0))
     report["accounting"] = analysis.accounting(counted, outside, recorder)
     return report
 
