@@ -43,7 +43,7 @@ import torch
 import torch.fx as fx
 
 from ..compat import symbolic_expr
-from ..lowering import FUSED_OPS, RMS_NORM as OP
+from ..lowering import FUSED_OPS, RMS_NORM as OP, RMS_NORM_GRAD
 from ..lowering.constraints import RMS_NORM_DTYPES, rms_norm_target_problem
 from ..lowering.sizes import same_shape, static_int
 from .algebra import Expr
@@ -52,6 +52,7 @@ from .nodes import (CAST_TARGETS, VIEWS, aten, downstream, dtype, gradient_depen
                     is_value_preserving_cast, last_of, normalize_dim, outermost, outside_users, region_of, shape, val)
 from .rewrite import Insertion, Miss, RuleContext, commit, emit_fused_op, exact_common_dtype
 from .norm_algebra import NormEvaluator, size_key
+from .pairing import calls, source
 from .rms_norm import norm_evaluator, rms_statistic_operand
 from .rule import Form, FusionRule, RoundReport, SiteProbe
 
@@ -416,8 +417,53 @@ def unexplained(graph: fx.Graph, provenance: Optional[Provenance], misses: List[
     found = [n for n in graph.nodes if n not in gradient and n.op == "call_function" and _is_root(n)
              and rms_statistic_operand(n, None) is not None
              and not any(r.name in missed for r in downstream(graph, [n], Y_DEPTH))]
-    return [Miss(OP.name, n.name, "a forward RMS statistic rsqrt(mean(x*x) + eps) that no forward RMSNorm form "
-                                  "matched (run with TORCH_LOGS=npu_fusion and dump_graphs to see it)") for n in found]
+    statistics = [Miss(OP.name, n.name, "a forward RMS statistic rsqrt(mean(x*x) + eps) that no forward RMSNorm "
+                                        "form matched (run with TORCH_LOGS=npu_fusion and dump_graphs to see it)")
+                  for n in found]
+    roots = [Miss(OP.name, n.name, "x / sqrt(mean(x*x) + eps): an RMS statistic as a square root the norm divides "
+                                   "by, which no RMSNorm form reads (the fused ops take rsqrt); spell it "
+                                   "x * torch.rsqrt(mean(x*x) + eps) to fuse the norm") for n in graph.nodes
+             if n not in gradient and _is_square_root_statistic(n)
+             and not any(r.name in missed for r in downstream(graph, [n], Y_DEPTH))]
+    return statistics + roots + _unpaired_backwards(graph, gradient, misses + statistics + roots)
+
+
+def _is_square_root_statistic(node: fx.Node) -> bool:
+    """``sqrt(mean(x*x, keepdim) + eps)``: the statistic of an RMSNorm spelled ``x / sqrt(...)``."""
+    if node.op != "call_function" or node.target is not aten.sqrt.default:
+        return False
+    shifted = node.args[0]
+    if not (isinstance(shifted, fx.Node) and shifted.target in (aten.add.Tensor, aten.add.Scalar)):
+        return False
+    means = [a for a in shifted.args[:2] if isinstance(a, fx.Node) and a.target is aten.mean.dim]
+    return len(means) == 1 and isinstance(means[0].args[0], fx.Node) and means[0].args[0].target in (
+        aten.pow.Tensor_Scalar, aten.mul.Tensor)
+
+
+def _unpaired_backwards(graph: fx.Graph, gradient: set, misses: List[Miss]) -> List[Miss]:
+    """A fused ``rms_norm_grad`` whose rstd is no fused forward op's and near which no forward miss
+    was recorded: its forward ran and matched no form (``x / sqrt(...)``, a statistic built
+    otherwise), each a miss named by the backward node (:mod:`.pairing`)."""
+    missed = {m.node for m in misses}
+    out = []
+    for grad in calls(graph, RMS_NORM_GRAD):
+        rstd = source(grad.args[2])
+        if not isinstance(rstd, fx.Node) or rstd.target == OP.overload:
+            continue
+        near = downstream(graph, [rstd], Y_DEPTH) + list(rstd.all_input_nodes)
+        if any(n.name in missed for n in near if n not in gradient):
+            continue
+        out.append(Miss(OP.name, grad.name, f"this norm's backward fused ({grad.name}), but its forward matched no "
+                        f"forward RMSNorm form: its statistic {rstd.name} ({_spelling(rstd)}) is no "
+                        f"rsqrt(mean(x*x) + eps) with eps a number; spell it as x * torch.rsqrt(...) to fuse it"))
+    return out
+
+
+def _spelling(node: fx.Node) -> str:
+    """What a statistic node is, for a miss's reason."""
+    name = getattr(node.target, "__name__", str(node.target)) if node.op == "call_function" else node.op
+    reads = ", ".join(getattr(a.target, "__name__", a.op) for a in node.all_input_nodes[:2])
+    return f"{name} of {reads}" if reads else name
 
 
 class RmsNormForwardRule(FusionRule):
