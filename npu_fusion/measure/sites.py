@@ -33,6 +33,9 @@ ROPE_OP, NORM_OP = ROPE_GRAD.name, RMS_NORM_GRAD.name
 KINDS = {rule.site_probe.kind: rule.op.name for rule in RULES if rule.site_probe is not None}
 PROBES = {rule.site_probe.kind: rule.site_probe for rule in RULES if rule.site_probe is not None}
 _RULE_OF_KIND = {rule.site_probe.kind: rule for rule in RULES if rule.site_probe is not None}
+#: the fused ops of forward rules (whose sites are their backward's): their nodes land in the
+#: partition's forward graph
+FORWARD_OPS = {KINDS[kind] for kind, probe in PROBES.items() if probe.same_sites_as}
 
 
 def kinds_enabled(options=None) -> Dict[str, str]:
