@@ -89,7 +89,9 @@ def sweep(args: argparse.Namespace) -> list:
             ran += 1
             print(f"[{ran}] {outcome.model_type}: {outcome.status} "
                   f"rope {outcome.rope_fused}/{outcome.rope_present} norm {outcome.norm_fused}/{outcome.norm_present}"
-                  + (f" forward rope {outcome.rope_forward_fused} norm {outcome.norm_forward_fused}" if args.forward else "")
+                  + (f" forward rope {outcome.rope_forward_fused} (missed {outcome.rope_forward_missed}) norm "
+                     f"{outcome.norm_forward_fused} (missed {outcome.norm_forward_missed})" if args.forward else "")
+                  + f" grads {'ok' if outcome.grads_ok else 'FAIL'}"
                   + f" ({outcome.seconds:.1f}s) {outcome.reason}", file=sys.stderr, flush=True)
     return outcomes
 
