@@ -111,3 +111,18 @@ def test_report_forward_rows_expect_the_counted_sites(capsys):
     for forward, backward in (("rms_norm", "rms_norm_grad"), ("rotary_position_embedding",
                                                                "rotary_position_embedding_grad")):
         assert r["ops"][forward]["expected"] == r["ops"][backward]["expected"] == r["ops"][forward]["fused"]
+
+
+def test_whole_fused_rms_norm_forward_is_a_recorded_forward_miss():
+    """Where the device keeps a whole ``aten._fused_rms_norm`` (simulated on the CPU), its backward
+    fuses and its forward is a recorded forward miss saying how to fuse it."""
+    whole = pytest.importorskip("npu_fusion_testing.whole_rms_norm")
+    if whole.unavailable():
+        pytest.skip(whole.unavailable())
+    w = torch.nn.Parameter(1 + 0.1 * torch.randn(64))
+    x = torch.randn(2, 8, 64, requires_grad=True)
+    with whole.device_rms_norm_kernels():
+        result = _step(lambda x: torch.nn.functional.rms_norm(x * 2, (64,), w, 1e-6).tanh(), [x], [w], strict=False)
+    forward = [m for m in result.misses if m.op == "rms_norm"]
+    assert result.fused("rms_norm_grad") == 1 and len(forward) == 1, result.misses
+    assert "aten._fused_rms_norm" in forward[0].reason and "decomposed" in forward[0].reason

@@ -453,10 +453,19 @@ def _unpaired_backwards(graph: fx.Graph, gradient: set, misses: List[Miss]) -> L
         near = downstream(graph, [rstd], Y_DEPTH) + list(rstd.all_input_nodes)
         if any(n.name in missed for n in near if n not in gradient):
             continue
-        out.append(Miss(OP.name, grad.name, f"this norm's backward fused ({grad.name}), but its forward matched no "
-                        f"forward RMSNorm form: its statistic {rstd.name} ({_spelling(rstd)}) is no "
-                        f"rsqrt(mean(x*x) + eps) with eps a number; spell it as x * torch.rsqrt(...) to fuse it"))
+        out.append(Miss(OP.name, grad.name, _unpaired_reason(grad, rstd)))
     return out
+
+
+def _unpaired_reason(grad: fx.Node, rstd: fx.Node) -> str:
+    if "_fused_rms_norm" in str(rstd.target):
+        return (f"this norm's backward fused ({grad.name}); its forward is a whole aten._fused_rms_norm "
+                f"({rstd.name}), which no fused forward op replaces (no torch_npu line registers a kernel for "
+                f"it): call the decomposed norm (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * "
+                f"weight) instead of F.rms_norm to fuse its forward")
+    return (f"this norm's backward fused ({grad.name}), but its forward matched no forward RMSNorm form: its "
+            f"statistic {rstd.name} ({_spelling(rstd)}) is no rsqrt(mean(x*x) + eps) with eps a number; spell it "
+            f"as x * torch.rsqrt(...) to fuse it")
 
 
 def _spelling(node: fx.Node) -> str:
