@@ -154,8 +154,9 @@ class SiteCounter:
 
     @property
     def counts(self) -> Dict[str, int]:
-        """Counted sites by fused-op name (what ``npu-fusion report`` expects)."""
-        return {op: self.total(kind) for kind, op in KINDS.items()}
+        """Counted sites by fused-op name (what ``npu-fusion report`` expects), of the kinds counted
+        on their own: :func:`expected_for` adds the forward ops, whose sites these are too."""
+        return {op: self.total(kind) for kind, op in KINDS.items() if not PROBES[kind].same_sites_as}
 
 
 @dataclasses.dataclass
