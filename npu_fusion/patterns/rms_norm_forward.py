@@ -444,17 +444,19 @@ def _unpaired_backwards(graph: fx.Graph, gradient: set, misses: List[Miss]) -> L
     """A fused ``rms_norm_grad`` whose rstd is no fused forward op's and near which no forward miss
     was recorded: its forward ran and matched no form (``x / sqrt(...)``, a statistic built
     otherwise), each a miss named by the backward node (:mod:`.pairing`)."""
-    missed = {m.node for m in misses}
-    out = []
+    missed, used, out = {m.node for m in misses}, set(), []
     for grad in calls(graph, RMS_NORM_GRAD):
         rstd = source(grad.args[2])
         if not isinstance(rstd, fx.Node) or rstd.target == OP.overload:
             continue
-        near = downstream(graph, [rstd], Y_DEPTH) + list(rstd.all_input_nodes)
-        if any(n.name in missed for n in near if n not in gradient):
+        near = {n.name for n in downstream(graph, [rstd], Y_DEPTH) + list(rstd.all_input_nodes)
+                if n not in gradient} & missed
+        if near:
+            used |= near
             continue
         out.append(Miss(OP.name, grad.name, _unpaired_reason(grad, rstd)))
-    return out
+    # a miss recorded elsewhere on the site (its y, a reader of an intermediate) accounts for one
+    return out[len(missed - used):]
 
 
 def _unpaired_reason(grad: fx.Node, rstd: fx.Node) -> str:
