@@ -640,6 +640,12 @@ class Outcome:
         return self.norm_present - self.norm_forward_fused - self.norm_forward_missed
 
 
+def _count_forward(out: Outcome, capture) -> None:
+    """The forward ops' fused sites and recorded misses, each once per run of its graph."""
+    out.rope_forward_fused, out.norm_forward_fused = capture.fused_runs(ROPE_FORWARD_OP), capture.fused_runs(NORM_FORWARD_OP)
+    out.rope_forward_missed, out.norm_forward_missed = missed_runs(capture, ROPE_FORWARD_OP), missed_runs(capture, NORM_FORWARD_OP)
+
+
 def run_model(entry: Entry, dtype=torch.float32, batch=2, seq=12, dynamic=False, seed=0,
               keep_capture=False, forward=False):
     """Sweep one entry; returns (Outcome, capture or None). ``forward``: the forward rules too."""
@@ -681,8 +687,7 @@ def run_model(entry: Entry, dtype=torch.float32, batch=2, seq=12, dynamic=False,
                 raise RuntimeError(f"fails only with the pass: {first}") from exc
 
         out.rope_fused, out.norm_fused = capture.fused_runs(ROPE_OP), capture.fused_runs(NORM_OP)
-        out.rope_forward_fused, out.norm_forward_fused = capture.fused_runs(ROPE_FORWARD_OP), capture.fused_runs(NORM_FORWARD_OP)
-        out.rope_forward_missed, out.norm_forward_missed = missed_runs(capture, ROPE_FORWARD_OP), missed_runs(capture, NORM_FORWARD_OP)
+        _count_forward(out, capture)
         out.backward_graphs = len(capture.after)
         out.grad_failures = grad_failures(fused, eager, exact)
         out.grads_ok = not out.grad_failures
