@@ -11,6 +11,7 @@ every site that ran outside the compiled graphs.
 
     python benchmarks/framework_coverage.py
     python benchmarks/framework_coverage.py --frameworks torchtune:gemma2,megatron:gpt --dtypes bfloat16
+    python benchmarks/framework_coverage.py --forward     # the forward rules too, their sites beside
 """
 from __future__ import annotations
 
@@ -48,10 +49,11 @@ class Row:
     error: str = ""
 
 
-def run_one(name: str, dtype: str, target: str = "generic") -> Row:
+def run_one(name: str, dtype: str, target: str = "generic", forward: bool = False) -> Row:
     row, start = Row(name, dtype), time.perf_counter()
+    switches = dict(rms_norm_forward=True, rope_forward=True) if forward else {}
     try:
-        coverage = measure(FRAMEWORKS[name], getattr(torch, dtype), strict=False, target=target)
+        coverage = measure(FRAMEWORKS[name], getattr(torch, dtype), strict=False, target=target, **switches)
     except ImportError as exc:
         row.error = f"skipped: {exc}"
     except Exception as exc:  # a build or compile failure is a result too
@@ -65,14 +67,19 @@ def run_one(name: str, dtype: str, target: str = "generic") -> Row:
     return row
 
 
+#: the table's site columns: (kind, header); the forward columns show when their rule ran
+COLUMNS = (("rope", "RoPE"), ("rms_norm", "RMSNorm"), ("rope_forward", "RoPE fw"), ("rms_norm_forward", "RMSNorm fw"))
+
+
 def _cell(row: Row, kind: str) -> str:
-    a = row.sites[kind]
-    return f"{a['fused']}/{a['counted']}"
+    a = row.sites.get(kind)
+    return f"{a['fused']}/{a['counted']}" if a else "-"
 
 
 def print_table(rows: List[Row], file=sys.stdout) -> None:
-    header = (f"{'framework:model':<32} {'dtype':<9} {'RoPE':>5} {'RMSNorm':>7} {'outside':>7} "
-              f"{'unexplained':>11} {'missed':>6} {'grads':>5} {'graphs':>6} {'s':>5}")
+    columns = [(k, h) for k, h in COLUMNS if any(k in r.sites for r in rows)]
+    header = (f"{'framework:model':<32} {'dtype':<9} " + " ".join(f"{h:>{max(5, len(h))}}" for _, h in columns)
+              + f" {'outside':>7} {'unexplained':>11} {'missed':>6} {'grads':>5} {'graphs':>6} {'s':>5}")
     print(header, file=file)
     print("-" * len(header), file=file)
     for r in rows:
@@ -81,7 +88,8 @@ def print_table(rows: List[Row], file=sys.stdout) -> None:
             continue
         total = {key: sum(len(a[key]) if key == "outside" else a[key] for a in r.sites.values())
                  for key in ("outside", "unexplained", "missed")}
-        print(f"{r.name:<32} {r.dtype:<9} {_cell(r, 'rope'):>5} {_cell(r, 'rms_norm'):>7} {total['outside']:>7} "
+        cells = " ".join(f"{_cell(r, k):>{max(5, len(h))}}" for k, h in columns)
+        print(f"{r.name:<32} {r.dtype:<9} {cells} {total['outside']:>7} "
               f"{total['unexplained']:>11} {total['missed']:>6} {'ok' if r.grads_ok else 'FAIL':>5} "
               f"{r.graphs:>6} {r.seconds:5.1f}", file=file)
 
@@ -107,9 +115,12 @@ def print_details(rows: List[Row], file=sys.stdout) -> None:
 def print_summary(rows: List[Row], file=sys.stdout) -> None:
     ran = [r for r in rows if not r.error]
     for kind, label in LABELS.items():
-        fused = sum(r.sites[kind]["fused"] for r in ran)
-        counted = sum(r.sites[kind]["counted"] for r in ran)
-        print(f"{label} sites fused: {fused}/{counted}", file=file)
+        if not any(kind in r.sites for r in ran):
+            continue
+        fused = sum(r.sites[kind]["fused"] for r in ran if kind in r.sites)
+        counted = sum(r.sites[kind]["counted"] for r in ran if kind in r.sites)
+        unexplained = sum(r.sites[kind]["unexplained"] for r in ran if kind in r.sites)
+        print(f"{label} sites fused: {fused}/{counted}; unexplained {unexplained}", file=file)
     print(f"gradients within the criterion: {sum(bool(r.grads_ok) for r in ran)}/{len(ran)}; "
           f"failed to build or run: {len(rows) - len(ran)}", file=file)
 
@@ -120,6 +131,9 @@ def main(argv=None) -> int:
     parser.add_argument("--dtypes", default="float32,bfloat16", help="comma-separated (default float32,bfloat16)")
     parser.add_argument("--target", default="generic", choices=("generic", "a2", "a3", "950"),
                         help="which chip's forms the pass may emit (default generic: every form)")
+    parser.add_argument("--forward", action="store_true",
+                        help="also fuse the forward (options rms_norm_forward and rope_forward on) and count "
+                             "its sites: the backward's sites, each a forward site too")
     parser.add_argument("--json", metavar="PATH", help="also write the rows as JSON")
     args = parser.parse_args(argv)
     names = args.frameworks.split(",") if args.frameworks else list(FRAMEWORKS)
@@ -132,7 +146,7 @@ def main(argv=None) -> int:
     rows = []
     for name in names:
         for dtype in args.dtypes.split(","):
-            rows.append(run_one(name, dtype, args.target))
+            rows.append(run_one(name, dtype, args.target, args.forward))
             print(f"[{len(rows)}] {name} {dtype}: {rows[-1].error or 'done'}", file=sys.stderr, flush=True)
     print_table(rows)
     print()

@@ -25,6 +25,7 @@ the node) and notes; then the overall coverage and the wall time.
     python benchmarks/zoo_coverage.py                       # every RoPE/RMSNorm model
     python benchmarks/zoo_coverage.py --models llama,gptj   # some
     python benchmarks/zoo_coverage.py --dtype bfloat16 --json out.json --limit 20
+    python benchmarks/zoo_coverage.py --forward             # the forward rules too, their columns beside
 
 The sweep itself is :mod:`npu_fusion_testing.zoo`; this is its command line.
 """
@@ -54,6 +55,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--limit", type=int, help="run at most this many (buildable) models")
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--dynamic", action="store_true", help="mark batch and sequence of input_ids dynamic")
+    parser.add_argument("--forward", action="store_true",
+                        help="also fuse the forward (options rope_forward and rms_norm_forward on): each counted "
+                             "site is a forward site too, shown in the RoPE fw and RMSNorm fw columns")
     parser.add_argument("--show-skipped", action="store_true")
     return parser.parse_args(argv)
 
@@ -79,13 +83,16 @@ def sweep(args: argparse.Namespace) -> list:
     for entry in entries:
         if not entry.skip and args.limit is not None and ran >= args.limit:
             entry.skip = "--limit reached"
-        outcome, _ = run_model(entry, dtype=dtype, dynamic=args.dynamic)
+        outcome, _ = run_model(entry, dtype=dtype, dynamic=args.dynamic, forward=args.forward)
         outcomes.append(outcome)
         if outcome.status != "skipped":
             ran += 1
             print(f"[{ran}] {outcome.model_type}: {outcome.status} "
                   f"rope {outcome.rope_fused}/{outcome.rope_present} norm {outcome.norm_fused}/{outcome.norm_present}"
-                  f" ({outcome.seconds:.1f}s) {outcome.reason}", file=sys.stderr, flush=True)
+                  + (f" forward rope {outcome.rope_forward_fused} (missed {outcome.rope_forward_missed}) norm "
+                     f"{outcome.norm_forward_fused} (missed {outcome.norm_forward_missed})" if args.forward else "")
+                  + f" grads {'ok' if outcome.grads_ok else 'FAIL'}"
+                  + f" ({outcome.seconds:.1f}s) {outcome.reason}", file=sys.stderr, flush=True)
     return outcomes
 
 
@@ -98,6 +105,13 @@ def print_summary(s) -> None:
     print(f"RMSNorm sites fused: {s['rms_norm_sites'][0]}/{s['rms_norm_sites'][1]}"
           f" ({100.0 * s['rms_norm_sites'][0] / max(1, s['rms_norm_sites'][1]):.1f}%),"
           f" models fully fused {s['rms_norm_models_fully_fused'][0]}/{s['rms_norm_models_fully_fused'][1]}")
+    if "rope_forward_sites" in s:
+        for key, label in (("rope", "RoPE forward sites fused:   "), ("rms_norm", "RMSNorm forward sites fused:")):
+            fused, counted = s[f"{key}_forward_sites"]
+            print(f"{label} {fused}/{counted} ({100.0 * fused / max(1, counted):.1f}%), recorded misses "
+                  f"{s[f'{key}_forward_missed']}")
+        print(f"forward sites neither fused nor recorded (silent): {s['forward_silent']}; models with every "
+              f"forward site fused {s['models_forward_fully_fused'][0]}/{s['models_forward_fully_fused'][1]}")
     print(f"models with every site fused: {s['models_fully_fused'][0]}/{s['models_fully_fused'][1]}; "
           f"gradients match eager (float64 criterion): {s['grads_ok'][0]}/{s['grads_ok'][1]}")
 

@@ -29,6 +29,7 @@ import torch
 
 from .capture import Capture, decomposed_leftovers
 from npu_fusion.measure.grads import grad_failures
+from npu_fusion.lowering import RMS_NORM, ROPE
 from npu_fusion.measure.sites import NORM_OP, ROPE_OP, grad_tensors
 from npu_fusion.patterns import RmsNormGradRule, RopeGradRule
 
@@ -67,6 +68,10 @@ TOKEN_IDS = ("pad_token_id", "bos_token_id", "eos_token_id", "sep_token_id", "de
 ROPE_FUNCTION = re.compile(RopeGradRule.site_probe.functions)
 NOT_TEXT_ROPE = re.compile(RopeGradRule.site_probe.excluded)
 ROPE_CLASS = re.compile(RopeGradRule.site_probe.module_classes)
+#: the forward ops (options ``rope_forward``, ``rms_norm_forward``): their sites are the counted
+#: backward sites (each rotation and norm call is a forward site and a backward site)
+ROPE_FORWARD_OP, NORM_FORWARD_OP = ROPE.name, RMS_NORM.name
+FORWARD_OPTIONS = {"rope_forward": True, "rms_norm_forward": True}
 
 
 # -- discovery and tiny configs -------------------------------------------------------------
@@ -454,7 +459,7 @@ def fused_where(capture, entry: Entry) -> collections.Counter:
     # once per layer: count each site per run, as the eager counter does
     for before, result, runs in zip(capture.before, capture.results, capture.runs):
         by_name = {n.name: n for n in before.nodes}
-        for site in result.sites:
+        for site in (s for s in result.sites if s.op in (ROPE_OP, NORM_OP)):  # backward sites
             kind = "rope" if site.op == ROPE_OP else "rms_norm"
             found = [_innermost_module(by_name[n]) for n in site.replaced_nodes if n in by_name]
             found = [f for f in found if f is not None]
@@ -463,6 +468,11 @@ def fused_where(capture, entry: Entry) -> collections.Counter:
             paths = collections.Counter(f[0] for f in found)
             where[(kind, paths.most_common(1)[0][0] if paths else "?")] += runs
     return where
+
+
+def missed_runs(capture, op: str) -> int:
+    """Recorded misses of ``op``, each once per run of its graph (as sites are counted)."""
+    return sum(runs for result, runs in zip(capture.results, capture.runs) for m in result.misses if m.op == op)
 
 
 def miss_lines(capture) -> List[str]:
@@ -613,15 +623,34 @@ class Outcome:
     leftovers: int = 0          # decomposed RoPE/RMSNorm nodes left (or of unknown origin)
     leftovers_other: int = 0    # decomposed_leftovers of other code (GELU-tanh's pow, ...)
     backward_graphs: int = 0
+    forward: bool = False       # the forward rules ran too (the forward_* fields are theirs)
+    rope_forward_fused: int = 0
+    rope_forward_missed: int = 0    # recorded misses of the forward op
+    norm_forward_fused: int = 0
+    norm_forward_missed: int = 0
     variant: str = "default"    # the AOTAutograd variant the model was compiled with
     notes: List[str] = dataclasses.field(default_factory=list)
     seconds: float = 0.0
 
+    def forward_silent(self, kind: str) -> int:
+        """Counted forward sites of ``kind`` (``rope``, ``rms_norm``) neither fused nor recorded
+        as a miss (negative when the pass accounted for more than were counted)."""
+        if kind == "rope":
+            return self.rope_present - self.rope_forward_fused - self.rope_forward_missed
+        return self.norm_present - self.norm_forward_fused - self.norm_forward_missed
+
+
+def _count_forward(out: Outcome, capture) -> None:
+    """The forward ops' fused sites and recorded misses, each once per run of its graph."""
+    out.rope_forward_fused, out.norm_forward_fused = capture.fused_runs(ROPE_FORWARD_OP), capture.fused_runs(NORM_FORWARD_OP)
+    out.rope_forward_missed, out.norm_forward_missed = missed_runs(capture, ROPE_FORWARD_OP), missed_runs(capture, NORM_FORWARD_OP)
+
 
 def run_model(entry: Entry, dtype=torch.float32, batch=2, seq=12, dynamic=False, seed=0,
-              keep_capture=False):
-    """Sweep one entry; returns (Outcome, capture or None)."""
-    out = Outcome(entry.model_type, entry.class_name)
+              keep_capture=False, forward=False):
+    """Sweep one entry; returns (Outcome, capture or None). ``forward``: the forward rules too."""
+    out = Outcome(entry.model_type, entry.class_name, forward=forward)
+    switches = FORWARD_OPTIONS if forward else {}
     if entry.skip:
         out.status, out.reason = "skipped", entry.skip
         return out, None
@@ -643,7 +672,7 @@ def run_model(entry: Entry, dtype=torch.float32, batch=2, seq=12, dynamic=False,
         exact = param_grads(copy.deepcopy(model).double(), ids)
 
         try:
-            fused, capture = compiled_grads(model, ids, dynamic)
+            fused, capture = compiled_grads(model, ids, dynamic, **switches)
         except Exception as exc:
             first = _describe(exc)
             try:
@@ -653,11 +682,12 @@ def run_model(entry: Entry, dtype=torch.float32, batch=2, seq=12, dynamic=False,
                 # AOTAutograd with core ATen decompositions often gets through
                 out.variant = "decompositions=core"
                 out.notes.append(f"default compile fails without the pass too ({first})")
-                fused, capture = compiled_grads(model, ids, dynamic, decompositions="core")
+                fused, capture = compiled_grads(model, ids, dynamic, decompositions="core", **switches)
             else:
                 raise RuntimeError(f"fails only with the pass: {first}") from exc
 
         out.rope_fused, out.norm_fused = capture.fused_runs(ROPE_OP), capture.fused_runs(NORM_OP)
+        _count_forward(out, capture)
         out.backward_graphs = len(capture.after)
         out.grad_failures = grad_failures(fused, eager, exact)
         out.grads_ok = not out.grad_failures
@@ -695,6 +725,10 @@ def unfused_note(o: Outcome) -> str:
                   for op, label, n in missing if n > 0]
     if o.rope_fused > o.rope_present or o.norm_fused > o.norm_present:
         notes.append("more fused than counted")
+    if o.forward:
+        silent = [(n, label) for n, label in ((o.forward_silent("rope"), "RoPE"), (o.forward_silent("rms_norm"), "RMSNorm"))
+                  if n]
+        notes += [f"{n} {label} forward " + ("unrecognized" if n > 0 else "more than counted") for n, label in silent]
     if o.misses:
         notes.append(f"{len(o.misses)} Miss")
     if o.pass_errors:
@@ -706,20 +740,31 @@ def unfused_note(o: Outcome) -> str:
     return ", ".join(notes)
 
 
+def _forward_cells(o: Outcome, forward: bool, blank: bool = False) -> str:
+    """The forward columns (``RoPE fw``, ``RMSNorm fw``: fused/counted) when the sweep ran them."""
+    if not forward:
+        return ""
+    if blank:
+        return f" {'':>7} {'':>10}"
+    return f" {_frac(o.rope_forward_fused, o.rope_present):>7} {_frac(o.norm_forward_fused, o.norm_present):>10}"
+
+
 def print_table(outcomes: List[Outcome], file=sys.stdout):
     rows = [o for o in outcomes if o.status != "skipped"]
-    header = f"{'model':<20} {'RoPE':>7} {'RMSNorm':>8} {'grads':>5} {'left':>4} {'bw':>3} {'s':>5}  notes"
+    forward = any(o.forward for o in rows)
+    header = (f"{'model':<20} {'RoPE':>7} {'RMSNorm':>8}" + (f" {'RoPE fw':>7} {'RMSNorm fw':>10}" if forward else "")
+              + f" {'grads':>5} {'left':>4} {'bw':>3} {'s':>5}  notes")
     print(header, file=file)
     print("-" * 100, file=file)
     for o in rows:
         if o.status == "error":
-            print(f"{o.model_type:<20} {'':>7} {'':>8} {'':>5} {'':>4} {'':>3} {o.seconds:5.1f}  ERROR {o.reason[:120]}",
-                  file=file)
+            print(f"{o.model_type:<20} {'':>7} {'':>8}{_forward_cells(o, forward, True)} {'':>5} {'':>4} {'':>3} "
+                  f"{o.seconds:5.1f}  ERROR {o.reason[:120]}", file=file)
             continue
         grads = "ok" if o.grads_ok else "FAIL"
         print(f"{o.model_type:<20} {_frac(o.rope_fused, o.rope_present):>7} "
-              f"{_frac(o.norm_fused, o.norm_present):>8} {grads:>5} {o.leftovers:>4} {o.backward_graphs:>3} "
-              f"{o.seconds:5.1f}  {unfused_note(o)}", file=file)
+              f"{_frac(o.norm_fused, o.norm_present):>8}{_forward_cells(o, forward)} {grads:>5} {o.leftovers:>4} "
+              f"{o.backward_graphs:>3} {o.seconds:5.1f}  {unfused_note(o)}", file=file)
 
 
 def print_details(outcomes: List[Outcome], file=sys.stdout):
@@ -759,4 +804,22 @@ def summary(outcomes: List[Outcome]) -> Dict[str, Any]:
         "models_fully_fused": [sum(o.rope_fused == o.rope_present and o.norm_fused == o.norm_present
                                    for o in ran), len(ran)],
         "grads_ok": [sum(bool(o.grads_ok) for o in ran), len(ran)],
+        **_forward_summary(ran),
+    }
+
+
+def _forward_summary(ran: List[Outcome]) -> Dict[str, Any]:
+    """The forward sites (the backward's counted sites) fused, recorded as misses and silent."""
+    ran = [o for o in ran if o.forward]
+    if not ran:
+        return {}
+    rope_p, norm_p = sum(o.rope_present for o in ran), sum(o.norm_present for o in ran)
+    return {
+        "rope_forward_sites": [sum(min(o.rope_forward_fused, o.rope_present) for o in ran), rope_p],
+        "rms_norm_forward_sites": [sum(min(o.norm_forward_fused, o.norm_present) for o in ran), norm_p],
+        "rope_forward_missed": sum(o.rope_forward_missed for o in ran),
+        "rms_norm_forward_missed": sum(o.norm_forward_missed for o in ran),
+        "forward_silent": sum(max(0, o.forward_silent(k)) for o in ran for k in ("rope", "rms_norm")),
+        "models_forward_fully_fused": [sum(o.rope_forward_fused == o.rope_present and o.norm_forward_fused
+                                           == o.norm_present for o in ran), len(ran)],
     }

@@ -57,8 +57,9 @@ def test_rule_list_is_ordered_and_typed():
     assert all(isinstance(r, FusionRule) and r.domain for r in RULES)
     assert [r.stage for r in RULES] == ["backward", "backward", "joint", "joint"]
     assert [r.op.name for r in RULES] == [RMS, ROPE, "rms_norm", "rotary_position_embedding"]
-    # the forward rules count no sites of their own yet (off by default)
-    assert [r.site_probe is not None and r.site_probe.kind == r.option for r in RULES] == [True, True, False, False]
+    # every rule counts its sites; the forward rules' sites are their backward's
+    assert [r.site_probe is not None and r.site_probe.kind == r.option for r in RULES] == [True, True, True, True]
+    assert [r.site_probe.same_sites_as for r in RULES] == [None, None, "rms_norm", "rope"]
     assert [r.enabled_by_default for r in RULES] == [True, True, False, False]
 
 

@@ -19,7 +19,7 @@ import collections
 import dataclasses
 import functools
 import sys
-from typing import Dict, List, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -28,8 +28,22 @@ from ..patterns import RULES
 
 ROPE_OP, NORM_OP = ROPE_GRAD.name, RMS_NORM_GRAD.name
 #: the counter's kinds (each rule's site probe: one site per forward call) and the fused op
-#: each one should become
+#: each one should become; a forward rule's kind counts its backward's sites (the same norm call or
+#: rotation is a forward site and a backward site)
 KINDS = {rule.site_probe.kind: rule.op.name for rule in RULES if rule.site_probe is not None}
+PROBES = {rule.site_probe.kind: rule.site_probe for rule in RULES if rule.site_probe is not None}
+_RULE_OF_KIND = {rule.site_probe.kind: rule for rule in RULES if rule.site_probe is not None}
+#: the fused ops of forward rules (whose sites are their backward's): their nodes land in the
+#: partition's forward graph
+FORWARD_OPS = {KINDS[kind] for kind, probe in PROBES.items() if probe.same_sites_as}
+
+
+def kinds_enabled(options=None) -> Dict[str, str]:
+    """:data:`KINDS` of the rules ``options`` turn on (every kind when ``options`` is None): a
+    kind whose rule is off has no site the pass could account for."""
+    if options is None:
+        return dict(KINDS)
+    return {kind: op for kind, op in KINDS.items() if options.enables(_RULE_OF_KIND[kind])}
 
 _MODULE_CALL = ("torch/nn/modules/module.py", __file__)
 
@@ -54,6 +68,21 @@ def _caller_module(skip):
             return owner
         frame = frame.f_back
     return None
+
+
+def expected_for(options, expected: Optional[Dict[str, int]]) -> Optional[Dict[str, int]]:
+    """Expected sites by fused-op name for a run with ``options``: a forward op expects its
+    backward's sites where its rule is on, and nothing where it is off."""
+    if expected is None:
+        return None
+    enabled = set(kinds_enabled(options).values())
+    out = {}
+    for kind, op in KINDS.items():
+        same = PROBES[kind].same_sites_as
+        if op in enabled and (op in expected or (same and KINDS[same] in expected)):
+            out[op] = expected.get(op, expected.get(KINDS.get(same)))
+    out.update({op: n for op, n in expected.items() if op not in KINDS.values()})
+    return out
 
 
 class SiteCounter:
@@ -115,12 +144,19 @@ class SiteCounter:
             self._undo.pop()()
 
     def total(self, kind: str) -> int:
-        return sum(n for (k, _), n in self.counted.items() if k == kind)
+        counted_as = PROBES[kind].counted_kind if kind in PROBES else kind
+        return sum(n for (k, _), n in self.counted.items() if k == counted_as)
+
+    def sites_of(self, kind: str) -> List[Tuple[str, int]]:
+        """``(module path, sites)`` of one kind (a forward kind: its backward's sites)."""
+        counted_as = PROBES[kind].counted_kind if kind in PROBES else kind
+        return [(path, n) for (k, path), n in sorted(self.counted.items()) if k == counted_as]
 
     @property
     def counts(self) -> Dict[str, int]:
-        """Counted sites by fused-op name (what ``npu-fusion report`` expects)."""
-        return {op: self.total(kind) for kind, op in KINDS.items()}
+        """Counted sites by fused-op name (what ``npu-fusion report`` expects), of the kinds counted
+        on their own: :func:`expected_for` adds the forward ops, whose sites these are too."""
+        return {op: self.total(kind) for kind, op in KINDS.items() if not PROBES[kind].same_sites_as}
 
 
 @dataclasses.dataclass
@@ -151,13 +187,13 @@ def account(counted: SiteCounter, outside: SiteCounter, capture) -> Dict[str, Ac
     capture's ``FusionResult`` s and backward-graph runs) and those that ran outside every
     compiled graph (``outside``: the same counter, active during the compiled run)."""
     table = {}
-    for kind, op in KINDS.items():
-        away = [path for (k, path), n in sorted(outside.counted.items()) if k == kind for _ in range(n)]
+    for kind, op in kinds_enabled(getattr(capture, "options", None)).items():
+        away = [path for path, n in outside.sites_of(kind) for _ in range(n)]
         misses, missed = [], 0
         for result, runs in zip(capture.results, capture.runs):
             for m in (m for m in result.misses if m.op == op):
                 missed += runs
                 misses.append(f"{m.node}: {m.reason}" + (f" [graph ran {runs} times]" if runs != 1 else ""))
-        paths = {path: n for (k, path), n in sorted(counted.counted.items()) if k == kind}
+        paths = dict(counted.sites_of(kind))
         table[kind] = Accounting(op, counted.total(kind), capture.fused_runs(op), missed, misses, away, paths)
     return table

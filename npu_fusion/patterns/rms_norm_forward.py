@@ -43,7 +43,7 @@ import torch
 import torch.fx as fx
 
 from ..compat import symbolic_expr
-from ..lowering import FUSED_OPS, RMS_NORM as OP
+from ..lowering import FUSED_OPS, RMS_NORM as OP, RMS_NORM_GRAD
 from ..lowering.constraints import RMS_NORM_DTYPES, rms_norm_target_problem
 from ..lowering.sizes import same_shape, static_int
 from .algebra import Expr
@@ -52,8 +52,9 @@ from .nodes import (CAST_TARGETS, VIEWS, aten, downstream, dtype, gradient_depen
                     is_value_preserving_cast, last_of, normalize_dim, outermost, outside_users, region_of, shape, val)
 from .rewrite import Insertion, Miss, RuleContext, commit, emit_fused_op, exact_common_dtype
 from .norm_algebra import NormEvaluator, size_key
+from .pairing import calls, source
 from .rms_norm import norm_evaluator, rms_statistic_operand, spelled_root, unmatched_spelling
-from .rule import Form, FusionRule, RoundReport
+from .rule import Form, FusionRule, RoundReport, SiteProbe
 
 #: uses from an rstd to the output y (rstd * x, a cast, the weight, a cast)
 Y_DEPTH = 5
@@ -423,9 +424,48 @@ def unexplained(graph: fx.Graph, provenance: Optional[Provenance], misses: List[
         if root is not None and root not in spelled and not any(
                 r.name in missed for r in downstream(graph, [n], Y_DEPTH)):
             spelled[root] = (n, unmatched_spelling(n, None))
-    return [Miss(OP.name, n.name, "a forward RMS statistic rsqrt(mean(x*x) + eps) that no forward RMSNorm form "
-                                  "matched (run with TORCH_LOGS=npu_fusion and dump_graphs to see it)") for n in found] + [
-        Miss(OP.name, n.name, reason) for n, reason in spelled.values()]
+    statistics = [Miss(OP.name, n.name, "a forward RMS statistic rsqrt(mean(x*x) + eps) that no forward RMSNorm "
+                                        "form matched (run with TORCH_LOGS=npu_fusion and dump_graphs to see it)")
+                  for n in found]
+    spellings = [Miss(OP.name, n.name, reason) for n, reason in spelled.values()]
+    return statistics + spellings + _unpaired_backwards(graph, gradient, misses + statistics + spellings)
+
+
+def _unpaired_backwards(graph: fx.Graph, gradient: set, misses: List[Miss]) -> List[Miss]:
+    """A fused ``rms_norm_grad`` whose rstd is no fused forward op's and near which no forward miss
+    was recorded: its forward ran and matched no form (``x / sqrt(...)``, a statistic built
+    otherwise), each a miss named by the backward node (:mod:`.pairing`)."""
+    missed, used, out = {m.node for m in misses}, set(), []
+    for grad in calls(graph, RMS_NORM_GRAD):
+        rstd = source(grad.args[2])
+        if not isinstance(rstd, fx.Node) or rstd.target == OP.overload:
+            continue
+        near = {n.name for n in downstream(graph, [rstd], Y_DEPTH) + list(rstd.all_input_nodes)
+                if n not in gradient} & missed
+        if near:
+            used |= near
+            continue
+        out.append(Miss(OP.name, grad.name, _unpaired_reason(grad, rstd)))
+    # a miss recorded elsewhere on the site (its y, a reader of an intermediate) accounts for one
+    return out[len(missed - used):]
+
+
+def _unpaired_reason(grad: fx.Node, rstd: fx.Node) -> str:
+    if "_fused_rms_norm" in str(rstd.target):
+        return (f"this norm's backward fused ({grad.name}); its forward is a whole aten._fused_rms_norm "
+                f"({rstd.name}), which no fused forward op replaces (no torch_npu line registers a kernel for "
+                f"it): call the decomposed norm (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * "
+                f"weight) instead of F.rms_norm to fuse its forward")
+    return (f"this norm's backward fused ({grad.name}), but its forward matched no forward RMSNorm form: its "
+            f"statistic {rstd.name} ({_spelling(rstd)}) is no rsqrt(mean(x*x) + eps) with eps a number; spell it "
+            f"as x * torch.rsqrt(...) to fuse it")
+
+
+def _spelling(node: fx.Node) -> str:
+    """What a statistic node is, for a miss's reason."""
+    name = getattr(node.target, "__name__", str(node.target)) if node.op == "call_function" else node.op
+    reads = ", ".join(getattr(a.target, "__name__", a.op) for a in node.all_input_nodes[:2])
+    return f"{name} of {reads}" if reads else name
 
 
 class RmsNormForwardRule(FusionRule):
@@ -436,6 +476,8 @@ class RmsNormForwardRule(FusionRule):
     domain = "norm"
     ops = (OP,)
     enabled_by_default = False  # until the zoo and framework sweeps show it complete
+    #: each norm call the model runs is one forward site, the backward's site
+    site_probe = SiteProbe(kind=OP.option, same_sites_as="rms_norm")
     forms = tuple(Form(*row) for row in (
         ("forward on the joint graph, paired with its fused backward (which reads the forward's rstd): "
          "fp32 statistics with the casts, `nn.RMSNorm`/`F.rms_norm` with or without weight, `1 + weight`, "

@@ -29,7 +29,7 @@ from typing import List, Optional, Tuple
 
 import torch.fx as fx
 
-from ..lowering import ROPE as OP
+from ..lowering import ROPE as OP, ROPE_GRAD
 from ..lowering.constraints import ROPE_MODES, rope_divisor, rope_target_problem
 from ..lowering.sizes import same_shape, static_int
 from .evaluator import JointProvenance, kept_precision, rounding_problem
@@ -37,9 +37,10 @@ from .lanes import LaneEvaluator, Lanes
 from .nodes import (aten, downstream, dtype, gradient_dependent, last_of, outermost, outside_users, region_of, shape,
                     val)
 from .rewrite import Insertion, Miss, RuleContext, commit, exact_common_dtype, input_problem, replacement_of
+from .pairing import calls, forward_is_complex, source, unpaired
 from .rms_norm_forward import _as_forward_work, expression, same_layout
 from .rope import DX_DEPTH, MAX_LANES, TABLE_SIGNS, _moves_elements, lane_evaluator, table_terms
-from .rule import Form, FusionRule, RoundReport
+from .rule import Form, FusionRule, RoundReport, SiteProbe
 
 #: (leaf id, the leaf position that plays each position of the fused op's operand)
 Role = Tuple[int, Tuple[int, ...]]
@@ -355,6 +356,27 @@ def _emit_call(ctx: RuleContext, site: ForwardRopeMatch, x, cos, sin, compute, o
     return fused, replacement
 
 
+def unexplained(graph: fx.Graph, provenance, misses: List[Miss]) -> List[Miss]:
+    """No silent misses: a fused ``rotary_position_embedding_grad`` that no fused forward and no
+    recorded forward miss accounts for is a rotation whose forward matched no form
+    (:mod:`.pairing`); each a miss named by the backward node, saying what its forward is."""
+    if not isinstance(provenance, JointProvenance):
+        return []
+    gradient = gradient_dependent(graph) or set()
+
+    def tables(node, first):
+        return source(node.args[first]), source(node.args[first + 1])
+
+    lone = unpaired(calls(graph, ROPE_GRAD), calls(graph, OP), lambda n: tables(n, 1), lambda n: tables(n, 1),
+                    misses)
+    why = ("its forward multiplies complex numbers (view_as_complex(x) * freqs_cis), and the fused op reads real "
+           "cos and sin tables the program never holds whole; write the rotation with real cos/sin tables to fuse "
+           "it" if forward_is_complex(graph, gradient) else
+           "no forward RoPE form reads its forward (tables only in pieces, or a spelling the forward rule does "
+           "not know; run with TORCH_LOGS=npu_fusion and dump_graphs to see it)")
+    return [Miss(OP.name, n.name, f"this rotation's backward fused ({n.name}), but {why}") for n in lone]
+
+
 class RopeForwardRule(FusionRule):
     """RoPE's forward on the joint graph, matched by value in per-position polynomials
     (:mod:`.lanes`), rewritten into ``rotary_position_embedding``."""
@@ -363,6 +385,8 @@ class RopeForwardRule(FusionRule):
     domain = "lanes"
     ops = (OP,)
     enabled_by_default = False  # until the zoo and framework sweeps show it complete
+    #: each rotation the model runs is one forward site, the backward's site
+    site_probe = SiteProbe(kind=OP.option, same_sites_as="rope")
     forms = tuple(Form(*row) for row in (
         ("forward on the joint graph, modes 0 to 3 (2 and 3 on Ascend 950 and `generic`), a table negated as "
          "a whole, partial rotary (the slice of x the rotation reads), tables broadcast from 11SD/1S1D/...",
@@ -374,3 +398,6 @@ class RopeForwardRule(FusionRule):
 
     def emit(self, ctx: RuleContext, match: ForwardRopeMatch):
         return emit(ctx, match)
+
+    def unexplained(self, graph: fx.Graph, ctx: RuleContext, misses) -> List[Miss]:
+        return unexplained(graph, ctx.provenance, misses)

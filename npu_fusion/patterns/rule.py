@@ -77,6 +77,15 @@ class SiteProbe:
     excluded: Optional[str] = None
     #: one site is one call (a norm) or one returned tensor that requires grad (a rotation of q and k)
     per_output: bool = False
+    #: the kind whose sites these are too: a forward rule's sites are its backward's (each norm
+    #: call, each rotation the model runs), counted once by the backward's probe and accounted
+    #: for under both kinds; None for a probe that counts its own sites
+    same_sites_as: Optional[str] = None
+
+    @property
+    def counted_kind(self) -> str:
+        """The kind the counters record this probe's sites under."""
+        return self.same_sites_as or self.kind
 
 
 @dataclasses.dataclass

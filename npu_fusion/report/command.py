@@ -33,6 +33,11 @@ EXIT_OK, EXIT_GRADIENTS, EXIT_USAGE, EXIT_PASS_ERROR, EXIT_ACCOUNTING = 0, 1, 2,
 COMPILERS = ("npu_fusion", "inductor", "torchair")
 
 
+def forward_switches(args) -> dict:
+    """The forward rules' options when ``--forward`` asks for them (else their defaults)."""
+    return {"rms_norm_forward": True, "rope_forward": True} if getattr(args, "forward", False) else {}
+
+
 def add_arguments(parser: argparse.ArgumentParser, sources: Sequence[SubjectSource] = ()) -> None:
     """The report's options; ``sources`` add models of their own (the harness's ``--framework``)."""
     parser.description = __doc__.split("\n\n")[0].replace("``", "")
@@ -67,6 +72,9 @@ def add_arguments(parser: argparse.ArgumentParser, sources: Sequence[SubjectSour
                              "through gradient_checkpointing_enable)")
     parser.add_argument("--compiled-autograd", action="store_true",
                         help="compile forward and backward as one step with compiled autograd on")
+    parser.add_argument("--forward", action="store_true",
+                        help="fuse the forward too (options rms_norm_forward and rope_forward): each counted site "
+                             "is then a forward site as well, in the rows of rms_norm and rotary_position_embedding")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", action="store_true",
                         help="print everything as one JSON object on stdout (progress stays on stderr)")
@@ -132,7 +140,8 @@ def collect(args: argparse.Namespace, sources: Sequence[SubjectSource] = ()) -> 
     partitioner = args.partitioner or ("min_cut" if compiler == "inductor" else "default")
     args = argparse.Namespace(**dict(vars(args), target=args.target[0], dtype=args.dtype or "float32",
                                      partitioner=partitioner, compiler=compiler))
-    options = FusionOptions.from_mapping({"target": args.target, "partitioner": partitioner})
+    options = FusionOptions.from_mapping(dict({"target": args.target, "partitioner": partitioner},
+                                              **forward_switches(args)))
     progress("building the model...")
     source = _chosen_source(args, sources)
     subject = (source.subject(args) if source is not None
@@ -147,4 +156,4 @@ def _settings(args: argparse.Namespace) -> Dict[str, Any]:
             "layers": args.layers, "dtype": args.dtype, "batch": args.batch, "seq": args.seq,
             "dynamic": args.dynamic, "target": args.target, "partitioner": args.partitioner,
             "compiler": getattr(args, "compiler", "npu_fusion"), "checkpointing": args.checkpointing, "compiled_autograd": args.compiled_autograd,
-            "seed": args.seed}
+            "seed": args.seed, "forward": bool(getattr(args, "forward", False))}

@@ -79,7 +79,8 @@ def explain(model_or_fn: Callable, *example_inputs, loss: Optional[Callable[[Any
     settings = {"model": subject.name, "source": "explain", "inputs": [_describe(a) for a in example_inputs],
                 "layers": None, "dtype": _dtype_name(subject.model), "batch": None, "seq": None,
                 "dynamic": False, "target": fusion_options.target, "partitioner": fusion_options.partitioner,
-                "compiler": "npu_fusion", "checkpointing": "none", "compiled_autograd": compiled_autograd, "seed": None}
+                "compiler": "npu_fusion", "checkpointing": "none", "compiled_autograd": compiled_autograd, "seed": None,
+                "forward": fusion_options.rms_norm_forward and fusion_options.rope_forward}
     return Explanation(analyse(subject, batch, fusion_options, settings))
 
 

@@ -34,6 +34,7 @@ from typing import Any, Dict, List
 
 import torch
 
+from ..measure.sites import expected_for
 from ..plugin.options import FusionOptions
 from . import analysis, command
 from .analysis import progress, recorder_for
@@ -135,7 +136,7 @@ def collect(args: argparse.Namespace) -> Dict[str, Any]:
                     "overrides": list(args.overrides), "layers": args.layers, "dtype": dtype_name,
                     "batch": args.batch, "seq": args.seq, "dynamic": False, "target": target,
                     "partitioner": args.partitioner, "checkpointing": "none", "compiled_autograd": False,
-                    "seed": None}
+                    "seed": None, "forward": bool(getattr(args, "forward", False))}
         targets[target] = _one_target(model, ids, settings, counted)
     return {"model": f"{config.model_type} ({os.path.basename(args.hf_config)}, meta device)",
             "config": _shape_summary(config), "targets": targets,
@@ -145,7 +146,8 @@ def collect(args: argparse.Namespace) -> Dict[str, Any]:
 
 def _one_target(model, ids, settings: Dict[str, Any], counted) -> Dict[str, Any]:
     """The pass on one compiled step for ``settings["target"]``: the report's data, per site."""
-    options = FusionOptions.from_mapping({"target": settings["target"], "partitioner": settings["partitioner"]})
+    options = FusionOptions.from_mapping(dict({"target": settings["target"], "partitioner": settings["partitioner"]},
+                                              **command.forward_switches(argparse.Namespace(**settings))))
     progress(f"target {options.resolved_target()}: compiling forward and backward on fake tensors...")
     torch.compiler.reset()
     recorder = recorder_for(options)
@@ -157,8 +159,8 @@ def _one_target(model, ids, settings: Dict[str, Any], counted) -> Dict[str, Any]
     seconds = time.perf_counter() - start
     model.zero_grad(set_to_none=True)
     subject = Subject(name=settings["model"], model=model, loss=meta_loss, vocab_size=0)
-    report = analysis.assemble(settings, subject, options, recorder, counted.counts, NO_GRADIENTS,
-                                  (seconds, 0.0))
+    expected = expected_for(options, counted.counts)
+    report = analysis.assemble(settings, subject, options, recorder, expected, NO_GRADIENTS, (seconds, 0.0))
     report["accounting"] = analysis.accounting(counted, outside, recorder)
     return report
 

@@ -1,0 +1,128 @@
+"""Forward sites counted independently of the pass and accounted for: each RMSNorm call and RoPE
+application is a forward site as well as a backward site (issue 24), fused or a recorded miss
+with its reason, never silent; the sweeps' harness and ``npu-fusion report --forward`` show them."""
+from __future__ import annotations
+
+import argparse
+import json
+
+import pytest
+import torch
+
+from npu_fusion.measure.grads import MODEL_FACTOR, assert_close_as_unfused, float64_grads, run_grads
+from npu_fusion.measure.sites import FORWARD_OPS, KINDS, PROBES, kinds_enabled
+from npu_fusion.patterns import RULES
+from npu_fusion.plugin.backend import aot_backend
+from npu_fusion.plugin.options import FusionOptions
+from npu_fusion.report import command as report
+
+FORWARD = {"rms_norm_forward": True, "rope_forward": True}
+EPS = 1e-6
+
+
+def test_forward_probes_count_the_backward_sites():
+    probes = {r.option: r.site_probe for r in RULES}
+    assert probes["rms_norm_forward"].counted_kind == "rms_norm"
+    assert probes["rope_forward"].counted_kind == "rope"
+    assert KINDS["rms_norm_forward"] == "rms_norm" and KINDS["rope_forward"] == "rotary_position_embedding"
+    assert FORWARD_OPS == {"rms_norm", "rotary_position_embedding"}
+    assert set(kinds_enabled(FusionOptions())) == {k for k, p in PROBES.items() if not p.same_sites_as} | {
+        r.option for r in RULES if r.site_probe.same_sites_as and r.enabled_by_default}
+    assert set(kinds_enabled(FusionOptions(**FORWARD))) == set(KINDS)
+
+
+def _step(fn, inputs, params, **options):
+    """``fn`` compiled with the pass (forward rules on): its result; output and gradients checked
+    against eager with the float64 criterion."""
+    seen = {}
+
+    def around(gm, run):
+        seen["result"] = run()
+
+    torch._dynamo.reset()
+    options = FusionOptions.from_mapping(dict({"strict": True, "target": "generic"}, **FORWARD, **options))
+    compiled = torch.compile(fn, backend=aot_backend(options, around))
+    fused, grad_outputs = run_grads(compiled, inputs, params)
+    eager, _ = run_grads(fn, inputs, params, grad_outputs)
+    for f, e, x in zip(fused, eager, float64_grads(fn, inputs, params, grad_outputs)):
+        assert f.dtype == e.dtype and f.shape == e.shape
+        assert_close_as_unfused(f, e, x, factor=MODEL_FACTOR)
+    return seen["result"]
+
+
+def test_square_root_statistic_is_a_recorded_forward_miss():
+    """``x / sqrt(mean(x*x) + eps)``: no RMSNorm form of either direction; the forward is a
+    recorded miss that says how to spell it, not silence."""
+    w = torch.nn.Parameter(torch.randn(16, generator=torch.Generator().manual_seed(3)))
+    x = torch.randn(2, 3, 16, requires_grad=True)
+    result = _step(lambda x: x / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + EPS) * w, [x], [w])
+    forward = [m for m in result.misses if m.op == "rms_norm"]
+    assert not result.sites and len(forward) == 1, result.misses
+    assert "x / sqrt" in forward[0].reason and "torch.rsqrt" in forward[0].reason
+
+
+def complex_rope(x, freqs_cis):
+    """torchtitan's rotation: x's pairs as complex numbers times ``freqs_cis``."""
+    pairs = torch.view_as_complex(x.float().reshape(*x.shape[:-1], -1, 2))
+    return torch.view_as_real(pairs * freqs_cis).flatten(3).type_as(x)
+
+
+def test_complex_rotation_whose_backward_fuses_is_a_recorded_forward_miss():
+    """The backward of a complex ``freqs_cis`` rotation fuses; its forward (no real table held
+    whole) is a recorded miss saying so."""
+    angles = torch.outer(torch.arange(6.0), torch.rand(8))
+    freqs_cis = torch.polar(torch.ones_like(angles), angles)[:, None, :]
+    x = torch.randn(2, 6, 4, 16, requires_grad=True)
+    result = _step(lambda x: complex_rope(x, freqs_cis) * 1.5, [x], [])
+    assert result.fused("rotary_position_embedding_grad") == 1 and result.fused("rotary_position_embedding") == 0
+    forward = [m for m in result.misses if m.op == "rotary_position_embedding"]
+    assert len(forward) == 1 and "complex" in forward[0].reason, result.misses
+
+
+def test_framework_model_accounts_for_every_forward_site():
+    """torchtitan's Llama 3 (complex RoPE, which the forward rule's own scan does not see): 5
+    forward norms fused, 4 forward rotations recorded misses named by their fused backward,
+    nothing unexplained, gradients within the criterion."""
+    frameworks = pytest.importorskip("npu_fusion_testing.frameworks")
+    pytest.importorskip("torchtitan")
+    coverage = frameworks.measure(frameworks.FRAMEWORKS["torchtitan:llama3"], torch.float32, strict=False,
+                                  target="generic", **FORWARD)
+    sites = coverage.sites
+    assert (sites["rms_norm_forward"].counted, sites["rms_norm_forward"].fused) == (5, 5)
+    assert (sites["rope_forward"].counted, sites["rope_forward"].missed) == (4, 4)
+    assert all(a.unexplained == 0 for a in sites.values()) and not coverage.grad_failures
+    assert all("backward fused" in m and "complex" in m for m in sites["rope_forward"].misses)
+
+
+def test_framework_accounting_leaves_out_forward_kinds_when_their_rules_are_off():
+    frameworks = pytest.importorskip("npu_fusion_testing.frameworks")
+    pytest.importorskip("torchtitan")
+    coverage = frameworks.measure(frameworks.FRAMEWORKS["torchtitan:llama3"], torch.float32, strict=False,
+                                  target="generic", rms_norm_forward=False, rope_forward=False)
+    assert set(coverage.sites) == {"rope", "rms_norm"}
+
+
+def test_report_forward_rows_expect_the_counted_sites(capsys):
+    parser = argparse.ArgumentParser()
+    report.add_arguments(parser)
+    status = report.run(parser.parse_args(["--json", "--forward", "--layers", "1", "--target", "generic"]))
+    r = json.loads(capsys.readouterr().out)
+    assert status == 0 and not r["accounting_errors"] and r["settings"]["forward"]
+    for forward, backward in (("rms_norm", "rms_norm_grad"), ("rotary_position_embedding",
+                                                               "rotary_position_embedding_grad")):
+        assert r["ops"][forward]["expected"] == r["ops"][backward]["expected"] == r["ops"][forward]["fused"]
+
+
+def test_whole_fused_rms_norm_forward_is_a_recorded_forward_miss():
+    """Where the device keeps a whole ``aten._fused_rms_norm`` (simulated on the CPU), its backward
+    fuses and its forward is a recorded forward miss saying how to fuse it."""
+    whole = pytest.importorskip("npu_fusion_testing.whole_rms_norm")
+    if whole.unavailable():
+        pytest.skip(whole.unavailable())
+    w = torch.nn.Parameter(1 + 0.1 * torch.randn(64))
+    x = torch.randn(2, 8, 64, requires_grad=True)
+    with whole.device_rms_norm_kernels():
+        result = _step(lambda x: torch.nn.functional.rms_norm(x * 2, (64,), w, 1e-6).tanh(), [x], [w], strict=False)
+    forward = [m for m in result.misses if m.op == "rms_norm"]
+    assert result.fused("rms_norm_grad") == 1 and len(forward) == 1, result.misses
+    assert "aten._fused_rms_norm" in forward[0].reason and "decomposed" in forward[0].reason
