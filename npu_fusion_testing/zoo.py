@@ -646,6 +646,22 @@ def _count_forward(out: Outcome, capture) -> None:
     out.rope_forward_missed, out.norm_forward_missed = missed_runs(capture, ROPE_FORWARD_OP), missed_runs(capture, NORM_FORWARD_OP)
 
 
+def _compiled_or_with_core_decompositions(out: Outcome, model, ids, dynamic, switches):
+    """The compiled gradients and the capture; where torch.compile fails on the model without the
+    pass too (not the pass's doing), again with core ATen decompositions, which often get through."""
+    try:
+        return compiled_grads(model, ids, dynamic, **switches)
+    except Exception as exc:
+        first = _describe(exc)
+        try:
+            compiled_grads(model, ids, dynamic, rope=False, rms_norm=False)
+        except Exception:
+            out.variant = "decompositions=core"
+            out.notes.append(f"default compile fails without the pass too ({first})")
+            return compiled_grads(model, ids, dynamic, decompositions="core", **switches)
+        raise RuntimeError(f"fails only with the pass: {first}") from exc
+
+
 def run_model(entry: Entry, dtype=torch.float32, batch=2, seq=12, dynamic=False, seed=0,
               keep_capture=False, forward=False):
     """Sweep one entry; returns (Outcome, capture or None). ``forward``: the forward rules too."""
@@ -671,21 +687,7 @@ def run_model(entry: Entry, dtype=torch.float32, batch=2, seq=12, dynamic=False,
                 out.notes.append(f"{idle} {label} output(s) get no gradient (no backward site; not counted)")
         exact = param_grads(copy.deepcopy(model).double(), ids)
 
-        try:
-            fused, capture = compiled_grads(model, ids, dynamic, **switches)
-        except Exception as exc:
-            first = _describe(exc)
-            try:
-                compiled_grads(model, ids, dynamic, rope=False, rms_norm=False)
-            except Exception:
-                # torch.compile fails on this model without the pass too: not the pass's doing;
-                # AOTAutograd with core ATen decompositions often gets through
-                out.variant = "decompositions=core"
-                out.notes.append(f"default compile fails without the pass too ({first})")
-                fused, capture = compiled_grads(model, ids, dynamic, decompositions="core", **switches)
-            else:
-                raise RuntimeError(f"fails only with the pass: {first}") from exc
-
+        fused, capture = _compiled_or_with_core_decompositions(out, model, ids, dynamic, switches)
         out.rope_fused, out.norm_fused = capture.fused_runs(ROPE_OP), capture.fused_runs(NORM_OP)
         _count_forward(out, capture)
         out.backward_graphs = len(capture.after)
