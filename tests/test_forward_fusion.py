@@ -174,6 +174,22 @@ def test_norm_of_an_input_without_gradient_keeps_its_forward():
     assert miss.op == FORWARD and "has a user outside the norm" in miss.reason
 
 
+def test_norm_feeding_a_router_fuses():
+    """A MoE router's ``topk`` near the norm's output has a tuple for its value (GraniteMoE, GPT-OSS):
+    no output of the norm, and no internal error (it was, and left the forward unfused)."""
+    w = _weight(torch.float32)
+    x = torch.randn(2, 3, 16, generator=torch.Generator().manual_seed(5), requires_grad=True)
+
+    def routed(x):
+        y = F.rms_norm(x, (16,), w, EPS)
+        _, experts = torch.topk(y, 2, dim=-1)  # the tuple-valued node, two uses from rstd
+        return y * (experts.sum(-1, keepdim=True) % 2 + 1).to(y.dtype)
+    result, fw, bw = check(routed, [x], [w], **ON)
+    assert not result.misses, result.misses
+    assert result.fused(FORWARD) == 1 and result.fused(BACKWARD) == 1
+    assert_paired(fw, bw, 1)
+
+
 def test_options_off_leave_the_forward_decomposed():
     w = _weight(torch.float32)
     x = torch.randn(2, 3, 16, requires_grad=True)

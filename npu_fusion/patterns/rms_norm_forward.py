@@ -164,7 +164,8 @@ def _squared_operands(rstd: fx.Node, depth: int = 5) -> List[fx.Node]:
 def _gamma_candidates(ev: NormEvaluator, expr: Expr) -> List[Optional[fx.Node]]:
     """Leaves of ``expr`` over exactly the normalized axes (a weight), then None (no weight)."""
     leaves = [ev.node_of[s] for s in sorted(expr.free_symbols) if s in ev.node_of and s in ev.varying]
-    return [g for g in leaves if len(shape(g)) == ev.k and same_shape(shape(g), ev.norm_shape)] + [None]
+    return [g for g in leaves if isinstance(val(g), torch.Tensor) and len(shape(g)) == ev.k
+            and same_shape(shape(g), ev.norm_shape)] + [None]
 
 
 def _outputs(ev: NormEvaluator, graph: fx.Graph, rstd: fx.Node, x: fx.Node, forward) -> List[tuple]:
@@ -172,8 +173,9 @@ def _outputs(ev: NormEvaluator, graph: fx.Graph, rstd: fx.Node, x: fx.Node, forw
     normalized = ev.symbol(rstd) * ev.value_of(x)
     found = []
     for node in downstream(graph, [rstd], Y_DEPTH):
-        if node not in forward or node is rstd or not same_shape(shape(node), shape(x)) \
-                or not val(node).dtype.is_floating_point:
+        value = val(node)  # a tuple (a MoE router's topk) or nothing: no output of a norm
+        if node not in forward or node is rstd or not isinstance(value, torch.Tensor) \
+                or not value.dtype.is_floating_point or not same_shape(shape(node), shape(x)):
             continue
         v = ev.value(node)
         if v is None or v.lead_sum is not None:
