@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import importlib.util
-import json
 import sys
 from typing import Any, Dict, Sequence
 
@@ -27,7 +26,7 @@ import torch
 from ..plugin.options import TARGETS, FusionOptions
 from .analysis import analyse, progress
 from .subjects import DTYPES, SubjectSource, UsageError, bundled_subject, hf_subject
-from .text import finite, format_text
+from .text import write_report
 
 EXIT_OK, EXIT_GRADIENTS, EXIT_USAGE, EXIT_PASS_ERROR, EXIT_ACCOUNTING = 0, 1, 2, 3, 4
 COMPILERS = ("npu_fusion", "inductor", "torchair")
@@ -102,12 +101,7 @@ def run(args: argparse.Namespace, sinks=(), sources: Sequence[SubjectSource] = (
     except UsageError as exc:
         print(f"npu-fusion report: {exc}", file=sys.stderr)
         return EXIT_USAGE
-    if args.json:
-        json.dump(finite(report), sys.stdout, indent=2, allow_nan=False)
-        sys.stdout.write("\n")
-    else:
-        sys.stdout.write(format_text(report))
-    sys.stdout.flush()
+    write_report(report, args.json)
     for problem in report["accounting_errors"]:
         print(f"npu-fusion report: accounting error: {problem}", file=sys.stderr)
     return exit_status(report)

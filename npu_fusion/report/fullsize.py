@@ -39,7 +39,7 @@ from ..plugin.options import FusionOptions
 from . import analysis, command
 from .analysis import progress, recorder_for
 from .subjects import DTYPES, Subject, UsageError, conventional_counter
-from .text import finite, format_accounting, format_ops, format_saved, format_traffic, table
+from .text import format_accounting, format_ops, format_saved, format_traffic, table, write_report
 
 EXIT_UNEXPLAINED = 1  # a counted site neither fused nor recorded as a miss
 NO_GRADIENTS = {"checked": False, "passed": None, "per_dtype": {}, "failures": [],
@@ -192,12 +192,7 @@ def run(args: argparse.Namespace, sinks=()) -> int:
     except UsageError as exc:
         print(f"npu-fusion report: {exc}", file=sys.stderr)
         return command.EXIT_USAGE
-    if args.json:
-        json.dump(finite(report), sys.stdout, indent=2, allow_nan=False)
-        sys.stdout.write("\n")
-    else:
-        sys.stdout.write(format_text(report))
-    sys.stdout.flush()
+    write_report(report, args.json, format_text)
     return status(report)
 
 

@@ -3,7 +3,9 @@ left unfused and why, backward ops before and after, modelled traffic, saved act
 gradient check), as ``npu-fusion report`` and ``str(npu_fusion.explain(...))`` print it."""
 from __future__ import annotations
 
+import json
 import math
+import sys
 from typing import Any, Dict, List
 
 from ..measure.grads import MODEL_FACTOR as FP64_FACTOR
@@ -145,3 +147,12 @@ def _format_gradients(report: Dict[str, Any]) -> str:
     out.append(f"\ngradient check: {'PASSED' if g['passed'] else 'FAILED'}\n")
     return "".join(out)
 
+
+def write_report(report: Dict[str, Any], as_json: bool, text=format_text) -> None:
+    """``report`` on stdout: one JSON object, or ``text(report)``."""
+    if as_json:
+        json.dump(finite(report), sys.stdout, indent=2, allow_nan=False)
+        sys.stdout.write("\n")
+    else:
+        sys.stdout.write(text(report))
+    sys.stdout.flush()

@@ -87,8 +87,8 @@ def inputs(dtype, b=2, s=8, hidden=64, heads=4, cos_batch=None):
     return x, angles.cos().to(dtype), angles.sin().to(dtype)
 
 
-def grads(module, args, compiled=None, dynamic_dims=()):
-    """Gradients of the input and the parameters for fixed random output gradients."""
+def _step(module, args, compiled, dynamic_dims):
+    """One forward and backward for fixed random output gradients: (x, outputs)."""
     fn = compiled if compiled is not None else module
     x = args[0].detach().requires_grad_()
     for t in (x, *args[1:]):
@@ -99,22 +99,19 @@ def grads(module, args, compiled=None, dynamic_dims=()):
     outs = fn(x, *args[1:])
     gen = torch.Generator().manual_seed(1)
     torch.autograd.backward(outs, [torch.randn(o.shape, generator=gen).to(o.dtype) for o in outs])
+    return x, outs
+
+
+def grads(module, args, compiled=None, dynamic_dims=()):
+    """Gradients of the input and the parameters for fixed random output gradients."""
+    x, _ = _step(module, args, compiled, dynamic_dims)
     return [x.grad.clone()] + [p.grad.clone() for p in module.parameters()]
 
 
 def outputs_and_grads(module, args, compiled=None, dynamic_dims=()) -> dict:
     """The outputs (q, k) and the gradients of the input and the parameters, by name, for fixed
     random output gradients (as :func:`grads`): what the float64 criterion compares."""
-    fn = compiled if compiled is not None else module
-    x = args[0].detach().requires_grad_()
-    for t in (x, *args[1:]):
-        for dim in dynamic_dims:
-            if t.shape[dim] > 1:
-                torch._dynamo.mark_dynamic(t, dim)
-    module.zero_grad(set_to_none=True)
-    outs = fn(x, *args[1:])
-    gen = torch.Generator().manual_seed(1)
-    torch.autograd.backward(outs, [torch.randn(o.shape, generator=gen).to(o.dtype) for o in outs])
+    x, outs = _step(module, args, compiled, dynamic_dims)
     values = {"q": outs[0].detach().clone(), "k": outs[1].detach().clone(), "x.grad": x.grad.clone()}
     values.update({f"{n}.grad": p.grad.clone() for n, p in module.named_parameters()})
     return values
