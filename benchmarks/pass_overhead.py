@@ -49,6 +49,11 @@ NPU).
 
     python benchmarks/pass_overhead.py [--layers 1 2 4 8 16 32] [--repeat 1] [--profile 32]
     python benchmarks/pass_overhead.py --torchair [--target a2] [--layers 1 2 4 8 16 32]
+    python benchmarks/pass_overhead.py --forward [--inductor] [--layers 1 8 32]
+
+``--forward`` measures each size twice in the same process, side by side: the backward rules
+alone (the default options), then with the forward rules too (``rms_norm_forward`` and
+``rope_forward``; joint-graph paths only), and prints the ratio of the pass's CPU times.
 """
 from __future__ import annotations
 
@@ -72,6 +77,7 @@ import torch
 
 
 import npu_fusion  # noqa: F401  (registers the ops)
+from npu_fusion.lowering import RMS_NORM, ROPE
 from npu_fusion.models import bundled
 from npu_fusion.plugin.backend import aot_backend
 from npu_fusion.plugin.options import FusionOptions
@@ -120,12 +126,26 @@ class Clocked:
         self.gc_full += gc_time.full
 
 
-def measure(layers: int, dtype=torch.float32, seq: int = 16, batch: int = 2, target: str = "generic") -> dict:
+def fusion_options(target: str, forward: bool) -> dict:
+    return {"target": target, "rms_norm_forward": forward, "rope_forward": forward}
+
+
+def expected_sites(model, forward: bool) -> dict:
+    """The model's sites by fused op: each backward site, and with ``forward`` its forward too."""
+    sites = dict(model.expected_sites)
+    if forward:
+        sites[RMS_NORM.name] = 2 * model.config.num_layers + 1
+        sites[ROPE.name] = 2 * model.config.num_layers
+    return sites
+
+
+def measure(layers: int, dtype=torch.float32, seq: int = 16, batch: int = 2, target: str = "generic",
+            forward: bool = False) -> dict:
     model = bundled("llama", num_layers=layers, dtype=dtype)
     ids = torch.randint(0, model.config.vocab_size, (batch, seq), generator=torch.Generator().manual_seed(0))
     torch._dynamo.reset()
     gc.collect()
-    backend = Clocked({"target": target})
+    backend = Clocked(fusion_options(target, forward))
     step = torch.compile(lambda i: model.loss(i), backend=backend)
     wall, cpu = time.perf_counter(), time.process_time()
     step(ids).backward()
@@ -136,7 +156,8 @@ def measure(layers: int, dtype=torch.float32, seq: int = 16, batch: int = 2, tar
     assert len(backend.results) == 1, f"expected one backward graph, got {len(backend.results)}"
     r = backend.results[0]
     assert not r.error, r.error
-    assert {op: r.fused(op) for op in model.expected_sites} == model.expected_sites
+    expected = expected_sites(model, forward)
+    assert {op: r.fused(op) for op in expected} == expected, ({op: r.fused(op) for op in expected}, expected)
     return {"layers": layers, "first_call": first, "first_call_cpu": first_cpu, "second_call": second,
             "pass": r.seconds, "pass_cpu": backend.cpu, "pass_gc": backend.gc, "gc_full": backend.gc_full,
             "objects": len(gc.get_objects()), "nodes_before": r.nodes_before,
@@ -144,7 +165,7 @@ def measure(layers: int, dtype=torch.float32, seq: int = 16, batch: int = 2, tar
 
 
 def measure_inductor(layers: int, target: str = "generic", dtype=torch.float32, seq: int = 16,
-                     batch: int = 2) -> dict:
+                     batch: int = 2, forward: bool = False) -> dict:
     """``measure`` through stock Inductor with ``npu_fusion.install_inductor``: the first call is
     Dynamo, AOTAutograd, Inductor's joint passes (the npu-fusion pass among them), its partition,
     code generation and C++ compilation of both graphs. The pass's CPU time is taken around its
@@ -157,7 +178,7 @@ def measure_inductor(layers: int, target: str = "generic", dtype=torch.float32, 
     ids = torch.randint(0, model.config.vocab_size, (batch, seq), generator=torch.Generator().manual_seed(0))
     torch._dynamo.reset()
     gc.collect()
-    installed = npu_fusion.install_inductor(target=target)
+    installed = npu_fusion.install_inductor(**fusion_options(target, forward))
     clock = {"cpu": 0.0, "gc": 0.0, "gc_full": 0}
     real_call = type(installed).__call__
 
@@ -185,7 +206,8 @@ def measure_inductor(layers: int, target: str = "generic", dtype=torch.float32, 
         uninstall_inductor()
     (r,) = [r for r in pass_manager.HISTORY.since(history) if r.graph == "joint"]
     assert not r.error, r.error
-    assert {op: r.fused(op) for op in model.expected_sites} == model.expected_sites
+    expected = expected_sites(model, forward)
+    assert {op: r.fused(op) for op in expected} == expected, ({op: r.fused(op) for op in expected}, expected)
     return {"layers": layers, "first_call": first, "first_call_cpu": first_cpu, "second_call": second,
             "pass": r.seconds, "pass_cpu": clock["cpu"], "pass_gc": clock["gc"], "gc_full": clock["gc_full"],
             "objects": len(gc.get_objects()), "nodes_before": r.nodes_before,
@@ -357,7 +379,12 @@ def parse_args(argv=None) -> argparse.Namespace:
                              "graph; the first call includes Inductor's code generation and C++ compiles)")
     parser.add_argument("--target", default=None,
                         help="npu-fusion target (default: generic, or a2 with --torchair)")
-    return parser.parse_args(argv)
+    parser.add_argument("--forward", action="store_true",
+                        help="each size twice, side by side: the backward rules alone, then the forward rules too")
+    args = parser.parse_args(argv)
+    if args.forward and args.torchair:
+        parser.error("--forward needs a joint graph; through torchair the pass sees the backward graph")
+    return args
 
 
 def chosen_path(args: argparse.Namespace):
@@ -369,12 +396,13 @@ def chosen_path(args: argparse.Namespace):
                 f"torchair {os.path.dirname(torchair.__file__)}, target {target}")
     target = args.target or "generic"
     if args.inductor:
-        return (lambda layers: measure_inductor(layers, target=target),
+        return (lambda layers, forward=False: measure_inductor(layers, target=target, forward=forward),
                 f"stock Inductor with install_inductor, target {target}")
-    return lambda layers: measure(layers, target=target), f"aot_autograd CPU backend, target {target}"
+    return (lambda layers, forward=False: measure(layers, target=target, forward=forward),
+            f"aot_autograd CPU backend, target {target}")
 
 
-def measure_sizes(run, args: argparse.Namespace) -> list:
+def measure_sizes(run, args: argparse.Namespace, forward: bool = None) -> list:
     """One row per model size: the medians of ``--repeat`` runs."""
     rows = []
     keys = ["first_call", "first_call_cpu", "second_call", "pass", "pass_cpu", "pass_gc"]
@@ -382,7 +410,7 @@ def measure_sizes(run, args: argparse.Namespace) -> list:
         keys.append("torchair_graph_compile")
     for layers in args.layers:
         start = time.perf_counter()
-        runs = [run(layers) for _ in range(args.repeat)]
+        runs = [run(layers) if forward is None else run(layers, forward=forward) for _ in range(args.repeat)]
         row = dict(runs[0])
         for key in keys:
             row[key] = statistics.median(r[key] for r in runs)
@@ -437,12 +465,29 @@ def print_fits(rows) -> None:
           f"x{growth:.2f} (1.00 = linear)")
 
 
+def print_forward_comparison(alone, both) -> None:
+    """The backward rules alone beside the forward rules too, per size (``--forward``)."""
+    print("| layers | nodes before | sites fused: backward alone / forward too | pass CPU time: backward alone "
+          "-> forward too | ratio | first fwd+bw call CPU time: alone -> too | pass / first call, forward too |")
+    print("|---:|---:|---:|---:|---:|---:|---:|")
+    for a, b in zip(alone, both):
+        print(f"| {a['layers']} | {a['nodes_before']} | {a['sites']} / {b['sites']} | "
+              f"{a['pass_cpu'] * 1e3:.0f} -> {b['pass_cpu'] * 1e3:.0f} ms | {b['pass_cpu'] / a['pass_cpu']:.2f}x | "
+              f"{a['first_call_cpu']:.2f} -> {b['first_call_cpu']:.2f} s | "
+              f"{100 * b['pass_cpu'] / b['first_call_cpu']:.1f}% |")
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
     run, mode = chosen_path(args)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} thread(s); {mode}; warming up...", file=sys.stderr)
     run(1)
+    if args.forward:  # each size alone and too, one after the other, so a busy machine disturbs both alike
+        pairs = [(measure_sizes(run, sized, False)[0], measure_sizes(run, sized, True)[0])
+                 for sized in (argparse.Namespace(**{**vars(args), "layers": [n]}) for n in args.layers)]
+        print_forward_comparison(*zip(*pairs))
+        return 0
     rows = measure_sizes(run, args)
     (print_torchair_table if args.torchair else print_table)(rows)
     if len(rows) >= 2:
