@@ -103,3 +103,27 @@ def test_saved_copies_of_one_expression_are_one_value():
     assert provenance.same_saved_value(bw["of_flipped"]) is bw["of_flipped"]
     # random draws are never the same value, however alike their expressions
     assert provenance.same_saved_value(bw["draw_b"]) is bw["draw_b"]
+
+
+def test_gradient_dependence_inside_a_round_judges_inserted_nodes_by_their_inputs():
+    """Within one round the set of gradient-dependent nodes is computed once; nodes a rewrite
+    inserts afterwards (chains of them too) are judged by what they read, as a fresh walk would."""
+    from npu_fusion.patterns.nodes import gradient_dependent, one_round
+
+    aten = torch.ops.aten
+    graph = torch.fx.Graph()
+    x, dy = graph.placeholder("primals_1"), graph.placeholder("tangents_1")
+    forward = graph.call_function(aten.neg.default, (x,))
+    backward = graph.call_function(aten.mul.Tensor, (dy, forward))
+    out = graph.output((forward, backward))
+    with one_round(graph):
+        answer = gradient_dependent(graph)
+        assert gradient_dependent(graph) is answer  # computed once in the round
+        assert backward in answer and dy in answer and forward not in answer and x not in answer
+        with graph.inserting_before(out):
+            first = graph.call_function(aten.mul.Tensor, (backward, x))
+            second = graph.call_function(aten.neg.default, (first,))
+            forward_only = graph.call_function(aten.add.Tensor, (x, forward))
+        assert second in answer and first in answer and forward_only not in answer
+    fresh = gradient_dependent(graph)
+    assert fresh is not answer and {n for n in graph.nodes if n in fresh} == {dy, backward, first, second, out}

@@ -3,7 +3,9 @@ casts and the dtypes that hold others, and walks over users and inputs. Every mo
 of the pass reads graphs through these."""
 from __future__ import annotations
 
+import contextlib
 import functools
+import weakref
 from typing import Any, Dict, Iterable, List, Optional
 
 import torch
@@ -146,14 +148,74 @@ def gradient_dependent(graph: fx.Graph) -> Optional[set]:
     The others are forward values: saved, or recomputed in the backward (activation
     checkpointing, the min-cut partitioner). A fused op reads them as inputs; they are
     never part of the subgraph it replaces, so their other users keep them.
+
+    Inside :func:`one_round` the answer is computed once per graph and extended to the nodes
+    the round inserts, judged by their inputs (a rule asks for each site it emits: a
+    whole-graph walk each time made the pass quadratic in the layers).
     """
-    found = {n for n in graph.nodes if n.op == "placeholder" and n.name.startswith("tangents")}
+    if graph in _ROUND_ANSWERS:
+        if _ROUND_ANSWERS[graph] is _UNKNOWN:
+            _ROUND_ANSWERS[graph] = _gradient_nodes(graph)
+        return _ROUND_ANSWERS[graph]
+    return _gradient_nodes(graph)
+
+
+def _is_tangent(node: fx.Node) -> bool:
+    return node.op == "placeholder" and node.name.startswith("tangents")
+
+
+class GradientNodes(set):
+    """:func:`gradient_dependent`'s set, which also answers for nodes inserted after it was
+    computed: such a node depends on a gradient when one of its inputs does."""
+
+    def __init__(self, members, graph_nodes):
+        super().__init__(members)
+        self._judged = set(graph_nodes)
+
+    def __contains__(self, node) -> bool:
+        if node in self._judged or not isinstance(node, fx.Node):
+            return set.__contains__(self, node)
+        stack = [node]
+        while stack:  # judge unjudged inputs first, without recursion
+            top = stack[-1]
+            pending = [a for a in top.all_input_nodes if a not in self._judged]
+            if pending:
+                stack.extend(pending)
+                continue
+            stack.pop()
+            if top not in self._judged:
+                self._judged.add(top)
+                if _is_tangent(top) or any(set.__contains__(self, a) for a in top.all_input_nodes):
+                    self.add(top)
+        return set.__contains__(self, node)
+
+
+def _gradient_nodes(graph: fx.Graph) -> Optional[GradientNodes]:
+    found = {n for n in graph.nodes if _is_tangent(n)}
     if not found:
         return None
     for node in graph.nodes:
         if node.op != "placeholder" and any(a in found for a in node.all_input_nodes):
             found.add(node)
-    return found
+    return GradientNodes(found, graph.nodes)
+
+
+_UNKNOWN = object()
+#: graphs inside :func:`one_round`: their gradient_dependent answer, once computed
+_ROUND_ANSWERS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+@contextlib.contextmanager
+def one_round(graph: fx.Graph):
+    """One round of the rules on ``graph``: :func:`gradient_dependent` is computed once in it.
+    Rewrites insert fused ops and casts whose inputs say what they depend on, and replace
+    regions by values that depend on the same gradient, so the answer holds through the round."""
+    _ROUND_ANSWERS[graph] = _UNKNOWN
+    try:
+        yield
+    finally:
+        _ROUND_ANSWERS.pop(graph, None)
+
 
 def gradient_product(node: fx.Node, gradient: set) -> Optional[tuple]:
     """``(gradient operand, other operand)`` of a tensor product of a value that depends on an

@@ -28,6 +28,7 @@ from ..patterns.evaluator import JointProvenance, Provenance
 from ..patterns.context import PassContext
 from ..patterns.rewrite import Miss, RuleContext, Site
 from ..patterns.rule import FusionRule, RoundReport
+from ..patterns.nodes import one_round
 from .joint import JointGraph
 from .logs import TRACE_AFTER, TRACE_BEFORE, dump_graph, log, trace_decisions, trace_graph
 from .options import FusionOptions
@@ -381,9 +382,10 @@ def _rewrite_in_rounds(context: PassContext, options: FusionOptions):
     for _ in range(MAX_ROUNDS):
         fused = sum(len(ctx.sites) for _, ctx in rules)
         pending = 0
-        for rule, ctx in rules:
-            ctx.round_misses = []
-            pending += _run_round(rule, graph, ctx).pending
+        with one_round(graph):
+            for rule, ctx in rules:
+                ctx.round_misses = []
+                pending += _run_round(rule, graph, ctx).pending
         undecided = pending or any(ctx.round_misses for _, ctx in rules)
         if sum(len(ctx.sites) for _, ctx in rules) == fused or not undecided:
             break
