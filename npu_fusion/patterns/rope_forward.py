@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import math
 from typing import List, Optional, Tuple
 
 import torch.fx as fx
@@ -34,6 +35,7 @@ from ..lowering.constraints import ROPE_MODES, rope_divisor, rope_target_problem
 from ..lowering.sizes import same_shape, static_int
 from .evaluator import JointProvenance, kept_precision, rounding_problem
 from .lanes import LaneEvaluator, Lanes
+from .lanes import shape as lane_shape
 from .nodes import (aten, downstream, dtype, gradient_dependent, last_of, outermost, outside_users, region_of, shape,
                     val)
 from .rewrite import Insertion, Miss, RuleContext, commit, exact_common_dtype, input_problem, replacement_of
@@ -175,7 +177,7 @@ def find_sites(graph: fx.Graph, ctx: RuleContext) -> RoundReport:
     if makers:
         ctx.evaluated(ev)
         ev, looks = _evaluated(ctx, nodes, makers)
-    matches = [m for m in (ctx.examine(n, match_y, ev, n) for n in looks) if m is not None]
+    matches = _unbroadcast([m for m in (ctx.examine(n, match_y, ev, n) for n in looks) if m is not None])
     matches = outermost(matches, node=lambda m: m.y, same=lambda a, b: (a.mode, a.x, a.cos, a.sin) ==
                         (b.mode, b.x, b.cos, b.sin))
     inside = {n for m in matches for n in _region(m) if n is not m.y}
@@ -184,6 +186,14 @@ def find_sites(graph: fx.Graph, ctx: RuleContext) -> RoundReport:
     scaled = [n for n in nodes if n not in looks and _reads_scaled_copy(ev, n)]
     return RoundReport(matches, _near_misses(ev, looks, matches, inside) + _near_misses(
         ev, scaled, matches, inside, SCALED_COPY_REASON))
+
+
+def _unbroadcast(matches: List[ForwardRopeMatch]) -> List[ForwardRopeMatch]:
+    """Without the matches whose output is an ``expand`` of another match's output (MLA's
+    shared ``k_rot`` broadcast over heads): the rotation is the one before the broadcast, whose
+    x has its shape."""
+    outputs = {m.y for m in matches}
+    return [m for m in matches if not (m.y.target is aten.expand.default and m.y.args[0] in outputs)]
 
 
 #: why a rotation that reads x in one term and a constant multiple of x in the other fuses in no form
@@ -249,35 +259,142 @@ def _identity(ev: LaneEvaluator, role: Role):
     return [{((role[0], p),): 1} for p in role[1]]
 
 
-def _role_node(ev: LaneEvaluator, region, role: Role, like) -> Optional[fx.Node]:
-    """The node the site reads that holds ``role`` exactly (position by position) in a shape
-    ``like`` accepts: the one nearest the output (a table after its ``unsqueeze``, a partial
-    rotary's slice of x)."""
+@dataclasses.dataclass
+class Operand:
+    """How the fused op gets one role: ``base``, a node the site reads, holds the role's values
+    in its trailing axes (flattened, a complex tensor as its real view); ``picks`` are the
+    positions of those values that make the role, in order (None: base is the role whole)."""
+    base: fx.Node
+    inner: Tuple[int, ...]
+    picks: Optional[Tuple[int, ...]] = None
+
+    def shape(self) -> tuple:
+        s = lane_shape(self.base)
+        width = len(self.picks) if self.picks is not None else math.prod(self.inner)
+        return tuple(s[:len(s) - len(self.inner)]) + (width,)
+
+    def dtype(self):
+        d = dtype(self.base)
+        return d.to_real() if d.is_complex else d
+
+
+def _picks(ev: LaneEvaluator, node: fx.Node, role: Role) -> Optional[Tuple[int, ...]]:
+    """Where each of the role's positions lies in ``node``'s flattened trailing values, when each
+    value of node is one element of the role's leaf (a half-width table, x's de-interleaved
+    copy, a complex table's parts); None otherwise."""
+    v = ev.memo.get(node)
+    if v is None or v.reduction is not None or len(v.inner) > 2 or (len(v.inner) == 2 and not (
+            v.complex or tuple(static_int(s) for s in shape(node)[-2:]) == v.inner)):
+        return None
+    where = {}
+    for j, poly in enumerate(v.polys):
+        if len(poly) != 1 or next(iter(poly.values())) != 1 or len(next(iter(poly))) != 1:
+            return None
+        (lid, p), = next(iter(poly))
+        if lid == role[0]:
+            where.setdefault(p, j)
+    if any(p not in where for p in role[1]):
+        return None
+    picks = tuple(where[p] for p in role[1])
+    return None if _gather_plan(picks) is None else picks
+
+
+def _runs(picks) -> List[Tuple[int, int, int]]:
+    """``picks`` as (start, stop, step) slices, each as long as it can be, in order."""
+    runs, k = [], 0
+    while k < len(picks):
+        step = picks[k + 1] - picks[k] if k + 1 < len(picks) and picks[k + 1] > picks[k] else 1
+        end = k + 1
+        while end < len(picks) and picks[end] - picks[end - 1] == step:
+            end += 1
+        runs.append((picks[k], picks[end - 1] + 1, step))
+        k = end
+    return runs
+
+
+#: the most slices a rebuilt operand is concatenated from
+MAX_PIECES = 4
+
+
+def _gather_plan(picks):
+    """("cat", runs): the picks concatenated from a few slices; ("pairs", evens, odds): two
+    such gathers interleaved element by element (a table repeated pairwise, x re-interleaved
+    from its halves); None when the picks are neither."""
+    runs = _runs(picks)
+    if len(runs) <= MAX_PIECES:
+        return ("cat", runs)
+    if len(picks) % 2 == 0:
+        evens, odds = _runs(picks[0::2]), _runs(picks[1::2])
+        if len(evens) <= MAX_PIECES // 2 and len(odds) <= MAX_PIECES // 2:
+            return ("pairs", evens, odds)
+    return None
+
+
+def _find_operand(ev: LaneEvaluator, region, role: Role, like) -> Optional[Operand]:
+    """How the fused op reads ``role``, from the nodes the site reads (and the role's leaf): a
+    node holding it exactly, position by position, in a shape ``like`` accepts, the one nearest
+    the output (a table after its ``unsqueeze``, a partial rotary's slice of x); else a node
+    whose values are the role's in pieces, nearest the output first (a half-width table read
+    twice, x read as its even and odd lanes, a complex table's parts)."""
     want = _identity(ev, role)
-    read = {a for n in region for a in n.all_input_nodes} | set(region)
+    read = {a for n in region for a in n.all_input_nodes} | set(region) | {ev.leaves[role[0]]}
     found = [n for n in read if ev.memo.get(n) is not None and ev.memo[n].reduction is None
              and not ev.memo[n].complex and ev.memo[n].polys == want and like(shape(n))]
-    return max(found) if found else None
+    if found:
+        return Operand(max(found), ev.memo[max(found)].inner)
+    for node in sorted(read, reverse=True):
+        picks = _picks(ev, node, role)
+        if picks is not None:
+            operand = Operand(node, ev.memo[node].inner, picks)
+            if like(operand.shape()):
+                return operand
+    return None
+
+
+def _built(edit, ev: LaneEvaluator, operand: Operand, role: Role) -> Optional[fx.Node]:
+    """The operand's tensor, emitted: its base (a complex one as its real view), trailing axes
+    flattened, the picks gathered by slices and ``cat`` (or ``stack`` of two such for pairs);
+    None unless the emitted node's value is the role's, position by position (the proof)."""
+    node = operand.base
+    if dtype(node).is_complex:  # a saved ``freqs.conj()`` is a lazy view view_as_real refuses
+        node = edit.call(aten.view_as_real.default, (edit.call(aten.resolve_conj.default, (node,)),))
+    if len(operand.inner) == 2:
+        node = edit.call(aten.flatten.using_ints, (node, -2, -1))
+    if operand.picks is not None and operand.picks != tuple(range(math.prod(operand.inner))):
+        plan = _gather_plan(operand.picks)
+        if plan[0] == "cat":
+            node = _sliced(edit, node, plan[1])
+        else:
+            pairs = edit.call(aten.stack.default, ([_sliced(edit, node, runs) for runs in plan[1:]], -1))
+            node = edit.call(aten.flatten.using_ints, (pairs, -2, -1))
+    value = ev.value(node)
+    return node if value is not None and not value.complex and value.polys == _identity(ev, role) else None
+
+
+def _sliced(edit, node: fx.Node, runs) -> fx.Node:
+    pieces = [edit.call(aten.slice.Tensor, (node, -1, start, stop, step)) for start, stop, step in runs]
+    return pieces[0] if len(pieces) == 1 else edit.call(aten.cat.default, (pieces, -1))
 
 
 def _operands(site: ForwardRopeMatch):
-    """(x, cos, sin, the replaced region), or the reason the site cannot fuse."""
+    """(x, cos, sin as :class:`Operand`, the replaced region), or the reason the site cannot fuse."""
     ev, wide = site.ev, _region(site)
     y_shape = shape(site.y)
-    roles = [_role_node(ev, wide, site.x, lambda s: same_shape(s, y_shape))] + [
-        _role_node(ev, wide, r, lambda s: len(s) <= len(y_shape) and same_shape(s[-1:], y_shape[-1:]))
+    roles = [_find_operand(ev, wide, site.x, lambda s: same_shape(s, y_shape))] + [
+        _find_operand(ev, wide, r, lambda s: len(s) <= len(y_shape) and same_shape(s[-1:], y_shape[-1:]))
         for r in (site.cos, site.sin)]
     if None in roles:
         which = ("x", "cos", "sin")[roles.index(None)]
-        return (f"no node the site reads holds its {which} whole (a table rebuilt from halves or complex "
-                f"parts, x read in pieces): the fused op reads whole tensors")
-    region = region_of([site.y], lambda n: n in ev.interpreted and n not in roles)
+        return (f"no node the site reads holds its {which}, whole or in pieces that a few slices and a cat "
+                f"rebuild, in a shape the fused op reads (x in y's shape, a table broadcast to it)")
+    bases = [r.base for r in roles]
+    region = region_of([site.y], lambda n: n in ev.interpreted and n not in bases)
     shared = outside_users(region, [site.y])
     if shared:
         user = next(u for u in shared[0].users if u not in region)
         return f"intermediate {shared[0].name} has a user outside the rotation ({user.name})"
     foreign = [a for n in region for a in n.all_input_nodes
-               if a not in region and a not in roles and shape(a) is not None]
+               if a not in region and a not in bases and shape(a) is not None]
     if foreign:
         return f"the rotation also reads {foreign[0].name}, which is none of x, cos and sin"
     return (*roles, region)
@@ -320,27 +437,33 @@ def emit(ctx: RuleContext, site: ForwardRopeMatch):
     if order is None:
         return Miss(OP.name, site.y.name, f"the output's strides {list(val(site.y).stride())} are no dense layout "
                                           f"of its shape with the rotated axis innermost")
-    compute = exact_common_dtype((dtype(x), dtype(cos), dtype(sin), kept_precision(site.y)))
-    laid = [tuple(shape(x)[d] for d in order), tuple(([1] * (len(order) - len(shape(cos))) + list(shape(cos)))[d]
+    compute = exact_common_dtype((x.dtype(), cos.dtype(), sin.dtype(), kept_precision(site.y)))
+    laid = [tuple(x.shape()[d] for d in order), tuple(([1] * (len(order) - len(cos.shape())) + list(cos.shape()))[d]
                                                       for d in order)]
-    problem = rounding_problem(site.ev, {"y": site.y}, [x, cos, sin]) or rope_target_problem(
+    bases = [x.base, cos.base, sin.base]
+    problem = rounding_problem(site.ev, {"y": site.y}, bases) or rope_target_problem(
         ctx.target, site.mode, laid[0], laid[1], False, compute)
     if problem is not None:
         return Miss(OP.name, site.y.name, problem)
-    with Insertion(ctx.graph, last_of(ctx.graph, [x, cos, sin])) as inserted:
-        done = _emit_call(ctx, site, x, cos, sin, compute, order)
+    with Insertion(ctx.graph, last_of(ctx.graph, bases)) as inserted:
+        done = _emit_call(ctx, site, (x, cos, sin), compute, order)
         if isinstance(done, Miss):
             return done
     fused, replacement = done
     added = inserted.nodes()
     _as_forward_work(added, site.y)
     return commit(ctx.edit, OP.name, ROPE_MODES[site.mode], region, {"y": site.y}, {site.y: replacement},
-                  {"x": x, "cos": cos, "sin": sin}, added, fused)
+                  dict(zip(("x", "cos", "sin"), bases)), added, fused)
 
 
-def _emit_call(ctx: RuleContext, site: ForwardRopeMatch, x, cos, sin, compute, order):
-    operands = [_permuted(ctx, ctx.edit.cast(x, compute), order)]
-    for table, sign in zip((cos, sin), site.signs):
+def _emit_call(ctx: RuleContext, site: ForwardRopeMatch, roles, compute, order):
+    built = [_built(ctx.edit, site.ev, operand, role) for operand, role in zip(roles, (site.x, site.cos, site.sin))]
+    if None in built:
+        which = ("x", "cos", "sin")[built.index(None)]
+        return Miss(OP.name, site.y.name, f"internal: the {which} rebuilt from {roles[built.index(None)].base.name} "
+                                          f"is not the site's {which} position by position")
+    operands = [_permuted(ctx, ctx.edit.cast(built[0], compute), order)]
+    for table, sign in zip(built[1:], site.signs):
         table = _permuted(ctx, ctx.edit.cast(table, compute), order)
         operands.append(table if sign == 1 else ctx.edit.call(aten.neg.default, (table,)))
     problem = input_problem(ctx.edit.fake_mode, OP.check_inputs, *operands, site.mode)
