@@ -142,8 +142,11 @@ def _axis_makers(ev: LaneEvaluator, looks) -> set:
     ``proj.view(B, S, N, D)`` of a projection N*D wide (tracked as (N, D)). Read as leaves
     (always sound: a leaf is its own value), the rotation is one of the last axis again. A
     view the formula reads through (DeepSeek's interleave-half ``view(..., D/2, 2)``) is none
-    of these and stays read."""
-    spanning = [y for y in looks if len(ev.memo[y].inner) > 1]
+    of these and stays read, as does a value over several axes that a match reads (the complex
+    product's ``view_as_real`` before its ``flatten``)."""
+    matched = [y for y in looks if len(ev.memo[y].inner) == 1 and match_y(ev, y) is not None]
+    covered = set(region_of(matched, lambda r: r in ev.interpreted))
+    spanning = [y for y in looks if len(ev.memo[y].inner) > 1 and y not in covered]
     near = {n for y in spanning for n in region_of([y], lambda r: r in ev.interpreted)}
     makers = set()
     for n in (n for n in ev.interpreted if n.target in RESHAPES and isinstance(n.args[0], fx.Node)):
@@ -388,16 +391,37 @@ def _operands(site: ForwardRopeMatch):
         return (f"no node the site reads holds its {which}, whole or in pieces that a few slices and a cat "
                 f"rebuild, in a shape the fused op reads (x in y's shape, a table broadcast to it)")
     bases = [r.base for r in roles]
-    region = region_of([site.y], lambda n: n in ev.interpreted and n not in bases)
+    region = _replaced(ev, region_of([site.y], lambda n: n in ev.interpreted and n not in bases), site.y)
     shared = outside_users(region, [site.y])
     if shared:
         user = next(u for u in shared[0].users if u not in region)
         return f"intermediate {shared[0].name} has a user outside the rotation ({user.name})"
-    foreign = [a for n in region for a in n.all_input_nodes
-               if a not in region and a not in bases and shape(a) is not None]
+    leaves = {site.x[0], site.cos[0], site.sin[0]}
+    foreign = [a for n in region for a in n.all_input_nodes if a not in region and a not in bases
+               and shape(a) is not None and not _picks_of_one_leaf(ev, a, leaves)]
     if foreign:
         return f"the rotation also reads {foreign[0].name}, which is none of x, cos and sin"
     return (*roles, region)
+
+
+def _replaced(ev: LaneEvaluator, region: List[fx.Node], y: fx.Node) -> List[fx.Node]:
+    """The region less what stays for other users: a selection of one input's elements (a
+    table's ``select`` from a cache, a slice the decomposed backward also reads) costs nothing
+    to keep, and with it what it is computed from."""
+    kept = [n for n in outside_users(region, [y]) if _picks_of_one_leaf(ev, n)]
+    inside = set(region)
+    stays = set(region_of(kept, lambda n: n in inside))
+    return [n for n in region if n not in stays]
+
+
+def _picks_of_one_leaf(ev: LaneEvaluator, node: fx.Node, among=None) -> bool:
+    """Each value of ``node`` is one element of one leaf (``among`` those, when given): a
+    view's or a selection's value."""
+    v = ev.memo.get(node)
+    lids = {lid for poly in v.polys for mono in poly for lid, _ in mono} if v is not None else set()
+    return v is not None and v.reduction is None and not v.complex and len(lids) == 1 and (
+        among is None or lids <= set(among)) and all(
+        len(poly) == 1 and list(poly.values()) == [1] and len(next(iter(poly))) == 1 for poly in v.polys)
 
 
 def _memory_order(node: fx.Node) -> Optional[List[int]]:
