@@ -142,10 +142,11 @@ def _axis_makers(ev: LaneEvaluator, looks) -> set:
     ``proj.view(B, S, N, D)`` of a projection N*D wide (tracked as (N, D)). Read as leaves
     (always sound: a leaf is its own value), the rotation is one of the last axis again. A
     view the formula reads through (DeepSeek's interleave-half ``view(..., D/2, 2)``) is none
-    of these and stays read, as does a value over several axes that a match reads (the complex
-    product's ``view_as_real`` before its ``flatten``)."""
-    matched = [y for y in looks if len(ev.memo[y].inner) == 1 and match_y(ev, y) is not None]
-    covered = set(region_of(matched, lambda r: r in ev.interpreted))
+    of these and stays read, as does a value over several axes that a rotation-shaped value of
+    one axis reads (the complex product's ``view_as_real``, torchtune's ``stack``, before their
+    ``flatten``): that one is the candidate, matched or a near miss as it is."""
+    flat = [y for y in looks if len(ev.memo[y].inner) == 1]
+    covered = set(region_of(flat, lambda r: r in ev.interpreted))
     spanning = [y for y in looks if len(ev.memo[y].inner) > 1 and y not in covered]
     near = {n for y in spanning for n in region_of([y], lambda r: r in ev.interpreted)}
     makers = set()
