@@ -465,6 +465,24 @@ def test_rope_forward_operands_in_pieces(name):
         assert fused[0].args[3] == mode and not [m for m in result.misses if m.op == ROPE]
 
 
+def test_rope_forward_complex_over_heads_of_a_projection_fuses():
+    """Llama 4: x is a projection viewed as [B, S, N, D], its pairs complex, times freqs_cis
+    [1, S, 1, D/2]; the view into heads is read as x (a leaf), the table as its real parts."""
+    projection = torch.nn.Parameter(torch.randn(64, 64, generator=torch.Generator().manual_seed(8)) / 8)
+    angles = torch.randn(6, 8, generator=torch.Generator().manual_seed(2))
+    freqs_cis = torch.polar(torch.ones_like(angles), angles)[None, :, None, :]
+
+    def llama4(p):
+        pairs = torch.view_as_complex((p @ projection).view(2, 6, 4, 16).float().reshape(2, 6, 4, 8, 2))
+        return torch.view_as_real(pairs * freqs_cis).flatten(3) * 2
+
+    p = torch.randn(2, 6, 64, generator=torch.Generator().manual_seed(1)).requires_grad_()
+    result, fw, _ = check(llama4, [p], [projection], **BOTH)
+    fused = calls(fw, ROPE)
+    assert result.fused(ROPE) == result.fused(ROPE_GRAD) == len(fused) == 1, (result.sites, result.misses)
+    assert fused[0].args[3] == 1 and not result.misses
+
+
 def test_rope_forward_of_a_key_broadcast_over_heads_fuses_before_the_broadcast():
     """MLA's shared k_rot [B, 1, S, D] is rotated, then expanded over the heads: the site is the
     rotation, whose x has its shape, not the expand."""

@@ -149,6 +149,10 @@ def _axis_makers(ev: LaneEvaluator, looks) -> set:
     covered = set(region_of(flat, lambda r: r in ev.interpreted))
     spanning = [y for y in looks if len(ev.memo[y].inner) > 1 and y not in covered]
     near = {n for y in spanning for n in region_of([y], lambda r: r in ev.interpreted)}
+    # Llama 4's ``view_as_complex(q.view(B, S, N, D) ...) * freqs_cis``: the product of x over
+    # (N, D/2, 2) with a table over (D/2, 2) is refused, so nothing downstream looks like a rotation
+    refused = [n for n, why in ev.unsupported.items() if why == "broadcast" and _complex_node(n)]
+    near |= {n for r in refused for n in region_of([r], lambda m: m is r or m in ev.interpreted)}
     makers = set()
     for n in (n for n in ev.interpreted if n.target in RESHAPES and isinstance(n.args[0], fx.Node)):
         v, source = ev.memo.get(n), ev.memo.get(n.args[0])
@@ -157,6 +161,10 @@ def _axis_makers(ev: LaneEvaluator, looks) -> set:
         if n in near or static_int(shape(n)[-2]) == 1:
             makers.add(n)
     return makers
+
+
+def _complex_node(node: fx.Node) -> bool:
+    return dtype(node) is not None and dtype(node).is_complex
 
 
 def _evaluated(ctx: RuleContext, nodes, forced=()) -> tuple:
