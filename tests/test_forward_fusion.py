@@ -483,6 +483,27 @@ def test_rope_forward_complex_over_heads_of_a_projection_fuses():
     assert fused[0].args[3] == 1 and not result.misses
 
 
+def test_rope_forward_torchtune_cache_over_heads_of_a_projection_fuses():
+    """torchtune as written: a [S, D/2, 2] cache viewed [1, S, 1, D/2, 2], ``rope_cache[..., 0]``
+    taken once per term (two nodes, one value), x a projection viewed into heads."""
+    projection = torch.nn.Parameter(torch.randn(64, 64, generator=torch.Generator().manual_seed(8)) / 8)
+    angles = torch.randn(6, 8, generator=torch.Generator().manual_seed(2))
+    cache = torch.stack([angles.cos(), angles.sin()], -1)
+
+    def torchtune_rope(p):
+        pairs = (p @ projection).view(2, 6, 4, 16).float().reshape(2, 6, 4, 8, 2)
+        table = cache.view(-1, 6, 1, 8, 2)
+        out = torch.stack([pairs[..., 0] * table[..., 0] - pairs[..., 1] * table[..., 1],
+                           pairs[..., 1] * table[..., 0] + pairs[..., 0] * table[..., 1]], -1)
+        return out.flatten(3) * 2
+
+    p = torch.randn(2, 6, 64, generator=torch.Generator().manual_seed(1)).requires_grad_()
+    result, fw, _ = check(torchtune_rope, [p], [projection], **BOTH)
+    fused = calls(fw, ROPE)
+    assert result.fused(ROPE) == result.fused(ROPE_GRAD) == len(fused) == 1, (result.sites, result.misses)
+    assert fused[0].args[3] == 1 and not result.misses
+
+
 def test_rope_forward_of_a_key_broadcast_over_heads_fuses_before_the_broadcast():
     """MLA's shared k_rot [B, 1, S, D] is rotated, then expanded over the heads: the site is the
     rotation, whose x has its shape, not the expand."""

@@ -36,12 +36,12 @@ from ..lowering.sizes import same_shape, static_int
 from .evaluator import JointProvenance, kept_precision, rounding_problem
 from .lanes import LaneEvaluator, Lanes
 from .lanes import shape as lane_shape
-from .nodes import (aten, downstream, dtype, gradient_dependent, last_of, outermost, outside_users, region_of, shape,
-                    val)
+from .nodes import (VIEWS, aten, downstream, dtype, gradient_dependent, is_float_cast, last_of, outermost,
+                    outside_users, region_of, shape, val)
 from .rewrite import Insertion, Miss, RuleContext, commit, exact_common_dtype, input_problem, replacement_of
 from .pairing import calls, forward_is_complex, source, unpaired
 from .rms_norm_forward import _as_forward_work, expression, same_layout
-from .rope import DX_DEPTH, MAX_LANES, TABLE_SIGNS, _moves_elements, lane_evaluator, table_terms
+from .rope import DX_DEPTH, MAX_LANES, TABLE_SIGNS, _moves_elements, table_terms
 from .rule import Form, FusionRule, RoundReport, SiteProbe
 
 #: (leaf id, the leaf position that plays each position of the fused op's operand)
@@ -149,10 +149,6 @@ def _axis_makers(ev: LaneEvaluator, looks) -> set:
     covered = set(region_of(flat, lambda r: r in ev.interpreted))
     spanning = [y for y in looks if len(ev.memo[y].inner) > 1 and y not in covered]
     near = {n for y in spanning for n in region_of([y], lambda r: r in ev.interpreted)}
-    # Llama 4's ``view_as_complex(q.view(B, S, N, D) ...) * freqs_cis``: the product of x over
-    # (N, D/2, 2) with a table over (D/2, 2) is refused, so nothing downstream looks like a rotation
-    refused = [n for n, why in ev.unsupported.items() if why == "broadcast" and _complex_node(n)]
-    near |= {n for r in refused for n in region_of([r], lambda m: m is r or m in ev.interpreted)}
     makers = set()
     for n in (n for n in ev.interpreted if n.target in RESHAPES and isinstance(n.args[0], fx.Node)):
         v, source = ev.memo.get(n), ev.memo.get(n.args[0])
@@ -160,16 +156,53 @@ def _axis_makers(ev: LaneEvaluator, looks) -> set:
             continue
         if n in near or static_int(shape(n)[-2]) == 1:
             makers.add(n)
-    return makers
+    return makers | _complex_pair_sources(ev)
+
+
+def _complex_pair_sources(ev: LaneEvaluator) -> set:
+    """Llama 4's and torchtitan's ``view_as_complex(q.reshape(..., D/2, 2)) * freqs_cis`` with q
+    a projection's view into heads: x tracked over (N, D/2, 2) times a table over (D/2, 2) is a
+    refused broadcast, and nothing downstream looks like a rotation. The node whose pairs are
+    taken (q, past its float casts) is read as a leaf, over its last axis."""
+    sources = set()
+    for product in (n for n, why in ev.unsupported.items() if why == "broadcast" and _complex_node(n)):
+        for operand in product.all_input_nodes:
+            pairs = operand.args[0] if operand.target is aten.view_as_complex.default else None
+            if not (isinstance(pairs, fx.Node) and pairs.target in RESHAPES):
+                continue
+            x = pairs.args[0]
+            while isinstance(x, fx.Node) and is_float_cast(x):
+                x = x.args[0]
+            if isinstance(x, fx.Node) and ev.memo.get(x) is not None and len(ev.memo[x].inner) > 1:
+                sources.add(x)
+    return sources
 
 
 def _complex_node(node: fx.Node) -> bool:
     return dtype(node) is not None and dtype(node).is_complex
 
 
+class _SameViewsOneLeaf(LaneEvaluator):
+    """The forward's evaluator: two view nodes of one input with equal arguments (torchtune's
+    ``rope_cache[..., 0]``, written once per term) are one leaf, as they are one value; a
+    view is a pure function of its arguments."""
+
+    def __init__(self, forced):
+        super().__init__(None, forced, max_lanes=MAX_LANES)  # the forward's own values: no provenance
+        self._first_view: dict = {}
+
+    def leaf_id(self, node: fx.Node) -> int:
+        if node.op == "call_function" and node.target in VIEWS and node not in self.leaf_ids:
+            key = (node.target, repr(node.args), repr(node.kwargs), str(shape(node)))
+            first = self._first_view.setdefault(key, node)
+            if first is not node:
+                self.leaf_ids[node] = self.leaf_id(first)
+        return super().leaf_id(node)
+
+
 def _evaluated(ctx: RuleContext, nodes, forced=()) -> tuple:
     """(the evaluator, the rotation-shaped nodes) with ``forced`` nodes read as leaves."""
-    ev = lane_evaluator(None, forced)  # the forward's own values: no provenance
+    ev = _SameViewsOneLeaf(forced)
     for node in nodes:
         ctx.examine(node, ev.value, node)
     return ev, [n for n in nodes if _looks_like_y(ev.memo.get(n))]
