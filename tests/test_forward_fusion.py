@@ -466,21 +466,27 @@ def test_rope_forward_operands_in_pieces(name):
 
 
 def test_rope_forward_complex_over_heads_of_a_projection_fuses():
-    """Llama 4: x is a projection viewed as [B, S, N, D], its pairs complex, times freqs_cis
-    [1, S, 1, D/2]; the view into heads is read as x (a leaf), the table as its real parts."""
-    projection = torch.nn.Parameter(torch.randn(64, 64, generator=torch.Generator().manual_seed(8)) / 8)
+    """Llama 4: q and k (fewer heads) are projections viewed as [B, S, N, D], their pairs complex,
+    times freqs_cis [1, S, 1, D/2]; the views into heads are read as x (leaves), the table as its
+    real parts, for both."""
+    projection = torch.nn.Parameter(torch.randn(64, 96, generator=torch.Generator().manual_seed(8)) / 8)
     angles = torch.randn(6, 8, generator=torch.Generator().manual_seed(2))
     freqs_cis = torch.polar(torch.ones_like(angles), angles)[None, :, None, :]
 
+    def rotate(x):
+        pairs = torch.view_as_complex(x.float().reshape(*x.shape[:-1], 8, 2))
+        return torch.view_as_real(freqs_cis * pairs).flatten(3)
+
     def llama4(p):
-        pairs = torch.view_as_complex((p @ projection).view(2, 6, 4, 16).float().reshape(2, 6, 4, 8, 2))
-        return torch.view_as_real(pairs * freqs_cis).flatten(3) * 2
+        qk = p @ projection
+        q, k = qk[..., :64].view(2, 6, 4, 16), qk[..., 64:].view(2, 6, 2, 16)
+        return torch.cat([rotate(q), rotate(k)], 2) * 2
 
     p = torch.randn(2, 6, 64, generator=torch.Generator().manual_seed(1)).requires_grad_()
     result, fw, _ = check(llama4, [p], [projection], **BOTH)
     fused = calls(fw, ROPE)
-    assert result.fused(ROPE) == result.fused(ROPE_GRAD) == len(fused) == 1, (result.sites, result.misses)
-    assert fused[0].args[3] == 1 and not result.misses
+    assert result.fused(ROPE) == result.fused(ROPE_GRAD) == len(fused) == 2, (result.sites, result.misses)
+    assert all(f.args[3] == 1 for f in fused) and not result.misses
 
 
 def test_rope_forward_torchtune_cache_over_heads_of_a_projection_fuses():

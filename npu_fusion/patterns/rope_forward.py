@@ -105,7 +105,8 @@ def match_y(ev: LaneEvaluator, node: fx.Node) -> Optional[ForwardRopeMatch]:
         return None
     d = v.inner[0]
     lids = set.intersection(*({lid for lid, _ in m} for m in v.polys[0]))
-    for x_lid in sorted(lids):
+    # a complex product is symmetric: x is the leaf over y's leading axes, not the broadcast table
+    for x_lid in sorted(lids, key=lambda lid: (not _leads_like(ev.leaves[lid], node), lid)):
         offset = min(p for poly in v.polys for m in poly for lid, p in m if lid == x_lid)
         x = (x_lid, tuple(range(offset, offset + d)))
         for mode in ROPE_MODES:
@@ -118,6 +119,12 @@ def match_y(ev: LaneEvaluator, node: fx.Node) -> Optional[ForwardRopeMatch]:
             if signs in TABLE_SIGNS and v.polys == expected_y(mode, d, x, cos, sin, signs):
                 return ForwardRopeMatch(node, mode, x, cos, sin, signs, ev)
     return None
+
+
+def _leads_like(leaf: fx.Node, y: fx.Node) -> bool:
+    """``leaf`` has ``y``'s leading sizes (its trailing ones are the tracked lanes)."""
+    a, b = lane_shape(leaf), shape(y)
+    return a is not None and b is not None and len(a) >= len(b) and same_shape(a[:len(b) - 1], b[:-1])
 
 
 def _looks_like_y(v: Optional[Lanes]) -> bool:
