@@ -587,6 +587,9 @@ class RopeForwardRule(FusionRule):
         ("forward on the joint graph, modes 0 to 3 (2 and 3 on Ascend 950 and `generic`), a table negated as "
          "a whole, partial rotary (the slice of x the rotation reads), tables broadcast from 11SD/1S1D/...",
          "HF `apply_rotary_pos_emb`, GPT-J, DeepSeek-V3, nanochat"),
+        ("forward operands only in pieces, rebuilt from the node holding them and checked by value: half-width "
+         "tables read twice, x's even/odd lanes, complex `freqs_cis` (its real parts), a cache's selects",
+         "GPT-OSS, HF DeepSeek/MLA, Llama 4, torchtitan, torchtune"),
     ))
 
     def find(self, graph: fx.Graph, ctx: RuleContext) -> RoundReport:
