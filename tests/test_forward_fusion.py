@@ -383,6 +383,144 @@ def test_rope_forward_refused_by_the_target_is_a_recorded_miss():
     assert result.fused(ROPE) == 1 and calls(fw, ROPE)[0].args[3] == 3
 
 
+# -- operands only in pieces: rebuilt in the graph from the node that holds them, checked by value --
+
+def gpt_oss(q, cos, sin):  # half-width tables: cos of the op is cat(cos, cos), rebuilt
+    first, second = torch.chunk(q, 2, dim=-1)
+    return torch.cat((first * cos - second * sin, second * cos + first * sin), -1)
+
+
+def deepseek_even_odd(q, cos, sin):  # HF DeepSeek-V3: full tables sliced to a half, x's even/odd lanes
+    c, s = cos[..., :8], sin[..., :8]
+    even, odd = q[..., 0::2], q[..., 1::2]
+    return torch.cat([even * c - odd * s, odd * c + even * s], -1)
+
+
+def halves_of_other_offsets(q, cos, sin):  # second half's table from lanes 1..8: still each lane's own table
+    first, second = q[..., :8], q[..., 8:]
+    return torch.cat((first * cos[..., :8] - second * sin[..., :8], second * cos[..., 1:9] + first * sin[..., 1:9]), -1)
+
+
+def complex_cis(q, cos, sin):  # torchtitan / Llama 4: x's pairs times a complex table
+    freqs_cis = torch.polar(torch.ones_like(cos[..., :8]), cos[..., :8])
+    pairs = torch.view_as_complex(q.float().reshape(*q.shape[:-1], -1, 2))
+    return torch.view_as_real(pairs * freqs_cis).flatten(3).type_as(q)
+
+
+def torchtune(q, cos, sin):  # torchtune: a [S, D/2, 2] cache, x's pairs, stack and flatten
+    cache = torch.stack([cos[..., :8], sin[..., :8]], -1)
+    pairs = q.float().reshape(*q.shape[:-1], -1, 2)
+    out = torch.stack([pairs[..., 0] * cache[..., 0] - pairs[..., 1] * cache[..., 1],
+                       pairs[..., 1] * cache[..., 0] + pairs[..., 0] * cache[..., 1]], -1)
+    return out.flatten(3).type_as(q)
+
+
+def second_half_other_table(q, cos, sin):  # near miss: the second half reads another table
+    first, second = torch.chunk(q, 2, dim=-1)
+    return torch.cat((first * cos[..., :8] - second * sin[..., :8], second * sin[..., :8] + first * sin[..., :8]), -1)
+
+
+def even_odd_sign_swapped(q, cos, sin):  # near miss: both terms of the odd lanes negated
+    even, odd = q[..., 0::2], q[..., 1::2]
+    return torch.cat([even * cos[..., :8] - odd * sin[..., :8], odd * cos[..., :8] - even * sin[..., :8]], -1)
+
+
+def torchtune_sin_for_cos(q, cos, sin):  # near miss: the even lanes' rotated term reads cos
+    cache = torch.stack([cos[..., :8], sin[..., :8]], -1)
+    pairs = q.reshape(*q.shape[:-1], -1, 2)
+    out = torch.stack([pairs[..., 0] * cache[..., 0] - pairs[..., 1] * cache[..., 0],
+                       pairs[..., 1] * cache[..., 0] + pairs[..., 0] * cache[..., 1]], -1)
+    return out.flatten(3)
+
+
+PIECES = {  # name: (rotation, fused mode or None where it must stay unfused)
+    "gpt_oss": (gpt_oss, 0), "deepseek_even_odd": (deepseek_even_odd, 3),
+    "halves_of_other_offsets": (halves_of_other_offsets, 0), "complex_cis": (complex_cis, 1),
+    "torchtune": (torchtune, 1), "second_half_other_table": (second_half_other_table, None),
+    "even_odd_sign_swapped": (even_odd_sign_swapped, None), "torchtune_sin_for_cos": (torchtune_sin_for_cos, None),
+}
+
+
+@pytest.mark.parametrize("name", PIECES)
+def test_rope_forward_operands_in_pieces(name):
+    """Tables and x that the program holds only in pieces (half-width tables, even/odd lanes,
+    complex parts, a cache's selects) fuse with the operand rebuilt from the node holding them;
+    output and gradients within the criterion. Near misses (a half reading another table, a
+    sign, a swapped select) stay as they are, each a recorded miss."""
+    fn, mode = PIECES[name]
+    q = torch.randn(2, 4, 6, 16, generator=torch.Generator().manual_seed(1)).requires_grad_()
+    angles = torch.randn(6, 16, generator=torch.Generator().manual_seed(2))
+    cos, sin = (angles[:, :8].cos(), angles[:, :8].sin()) if fn is gpt_oss else (angles.cos(), angles.sin())
+    if fn is complex_cis:
+        cos = angles
+    result, fw, _ = check(lambda q: fn(q, cos, sin) * 2, [q], **BOTH)
+    fused = calls(fw, ROPE)
+    if mode is None:
+        assert not result.fused(ROPE) and not fused, result.sites
+        assert any(m.op == ROPE for m in result.misses), result.misses
+    else:
+        assert result.fused(ROPE) == len(fused) == 1, (result.sites, result.misses)
+        # the backward rule reads no mode in a rotation whose two halves' tables differ (its miss)
+        assert result.fused(ROPE_GRAD) == int(name != "halves_of_other_offsets"), result.misses
+        assert fused[0].args[3] == mode and not [m for m in result.misses if m.op == ROPE]
+
+
+def test_rope_forward_complex_over_heads_of_a_projection_fuses():
+    """Llama 4: q and k (fewer heads) are projections viewed as [B, S, N, D], their pairs complex,
+    times freqs_cis [1, S, 1, D/2]; the views into heads are read as x (leaves), the table as its
+    real parts, for both."""
+    projection = torch.nn.Parameter(torch.randn(64, 96, generator=torch.Generator().manual_seed(8)) / 8)
+    angles = torch.randn(6, 8, generator=torch.Generator().manual_seed(2))
+    freqs_cis = torch.polar(torch.ones_like(angles), angles)[None, :, None, :]
+
+    def rotate(x):
+        pairs = torch.view_as_complex(x.float().reshape(*x.shape[:-1], 8, 2))
+        return torch.view_as_real(freqs_cis * pairs).flatten(3)
+
+    def llama4(p):
+        qk = p @ projection
+        q, k = qk[..., :64].view(2, 6, 4, 16), qk[..., 64:].view(2, 6, 2, 16)
+        return torch.cat([rotate(q), rotate(k)], 2) * 2
+
+    p = torch.randn(2, 6, 64, generator=torch.Generator().manual_seed(1)).requires_grad_()
+    result, fw, _ = check(llama4, [p], [projection], **BOTH)
+    fused = calls(fw, ROPE)
+    assert result.fused(ROPE) == result.fused(ROPE_GRAD) == len(fused) == 2, (result.sites, result.misses)
+    assert all(f.args[3] == 1 for f in fused) and not result.misses
+
+
+def test_rope_forward_torchtune_cache_over_heads_of_a_projection_fuses():
+    """torchtune as written: a [S, D/2, 2] cache viewed [1, S, 1, D/2, 2], ``rope_cache[..., 0]``
+    taken once per term (two nodes, one value), x a projection viewed into heads."""
+    projection = torch.nn.Parameter(torch.randn(64, 64, generator=torch.Generator().manual_seed(8)) / 8)
+    angles = torch.randn(6, 8, generator=torch.Generator().manual_seed(2))
+    cache = torch.stack([angles.cos(), angles.sin()], -1)
+
+    def torchtune_rope(p):
+        pairs = (p @ projection).view(2, 6, 4, 16).float().reshape(2, 6, 4, 8, 2)
+        table = cache.view(-1, 6, 1, 8, 2)
+        out = torch.stack([pairs[..., 0] * table[..., 0] - pairs[..., 1] * table[..., 1],
+                           pairs[..., 1] * table[..., 0] + pairs[..., 0] * table[..., 1]], -1)
+        return out.flatten(3) * 2
+
+    p = torch.randn(2, 6, 64, generator=torch.Generator().manual_seed(1)).requires_grad_()
+    result, fw, _ = check(torchtune_rope, [p], [projection], **BOTH)
+    fused = calls(fw, ROPE)
+    assert result.fused(ROPE) == result.fused(ROPE_GRAD) == len(fused) == 1, (result.sites, result.misses)
+    assert fused[0].args[3] == 1 and not result.misses
+
+
+def test_rope_forward_of_a_key_broadcast_over_heads_fuses_before_the_broadcast():
+    """MLA's shared k_rot [B, 1, S, D] is rotated, then expanded over the heads: the site is the
+    rotation, whose x has its shape, not the expand."""
+    k = torch.randn(2, 1, 6, 16, generator=torch.Generator().manual_seed(1)).requires_grad_()
+    angles = torch.randn(6, 8, generator=torch.Generator().manual_seed(2))
+    cos, sin = angles.cos(), angles.sin()
+    result, fw, _ = check(lambda k: gpt_oss(k, cos, sin).expand(-1, 4, -1, -1) * 2, [k], **BOTH)
+    assert result.fused(ROPE) == len(calls(fw, ROPE)) == 1 and not result.misses, (result.sites, result.misses)
+    assert list(calls(fw, ROPE)[0].meta["val"].shape) == [2, 1, 6, 16]
+
+
 @pytest.mark.parametrize("dynamic", ["batch_and_sequence", "all"])
 def test_dynamic_shapes(dynamic):
     """Symbolic batch and sequence: every forward fused (the rotation's layout read off symbolic

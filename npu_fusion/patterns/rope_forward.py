@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import math
 from typing import List, Optional, Tuple
 
 import torch.fx as fx
@@ -34,12 +35,13 @@ from ..lowering.constraints import ROPE_MODES, rope_divisor, rope_target_problem
 from ..lowering.sizes import same_shape, static_int
 from .evaluator import JointProvenance, kept_precision, rounding_problem
 from .lanes import LaneEvaluator, Lanes
-from .nodes import (aten, downstream, dtype, gradient_dependent, last_of, outermost, outside_users, region_of, shape,
-                    val)
+from .lanes import shape as lane_shape
+from .nodes import (VIEWS, aten, downstream, dtype, gradient_dependent, is_float_cast, last_of, outermost,
+                    outside_users, region_of, shape, val)
 from .rewrite import Insertion, Miss, RuleContext, commit, exact_common_dtype, input_problem, replacement_of
 from .pairing import calls, forward_is_complex, source, unpaired
 from .rms_norm_forward import _as_forward_work, expression, same_layout
-from .rope import DX_DEPTH, MAX_LANES, TABLE_SIGNS, _moves_elements, lane_evaluator, table_terms
+from .rope import DX_DEPTH, MAX_LANES, TABLE_SIGNS, _moves_elements, table_terms
 from .rule import Form, FusionRule, RoundReport, SiteProbe
 
 #: (leaf id, the leaf position that plays each position of the fused op's operand)
@@ -103,7 +105,8 @@ def match_y(ev: LaneEvaluator, node: fx.Node) -> Optional[ForwardRopeMatch]:
         return None
     d = v.inner[0]
     lids = set.intersection(*({lid for lid, _ in m} for m in v.polys[0]))
-    for x_lid in sorted(lids):
+    # a complex product is symmetric: x is the leaf over y's leading axes, not the broadcast table
+    for x_lid in sorted(lids, key=lambda lid: (not _leads_like(ev.leaves[lid], node), lid)):
         offset = min(p for poly in v.polys for m in poly for lid, p in m if lid == x_lid)
         x = (x_lid, tuple(range(offset, offset + d)))
         for mode in ROPE_MODES:
@@ -116,6 +119,12 @@ def match_y(ev: LaneEvaluator, node: fx.Node) -> Optional[ForwardRopeMatch]:
             if signs in TABLE_SIGNS and v.polys == expected_y(mode, d, x, cos, sin, signs):
                 return ForwardRopeMatch(node, mode, x, cos, sin, signs, ev)
     return None
+
+
+def _leads_like(leaf: fx.Node, y: fx.Node) -> bool:
+    """``leaf`` has ``y``'s leading sizes (its trailing ones are the tracked lanes)."""
+    a, b = lane_shape(leaf), shape(y)
+    return a is not None and b is not None and len(a) >= len(b) and same_shape(a[:len(b) - 1], b[:-1])
 
 
 def _looks_like_y(v: Optional[Lanes]) -> bool:
@@ -140,8 +149,12 @@ def _axis_makers(ev: LaneEvaluator, looks) -> set:
     ``proj.view(B, S, N, D)`` of a projection N*D wide (tracked as (N, D)). Read as leaves
     (always sound: a leaf is its own value), the rotation is one of the last axis again. A
     view the formula reads through (DeepSeek's interleave-half ``view(..., D/2, 2)``) is none
-    of these and stays read."""
-    spanning = [y for y in looks if len(ev.memo[y].inner) > 1]
+    of these and stays read, as does a value over several axes that a rotation-shaped value of
+    one axis reads (the complex product's ``view_as_real``, torchtune's ``stack``, before their
+    ``flatten``): that one is the candidate, matched or a near miss as it is."""
+    flat = [y for y in looks if len(ev.memo[y].inner) == 1]
+    covered = set(region_of(flat, lambda r: r in ev.interpreted))
+    spanning = [y for y in looks if len(ev.memo[y].inner) > 1 and y not in covered]
     near = {n for y in spanning for n in region_of([y], lambda r: r in ev.interpreted)}
     makers = set()
     for n in (n for n in ev.interpreted if n.target in RESHAPES and isinstance(n.args[0], fx.Node)):
@@ -150,12 +163,53 @@ def _axis_makers(ev: LaneEvaluator, looks) -> set:
             continue
         if n in near or static_int(shape(n)[-2]) == 1:
             makers.add(n)
-    return makers
+    return makers | _complex_pair_sources(ev)
+
+
+def _complex_pair_sources(ev: LaneEvaluator) -> set:
+    """Llama 4's and torchtitan's ``view_as_complex(q.reshape(..., D/2, 2)) * freqs_cis`` with q
+    a projection's view into heads: x tracked over (N, D/2, 2) times a table over (D/2, 2) is a
+    refused broadcast, and nothing downstream looks like a rotation. The node whose pairs are
+    taken (q, past its float casts) is read as a leaf, over its last axis."""
+    sources = set()
+    for product in (n for n, why in ev.unsupported.items() if why == "broadcast" and _complex_node(n)):
+        for operand in product.all_input_nodes:
+            pairs = operand.args[0] if operand.target is aten.view_as_complex.default else None
+            if not (isinstance(pairs, fx.Node) and pairs.target in RESHAPES):
+                continue
+            x = pairs.args[0]
+            while isinstance(x, fx.Node) and is_float_cast(x):
+                x = x.args[0]
+            if isinstance(x, fx.Node) and ev.memo.get(x) is not None and len(ev.memo[x].inner) > 1:
+                sources.add(x)
+    return sources
+
+
+def _complex_node(node: fx.Node) -> bool:
+    return dtype(node) is not None and dtype(node).is_complex
+
+
+class _SameViewsOneLeaf(LaneEvaluator):
+    """The forward's evaluator: two view nodes of one input with equal arguments (torchtune's
+    ``rope_cache[..., 0]``, written once per term) are one leaf, as they are one value; a
+    view is a pure function of its arguments."""
+
+    def __init__(self, forced):
+        super().__init__(None, forced, max_lanes=MAX_LANES)  # the forward's own values: no provenance
+        self._first_view: dict = {}
+
+    def leaf_id(self, node: fx.Node) -> int:
+        if node.op == "call_function" and node.target in VIEWS and node not in self.leaf_ids:
+            key = (node.target, repr(node.args), repr(node.kwargs), str(shape(node)))
+            first = self._first_view.setdefault(key, node)
+            if first is not node:
+                self.leaf_ids[node] = self.leaf_id(first)
+        return super().leaf_id(node)
 
 
 def _evaluated(ctx: RuleContext, nodes, forced=()) -> tuple:
     """(the evaluator, the rotation-shaped nodes) with ``forced`` nodes read as leaves."""
-    ev = lane_evaluator(None, forced)  # the forward's own values: no provenance
+    ev = _SameViewsOneLeaf(forced)
     for node in nodes:
         ctx.examine(node, ev.value, node)
     return ev, [n for n in nodes if _looks_like_y(ev.memo.get(n))]
@@ -175,7 +229,7 @@ def find_sites(graph: fx.Graph, ctx: RuleContext) -> RoundReport:
     if makers:
         ctx.evaluated(ev)
         ev, looks = _evaluated(ctx, nodes, makers)
-    matches = [m for m in (ctx.examine(n, match_y, ev, n) for n in looks) if m is not None]
+    matches = _unbroadcast([m for m in (ctx.examine(n, match_y, ev, n) for n in looks) if m is not None])
     matches = outermost(matches, node=lambda m: m.y, same=lambda a, b: (a.mode, a.x, a.cos, a.sin) ==
                         (b.mode, b.x, b.cos, b.sin))
     inside = {n for m in matches for n in _region(m) if n is not m.y}
@@ -184,6 +238,14 @@ def find_sites(graph: fx.Graph, ctx: RuleContext) -> RoundReport:
     scaled = [n for n in nodes if n not in looks and _reads_scaled_copy(ev, n)]
     return RoundReport(matches, _near_misses(ev, looks, matches, inside) + _near_misses(
         ev, scaled, matches, inside, SCALED_COPY_REASON))
+
+
+def _unbroadcast(matches: List[ForwardRopeMatch]) -> List[ForwardRopeMatch]:
+    """Without the matches whose output is an ``expand`` of another match's output (MLA's
+    shared ``k_rot`` broadcast over heads): the rotation is the one before the broadcast, whose
+    x has its shape."""
+    outputs = {m.y for m in matches}
+    return [m for m in matches if not (m.y.target is aten.expand.default and m.y.args[0] in outputs)]
 
 
 #: why a rotation that reads x in one term and a constant multiple of x in the other fuses in no form
@@ -249,38 +311,166 @@ def _identity(ev: LaneEvaluator, role: Role):
     return [{((role[0], p),): 1} for p in role[1]]
 
 
-def _role_node(ev: LaneEvaluator, region, role: Role, like) -> Optional[fx.Node]:
-    """The node the site reads that holds ``role`` exactly (position by position) in a shape
-    ``like`` accepts: the one nearest the output (a table after its ``unsqueeze``, a partial
-    rotary's slice of x)."""
+@dataclasses.dataclass
+class Operand:
+    """How the fused op gets one role: ``base``, a node the site reads, holds the role's values
+    in its trailing axes (flattened, a complex tensor as its real view); ``picks`` are the
+    positions of those values that make the role, in order (None: base is the role whole)."""
+    base: fx.Node
+    inner: Tuple[int, ...]
+    picks: Optional[Tuple[int, ...]] = None
+
+    def shape(self) -> tuple:
+        s = lane_shape(self.base)
+        width = len(self.picks) if self.picks is not None else math.prod(self.inner)
+        return tuple(s[:len(s) - len(self.inner)]) + (width,)
+
+    def dtype(self):
+        d = dtype(self.base)
+        return d.to_real() if d.is_complex else d
+
+
+def _picks(ev: LaneEvaluator, node: fx.Node, role: Role) -> Optional[Tuple[int, ...]]:
+    """Where each of the role's positions lies in ``node``'s flattened trailing values, when each
+    value of node is one element of the role's leaf (a half-width table, x's de-interleaved
+    copy, a complex table's parts); None otherwise."""
+    v = ev.memo.get(node)
+    if v is None or v.reduction is not None or len(v.inner) > 2 or (len(v.inner) == 2 and not (
+            v.complex or tuple(static_int(s) for s in shape(node)[-2:]) == v.inner)):
+        return None
+    where = {}
+    for j, poly in enumerate(v.polys):
+        if len(poly) != 1 or next(iter(poly.values())) != 1 or len(next(iter(poly))) != 1:
+            return None
+        (lid, p), = next(iter(poly))
+        if lid == role[0]:
+            where.setdefault(p, j)
+    if any(p not in where for p in role[1]):
+        return None
+    picks = tuple(where[p] for p in role[1])
+    return None if _gather_plan(picks) is None else picks
+
+
+def _runs(picks) -> List[Tuple[int, int, int]]:
+    """``picks`` as (start, stop, step) slices, each as long as it can be, in order."""
+    runs, k = [], 0
+    while k < len(picks):
+        step = picks[k + 1] - picks[k] if k + 1 < len(picks) and picks[k + 1] > picks[k] else 1
+        end = k + 1
+        while end < len(picks) and picks[end] - picks[end - 1] == step:
+            end += 1
+        runs.append((picks[k], picks[end - 1] + 1, step))
+        k = end
+    return runs
+
+
+#: the most slices a rebuilt operand is concatenated from
+MAX_PIECES = 4
+
+
+def _gather_plan(picks):
+    """("cat", runs): the picks concatenated from a few slices; ("pairs", evens, odds): two
+    such gathers interleaved element by element (a table repeated pairwise, x re-interleaved
+    from its halves); None when the picks are neither."""
+    runs = _runs(picks)
+    if len(runs) <= MAX_PIECES:
+        return ("cat", runs)
+    if len(picks) % 2 == 0:
+        evens, odds = _runs(picks[0::2]), _runs(picks[1::2])
+        if len(evens) <= MAX_PIECES // 2 and len(odds) <= MAX_PIECES // 2:
+            return ("pairs", evens, odds)
+    return None
+
+
+def _find_operand(ev: LaneEvaluator, region, role: Role, like) -> Optional[Operand]:
+    """How the fused op reads ``role``, from the nodes the site reads (and the role's leaf): a
+    node holding it exactly, position by position, in a shape ``like`` accepts, the one nearest
+    the output (a table after its ``unsqueeze``, a partial rotary's slice of x); else a node
+    whose values are the role's in pieces, nearest the output first (a half-width table read
+    twice, x read as its even and odd lanes, a complex table's parts)."""
     want = _identity(ev, role)
-    read = {a for n in region for a in n.all_input_nodes} | set(region)
+    read = {a for n in region for a in n.all_input_nodes} | set(region) | {ev.leaves[role[0]]}
     found = [n for n in read if ev.memo.get(n) is not None and ev.memo[n].reduction is None
              and not ev.memo[n].complex and ev.memo[n].polys == want and like(shape(n))]
-    return max(found) if found else None
+    if found:
+        return Operand(max(found), ev.memo[max(found)].inner)
+    for node in sorted(read, reverse=True):
+        picks = _picks(ev, node, role)
+        if picks is not None:
+            operand = Operand(node, ev.memo[node].inner, picks)
+            if like(operand.shape()):
+                return operand
+    return None
+
+
+def _built(edit, ev: LaneEvaluator, operand: Operand, role: Role) -> Optional[fx.Node]:
+    """The operand's tensor, emitted: its base (a complex one as its real view), trailing axes
+    flattened, the picks gathered by slices and ``cat`` (or ``stack`` of two such for pairs);
+    None unless the emitted node's value is the role's, position by position (the proof)."""
+    node = operand.base
+    if dtype(node).is_complex:  # a saved ``freqs.conj()`` is a lazy view view_as_real refuses
+        node = edit.call(aten.view_as_real.default, (edit.call(aten.resolve_conj.default, (node,)),))
+    if len(operand.inner) == 2:
+        node = edit.call(aten.flatten.using_ints, (node, -2, -1))
+    if operand.picks is not None and operand.picks != tuple(range(math.prod(operand.inner))):
+        plan = _gather_plan(operand.picks)
+        if plan[0] == "cat":
+            node = _sliced(edit, node, plan[1])
+        else:
+            pairs = edit.call(aten.stack.default, ([_sliced(edit, node, runs) for runs in plan[1:]], -1))
+            node = edit.call(aten.flatten.using_ints, (pairs, -2, -1))
+    value = ev.value(node)
+    return node if value is not None and not value.complex and value.polys == _identity(ev, role) else None
+
+
+def _sliced(edit, node: fx.Node, runs) -> fx.Node:
+    pieces = [edit.call(aten.slice.Tensor, (node, -1, start, stop, step)) for start, stop, step in runs]
+    return pieces[0] if len(pieces) == 1 else edit.call(aten.cat.default, (pieces, -1))
 
 
 def _operands(site: ForwardRopeMatch):
-    """(x, cos, sin, the replaced region), or the reason the site cannot fuse."""
+    """(x, cos, sin as :class:`Operand`, the replaced region), or the reason the site cannot fuse."""
     ev, wide = site.ev, _region(site)
     y_shape = shape(site.y)
-    roles = [_role_node(ev, wide, site.x, lambda s: same_shape(s, y_shape))] + [
-        _role_node(ev, wide, r, lambda s: len(s) <= len(y_shape) and same_shape(s[-1:], y_shape[-1:]))
+    roles = [_find_operand(ev, wide, site.x, lambda s: same_shape(s, y_shape))] + [
+        _find_operand(ev, wide, r, lambda s: len(s) <= len(y_shape) and same_shape(s[-1:], y_shape[-1:]))
         for r in (site.cos, site.sin)]
     if None in roles:
         which = ("x", "cos", "sin")[roles.index(None)]
-        return (f"no node the site reads holds its {which} whole (a table rebuilt from halves or complex "
-                f"parts, x read in pieces): the fused op reads whole tensors")
-    region = region_of([site.y], lambda n: n in ev.interpreted and n not in roles)
+        return (f"no node the site reads holds its {which}, whole or in pieces that a few slices and a cat "
+                f"rebuild, in a shape the fused op reads (x in y's shape, a table broadcast to it)")
+    bases = [r.base for r in roles]
+    region = _replaced(ev, region_of([site.y], lambda n: n in ev.interpreted and n not in bases), site.y)
     shared = outside_users(region, [site.y])
     if shared:
         user = next(u for u in shared[0].users if u not in region)
         return f"intermediate {shared[0].name} has a user outside the rotation ({user.name})"
-    foreign = [a for n in region for a in n.all_input_nodes
-               if a not in region and a not in roles and shape(a) is not None]
+    leaves = {site.x[0], site.cos[0], site.sin[0]}
+    foreign = [a for n in region for a in n.all_input_nodes if a not in region and a not in bases
+               and shape(a) is not None and not _picks_of_one_leaf(ev, a, leaves)]
     if foreign:
         return f"the rotation also reads {foreign[0].name}, which is none of x, cos and sin"
     return (*roles, region)
+
+
+def _replaced(ev: LaneEvaluator, region: List[fx.Node], y: fx.Node) -> List[fx.Node]:
+    """The region less what stays for other users: a selection of one input's elements (a
+    table's ``select`` from a cache, a slice the decomposed backward also reads) costs nothing
+    to keep, and with it what it is computed from."""
+    kept = [n for n in outside_users(region, [y]) if _picks_of_one_leaf(ev, n)]
+    inside = set(region)
+    stays = set(region_of(kept, lambda n: n in inside))
+    return [n for n in region if n not in stays]
+
+
+def _picks_of_one_leaf(ev: LaneEvaluator, node: fx.Node, among=None) -> bool:
+    """Each value of ``node`` is one element of one leaf (``among`` those, when given): a
+    view's or a selection's value."""
+    v = ev.memo.get(node)
+    lids = {lid for poly in v.polys for mono in poly for lid, _ in mono} if v is not None else set()
+    return v is not None and v.reduction is None and not v.complex and len(lids) == 1 and (
+        among is None or lids <= set(among)) and all(
+        len(poly) == 1 and list(poly.values()) == [1] and len(next(iter(poly))) == 1 for poly in v.polys)
 
 
 def _memory_order(node: fx.Node) -> Optional[List[int]]:
@@ -320,27 +510,33 @@ def emit(ctx: RuleContext, site: ForwardRopeMatch):
     if order is None:
         return Miss(OP.name, site.y.name, f"the output's strides {list(val(site.y).stride())} are no dense layout "
                                           f"of its shape with the rotated axis innermost")
-    compute = exact_common_dtype((dtype(x), dtype(cos), dtype(sin), kept_precision(site.y)))
-    laid = [tuple(shape(x)[d] for d in order), tuple(([1] * (len(order) - len(shape(cos))) + list(shape(cos)))[d]
+    compute = exact_common_dtype((x.dtype(), cos.dtype(), sin.dtype(), kept_precision(site.y)))
+    laid = [tuple(x.shape()[d] for d in order), tuple(([1] * (len(order) - len(cos.shape())) + list(cos.shape()))[d]
                                                       for d in order)]
-    problem = rounding_problem(site.ev, {"y": site.y}, [x, cos, sin]) or rope_target_problem(
+    bases = [x.base, cos.base, sin.base]
+    problem = rounding_problem(site.ev, {"y": site.y}, bases) or rope_target_problem(
         ctx.target, site.mode, laid[0], laid[1], False, compute)
     if problem is not None:
         return Miss(OP.name, site.y.name, problem)
-    with Insertion(ctx.graph, last_of(ctx.graph, [x, cos, sin])) as inserted:
-        done = _emit_call(ctx, site, x, cos, sin, compute, order)
+    with Insertion(ctx.graph, last_of(ctx.graph, bases)) as inserted:
+        done = _emit_call(ctx, site, (x, cos, sin), compute, order)
         if isinstance(done, Miss):
             return done
     fused, replacement = done
     added = inserted.nodes()
     _as_forward_work(added, site.y)
     return commit(ctx.edit, OP.name, ROPE_MODES[site.mode], region, {"y": site.y}, {site.y: replacement},
-                  {"x": x, "cos": cos, "sin": sin}, added, fused)
+                  dict(zip(("x", "cos", "sin"), bases)), added, fused)
 
 
-def _emit_call(ctx: RuleContext, site: ForwardRopeMatch, x, cos, sin, compute, order):
-    operands = [_permuted(ctx, ctx.edit.cast(x, compute), order)]
-    for table, sign in zip((cos, sin), site.signs):
+def _emit_call(ctx: RuleContext, site: ForwardRopeMatch, roles, compute, order):
+    built = [_built(ctx.edit, site.ev, operand, role) for operand, role in zip(roles, (site.x, site.cos, site.sin))]
+    if None in built:
+        which = ("x", "cos", "sin")[built.index(None)]
+        return Miss(OP.name, site.y.name, f"internal: the {which} rebuilt from {roles[built.index(None)].base.name} "
+                                          f"is not the site's {which} position by position")
+    operands = [_permuted(ctx, ctx.edit.cast(built[0], compute), order)]
+    for table, sign in zip(built[1:], site.signs):
         table = _permuted(ctx, ctx.edit.cast(table, compute), order)
         operands.append(table if sign == 1 else ctx.edit.call(aten.neg.default, (table,)))
     problem = input_problem(ctx.edit.fake_mode, OP.check_inputs, *operands, site.mode)
@@ -391,6 +587,9 @@ class RopeForwardRule(FusionRule):
         ("forward on the joint graph, modes 0 to 3 (2 and 3 on Ascend 950 and `generic`), a table negated as "
          "a whole, partial rotary (the slice of x the rotation reads), tables broadcast from 11SD/1S1D/...",
          "HF `apply_rotary_pos_emb`, GPT-J, DeepSeek-V3, nanochat"),
+        ("forward operands only in pieces, rebuilt from the node holding them and checked by value: half-width "
+         "tables read twice, x's even/odd lanes, complex `freqs_cis` (its real parts), a cache's selects",
+         "GPT-OSS, HF DeepSeek/MLA, Llama 4, torchtitan, torchtune"),
     ))
 
     def find(self, graph: fx.Graph, ctx: RuleContext) -> RoundReport:
