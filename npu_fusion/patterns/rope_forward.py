@@ -260,6 +260,13 @@ def _role_node(ev: LaneEvaluator, region, role: Role, like) -> Optional[fx.Node]
     return max(found) if found else None
 
 
+def _empty(node: fx.Node) -> bool:
+    """No elements: the pass-through of a partial rotary whose rotation is the whole head
+    (``cat([rotated, q[..., D:]])``, Phi-3's ``q_pass`` at ``partial_rotary_factor`` 1), read by
+    nothing the fused op computes, and left to the graph's dead-code removal."""
+    return any(static_int(s) == 0 for s in shape(node) or ())
+
+
 def _operands(site: ForwardRopeMatch):
     """(x, cos, sin, the replaced region), or the reason the site cannot fuse."""
     ev, wide = site.ev, _region(site)
@@ -271,13 +278,13 @@ def _operands(site: ForwardRopeMatch):
         which = ("x", "cos", "sin")[roles.index(None)]
         return (f"no node the site reads holds its {which} whole (a table rebuilt from halves or complex "
                 f"parts, x read in pieces): the fused op reads whole tensors")
-    region = region_of([site.y], lambda n: n in ev.interpreted and n not in roles)
+    region = region_of([site.y], lambda n: n in ev.interpreted and n not in roles and not _empty(n))
     shared = outside_users(region, [site.y])
     if shared:
         user = next(u for u in shared[0].users if u not in region)
         return f"intermediate {shared[0].name} has a user outside the rotation ({user.name})"
     foreign = [a for n in region for a in n.all_input_nodes
-               if a not in region and a not in roles and shape(a) is not None]
+               if a not in region and a not in roles and shape(a) is not None and not _empty(a)]
     if foreign:
         return f"the rotation also reads {foreign[0].name}, which is none of x, cos and sin"
     return (*roles, region)
