@@ -363,6 +363,56 @@ def test_rope_forward_spellings_and_a_near_miss(fn, fused):
         assert "no mode's formula" in next(m.reason for m in result.misses if m.op == ROPE)
 
 
+def _rotate_half(t):
+    x1, x2 = torch.chunk(t, 2, dim=-1)
+    return torch.cat((-x2, x1), -1)
+
+
+def phi3(p, cos, sin):  # partial_rotary_factor 1: the pass-through q[..., D:] is empty
+    q = p.transpose(1, 2)
+    rot, rest = q[..., :16], q[..., 16:]
+    return torch.cat([rot * cos + _rotate_half(rot) * sin, rest], -1)
+
+
+QKV = torch.nn.Parameter(torch.randn(64, 128, generator=torch.Generator().manual_seed(3)) / 8)
+
+
+def megatron_gpt(p, cos, sin, rotated_half_of=None):
+    """Megatron's GQA attention: one projection viewed per group and split into q, k and v,
+    q reshaped to its heads; the rotation ``cat((t * cos + rotate_half(t) * sin, t[..., D:]))``."""
+    mixed = (p @ QKV).view(6, 2, 2, 64)
+    q, k, v = torch.split(mixed, [32, 16, 16], dim=3)
+    q = q.reshape(6, 2, 4, 16)
+    other = {"q": q[:, :, 2:]}  # as many heads as k
+
+    def rotate(t, name):
+        half = _rotate_half(t) if rotated_half_of in (None, name) else _rotate_half(other[rotated_half_of])
+        return torch.cat((t * cos + half * sin, t[..., 16:]), -1)
+
+    return torch.cat([rotate(q, "q").view(6, 2, 2, 32), rotate(k, "k") * v], -1)
+
+
+@pytest.mark.parametrize("name", ["phi3", "megatron_gpt", "megatron_rotated_half_of_another_tensor"])
+def test_rope_forward_whole_head_pass_through_and_split_projection(name):
+    """An empty pass-through (Phi-3, Megatron at a whole-head rotation) is no foreign read; x a
+    view of one split of a projection viewed per group (Megatron's q/k/v) is read as a leaf
+    there, so both rotations fuse. The same program with k's rotate_half reading two of q's heads (no rotation) keeps that
+    product as it is."""
+    angles = torch.randn(6, 16, generator=torch.Generator().manual_seed(2))
+    if name == "phi3":
+        fn, p, params, cos, sin = phi3, torch.randn(2, 6, 4, 16, requires_grad=True), [], angles.cos(), angles.sin()
+        fused = 1
+    else:
+        p, params = torch.randn(6, 2, 64, requires_grad=True), [QKV]
+        cos, sin = angles.cos()[:, None, None], angles.sin()[:, None, None]
+        fn = megatron_gpt if name == "megatron_gpt" else (lambda p, c, s: megatron_gpt(p, c, s, "q"))
+        fused = 2 if name == "megatron_gpt" else 1
+    result, fw, _ = check(lambda p: fn(p, cos, sin) * 2, [p], params, **BOTH)
+    assert result.fused(ROPE) == len(calls(fw, ROPE)) == fused, (result.sites, result.misses)
+    # k times q's rotated heads is no rotation (two tensors), so no forward miss either
+    assert not [m for m in result.misses if m.op == ROPE], result.misses
+
+
 def test_rope_forward_refused_by_the_target_is_a_recorded_miss():
     """Mode 3 (DeepSeek-V3's interleave-half) runs on Ascend 950 only: on A2 the forward stays as it
     is, a recorded miss with the target's reason; on 950 it fuses."""

@@ -133,6 +133,11 @@ RESHAPES = {aten.view.default, aten.reshape.default, aten._unsafe_view.default, 
             aten.unsqueeze.default, aten.squeeze.dim, aten.squeeze.dims}
 
 
+#: the ops whose outputs the lane evaluator reads through their ``getitem`` (Megatron's
+#: ``torch.split(mixed_qkv, ...)``): the views before them are near the rotation too
+SPLITS = {aten.split.Tensor, aten.split_with_sizes.default, aten.chunk.default, aten.unbind.int}
+
+
 def _axis_makers(ev: LaneEvaluator, looks) -> set:
     """The views that give a rotation a second tracked axis, from a value tracked over one:
     BSND's tables ``cos[:, None]`` ([S, 1, D], tracked as (1, D); the product with an x of
@@ -142,7 +147,7 @@ def _axis_makers(ev: LaneEvaluator, looks) -> set:
     view the formula reads through (DeepSeek's interleave-half ``view(..., D/2, 2)``) is none
     of these and stays read."""
     spanning = [y for y in looks if len(ev.memo[y].inner) > 1]
-    near = {n for y in spanning for n in region_of([y], lambda r: r in ev.interpreted)}
+    near = {n for y in spanning for n in region_of([y], lambda r: r in ev.interpreted or r.target in SPLITS)}
     makers = set()
     for n in (n for n in ev.interpreted if n.target in RESHAPES and isinstance(n.args[0], fx.Node)):
         v, source = ev.memo.get(n), ev.memo.get(n.args[0])
