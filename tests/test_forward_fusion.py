@@ -413,6 +413,25 @@ def test_rope_forward_whole_head_pass_through_and_split_projection(name):
     assert not [m for m in result.misses if m.op == ROPE], result.misses
 
 
+def test_rope_forward_read_by_two_attentions_fuses_the_rotation_not_its_copies():
+    """DiffLlama: a transposed q rotated, then read by two matmuls, each copying it contiguous
+    (expand and clone). Each copy is a rotation too, but only the rotation fuses; the copies read
+    the fused op's output, and no miss is recorded for them."""
+    angles = torch.randn(6, 16, generator=torch.Generator().manual_seed(2))
+    cos, sin = angles.cos(), angles.sin()
+    keys = torch.randn(2, 2, 4, 16, 6, generator=torch.Generator().manual_seed(4))
+
+    def two_attentions(p):
+        q = p.transpose(1, 2)
+        q = q * cos + _rotate_half(q) * sin
+        return torch.matmul(q, keys[0].to(q.dtype)) + torch.matmul(q, keys[1].to(q.dtype)).exp()
+
+    p = torch.randn(2, 6, 4, 16, requires_grad=True)
+    result, fw, _ = check(two_attentions, [p], **BOTH)
+    assert result.fused(ROPE) == result.fused(ROPE_GRAD) == len(calls(fw, ROPE)) == 1, (result.sites, result.misses)
+    assert not result.misses, result.misses
+
+
 def test_rope_forward_refused_by_the_target_is_a_recorded_miss():
     """Mode 3 (DeepSeek-V3's interleave-half) runs on Ascend 950 only: on A2 the forward stays as it
     is, a recorded miss with the target's reason; on 950 it fuses."""

@@ -183,12 +183,26 @@ def find_sites(graph: fx.Graph, ctx: RuleContext) -> RoundReport:
     matches = [m for m in (ctx.examine(n, match_y, ev, n) for n in looks) if m is not None]
     matches = outermost(matches, node=lambda m: m.y, same=lambda a, b: (a.mode, a.x, a.cos, a.sin) ==
                         (b.mode, b.x, b.cos, b.sin))
+    matches = _innermost_where_shared(matches)
     inside = {n for m in matches for n in _region(m) if n is not m.y}
     matches = [m for m in matches if m.y not in inside]
     ctx.evaluated(ev)
     scaled = [n for n in nodes if n not in looks and _reads_scaled_copy(ev, n)]
     return RoundReport(matches, _near_misses(ev, looks, matches, inside) + _near_misses(
         ev, scaled, matches, inside, SCALED_COPY_REASON))
+
+
+def _innermost_where_shared(matches: List[ForwardRopeMatch]) -> List[ForwardRopeMatch]:
+    """Without the matches built on another match whose output something outside them also
+    reads: a copy of a rotation (``repeat_kv``'s expand and clone of the rotated k, read twice
+    by DiffLlama's two attentions) is a rotation too, but only the rotation itself can be
+    replaced; its copies then read the fused op's output."""
+    regions = {m.y: set(_region(m)) for m in matches}
+
+    def read_outside(outer, inner):
+        return inner.y in regions[outer.y] and any(u not in regions[outer.y] for u in inner.y.users)
+
+    return [m for m in matches if not any(o is not m and read_outside(m, o) for o in matches)]
 
 
 #: why a rotation that reads x in one term and a constant multiple of x in the other fuses in no form
