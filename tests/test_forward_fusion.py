@@ -432,6 +432,39 @@ def test_rope_forward_read_by_two_attentions_fuses_the_rotation_not_its_copies()
     assert not result.misses, result.misses
 
 
+ROPE_CACHE = torch.stack([torch.randn(12, 8, generator=torch.Generator().manual_seed(2)).cos(),
+                          torch.randn(12, 8, generator=torch.Generator().manual_seed(2)).sin()], -1)
+
+
+def torchtune(x, cache=ROPE_CACHE, second_cos=None):
+    """torchtune's RotaryPositionalEmbeddings: x as pairs, ``rope_cache[..., 0]`` (cos) and
+    ``[..., 1]`` (sin) each selected once per term, stacked and flattened."""
+    pairs = x.float().reshape(*x.shape[:-1], -1, 2)
+    rc = cache[:6].view(-1, pairs.size(1), 1, pairs.size(3), 2).to(pairs.dtype)
+    other = rc if second_cos is None else second_cos[:6].view(rc.shape).to(pairs.dtype)
+    out = torch.stack([pairs[..., 0] * rc[..., 0] - pairs[..., 1] * rc[..., 1],
+                       pairs[..., 1] * other[..., 0] + pairs[..., 0] * rc[..., 1]], -1)
+    return out.flatten(3).type_as(x)
+
+
+@pytest.mark.parametrize("second_cos", [None, "another_table"])
+def test_rope_forward_torchtune_pairs_are_one_rotation(second_cos):
+    """torchtune's rotation is interleave RoPE once ``rope_cache[..., 0]``, selected twice, is one
+    leaf: it matches (its cos then exists only as the cache's even lanes, a table in pieces, so
+    it is fused where the rule builds such tables and a recorded miss saying so where not). The
+    same program with the second term's cos from another table is no rotation and stays."""
+    other = None if second_cos is None else ROPE_CACHE.flip(0)
+    x = torch.randn(2, 6, 4, 16, requires_grad=True)
+    result, fw, _ = check(lambda x: torchtune(x, second_cos=other) * 2, [x], **BOTH)
+    missed = [m.reason for m in result.misses if m.op == ROPE]
+    if second_cos is None:
+        assert result.fused(ROPE) + len(missed) == 1 == result.fused(ROPE_GRAD), (result.sites, result.misses)
+        assert all("holds its cos whole" in reason for reason in missed), missed
+    else:
+        assert not result.fused(ROPE) and not calls(fw, ROPE), result.sites
+        assert all("no mode's formula" in reason for reason in missed), missed
+
+
 def test_rope_forward_refused_by_the_target_is_a_recorded_miss():
     """Mode 3 (DeepSeek-V3's interleave-half) runs on Ascend 950 only: on A2 the forward stays as it
     is, a recorded miss with the target's reason; on 950 it fuses."""

@@ -158,9 +158,62 @@ def _axis_makers(ev: LaneEvaluator, looks) -> set:
     return makers
 
 
+#: deterministic ops that only pick, view or cast elements: two calls with the same arguments
+#: hold the same value
+SAME_VALUE_OPS = RESHAPES | {aten.select.int, aten.slice.Tensor, aten.expand.default, aten.alias.default,
+                             aten._to_copy.default, aten.clone.default, aten.permute.default,
+                             aten.transpose.int}
+
+
+class _SameValues:
+    """The forward's own values, with no saved tensors (the evaluator's provenance protocol), where
+    a leaf the program computes twice is one leaf: torchtune writes ``rope_cache[..., 0]`` once
+    per term, two ``select`` nodes of the same table, which must be the same cos to be a rotation."""
+
+    def __init__(self):
+        self._canonical = {}
+
+    def is_forward(self, node) -> bool:
+        return False
+
+    def saved_in_backward(self, node):
+        return None
+
+    def stands_for_saved(self, node) -> bool:
+        return False
+
+    def forward_definition(self, node):
+        return node
+
+    def same_saved_value(self, node: fx.Node) -> fx.Node:
+        """The first node computing ``node``'s value by the same op on the same arguments."""
+        if node.op != "call_function" or node.target not in SAME_VALUE_OPS:
+            return node
+        key = (node.target, tuple(self.same_saved_value(a) if isinstance(a, fx.Node) else _hashable(a)
+                                  for a in node.args), _hashable(node.kwargs))
+        return self._canonical.setdefault(key, node)
+
+
+def _hashable(value):
+    if isinstance(value, (list, tuple)):
+        return tuple(_hashable(v) for v in value)
+    if isinstance(value, dict):
+        return tuple(sorted((k, _hashable(v)) for k, v in value.items()))
+    return value if isinstance(value, (int, float, bool, str, type(None))) else repr(value)
+
+
+def _uncovered(ctx: RuleContext, ev: LaneEvaluator, looks) -> list:
+    """The rotation-shaped nodes no matched rotation over one axis computes: a value over two
+    axes inside one (torchtune's ``stack`` of the pairs, before its ``flatten``) needs no view
+    read as a leaf, and reading x's ``view(..., D/2, 2)`` as one would hide the rotation."""
+    matched = [y for y in looks if len(ev.memo[y].inner) == 1 and ctx.examine(y, match_y, ev, y) is not None]
+    covered = {n for y in matched for n in region_of([y], lambda r: r in ev.interpreted)}
+    return [y for y in looks if y not in covered]
+
+
 def _evaluated(ctx: RuleContext, nodes, forced=()) -> tuple:
     """(the evaluator, the rotation-shaped nodes) with ``forced`` nodes read as leaves."""
-    ev = lane_evaluator(None, forced)  # the forward's own values: no provenance
+    ev = lane_evaluator(_SameValues(), forced)
     for node in nodes:
         ctx.examine(node, ev.value, node)
     return ev, [n for n in nodes if _looks_like_y(ev.memo.get(n))]
@@ -176,7 +229,7 @@ def find_sites(graph: fx.Graph, ctx: RuleContext) -> RoundReport:
              and shape(n) and static_int(shape(n)[-1]) is not None and 2 <= static_int(shape(n)[-1]) <= MAX_LANES
              and dtype(n) is not None and dtype(n).is_floating_point]
     ev, looks = _evaluated(ctx, nodes)
-    makers = _axis_makers(ev, looks)
+    makers = _axis_makers(ev, _uncovered(ctx, ev, looks))
     if makers:
         ctx.evaluated(ev)
         ev, looks = _evaluated(ctx, nodes, makers)
