@@ -465,6 +465,37 @@ def test_rope_forward_torchtune_pairs_are_one_rotation(second_cos):
         assert all("no mode's formula" in reason for reason in missed), missed
 
 
+NORM_WEIGHTS = torch.nn.Parameter(torch.randn(2, 16, generator=torch.Generator().manual_seed(5)))
+
+
+def torchtitan_qk_norm_bf16(q, other_weight=False):
+    """torchtitan's Qwen3 in bf16: a decomposed q-norm ``(normed * w).to(bf16)`` (its forward
+    left unfused), then ``q.float()`` rotated by bf16 cos/sin sliced from one cache."""
+    cache = torch.cat([torch.cat([ROPE_CACHE[..., 0]] * 2, -1), torch.cat([ROPE_CACHE[..., 1]] * 2, -1)], -1)
+    q32 = q.float()
+    normed = q32 * torch.rsqrt(q32.pow(2).mean(-1, keepdim=True) + EPS)
+    qn, qn_other = ((normed * w.to(q32.dtype)).to(q.dtype).float() for w in NORM_WEIGHTS)
+    rc = cache.to(q.dtype)[:6].view(1, 6, 1, 32)
+    cos, sin = rc[..., :16], rc[..., 16:]
+    half = qn_other if other_weight else qn
+    return ((qn * cos) + torch.cat((-half[..., 8:], half[..., :8]), -1) * sin).to(q.dtype)
+
+
+@pytest.mark.parametrize("other_weight", [False, True])
+def test_rope_forward_of_a_decomposed_norm_times_weight(other_weight):
+    """x a product (``normed * weight``) read through casts in both terms is read as one leaf and
+    the rotation fuses (it was "no mode's formula": each term cut the product at a different
+    node); the rotated half read from a product with another weight is no rotation and stays."""
+    q = torch.randn(2, 6, 4, 16, dtype=torch.bfloat16, requires_grad=True)
+    result, fw, _ = check(lambda q: torchtitan_qk_norm_bf16(q, other_weight) * 2, [q], [NORM_WEIGHTS], **BOTH)
+    rope_misses = [m for m in result.misses if m.op == ROPE]
+    if other_weight:
+        assert not result.fused(ROPE) and not calls(fw, ROPE), result.sites
+    else:
+        assert result.fused(ROPE) == result.fused(ROPE_GRAD) == len(calls(fw, ROPE)) == 1 and not rope_misses, (
+            result.sites, result.misses)
+
+
 def test_rope_forward_refused_by_the_target_is_a_recorded_miss():
     """Mode 3 (DeepSeek-V3's interleave-half) runs on Ascend 950 only: on A2 the forward stays as it
     is, a recorded miss with the target's reason; on 950 it fuses."""

@@ -34,7 +34,7 @@ from ..lowering.constraints import ROPE_MODES, rope_divisor, rope_target_problem
 from ..lowering.sizes import same_shape, static_int
 from .evaluator import JointProvenance, kept_precision, rounding_problem
 from .lanes import LaneEvaluator, Lanes
-from .nodes import (aten, downstream, dtype, gradient_dependent, last_of, outermost, outside_users, region_of, shape,
+from .nodes import (CAST_TARGETS, VIEWS, aten, downstream, dtype, gradient_dependent, last_of, outermost, outside_users, region_of, shape,
                     val)
 from .rewrite import Insertion, Miss, RuleContext, commit, exact_common_dtype, input_problem, replacement_of
 from .pairing import calls, forward_is_complex, source, unpaired
@@ -211,6 +211,29 @@ def _uncovered(ctx: RuleContext, ev: LaneEvaluator, looks) -> list:
     return [y for y in looks if y not in covered]
 
 
+#: ops that pass elements on unchanged (casts, views, slices, concatenations, negation)
+PASSES_ON = CAST_TARGETS | VIEWS | RESHAPES | {aten.slice.Tensor, aten.select.int, aten.cat.default,
+                                               aten.stack.default, aten.neg.default, aten.clone.default}
+
+
+def _products_passed_on(ev: LaneEvaluator, unmatched) -> set:
+    """Products of tensors that a rotation no mode matched reads through casts or slices: x when
+    it is a decomposed norm's ``normed * weight`` (torchtitan's Qwen3 in bf16, whose q/k norms stay
+    decomposed). A product read by another product is cut to a leaf at its reader, so the term
+    ``x * cos`` reads x's leaf while ``rotate_half(x) * sin`` reads the ``cat`` as one: read as a
+    leaf where it is made (always sound), x is one leaf in both terms."""
+    looks = set(unmatched)
+    region = {n for y in unmatched for n in region_of([y], lambda r: r in ev.interpreted)}
+    after = {n for n in region if any(a in looks for a in region_of([n], lambda r: r in region))}
+    found = set()
+    for n in (n for n in region - after if n.target not in PASSES_ON):  # where the product is made
+        v = ev.memo.get(n)
+        if (v is not None and any(len(m) > 1 for p in v.polys for m in p)
+                and any(u.target in PASSES_ON for u in n.users)):
+            found.add(n)
+    return found
+
+
 def _evaluated(ctx: RuleContext, nodes, forced=()) -> tuple:
     """(the evaluator, the rotation-shaped nodes) with ``forced`` nodes read as leaves."""
     ev = lane_evaluator(_SameValues(), forced)
@@ -233,6 +256,10 @@ def find_sites(graph: fx.Graph, ctx: RuleContext) -> RoundReport:
     if makers:
         ctx.evaluated(ev)
         ev, looks = _evaluated(ctx, nodes, makers)
+    products = _products_passed_on(ev, _uncovered(ctx, ev, looks))
+    if products:
+        ctx.evaluated(ev)
+        ev, looks = _evaluated(ctx, nodes, makers | products)
     matches = [m for m in (ctx.examine(n, match_y, ev, n) for n in looks) if m is not None]
     matches = outermost(matches, node=lambda m: m.y, same=lambda a, b: (a.mode, a.x, a.cos, a.sin) ==
                         (b.mode, b.x, b.cos, b.sin))
