@@ -228,10 +228,24 @@ def _products_passed_on(ev: LaneEvaluator, unmatched) -> set:
     found = set()
     for n in (n for n in region - after if n.target not in PASSES_ON):  # where the product is made
         v = ev.memo.get(n)
-        if (v is not None and any(len(m) > 1 for p in v.polys for m in p)
-                and any(u.target in PASSES_ON for u in n.users)):
+        if v is not None and any(len(m) > 1 for p in v.polys for m in p) and _moved_later(n):
             found.add(n)
     return found
+
+
+def _moved_later(node: fx.Node) -> bool:
+    """Whether ``node``'s elements reach, passed on unchanged, an op that moves them (the slices
+    of ``rotate_half``): x, not a term of the rotation (``x * cos``, which a near miss may round)."""
+    stack, seen = [u for u in node.users if u.target in PASSES_ON], set()
+    while stack:
+        n = stack.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        if _moves_elements(n):
+            return True
+        stack.extend(u for u in n.users if u.target in PASSES_ON)
+    return False
 
 
 def _evaluated(ctx: RuleContext, nodes, forced=()) -> tuple:
