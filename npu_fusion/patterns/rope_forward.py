@@ -216,13 +216,13 @@ PASSES_ON = CAST_TARGETS | VIEWS | RESHAPES | {aten.slice.Tensor, aten.select.in
                                                aten.stack.default, aten.neg.default, aten.clone.default}
 
 
-def _products_passed_on(ev: LaneEvaluator, unmatched) -> set:
+def _products_passed_on(ev: LaneEvaluator, unmatched, looks) -> set:
     """Products of tensors that a rotation no mode matched reads through casts or slices: x when
     it is a decomposed norm's ``normed * weight`` (torchtitan's Qwen3 in bf16, whose q/k norms stay
     decomposed). A product read by another product is cut to a leaf at its reader, so the term
     ``x * cos`` reads x's leaf while ``rotate_half(x) * sin`` reads the ``cat`` as one: read as a
     leaf where it is made (always sound), x is one leaf in both terms."""
-    looks = set(unmatched)
+    looks = set(looks)  # a rotation and what is computed from it are no x
     region = {n for y in unmatched for n in region_of([y], lambda r: r in ev.interpreted)}
     after = {n for n in region if any(a in looks for a in region_of([n], lambda r: r in region))}
     found = set()
@@ -270,7 +270,7 @@ def find_sites(graph: fx.Graph, ctx: RuleContext) -> RoundReport:
     if makers:
         ctx.evaluated(ev)
         ev, looks = _evaluated(ctx, nodes, makers)
-    products = _products_passed_on(ev, _uncovered(ctx, ev, looks))
+    products = _products_passed_on(ev, _uncovered(ctx, ev, looks), looks)
     if products:
         ctx.evaluated(ev)
         ev, looks = _evaluated(ctx, nodes, makers | products)
