@@ -363,6 +363,139 @@ def test_rope_forward_spellings_and_a_near_miss(fn, fused):
         assert "no mode's formula" in next(m.reason for m in result.misses if m.op == ROPE)
 
 
+def _rotate_half(t):
+    x1, x2 = torch.chunk(t, 2, dim=-1)
+    return torch.cat((-x2, x1), -1)
+
+
+def phi3(p, cos, sin):  # partial_rotary_factor 1: the pass-through q[..., D:] is empty
+    q = p.transpose(1, 2)
+    rot, rest = q[..., :16], q[..., 16:]
+    return torch.cat([rot * cos + _rotate_half(rot) * sin, rest], -1)
+
+
+QKV = torch.nn.Parameter(torch.randn(64, 128, generator=torch.Generator().manual_seed(3)) / 8)
+
+
+def megatron_gpt(p, cos, sin, rotated_half_of=None):
+    """Megatron's GQA attention: one projection viewed per group and split into q, k and v,
+    q reshaped to its heads; the rotation ``cat((t * cos + rotate_half(t) * sin, t[..., D:]))``."""
+    mixed = (p @ QKV).view(6, 2, 2, 64)
+    q, k, v = torch.split(mixed, [32, 16, 16], dim=3)
+    q = q.reshape(6, 2, 4, 16)
+    other = {"q": q[:, :, 2:]}  # as many heads as k
+
+    def rotate(t, name):
+        half = _rotate_half(t) if rotated_half_of in (None, name) else _rotate_half(other[rotated_half_of])
+        return torch.cat((t * cos + half * sin, t[..., 16:]), -1)
+
+    return torch.cat([rotate(q, "q").view(6, 2, 2, 32), rotate(k, "k") * v], -1)
+
+
+@pytest.mark.parametrize("name", ["phi3", "megatron_gpt", "megatron_rotated_half_of_another_tensor"])
+def test_rope_forward_whole_head_pass_through_and_split_projection(name):
+    """An empty pass-through (Phi-3, Megatron at a whole-head rotation) is no foreign read; x a
+    view of one split of a projection viewed per group (Megatron's q/k/v) is read as a leaf
+    there, so both rotations fuse. The same program with k's rotate_half reading two of q's heads (no rotation) keeps that
+    product as it is."""
+    angles = torch.randn(6, 16, generator=torch.Generator().manual_seed(2))
+    if name == "phi3":
+        fn, p, params, cos, sin = phi3, torch.randn(2, 6, 4, 16, requires_grad=True), [], angles.cos(), angles.sin()
+        fused = 1
+    else:
+        p, params = torch.randn(6, 2, 64, requires_grad=True), [QKV]
+        cos, sin = angles.cos()[:, None, None], angles.sin()[:, None, None]
+        fn = megatron_gpt if name == "megatron_gpt" else (lambda p, c, s: megatron_gpt(p, c, s, "q"))
+        fused = 2 if name == "megatron_gpt" else 1
+    result, fw, _ = check(lambda p: fn(p, cos, sin) * 2, [p], params, **BOTH)
+    assert result.fused(ROPE) == len(calls(fw, ROPE)) == fused, (result.sites, result.misses)
+    # k times q's rotated heads is no rotation (two tensors), so no forward miss either
+    assert not [m for m in result.misses if m.op == ROPE], result.misses
+
+
+def test_rope_forward_read_by_two_attentions_fuses_the_rotation_not_its_copies():
+    """DiffLlama: a transposed q rotated, then read by two matmuls, each copying it contiguous
+    (expand and clone). Each copy is a rotation too, but only the rotation fuses; the copies read
+    the fused op's output, and no miss is recorded for them."""
+    angles = torch.randn(6, 16, generator=torch.Generator().manual_seed(2))
+    cos, sin = angles.cos(), angles.sin()
+    keys = torch.randn(2, 2, 4, 16, 6, generator=torch.Generator().manual_seed(4))
+
+    def two_attentions(p):
+        q = p.transpose(1, 2)
+        q = q * cos + _rotate_half(q) * sin
+        return torch.matmul(q, keys[0].to(q.dtype)) + torch.matmul(q, keys[1].to(q.dtype)).exp()
+
+    p = torch.randn(2, 6, 4, 16, requires_grad=True)
+    result, fw, _ = check(two_attentions, [p], **BOTH)
+    assert result.fused(ROPE) == result.fused(ROPE_GRAD) == len(calls(fw, ROPE)) == 1, (result.sites, result.misses)
+    assert not result.misses, result.misses
+
+
+ROPE_CACHE = torch.stack([torch.randn(12, 8, generator=torch.Generator().manual_seed(2)).cos(),
+                          torch.randn(12, 8, generator=torch.Generator().manual_seed(2)).sin()], -1)
+
+
+def torchtune(x, cache=ROPE_CACHE, second_cos=None):
+    """torchtune's RotaryPositionalEmbeddings: x as pairs, ``rope_cache[..., 0]`` (cos) and
+    ``[..., 1]`` (sin) each selected once per term, stacked and flattened."""
+    pairs = x.float().reshape(*x.shape[:-1], -1, 2)
+    rc = cache[:6].view(-1, pairs.size(1), 1, pairs.size(3), 2).to(pairs.dtype)
+    other = rc if second_cos is None else second_cos[:6].view(rc.shape).to(pairs.dtype)
+    out = torch.stack([pairs[..., 0] * rc[..., 0] - pairs[..., 1] * rc[..., 1],
+                       pairs[..., 1] * other[..., 0] + pairs[..., 0] * rc[..., 1]], -1)
+    return out.flatten(3).type_as(x)
+
+
+@pytest.mark.parametrize("second_cos", [None, "another_table"])
+def test_rope_forward_torchtune_pairs_are_one_rotation(second_cos):
+    """torchtune's rotation is interleave RoPE once ``rope_cache[..., 0]``, selected twice, is one
+    leaf: it matches (its cos then exists only as the cache's even lanes, a table in pieces, so
+    it is fused where the rule builds such tables and a recorded miss saying so where not). The
+    same program with the second term's cos from another table is no rotation and stays."""
+    other = None if second_cos is None else ROPE_CACHE.flip(0)
+    x = torch.randn(2, 6, 4, 16, requires_grad=True)
+    result, fw, _ = check(lambda x: torchtune(x, second_cos=other) * 2, [x], **BOTH)
+    missed = [m.reason for m in result.misses if m.op == ROPE]
+    if second_cos is None:
+        assert result.fused(ROPE) + len(missed) == 1 == result.fused(ROPE_GRAD), (result.sites, result.misses)
+        assert all("holds its cos whole" in reason for reason in missed), missed
+    else:
+        assert not result.fused(ROPE) and not calls(fw, ROPE), result.sites
+        assert all("no mode's formula" in reason for reason in missed), missed
+
+
+NORM_WEIGHTS = torch.nn.Parameter(torch.randn(2, 16, generator=torch.Generator().manual_seed(5)))
+
+
+def torchtitan_qk_norm_bf16(q, other_weight=False):
+    """torchtitan's Qwen3 in bf16: a decomposed q-norm ``(normed * w).to(bf16)`` (its forward
+    left unfused), then ``q.float()`` rotated by bf16 cos/sin sliced from one cache."""
+    cache = torch.cat([torch.cat([ROPE_CACHE[..., 0]] * 2, -1), torch.cat([ROPE_CACHE[..., 1]] * 2, -1)], -1)
+    q32 = q.float()
+    normed = q32 * torch.rsqrt(q32.pow(2).mean(-1, keepdim=True) + EPS)
+    qn, qn_other = ((normed * w.to(q32.dtype)).to(q.dtype).float() for w in NORM_WEIGHTS)
+    rc = cache.to(q.dtype)[:6].view(1, 6, 1, 32)
+    cos, sin = rc[..., :16], rc[..., 16:]
+    half = qn_other if other_weight else qn
+    return ((qn * cos) + torch.cat((-half[..., 8:], half[..., :8]), -1) * sin).to(q.dtype)
+
+
+@pytest.mark.parametrize("other_weight", [False, True])
+def test_rope_forward_of_a_decomposed_norm_times_weight(other_weight):
+    """x a product (``normed * weight``) read through casts in both terms is read as one leaf and
+    the rotation fuses (it was "no mode's formula": each term cut the product at a different
+    node); the rotated half read from a product with another weight is no rotation and stays."""
+    q = torch.randn(2, 6, 4, 16, dtype=torch.bfloat16, requires_grad=True)
+    result, fw, _ = check(lambda q: torchtitan_qk_norm_bf16(q, other_weight) * 2, [q], [NORM_WEIGHTS], **BOTH)
+    rope_misses = [m for m in result.misses if m.op == ROPE]
+    if other_weight:
+        assert not result.fused(ROPE) and not calls(fw, ROPE), result.sites
+    else:
+        assert result.fused(ROPE) == result.fused(ROPE_GRAD) == len(calls(fw, ROPE)) == 1 and not rope_misses, (
+            result.sites, result.misses)
+
+
 def test_rope_forward_refused_by_the_target_is_a_recorded_miss():
     """Mode 3 (DeepSeek-V3's interleave-half) runs on Ascend 950 only: on A2 the forward stays as it
     is, a recorded miss with the target's reason; on 950 it fuses."""

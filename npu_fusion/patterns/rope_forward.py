@@ -36,8 +36,8 @@ from ..lowering.sizes import same_shape, static_int
 from .evaluator import JointProvenance, kept_precision, rounding_problem
 from .lanes import LaneEvaluator, Lanes
 from .lanes import shape as lane_shape
-from .nodes import (VIEWS, aten, downstream, dtype, gradient_dependent, is_float_cast, last_of, outermost,
-                    outside_users, region_of, shape, val)
+from .nodes import (CAST_TARGETS, VIEWS, aten, downstream, dtype, gradient_dependent, is_float_cast, last_of,
+                    outermost, outside_users, region_of, shape, val)
 from .rewrite import Insertion, Miss, RuleContext, commit, exact_common_dtype, input_problem, replacement_of
 from .pairing import calls, forward_is_complex, source, unpaired
 from .rms_norm_forward import _as_forward_work, expression, same_layout
@@ -142,6 +142,11 @@ RESHAPES = {aten.view.default, aten.reshape.default, aten._unsafe_view.default, 
             aten.unsqueeze.default, aten.squeeze.dim, aten.squeeze.dims}
 
 
+#: the ops whose outputs the lane evaluator reads through their ``getitem`` (Megatron's
+#: ``torch.split(mixed_qkv, ...)``): the views before them are near the rotation too
+SPLITS = {aten.split.Tensor, aten.split_with_sizes.default, aten.chunk.default, aten.unbind.int}
+
+
 def _axis_makers(ev: LaneEvaluator, looks) -> set:
     """The views that give a rotation a second tracked axis, from a value tracked over one:
     BSND's tables ``cos[:, None]`` ([S, 1, D], tracked as (1, D); the product with an x of
@@ -155,7 +160,7 @@ def _axis_makers(ev: LaneEvaluator, looks) -> set:
     flat = [y for y in looks if len(ev.memo[y].inner) == 1]
     covered = set(region_of(flat, lambda r: r in ev.interpreted))
     spanning = [y for y in looks if len(ev.memo[y].inner) > 1 and y not in covered]
-    near = {n for y in spanning for n in region_of([y], lambda r: r in ev.interpreted)}
+    near = {n for y in spanning for n in region_of([y], lambda r: r in ev.interpreted or r.target in SPLITS)}
     makers = set()
     for n in (n for n in ev.interpreted if n.target in RESHAPES and isinstance(n.args[0], fx.Node)):
         v, source = ev.memo.get(n), ev.memo.get(n.args[0])
@@ -189,27 +194,99 @@ def _complex_node(node: fx.Node) -> bool:
     return dtype(node) is not None and dtype(node).is_complex
 
 
-class _SameViewsOneLeaf(LaneEvaluator):
-    """The forward's evaluator: two view nodes of one input with equal arguments (torchtune's
-    ``rope_cache[..., 0]``, written once per term) are one leaf, as they are one value; a
-    view is a pure function of its arguments."""
+#: deterministic ops that only pick, view or cast elements: two calls with the same arguments
+#: hold the same value
+SAME_VALUE_OPS = RESHAPES | {aten.select.int, aten.slice.Tensor, aten.expand.default, aten.alias.default,
+                             aten._to_copy.default, aten.clone.default, aten.permute.default,
+                             aten.transpose.int}
 
-    def __init__(self, forced):
-        super().__init__(None, forced, max_lanes=MAX_LANES)  # the forward's own values: no provenance
-        self._first_view: dict = {}
 
-    def leaf_id(self, node: fx.Node) -> int:
-        if node.op == "call_function" and node.target in VIEWS and node not in self.leaf_ids:
-            key = (node.target, repr(node.args), repr(node.kwargs), str(shape(node)))
-            first = self._first_view.setdefault(key, node)
-            if first is not node:
-                self.leaf_ids[node] = self.leaf_id(first)
-        return super().leaf_id(node)
+class _SameValues:
+    """The forward's own values, with no saved tensors (the evaluator's provenance protocol), where
+    a leaf the program computes twice is one leaf: torchtune writes ``rope_cache[..., 0]`` once
+    per term, two ``select`` nodes of the same table, which must be the same cos to be a rotation."""
+
+    def __init__(self):
+        self._canonical = {}
+
+    def is_forward(self, node) -> bool:
+        return False
+
+    def saved_in_backward(self, node):
+        return None
+
+    def stands_for_saved(self, node) -> bool:
+        return False
+
+    def forward_definition(self, node):
+        return node
+
+    def same_saved_value(self, node: fx.Node) -> fx.Node:
+        """The first node computing ``node``'s value by the same op on the same arguments."""
+        if node.op != "call_function" or node.target not in SAME_VALUE_OPS:
+            return node
+        key = (node.target, tuple(self.same_saved_value(a) if isinstance(a, fx.Node) else _hashable(a)
+                                  for a in node.args), _hashable(node.kwargs))
+        return self._canonical.setdefault(key, node)
+
+
+def _hashable(value):
+    if isinstance(value, (list, tuple)):
+        return tuple(_hashable(v) for v in value)
+    if isinstance(value, dict):
+        return tuple(sorted((k, _hashable(v)) for k, v in value.items()))
+    return value if isinstance(value, (int, float, bool, str, type(None))) else repr(value)
+
+
+def _uncovered(ctx: RuleContext, ev: LaneEvaluator, looks) -> list:
+    """The rotation-shaped nodes no matched rotation over one axis computes: a value over two
+    axes inside one (torchtune's ``stack`` of the pairs, before its ``flatten``) needs no view
+    read as a leaf, and reading x's ``view(..., D/2, 2)`` as one would hide the rotation."""
+    matched = [y for y in looks if len(ev.memo[y].inner) == 1 and ctx.examine(y, match_y, ev, y) is not None]
+    covered = {n for y in matched for n in region_of([y], lambda r: r in ev.interpreted)}
+    return [y for y in looks if y not in covered]
+
+
+#: ops that pass elements on unchanged (casts, views, slices, concatenations, negation)
+PASSES_ON = CAST_TARGETS | VIEWS | RESHAPES | {aten.slice.Tensor, aten.select.int, aten.cat.default,
+                                               aten.stack.default, aten.neg.default, aten.clone.default}
+
+
+def _products_passed_on(ev: LaneEvaluator, unmatched, looks) -> set:
+    """Products of tensors that a rotation no mode matched reads through casts or slices: x when
+    it is a decomposed norm's ``normed * weight`` (torchtitan's Qwen3 in bf16, whose q/k norms stay
+    decomposed). A product read by another product is cut to a leaf at its reader, so the term
+    ``x * cos`` reads x's leaf while ``rotate_half(x) * sin`` reads the ``cat`` as one: read as a
+    leaf where it is made (always sound), x is one leaf in both terms."""
+    looks = set(looks)  # a rotation and what is computed from it are no x
+    region = {n for y in unmatched for n in region_of([y], lambda r: r in ev.interpreted)}
+    after = {n for n in region if any(a in looks for a in region_of([n], lambda r: r in region))}
+    found = set()
+    for n in (n for n in region - after if n.target not in PASSES_ON):  # where the product is made
+        v = ev.memo.get(n)
+        if v is not None and any(len(m) > 1 for p in v.polys for m in p) and _moved_later(n):
+            found.add(n)
+    return found
+
+
+def _moved_later(node: fx.Node) -> bool:
+    """Whether ``node``'s elements reach, passed on unchanged, an op that moves them (the slices
+    of ``rotate_half``): x, not a term of the rotation (``x * cos``, which a near miss may round)."""
+    stack, seen = [u for u in node.users if u.target in PASSES_ON], set()
+    while stack:
+        n = stack.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        if _moves_elements(n):
+            return True
+        stack.extend(u for u in n.users if u.target in PASSES_ON)
+    return False
 
 
 def _evaluated(ctx: RuleContext, nodes, forced=()) -> tuple:
     """(the evaluator, the rotation-shaped nodes) with ``forced`` nodes read as leaves."""
-    ev = _SameViewsOneLeaf(forced)
+    ev = lane_evaluator(_SameValues(), forced)
     for node in nodes:
         ctx.examine(node, ev.value, node)
     return ev, [n for n in nodes if _looks_like_y(ev.memo.get(n))]
@@ -225,13 +302,18 @@ def find_sites(graph: fx.Graph, ctx: RuleContext) -> RoundReport:
              and shape(n) and static_int(shape(n)[-1]) is not None and 2 <= static_int(shape(n)[-1]) <= MAX_LANES
              and dtype(n) is not None and dtype(n).is_floating_point]
     ev, looks = _evaluated(ctx, nodes)
-    makers = _axis_makers(ev, looks)
+    makers = _axis_makers(ev, _uncovered(ctx, ev, looks))
     if makers:
         ctx.evaluated(ev)
         ev, looks = _evaluated(ctx, nodes, makers)
+    products = _products_passed_on(ev, _uncovered(ctx, ev, looks), looks)
+    if products:
+        ctx.evaluated(ev)
+        ev, looks = _evaluated(ctx, nodes, makers | products)
     matches = _unbroadcast([m for m in (ctx.examine(n, match_y, ev, n) for n in looks) if m is not None])
     matches = outermost(matches, node=lambda m: m.y, same=lambda a, b: (a.mode, a.x, a.cos, a.sin) ==
                         (b.mode, b.x, b.cos, b.sin))
+    matches = _innermost_where_shared(matches)
     inside = {n for m in matches for n in _region(m) if n is not m.y}
     matches = [m for m in matches if m.y not in inside]
     ctx.evaluated(ev)
@@ -246,6 +328,19 @@ def _unbroadcast(matches: List[ForwardRopeMatch]) -> List[ForwardRopeMatch]:
     x has its shape."""
     outputs = {m.y for m in matches}
     return [m for m in matches if not (m.y.target is aten.expand.default and m.y.args[0] in outputs)]
+
+
+def _innermost_where_shared(matches: List[ForwardRopeMatch]) -> List[ForwardRopeMatch]:
+    """Without the matches built on another match whose output something outside them also
+    reads: a copy of a rotation (``repeat_kv``'s expand and clone of the rotated k, read twice
+    by DiffLlama's two attentions) is a rotation too, but only the rotation itself can be
+    replaced; its copies then read the fused op's output."""
+    regions = {m.y: set(_region(m)) for m in matches}
+
+    def read_outside(outer, inner):
+        return inner.y in regions[outer.y] and any(u not in regions[outer.y] for u in inner.y.users)
+
+    return [m for m in matches if not any(o is not m and read_outside(m, o) for o in matches)]
 
 
 #: why a rotation that reads x in one term and a constant multiple of x in the other fuses in no form
@@ -428,6 +523,13 @@ def _sliced(edit, node: fx.Node, runs) -> fx.Node:
     return pieces[0] if len(pieces) == 1 else edit.call(aten.cat.default, (pieces, -1))
 
 
+def _empty(node: fx.Node) -> bool:
+    """No elements: the pass-through of a partial rotary whose rotation is the whole head
+    (``cat([rotated, q[..., D:]])``, Phi-3's ``q_pass`` at ``partial_rotary_factor`` 1), read by
+    nothing the fused op computes, and left to the graph's dead-code removal."""
+    return any(static_int(s) == 0 for s in shape(node) or ())
+
+
 def _operands(site: ForwardRopeMatch):
     """(x, cos, sin as :class:`Operand`, the replaced region), or the reason the site cannot fuse."""
     ev, wide = site.ev, _region(site)
@@ -440,14 +542,15 @@ def _operands(site: ForwardRopeMatch):
         return (f"no node the site reads holds its {which}, whole or in pieces that a few slices and a cat "
                 f"rebuild, in a shape the fused op reads (x in y's shape, a table broadcast to it)")
     bases = [r.base for r in roles]
-    region = _replaced(ev, region_of([site.y], lambda n: n in ev.interpreted and n not in bases), site.y)
+    region = _replaced(ev, region_of([site.y], lambda n: n in ev.interpreted and n not in bases and not _empty(n)),
+                       site.y)
     shared = outside_users(region, [site.y])
     if shared:
         user = next(u for u in shared[0].users if u not in region)
         return f"intermediate {shared[0].name} has a user outside the rotation ({user.name})"
     leaves = {site.x[0], site.cos[0], site.sin[0]}
     foreign = [a for n in region for a in n.all_input_nodes if a not in region and a not in bases
-               and shape(a) is not None and not _picks_of_one_leaf(ev, a, leaves)]
+               and shape(a) is not None and not _empty(a) and not _picks_of_one_leaf(ev, a, leaves)]
     if foreign:
         return f"the rotation also reads {foreign[0].name}, which is none of x, cos and sin"
     return (*roles, region)
