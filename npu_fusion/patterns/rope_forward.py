@@ -41,7 +41,7 @@ from .nodes import (CAST_TARGETS, VIEWS, aten, downstream, dtype, gradient_depen
 from .rewrite import Insertion, Miss, RuleContext, commit, exact_common_dtype, input_problem, replacement_of
 from .pairing import calls, forward_is_complex, source, unpaired
 from .rms_norm_forward import _as_forward_work, expression, same_layout
-from .rope import DX_DEPTH, MAX_LANES, TABLE_SIGNS, _moves_elements, table_terms
+from .rope import DX_DEPTH, MAX_LANES, TABLE_SIGNS, _moves_elements, lane_evaluator, table_terms
 from .rule import Form, FusionRule, RoundReport, SiteProbe
 
 #: (leaf id, the leaf position that plays each position of the fused op's operand)
