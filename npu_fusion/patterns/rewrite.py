@@ -27,6 +27,7 @@ from ..lowering.fused_op import FusedOp
 from ..lowering.sizes import same_shape
 from .context import PassContext, fake_mode_of
 from .evaluator import MemoEvaluator, Unsupported
+from .layout import restored
 from .nodes import aten, dtype, holds, is_float_cast, shape, target_name, val
 from .traffic import node_traffic
 
@@ -395,11 +396,12 @@ Rewrites = RuleContext
 
 
 def emit_fused_op(ctx: RuleContext, op: FusedOp, at: fx.Node, operands: Sequence,
-                  outputs: Dict[str, fx.Node]) -> Union[Miss, tuple]:
+                  outputs: Dict[str, fx.Node], order: Optional[List[int]] = None) -> Union[Miss, tuple]:
     """Inside a rule's :class:`Insertion`: ``(fused call, {replaced output: its replacement})``
     for ``op`` called on ``operands`` (nodes, None or plain values), ``outputs`` named as the
     op names its outputs; or a :class:`Miss` at ``at`` when the operands break one of the
-    op's own input checks."""
+    op's own input checks. With ``order``, the caller's operands are permuted into that memory
+    order (:mod:`.layout`) and each result is permuted back."""
     edit = ctx.edit
     problem = input_problem(edit.fake_mode, op.check_inputs, *operands)
     if problem is not None:
@@ -410,7 +412,8 @@ def emit_fused_op(ctx: RuleContext, op: FusedOp, at: fx.Node, operands: Sequence
     for index, name in enumerate(op.outputs):
         old = outputs.get(name)
         if old is not None:
-            replacements[old] = replacement_of(edit, fused if single else edit.getitem(fused, index), old)
+            result = fused if single else edit.getitem(fused, index)
+            replacements[old] = replacement_of(edit, restored(edit, result, order) if order else result, old)
     return fused, replacements
 
 
