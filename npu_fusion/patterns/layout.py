@@ -80,9 +80,9 @@ def restored(edit, node: fx.Node, order: List[int]) -> fx.Node:
     return node if _identity(order) else edit.call(aten.permute.default, (node, inverse))
 
 
-def relaid_like(edit, node: fx.Node, like: fx.Node, inner: int = 1) -> Optional[fx.Node]:
+def relaid_like(edit, node: fx.Node, like: fx.Node, inner: int = 0) -> Optional[fx.Node]:
     """A copy of ``node`` with ``like``'s strides (both of one shape), ``like`` being a dense
-    layout with its last ``inner`` axes innermost; None when it is none."""
+    layout (with its last ``inner`` axes innermost); None when it is none."""
     order = memory_order(like, inner)
     if order is None:
         return None

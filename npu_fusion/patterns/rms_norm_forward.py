@@ -50,7 +50,7 @@ from .evaluator import JointProvenance, Provenance, Unsupported, kept_precision,
 from .nodes import (CAST_TARGETS, VIEWS, aten, downstream, dtype, gradient_dependent, is_float_cast,
                     is_value_preserving_cast, last_of, normalize_dim, outermost, outside_users, region_of, shape, val)
 from .rewrite import Insertion, Miss, RuleContext, commit, emit_fused_op, exact_common_dtype
-from .layout import expression, memory_order, permuted, relaid_like, same_layout  # noqa: F401 (re-exported)
+from .layout import expression, memory_order, permuted, same_layout  # noqa: F401 (re-exported)
 from .norm_algebra import NormEvaluator, size_key
 from .pairing import calls, source
 from .rms_norm import norm_evaluator, rms_statistic_operand, spelled_root, unmatched_spelling
@@ -382,14 +382,7 @@ def _emit_call(ctx: RuleContext, site: ForwardNormMatch, compute: torch.dtype, g
                               {"dtype": compute, "device": val(site.x).device})
     else:
         return Miss(OP.name, site.y.name, "a norm without weight over a symbolic size: mark the hidden size static")
-    emitted = emit_fused_op(ctx, OP, site.y, (x, gamma, site.eps), outputs, order)
-    if isinstance(emitted, Miss):
-        return emitted
-    fused, replacements = emitted
-    rstd = replacements[site.rstd]  # keep-dim: the program's is contiguous where y is a transposed layout
-    if not same_layout(rstd, site.rstd):
-        replacements[site.rstd] = relaid_like(ctx.edit, rstd, site.rstd, site.ev.k) or rstd
-    return fused, replacements
+    return emit_fused_op(ctx, OP, site.y, (x, gamma, site.eps), outputs, order)
 
 
 #: what a node inserted as forward work takes from the node it replaces: the partitioner's
