@@ -210,3 +210,26 @@ def _node(value):
 ])
 def test_memory_order(value, inner, order):
     assert memory_order(_node(value), inner) == order
+
+
+# -- rounds: what the layout misses used to hide -----------------------------------------------
+
+def test_chain_of_post_norms_fuses_every_forward():
+    """Post-norms on one residual stream (EXAONE 4, Kolibri): a norm whose x still holds an unfused
+    norm's output is undecided until that one fuses, a round later. It counts as pending, so the
+    rounds go on; before, the pass stopped once a round left no recorded miss (the q/k norms'
+    layout misses had kept it going) and the last norms ended "no forward RMSNorm form matched"."""
+    weights = [_weight(torch.float32, i) for i in range(5)]
+    mixes = [torch.randn(D, D, generator=torch.Generator().manual_seed(10 + i)) / 3 for i in range(4)]
+    x = torch.randn(B, S, D, requires_grad=True)
+
+    def post_norms(x):
+        h = x
+        for m, w in zip(mixes, weights):
+            h = h + hf_norm(h @ m.to(h.dtype), w)
+        return hf_norm(h, weights[4])
+
+    result, fw, bw = check(post_norms, [x], weights, **BOTH)
+    assert not result.misses, result.misses
+    assert result.fused(NORM) == result.fused(NORM_GRAD) == 5
+    _assert_paired(fw, bw, 5)

@@ -264,7 +264,7 @@ def find_sites(graph: fx.Graph, ctx: RuleContext) -> RoundReport:
         return RoundReport()
     gradient = gradient_dependent(graph) or set()
     forward = {n for n in graph.nodes if n not in gradient and n.op != "output"}
-    matches, misses = [], []
+    matches, misses, pending = [], [], 0
     for norm_shape, roots in _statistic_nodes(graph, forward).values():
         try:
             ev = norm_evaluator(norm_shape)  # the forward's own values: no provenance, no gradient cut
@@ -276,8 +276,11 @@ def find_sites(graph: fx.Graph, ctx: RuleContext) -> RoundReport:
                 misses.append(found)
             elif found is not None:
                 matches.append(found)
+            elif rms_statistic_operand(rstd, None) is not None:
+                # undecided: a post-norm's residual still holds an unfused norm this round may fuse
+                pending += 1
         ctx.evaluated(ev)
-    return RoundReport(matches, misses)
+    return RoundReport(matches, misses, pending)
 
 
 # -- the rewrite --------------------------------------------------------------
