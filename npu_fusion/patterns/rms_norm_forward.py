@@ -50,7 +50,7 @@ from .evaluator import JointProvenance, Provenance, Unsupported, kept_precision,
 from .nodes import (CAST_TARGETS, VIEWS, aten, downstream, dtype, gradient_dependent, is_float_cast,
                     is_value_preserving_cast, last_of, normalize_dim, outermost, outside_users, region_of, shape, val)
 from .rewrite import Insertion, Miss, RuleContext, commit, emit_fused_op, exact_common_dtype
-from .layout import expression, memory_order, permuted, same_layout  # noqa: F401 (re-exported)
+from .layout import memory_order, permuted, same_layout
 from .norm_algebra import NormEvaluator, size_key
 from .pairing import calls, source
 from .rms_norm import norm_evaluator, rms_statistic_operand, spelled_root, unmatched_spelling
@@ -355,8 +355,8 @@ def emit(ctx: RuleContext, site: ForwardNormMatch):
         problem = f"{late[0].name} reads the norm's output before its weight is computed"
     order = memory_order(site.y, site.ev.k)  # the op runs in y's memory order (a q/k norm of a transposed q)
     if problem is None and order is None:
-        problem = (f"{site.y.name} has strides {list(val(site.y).stride())}, no dense layout of its shape with the "
-                   f"normalized axes innermost, and the fused op's output is one")
+        problem = (f"{site.y.name} has strides {list(val(site.y).stride())}: no dense layout of its shape with the "
+                   f"normalized axes innermost, which the fused op's output always is")
     if problem is not None:
         return Miss(OP.name, site.y.name, problem)
     outputs = {"y": site.y, "rstd": site.rstd}

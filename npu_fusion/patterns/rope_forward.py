@@ -37,8 +37,8 @@ from .nodes import (aten, downstream, dtype, gradient_dependent, last_of, outerm
                     val)
 from .rewrite import Insertion, Miss, RuleContext, commit, exact_common_dtype, input_problem, replacement_of
 from .pairing import calls, forward_is_complex, source, unpaired
-from .rms_norm_forward import _as_forward_work, same_layout
-from .layout import memory_order, permuted, restored
+from .rms_norm_forward import _as_forward_work
+from .layout import memory_order, permuted, restored, same_layout
 from .rope import DX_DEPTH, MAX_LANES, TABLE_SIGNS, _moves_elements, lane_evaluator, table_terms
 from .rule import Form, FusionRule, RoundReport, SiteProbe
 
