@@ -27,6 +27,7 @@ from ..lowering.fused_op import FusedOp
 from ..lowering.sizes import same_shape
 from .context import PassContext, fake_mode_of
 from .evaluator import MemoEvaluator, Unsupported
+from .layout import relaid_like, restored, same_layout
 from .nodes import aten, dtype, holds, is_float_cast, shape, target_name, val
 from .traffic import node_traffic
 
@@ -395,11 +396,12 @@ Rewrites = RuleContext
 
 
 def emit_fused_op(ctx: RuleContext, op: FusedOp, at: fx.Node, operands: Sequence,
-                  outputs: Dict[str, fx.Node]) -> Union[Miss, tuple]:
+                  outputs: Dict[str, fx.Node], order: Optional[List[int]] = None) -> Union[Miss, tuple]:
     """Inside a rule's :class:`Insertion`: ``(fused call, {replaced output: its replacement})``
     for ``op`` called on ``operands`` (nodes, None or plain values), ``outputs`` named as the
     op names its outputs; or a :class:`Miss` at ``at`` when the operands break one of the
-    op's own input checks."""
+    op's own input checks. With ``order``, the caller's operands are permuted into that memory
+    order (:mod:`.layout`) and each result is permuted back."""
     edit = ctx.edit
     problem = input_problem(edit.fake_mode, op.check_inputs, *operands)
     if problem is not None:
@@ -410,8 +412,19 @@ def emit_fused_op(ctx: RuleContext, op: FusedOp, at: fx.Node, operands: Sequence
     for index, name in enumerate(op.outputs):
         old = outputs.get(name)
         if old is not None:
-            replacements[old] = replacement_of(edit, fused if single else edit.getitem(fused, index), old)
+            result = fused if single else edit.getitem(fused, index)
+            replacements[old] = _in_layout_of(edit, replacement_of(
+                edit, restored(edit, result, order) if order else result, old), old)
     return fused, replacements
+
+
+def _in_layout_of(edit: Edit, new: fx.Node, old: fx.Node) -> fx.Node:
+    """``new`` with ``old``'s strides: a copy into them where they differ and are a dense layout
+    (a dx of a transposed q, a keep-dim rstd of a norm run in BSHD order), since the program's
+    views of ``old`` rely on them; else ``new`` (the rule compares the layouts, if it must)."""
+    if not isinstance(val(new), torch.Tensor) or same_layout(new, old):
+        return new
+    return relaid_like(edit, new, old) or new
 
 
 # -- gradients autograd accumulated with a site's dx ----------------------------------------

@@ -42,7 +42,6 @@ from typing import Dict, List, Optional
 import torch
 import torch.fx as fx
 
-from ..compat import symbolic_expr
 from ..lowering import FUSED_OPS, RMS_NORM as OP, RMS_NORM_GRAD
 from ..lowering.constraints import RMS_NORM_DTYPES, rms_norm_target_problem
 from ..lowering.sizes import same_shape, static_int
@@ -51,6 +50,7 @@ from .evaluator import JointProvenance, Provenance, Unsupported, kept_precision,
 from .nodes import (CAST_TARGETS, VIEWS, aten, downstream, dtype, gradient_dependent, is_float_cast,
                     is_value_preserving_cast, last_of, normalize_dim, outermost, outside_users, region_of, shape, val)
 from .rewrite import Insertion, Miss, RuleContext, commit, emit_fused_op, exact_common_dtype
+from .layout import memory_order, permuted, same_layout
 from .norm_algebra import NormEvaluator, size_key
 from .pairing import calls, source
 from .rms_norm import norm_evaluator, rms_statistic_operand, spelled_root, unmatched_spelling
@@ -264,7 +264,7 @@ def find_sites(graph: fx.Graph, ctx: RuleContext) -> RoundReport:
         return RoundReport()
     gradient = gradient_dependent(graph) or set()
     forward = {n for n in graph.nodes if n not in gradient and n.op != "output"}
-    matches, misses = [], []
+    matches, misses, pending = [], [], 0
     for norm_shape, roots in _statistic_nodes(graph, forward).values():
         try:
             ev = norm_evaluator(norm_shape)  # the forward's own values: no provenance, no gradient cut
@@ -276,8 +276,11 @@ def find_sites(graph: fx.Graph, ctx: RuleContext) -> RoundReport:
                 misses.append(found)
             elif found is not None:
                 matches.append(found)
+            elif rms_statistic_operand(rstd, None) is not None:
+                # undecided: a post-norm's residual still holds an unfused norm this round may fuse
+                pending += 1
         ctx.evaluated(ev)
-    return RoundReport(matches, misses)
+    return RoundReport(matches, misses, pending)
 
 
 # -- the rewrite --------------------------------------------------------------
@@ -350,26 +353,31 @@ def emit(ctx: RuleContext, site: ForwardNormMatch):
     late = [u for out in (site.y, site.rstd) for u in out.users if u not in region and u < anchor]
     if problem is None and late:
         problem = f"{late[0].name} reads the norm's output before its weight is computed"
+    order = memory_order(site.y, site.ev.k)  # the op runs in y's memory order (a q/k norm of a transposed q)
+    if problem is None and order is None:
+        problem = (f"{site.y.name} has strides {list(val(site.y).stride())}: no dense layout of its shape with the "
+                   f"normalized axes innermost, which the fused op's output always is")
     if problem is not None:
         return Miss(OP.name, site.y.name, problem)
     outputs = {"y": site.y, "rstd": site.rstd}
     with Insertion(graph, anchor) as inserted:
-        emitted = _emit_call(ctx, site, compute, gamma_dtype, outputs)
+        emitted = _emit_call(ctx, site, compute, gamma_dtype, outputs, order)
         if isinstance(emitted, Miss):
             return emitted
     fused, replacements = emitted
     moved = [old for old, new in replacements.items() if not same_layout(new, old)]
-    if moved:  # the op's outputs are contiguous; the program's views of a permuted y rely on its strides
+    if moved:  # the program's views of its outputs rely on their strides
         return Miss(OP.name, site.y.name, f"{moved[0].name} has strides {list(val(moved[0]).stride())}, the fused "
-                                          f"op's output is contiguous")
+                                          f"op's output in {site.y.name}'s memory order has others")
     added = inserted.nodes()
     _as_forward_work(added, site.y)
     return commit(ctx.edit, OP.name, None, region, outputs, replacements, {"x": site.x, "gamma": site.gamma},
                   added, fused)
 
 
-def _emit_call(ctx: RuleContext, site: ForwardNormMatch, compute: torch.dtype, gamma_dtype: torch.dtype, outputs):
-    x = ctx.edit.cast(site.x, compute)
+def _emit_call(ctx: RuleContext, site: ForwardNormMatch, compute: torch.dtype, gamma_dtype: torch.dtype, outputs,
+               order):
+    x = permuted(ctx.edit, ctx.edit.cast(site.x, compute), order)
     if site.gamma is not None:
         gamma = ctx.edit.cast(site.gamma, gamma_dtype)
     elif all(isinstance(s, int) for s in site.ev.norm_shape):
@@ -377,20 +385,7 @@ def _emit_call(ctx: RuleContext, site: ForwardNormMatch, compute: torch.dtype, g
                               {"dtype": compute, "device": val(site.x).device})
     else:
         return Miss(OP.name, site.y.name, "a norm without weight over a symbolic size: mark the hidden size static")
-    return emit_fused_op(ctx, OP, site.y, (x, gamma, site.eps), outputs)
-
-
-def same_layout(a: fx.Node, b: fx.Node) -> bool:
-    """The two values have the same strides (along every axis of size above 1), compared as
-    expressions (no guard on a symbolic stride)."""
-    va, vb = val(a), val(b)
-    return all(static_int(n) == 1 or expression(sa) == expression(sb)
-               for n, sa, sb in zip(va.shape, va.stride(), vb.stride()))
-
-
-def expression(size):
-    """A size or stride as a value equal ones share without a guard: an int, or its expression."""
-    return size if isinstance(size, int) else symbolic_expr(size)
+    return emit_fused_op(ctx, OP, site.y, (x, gamma, site.eps), outputs, order)
 
 
 #: what a node inserted as forward work takes from the node it replaces: the partitioner's

@@ -24,7 +24,6 @@ a table's gradient) keeps the forward as it is until that backward is fused.
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import math
 from typing import List, Optional, Tuple
 
@@ -40,7 +39,8 @@ from .nodes import (CAST_TARGETS, VIEWS, aten, downstream, dtype, gradient_depen
                     outermost, outside_users, region_of, shape, val)
 from .rewrite import Insertion, Miss, RuleContext, commit, exact_common_dtype, input_problem, replacement_of
 from .pairing import calls, forward_is_complex, source, unpaired
-from .rms_norm_forward import _as_forward_work, expression, same_layout
+from .rms_norm_forward import _as_forward_work
+from .layout import memory_order, permuted, restored, same_layout
 from .rope import DX_DEPTH, MAX_LANES, TABLE_SIGNS, _moves_elements, lane_evaluator, table_terms
 from .rule import Form, FusionRule, RoundReport, SiteProbe
 
@@ -576,30 +576,6 @@ def _picks_of_one_leaf(ev: LaneEvaluator, node: fx.Node, among=None) -> bool:
         len(poly) == 1 and list(poly.values()) == [1] and len(next(iter(poly))) == 1 for poly in v.polys)
 
 
-def _memory_order(node: fx.Node) -> Optional[List[int]]:
-    """The axes of ``node``'s value from outermost to innermost in memory (a transposed q is
-    BSND in memory though BNSD in shape), the last axis innermost: the order of the leading axes
-    whose dense strides equal the value's, compared as expressions (symbolic sizes included,
-    no guard); None when no such order exists."""
-    v = val(node)
-    rank, size = v.dim(), [expression(s) for s in v.shape]
-    strides = [expression(s) for s in v.stride()]
-    for lead in itertools.permutations(range(rank - 1)):
-        order, dense, expected = list(lead) + [rank - 1], 1, [None] * rank
-        for axis in reversed(order):
-            expected[axis], dense = dense, dense * size[axis]
-        if all(static_int(v.shape[d]) == 1 or expected[d] == strides[d] for d in range(rank)):
-            return order
-    return None
-
-
-def _permuted(ctx: RuleContext, node: fx.Node, order: List[int]) -> fx.Node:
-    """``node`` (right-aligned to ``len(order)`` axes) with its axes in ``order``."""
-    for _ in range(len(order) - len(shape(node))):
-        node = ctx.edit.call(aten.unsqueeze.default, (node, 0))
-    return node if order == sorted(order) else ctx.edit.call(aten.permute.default, (node, order))
-
-
 def emit(ctx: RuleContext, site: ForwardRopeMatch):
     """One site rewritten into one fused call (a :class:`Site`), or a :class:`Miss` saying why not.
     The op's output is contiguous: it is called on x, cos and sin with their axes in the memory
@@ -609,7 +585,7 @@ def emit(ctx: RuleContext, site: ForwardRopeMatch):
     if isinstance(operands, str):
         return Miss(OP.name, site.y.name, operands)
     x, cos, sin, region = operands
-    order = _memory_order(site.y)
+    order = memory_order(site.y)
     if order is None:
         return Miss(OP.name, site.y.name, f"the output's strides {list(val(site.y).stride())} are no dense layout "
                                           f"of its shape with the rotated axis innermost")
@@ -638,17 +614,15 @@ def _emit_call(ctx: RuleContext, site: ForwardRopeMatch, roles, compute, order):
         which = ("x", "cos", "sin")[built.index(None)]
         return Miss(OP.name, site.y.name, f"internal: the {which} rebuilt from {roles[built.index(None)].base.name} "
                                           f"is not the site's {which} position by position")
-    operands = [_permuted(ctx, ctx.edit.cast(built[0], compute), order)]
+    operands = [permuted(ctx.edit, ctx.edit.cast(built[0], compute), order)]
     for table, sign in zip(built[1:], site.signs):
-        table = _permuted(ctx, ctx.edit.cast(table, compute), order)
+        table = permuted(ctx.edit, ctx.edit.cast(table, compute), order)
         operands.append(table if sign == 1 else ctx.edit.call(aten.neg.default, (table,)))
     problem = input_problem(ctx.edit.fake_mode, OP.check_inputs, *operands, site.mode)
     if problem is not None:
         return Miss(OP.name, site.y.name, problem)
     fused = ctx.edit.call(OP.overload, (*operands, site.mode))
-    inverse = sorted(range(len(order)), key=order.__getitem__)
-    back = fused if order == sorted(order) else ctx.edit.call(aten.permute.default, (fused, inverse))
-    replacement = replacement_of(ctx.edit, back, site.y)
+    replacement = replacement_of(ctx.edit, restored(ctx.edit, fused, order), site.y)
     if not same_layout(replacement, site.y):
         return Miss(OP.name, site.y.name, f"the output's strides {list(val(site.y).stride())} are no dense layout "
                                           f"of its shape with the rotated axis innermost")

@@ -130,7 +130,8 @@ def reference_kernel(dy, x, rstd, gamma):
         return torch.empty_like(dy), torch.zeros(gamma.shape, dtype=torch.float32, device=gamma.device)
     dy_g = dyf * gf
     dx = rstd * (dy_g - x_hat * (dy_g * x_hat).mean(dim=normalized, keepdim=True))
-    return dx.to(dy.dtype), dgamma.reshape(gamma.shape).contiguous()
+    # dx contiguous, as the meta kernel says (elementwise ops pick a layout from dy, x and rstd)
+    return dx.to(dy.dtype).contiguous(), dgamma.reshape(gamma.shape).contiguous()
 
 
 def meta_kernel(dy, x, rstd, gamma):

@@ -232,7 +232,7 @@ def reference_kernel(dy, cos, sin, x=None, mode=0):
     """Reference kernel: any device, computes in float32 and casts back to dy's dtype."""
     OP.check_inputs(dy, cos, sin, x, mode)
     dyf, cosf, sinf = dy.float(), cos.float(), sin.float()
-    dx = rope_grad_dx(dyf, cosf, sinf, mode).to(dy.dtype)
+    dx = rope_grad_dx(dyf, cosf, sinf, mode).to(dy.dtype).contiguous()  # as the meta kernel says, whatever dy's layout
     if x is None:
         return dx, dy.new_empty((0,)), dy.new_empty((0,))
     dcos, dsin = rope_grad_tables(dyf, x.float(), mode)
