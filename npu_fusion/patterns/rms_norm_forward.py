@@ -270,6 +270,7 @@ def find_sites(graph: fx.Graph, ctx: RuleContext) -> RoundReport:
             ev = norm_evaluator(norm_shape)  # the forward's own values: no provenance, no gradient cut
         except Unsupported:
             continue
+        ev.forced_leaves |= _residual_sums(ev, graph, forward)
         for rstd in roots:
             found = ctx.examine(rstd, _match_statistic, ev, graph, rstd, forward)
             if isinstance(found, Miss):
@@ -278,6 +279,21 @@ def find_sites(graph: fx.Graph, ctx: RuleContext) -> RoundReport:
                 matches.append(found)
         ctx.evaluated(ev)
     return RoundReport(matches, misses)
+
+
+def _residual_sums(ev: NormEvaluator, graph: fx.Graph, forward) -> set:
+    """Forward sums of two tensors that span the normalized axes (a residual stream
+    ``h + attn(h)``, Gemma's ``embedding * normalizer + attn``, a post-norm's
+    ``residual + norm(h)``): each is a leaf, the x a norm reads, as the backward rule reads
+    them. Expanded, a sum whose operand holds a constant along the normalized axes (the
+    normalizer, an earlier norm's rstd) would make ``x*x`` a sum of cross terms that no single
+    tensor x is seen to square, and the residual stream's leaves would grow with depth."""
+    def spanning(arg):
+        return isinstance(arg, fx.Node) and isinstance(val(arg), torch.Tensor) and len(shape(arg)) > 0 \
+            and ev.spans(shape(arg)) is True
+    return {n for n in graph.nodes if n in forward and n.op == "call_function"
+            and n.target in (aten.add.Tensor, aten.sub.Tensor) and len(shape(n)) > ev.k
+            and spanning(n.args[0]) and spanning(n.args[1])}
 
 
 # -- the rewrite --------------------------------------------------------------
