@@ -129,6 +129,17 @@ def cast_for_each_consumer(x, w):  # autocast's copy of y per projection: casts 
     return y.to(torch.float16).float() + y.to(torch.bfloat16).float() * 2
 
 
+NORMALIZER = torch.tensor(4.0)  # Gemma's embedding scale: a 0-d tensor, constant along the normalized axis
+
+
+def scaled_residual(x, w):  # Gemma's second norm: x = embedding * normalizer + attention_output
+    return F.rms_norm(x * NORMALIZER.to(x.dtype) + torch.tanh(x), (16,), w, EPS)
+
+
+def post_norm_residual(x, w):  # OLMo 2's final norm: x = residual + post_norm(mlp(residual))
+    return F.rms_norm(x + F.rms_norm(torch.tanh(x), (16,), w.flip(0), EPS), (16,), w, EPS)
+
+
 def weightless(x, _w):
     return F.rms_norm(x, (16,), eps=EPS)
 
@@ -138,6 +149,7 @@ SPELLINGS = {  # name: (function, fused sites)
     "nn_rms_norm": (lambda x, w: F.rms_norm(x, (16,), w, EPS), 1),
     "gemma": (gemma, 1), "t5": (t5, 1), "per_head": (per_head, 1), "gated": (gated, 1),
     "sandwich": (sandwich, 2), "weightless": (weightless, 1), "cast_for_each_consumer": (cast_for_each_consumer, 1),
+    "scaled_residual": (scaled_residual, 1), "post_norm_residual": (post_norm_residual, 2),
 }
 
 
