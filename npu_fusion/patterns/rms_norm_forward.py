@@ -48,7 +48,7 @@ from ..lowering.constraints import RMS_NORM_DTYPES, rms_norm_target_problem
 from ..lowering.sizes import same_shape, static_int
 from .algebra import Expr
 from .evaluator import JointProvenance, Provenance, Unsupported, kept_precision, rounding_problem
-from .nodes import (CAST_TARGETS, VIEWS, aten, downstream, dtype, gradient_dependent, is_float_cast,
+from .nodes import (CAST_TARGETS, VIEWS, aten, downstream, dtype, gradient_dependent,
                     is_value_preserving_cast, last_of, normalize_dim, outermost, outside_users, region_of, shape, val)
 from .rewrite import Insertion, Miss, RuleContext, commit, emit_fused_op, exact_common_dtype
 from .norm_algebra import NormEvaluator, size_key
@@ -187,19 +187,18 @@ def _outputs(ev: NormEvaluator, graph: fx.Graph, rstd: fx.Node, x: fx.Node, forw
     return found
 
 
-def _without_casts_of_others(outputs: List[tuple]) -> List[tuple]:
-    """Drop an output that is a float cast of another one (a post-norm's ``x.float()`` of the
-    previous norm's bf16 output, autocast's bf16 copy of y for each projection it feeds): it
-    reads y, it is not y."""
+def _without_readers_of_others(ev: NormEvaluator, outputs: List[tuple]) -> List[tuple]:
+    """Drop an output computed from another one (through nodes the algebra read): it reads y,
+    it is not y. A post-norm's ``x.float()`` of the previous norm's bf16 output, autocast's bf16
+    copy of y for each projection it feeds, Falcon-H1's ``y * attention_in_multiplier`` and
+    ``y * ssm_in_multiplier`` (multipliers of 1.0) equal y by value; the fused op computes the y
+    they all read, and they read it as before."""
     nodes = {o[0] for o in outputs}
 
-    def cast_of_another(node):
-        while is_float_cast(node):
-            node = node.args[0]
-            if node in nodes:
-                return True
-        return False
-    return [o for o in outputs if not cast_of_another(o[0])]
+    def reads_another(node):
+        above = region_of([a for a in node.all_input_nodes], lambda n: n in ev.interpreted or n in nodes)
+        return any(n in nodes for n in above)
+    return [o for o in outputs if not reads_another(o[0])]
 
 
 def _match_statistic(ev: NormEvaluator, graph: fx.Graph, rstd: fx.Node, forward):
@@ -236,7 +235,7 @@ def _site_at(ev: NormEvaluator, graph: fx.Graph, rstd: fx.Node, x: fx.Node, eps:
     """The site normalizing ``x`` by ``rstd``, or why there is none (a reason)."""
     outputs = _outputs(ev, graph, rstd, x, forward)
     weighted = [o for o in outputs if o[1] is not None]
-    chosen = _without_casts_of_others(outermost(weighted or outputs, node=lambda o: o[0]))
+    chosen = _without_readers_of_others(ev, outermost(weighted or outputs, node=lambda o: o[0]))
     if not chosen:
         return ("no node near it is rstd * x * gamma (or rstd * x): the statistic scales something else "
                 "(eps outside the root, another tensor normalized)")
