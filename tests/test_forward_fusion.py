@@ -181,6 +181,47 @@ def test_forward_stays_unfused_while_its_backward_is_decomposed():
     assert [m.op for m in result.misses] == [FORWARD] and "backward" in result.misses[0].reason
 
 
+def test_autocast_norm_fuses_its_normalized_value():
+    """A bf16 input's normalized value rounded to bf16 before a float32 weight (autocast; Qwen3's
+    q/k norms): the fused op cannot take the weight (y would skip the program's bf16 rounding),
+    so it computes the normalized value with a weight of ones, rounded once to bf16 as the program
+    rounds it; the weight multiply and the dgamma the backward leaves to the program read it."""
+    w = _weight(torch.float32)
+    x = torch.randn(2, 3, 16, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16).requires_grad_()
+    result, fw, bw = check(lambda x: hf_llama(x, w), [x], [w], **ON)
+    assert not result.misses, result.misses
+    assert result.fused(FORWARD) == result.fused(BACKWARD) == 1
+    assert "dgamma" in next(s.note for s in result.sites if s.op == BACKWARD)
+    assert_paired(fw, bw, 1)
+    (op,) = calls(fw, FORWARD)
+    assert op.args[1].target is torch.ops.aten.full.default  # the weight of ones
+    assert any(n.target is torch.ops.aten.mul.Tensor for n in fw.nodes if n.op == "call_function")
+
+
+def test_norm_whose_dgamma_is_left_to_the_program_fuses_its_forward():
+    """torchtitan's Qwen3 q/k norms in bf16: y cast to float32 (for RoPE), so the float32 gradient's
+    dgamma is left to the program, which reads the float32 normalized value ``x32 * rstd``. Paired
+    with its fused backward, the forward fuses; ``x32 * rstd`` stays, computed from the fused op's
+    rstd, for that dgamma (it was a miss: "a decomposed backward node reads the forward's
+    statistic"). The saved set is no larger than with the backward alone."""
+    w = _weight(torch.bfloat16)
+    x = torch.randn(2, 3, 16, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16).requires_grad_()
+
+    def to_float(x):
+        return torch.tanh(F.rms_norm(x, (16,), w, EPS).float())
+    result, fw, bw = check(to_float, [x], [w], **ON)
+    assert not result.misses, result.misses
+    assert result.fused(FORWARD) == result.fused(BACKWARD) == 1
+    assert "dgamma" in next(s.note for s in result.sites if s.op == BACKWARD)
+    assert_paired(fw, bw, 1)
+    (op,) = calls(fw, FORWARD)
+    rstd = next(u for u in op.users if u.args[1] == 1)
+    assert [u.target for u in rstd.users if u.op == "call_function"] == [torch.ops.aten.mul.Tensor]
+    backward_only, _, _ = check(to_float, [x], [w])
+    assert backward_only.fused(BACKWARD) == 1 and not backward_only.fused(FORWARD)
+    assert result.saved.bytes <= backward_only.saved.bytes, (result.saved, backward_only.saved)
+
+
 def test_norm_of_an_input_without_gradient_keeps_its_forward():
     """A norm whose input takes no gradient: its fused dgamma-only backward reads the saved
     normalized value, an intermediate of the forward, which therefore stays (a recorded miss)."""
