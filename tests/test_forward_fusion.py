@@ -140,6 +140,12 @@ def post_norm_residual(x, w):  # OLMo 2's final norm: x = residual + post_norm(m
     return F.rms_norm(x + F.rms_norm(torch.tanh(x), (16,), w.flip(0), EPS), (16,), w, EPS)
 
 
+def hyper_connection(x, w):  # DeepSeek-V4, HY-V4: the streams collapsed by a weighted sum over an axis
+    streams = torch.stack((x, torch.tanh(x)), -2)
+    mix = torch.softmax(streams[..., 0], -1)
+    return F.rms_norm((streams * mix[..., None]).sum(-2), (16,), w, EPS)
+
+
 def multiplier_of_one_per_reader(x, w):  # Falcon-H1: y * attention_in_multiplier, y * ssm_in_multiplier
     y = F.rms_norm(x, (16,), w, EPS)
     return torch.tanh(y * 1.0) + (y / 1.0) * 2  # both equal y by value: they read y, they are not y
@@ -155,7 +161,7 @@ SPELLINGS = {  # name: (function, fused sites)
     "gemma": (gemma, 1), "t5": (t5, 1), "per_head": (per_head, 1), "gated": (gated, 1),
     "sandwich": (sandwich, 2), "weightless": (weightless, 1), "cast_for_each_consumer": (cast_for_each_consumer, 1),
     "scaled_residual": (scaled_residual, 1), "post_norm_residual": (post_norm_residual, 2),
-    "multiplier_of_one_per_reader": (multiplier_of_one_per_reader, 1),
+    "multiplier_of_one_per_reader": (multiplier_of_one_per_reader, 1), "hyper_connection": (hyper_connection, 1),
 }
 
 

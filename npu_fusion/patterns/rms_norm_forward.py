@@ -295,7 +295,7 @@ def find_sites(graph: fx.Graph, ctx: RuleContext) -> RoundReport:
             ev = norm_evaluator(norm_shape)  # the forward's own values: no provenance, no gradient cut
         except Unsupported:
             continue
-        ev.forced_leaves |= _residual_sums(ev, graph, forward)
+        ev.forced_leaves |= _forward_inputs(ev, graph, forward)
         for rstd in roots:
             found = ctx.examine(rstd, _match_statistic, ev, graph, rstd, forward)
             if isinstance(found, Miss):
@@ -306,19 +306,30 @@ def find_sites(graph: fx.Graph, ctx: RuleContext) -> RoundReport:
     return RoundReport(matches, misses)
 
 
-def _residual_sums(ev: NormEvaluator, graph: fx.Graph, forward) -> set:
-    """Forward sums of two tensors that span the normalized axes (a residual stream
-    ``h + attn(h)``, Gemma's ``embedding * normalizer + attn``, a post-norm's
-    ``residual + norm(h)``): each is a leaf, the x a norm reads, as the backward rule reads
-    them. Expanded, a sum whose operand holds a constant along the normalized axes (the
-    normalizer, an earlier norm's rstd) would make ``x*x`` a sum of cross terms that no single
-    tensor x is seen to square, and the residual stream's leaves would grow with depth."""
+def _forward_inputs(ev: NormEvaluator, graph: fx.Graph, forward) -> set:
+    """Forward values a norm reads as its x, each a leaf, as the backward rule reads them:
+
+    - sums of two tensors that span the normalized axes (a residual stream ``h + attn(h)``,
+      Gemma's ``embedding * normalizer + attn``, a post-norm's ``residual + norm(h)``).
+      Expanded, a sum whose operand holds a constant along the normalized axes (the normalizer,
+      an earlier norm's rstd) makes ``x*x`` a sum of cross terms that no single tensor x is seen
+      to square, and the residual stream's leaves would grow with depth;
+    - sums over leading axes (hyper-connections collapsing their streams, DeepSeek-V4, HY-V4):
+      the algebra keeps such a sum aside as a weight's gradient, which no forward value is."""
     def spanning(arg):
         return isinstance(arg, fx.Node) and isinstance(val(arg), torch.Tensor) and len(shape(arg)) > 0 \
             and ev.spans(shape(arg)) is True
-    return {n for n in graph.nodes if n in forward and n.op == "call_function"
-            and n.target in (aten.add.Tensor, aten.sub.Tensor) and len(shape(n)) > ev.k
-            and spanning(n.args[0]) and spanning(n.args[1])}
+
+    def tensor_sum(n):
+        return n.target in (aten.add.Tensor, aten.sub.Tensor) and spanning(n.args[0]) and spanning(n.args[1])
+
+    def leading_sum(n):
+        if n.target is not aten.sum.dim_IntList or not n.args[1:2] or not n.args[1] or not spanning(n.args[0]):
+            return False
+        rank = len(shape(n.args[0]))
+        return spanning(n) and all(normalize_dim(d, rank) < rank - ev.k for d in n.args[1])
+    return {n for n in graph.nodes if n in forward and n.op == "call_function" and isinstance(val(n), torch.Tensor)
+            and len(shape(n)) > ev.k and (tensor_sum(n) or leading_sum(n))}
 
 
 # -- the rewrite --------------------------------------------------------------
