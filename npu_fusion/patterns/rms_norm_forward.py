@@ -367,14 +367,13 @@ def _pairing_problem(site: ForwardNormMatch, region, graph: fx.Graph) -> Optiona
     gradient, fused_ops = gradient_dependent(graph) or set(), {op.overload for op in FUSED_OPS}
     readers = [(n, u) for n in outside_users(region, [site.y, site.rstd]) for u in n.users if u not in region]
     decomposed = _unfused_readers(site.rstd, region, gradient)
-    if not _read_by_fused_backward(site.rstd, region):
+    paired = _read_by_fused_backward(site.rstd, region)
+    if not paired:
         decomposed += [u for _, u in readers if u in gradient and u.target not in fused_ops]
-    elif not decomposed:
-        return None
     if decomposed:
         return (f"a decomposed backward node ({decomposed[0].name}) reads the forward's statistic or intermediates "
                 f"(its backward is unfused): the forward fuses only where its fused backward reads its statistic")
-    if readers:
+    if readers and not paired:
         node, user = readers[0]
         return f"intermediate {node.name} has a user outside the norm ({user.name})"
     return None
@@ -382,8 +381,8 @@ def _pairing_problem(site: ForwardNormMatch, region, graph: fx.Graph) -> Optiona
 
 def _read_by_fused_backward(rstd: fx.Node, region) -> bool:
     """A fused ``rms_norm_grad`` reads ``rstd`` (through casts, views and detaches): the norm's
-    backward is fused, and what of it the rewrite left to the program (a dgamma computed from the
-    bf16-rounded normalized value, Qwen3's q/k norms under autocast) is the program's own."""
+    backward is fused, and what of it the rewrite left to the program (a dgamma whose gradient is
+    rounded more coarsely than it is kept, torchtitan's Qwen3 q/k norms in bf16) is the program's own."""
     stack, seen = [u for u in rstd.users if u not in region], set()
     while stack:
         user = stack.pop()
@@ -452,7 +451,8 @@ def emit(ctx: RuleContext, site: ForwardNormMatch):
                                           f"op's output is contiguous")
     added = inserted.nodes()
     _as_forward_work(added, site.y)
-    return commit(ctx.edit, OP.name, None, [n for n in region if n not in kept], outputs, replacements, {"x": site.x, "gamma": site.gamma},
+    replaced = [n for n in region if n not in kept]
+    return commit(ctx.edit, OP.name, None, replaced, outputs, replacements, {"x": site.x, "gamma": site.gamma},
                   added, fused)
 
 
