@@ -129,6 +129,28 @@ def cast_for_each_consumer(x, w):  # autocast's copy of y per projection: casts 
     return y.to(torch.float16).float() + y.to(torch.bfloat16).float() * 2
 
 
+NORMALIZER = torch.tensor(4.0)  # Gemma's embedding scale: a 0-d tensor, constant along the normalized axis
+
+
+def scaled_residual(x, w):  # Gemma's second norm: x = embedding * normalizer + attention_output
+    return F.rms_norm(x * NORMALIZER.to(x.dtype) + torch.tanh(x), (16,), w, EPS)
+
+
+def post_norm_residual(x, w):  # OLMo 2's final norm: x = residual + post_norm(mlp(residual))
+    return F.rms_norm(x + F.rms_norm(torch.tanh(x), (16,), w.flip(0), EPS), (16,), w, EPS)
+
+
+def hyper_connection(x, w):  # DeepSeek-V4, HY-V4: the streams collapsed by a weighted sum over an axis
+    streams = torch.stack((x, torch.tanh(x)), -2)
+    mix = torch.softmax(streams[..., 0], -1)
+    return F.rms_norm((streams * mix[..., None]).sum(-2), (16,), w, EPS)
+
+
+def multiplier_of_one_per_reader(x, w):  # Falcon-H1: y * attention_in_multiplier, y * ssm_in_multiplier
+    y = F.rms_norm(x, (16,), w, EPS)
+    return torch.tanh(y * 1.0) + (y / 1.0) * 2  # both equal y by value: they read y, they are not y
+
+
 def weightless(x, _w):
     return F.rms_norm(x, (16,), eps=EPS)
 
@@ -138,6 +160,8 @@ SPELLINGS = {  # name: (function, fused sites)
     "nn_rms_norm": (lambda x, w: F.rms_norm(x, (16,), w, EPS), 1),
     "gemma": (gemma, 1), "t5": (t5, 1), "per_head": (per_head, 1), "gated": (gated, 1),
     "sandwich": (sandwich, 2), "weightless": (weightless, 1), "cast_for_each_consumer": (cast_for_each_consumer, 1),
+    "scaled_residual": (scaled_residual, 1), "post_norm_residual": (post_norm_residual, 2),
+    "multiplier_of_one_per_reader": (multiplier_of_one_per_reader, 1), "hyper_connection": (hyper_connection, 1),
 }
 
 
@@ -161,6 +185,47 @@ def test_forward_stays_unfused_while_its_backward_is_decomposed():
     result, fw, _ = check(lambda x: F.rms_norm(x, (16,), w, EPS), [x], [w], rms_norm=False, **ON)
     assert not result.sites and not calls(fw, FORWARD) and calls(fw, "rsqrt")
     assert [m.op for m in result.misses] == [FORWARD] and "backward" in result.misses[0].reason
+
+
+def test_autocast_norm_fuses_its_normalized_value():
+    """A bf16 input's normalized value rounded to bf16 before a float32 weight (autocast; Qwen3's
+    q/k norms): the fused op cannot take the weight (y would skip the program's bf16 rounding),
+    so it computes the normalized value with a weight of ones, rounded once to bf16 as the program
+    rounds it; the weight multiply and the dgamma the backward leaves to the program read it."""
+    w = _weight(torch.float32)
+    x = torch.randn(2, 3, 16, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16).requires_grad_()
+    result, fw, bw = check(lambda x: hf_llama(x, w), [x], [w], **ON)
+    assert not result.misses, result.misses
+    assert result.fused(FORWARD) == result.fused(BACKWARD) == 1
+    assert "dgamma" in next(s.note for s in result.sites if s.op == BACKWARD)
+    assert_paired(fw, bw, 1)
+    (op,) = calls(fw, FORWARD)
+    assert op.args[1].target is torch.ops.aten.full.default  # the weight of ones
+    assert any(n.target is torch.ops.aten.mul.Tensor for n in fw.nodes if n.op == "call_function")
+
+
+def test_norm_whose_dgamma_is_left_to_the_program_fuses_its_forward():
+    """torchtitan's Qwen3 q/k norms in bf16: y cast to float32 (for RoPE), so the float32 gradient's
+    dgamma is left to the program, which reads the float32 normalized value ``x32 * rstd``. Paired
+    with its fused backward, the forward fuses; ``x32 * rstd`` stays, computed from the fused op's
+    rstd, for that dgamma (it was a miss: "a decomposed backward node reads the forward's
+    statistic"). The saved set is no larger than with the backward alone."""
+    w = _weight(torch.bfloat16)
+    x = torch.randn(2, 3, 16, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16).requires_grad_()
+
+    def to_float(x):
+        return torch.tanh(F.rms_norm(x, (16,), w, EPS).float())
+    result, fw, bw = check(to_float, [x], [w], **ON)
+    assert not result.misses, result.misses
+    assert result.fused(FORWARD) == result.fused(BACKWARD) == 1
+    assert "dgamma" in next(s.note for s in result.sites if s.op == BACKWARD)
+    assert_paired(fw, bw, 1)
+    (op,) = calls(fw, FORWARD)
+    rstd = next(u for u in op.users if u.args[1] == 1)
+    assert [u.target for u in rstd.users if u.op == "call_function"] == [torch.ops.aten.mul.Tensor]
+    backward_only, _, _ = check(to_float, [x], [w])
+    assert backward_only.fused(BACKWARD) == 1 and not backward_only.fused(FORWARD)
+    assert result.saved.bytes <= backward_only.saved.bytes, (result.saved, backward_only.saved)
 
 
 def test_norm_of_an_input_without_gradient_keeps_its_forward():

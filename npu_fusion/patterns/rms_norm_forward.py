@@ -47,7 +47,7 @@ from ..lowering.constraints import RMS_NORM_DTYPES, rms_norm_target_problem
 from ..lowering.sizes import same_shape, static_int
 from .algebra import Expr
 from .evaluator import JointProvenance, Provenance, Unsupported, kept_precision, rounding_problem
-from .nodes import (CAST_TARGETS, VIEWS, aten, downstream, dtype, gradient_dependent, is_float_cast,
+from .nodes import (CAST_TARGETS, VIEWS, aten, downstream, dtype, gradient_dependent,
                     is_value_preserving_cast, last_of, normalize_dim, outermost, outside_users, region_of, shape, val)
 from .rewrite import Insertion, Miss, RuleContext, commit, emit_fused_op, exact_common_dtype
 from .layout import memory_order, permuted, same_layout
@@ -187,19 +187,18 @@ def _outputs(ev: NormEvaluator, graph: fx.Graph, rstd: fx.Node, x: fx.Node, forw
     return found
 
 
-def _without_casts_of_others(outputs: List[tuple]) -> List[tuple]:
-    """Drop an output that is a float cast of another one (a post-norm's ``x.float()`` of the
-    previous norm's bf16 output, autocast's bf16 copy of y for each projection it feeds): it
-    reads y, it is not y."""
+def _without_readers_of_others(ev: NormEvaluator, outputs: List[tuple]) -> List[tuple]:
+    """Drop an output computed from another one (through nodes the algebra read): it reads y,
+    it is not y. A post-norm's ``x.float()`` of the previous norm's bf16 output, autocast's bf16
+    copy of y for each projection it feeds, Falcon-H1's ``y * attention_in_multiplier`` and
+    ``y * ssm_in_multiplier`` (multipliers of 1.0) equal y by value; the fused op computes the y
+    they all read, and they read it as before."""
     nodes = {o[0] for o in outputs}
 
-    def cast_of_another(node):
-        while is_float_cast(node):
-            node = node.args[0]
-            if node in nodes:
-                return True
-        return False
-    return [o for o in outputs if not cast_of_another(o[0])]
+    def reads_another(node):
+        above = region_of([a for a in node.all_input_nodes], lambda n: n in ev.interpreted or n in nodes)
+        return any(n in nodes for n in above)
+    return [o for o in outputs if not reads_another(o[0])]
 
 
 def _match_statistic(ev: NormEvaluator, graph: fx.Graph, rstd: fx.Node, forward):
@@ -236,17 +235,43 @@ def _site_at(ev: NormEvaluator, graph: fx.Graph, rstd: fx.Node, x: fx.Node, eps:
     """The site normalizing ``x`` by ``rstd``, or why there is none (a reason)."""
     outputs = _outputs(ev, graph, rstd, x, forward)
     weighted = [o for o in outputs if o[1] is not None]
-    chosen = _without_casts_of_others(outermost(weighted or outputs, node=lambda o: o[0]))
+    chosen = _one_output(ev, weighted or outputs)
     if not chosen:
         return ("no node near it is rstd * x * gamma (or rstd * x): the statistic scales something else "
                 "(eps outside the root, another tensor normalized)")
     if len(chosen) > 1:
         return f"{len(chosen)} nodes compute its normalized output ({', '.join(o[0].name for o in chosen)})"
     site = ForwardNormMatch(chosen[0][0], x, chosen[0][1], rstd, eps, ev)
+    if weighted and _rounds_inside(site):
+        site = _normalized_value_site(site, outputs) or site
     foreign = _foreign_inputs(site, _region(site))
     if foreign:
         return (f"the norm also reads {foreign[0].name}, equal to {x.name} only up to casts, where the fused op "
                 f"would read {x.name} alone")
+    return site
+
+
+def _one_output(ev: NormEvaluator, outputs: List[tuple]) -> List[tuple]:
+    return _without_readers_of_others(ev, outermost(outputs, node=lambda o: o[0]))
+
+
+def _rounds_inside(site: ForwardNormMatch) -> Optional[str]:
+    return rounding_problem(site.ev, {"y": site.y, "rstd": site.rstd.args[0]}, [site.x, site.rstd, site.gamma])
+
+
+def _normalized_value_site(weighted: ForwardNormMatch, outputs: List[tuple]) -> Optional[ForwardNormMatch]:
+    """The weightless site ``y' = rstd * x`` where the program rounds y' before its weight
+    multiplies it more coarsely than it keeps the product (autocast: a bf16 input's normalized
+    value rounded to bf16, times a float32 weight, Qwen3's q/k norms): the fused op with a weight
+    of ones computes y' rounded once to the dtype the program rounds it to, and the program's
+    weight multiply (and the decomposed dgamma, which reads y') stay as they are. None where y'
+    is no single node, or the op would not round it as the program does."""
+    plain = _one_output(weighted.ev, [o for o in outputs if o[1] is None])
+    if len(plain) != 1:
+        return None
+    site = dataclasses.replace(weighted, y=plain[0][0], gamma=None)
+    if _rounds_inside(site) or _dtypes(site)[0] != kept_precision(site.y):
+        return None
     return site
 
 
@@ -270,6 +295,7 @@ def find_sites(graph: fx.Graph, ctx: RuleContext) -> RoundReport:
             ev = norm_evaluator(norm_shape)  # the forward's own values: no provenance, no gradient cut
         except Unsupported:
             continue
+        ev.forced_leaves |= _forward_inputs(ev, graph, forward)
         for rstd in roots:
             found = ctx.examine(rstd, _match_statistic, ev, graph, rstd, forward)
             if isinstance(found, Miss):
@@ -281,6 +307,32 @@ def find_sites(graph: fx.Graph, ctx: RuleContext) -> RoundReport:
                 pending += 1
         ctx.evaluated(ev)
     return RoundReport(matches, misses, pending)
+
+
+def _forward_inputs(ev: NormEvaluator, graph: fx.Graph, forward) -> set:
+    """Forward values a norm reads as its x, each a leaf, as the backward rule reads them:
+
+    - sums of two tensors that span the normalized axes (a residual stream ``h + attn(h)``,
+      Gemma's ``embedding * normalizer + attn``, a post-norm's ``residual + norm(h)``).
+      Expanded, a sum whose operand holds a constant along the normalized axes (the normalizer,
+      an earlier norm's rstd) makes ``x*x`` a sum of cross terms that no single tensor x is seen
+      to square, and the residual stream's leaves would grow with depth;
+    - sums over leading axes (hyper-connections collapsing their streams, DeepSeek-V4, HY-V4):
+      the algebra keeps such a sum aside as a weight's gradient, which no forward value is."""
+    def spanning(arg):
+        return isinstance(arg, fx.Node) and isinstance(val(arg), torch.Tensor) and len(shape(arg)) > 0 \
+            and ev.spans(shape(arg)) is True
+
+    def tensor_sum(n):
+        return n.target in (aten.add.Tensor, aten.sub.Tensor) and spanning(n.args[0]) and spanning(n.args[1])
+
+    def leading_sum(n):
+        if n.target is not aten.sum.dim_IntList or not n.args[1:2] or not n.args[1] or not spanning(n.args[0]):
+            return False
+        rank = len(shape(n.args[0]))
+        return spanning(n) and all(normalize_dim(d, rank) < rank - ev.k for d in n.args[1])
+    return {n for n in graph.nodes if n in forward and n.op == "call_function" and isinstance(val(n), torch.Tensor)
+            and len(shape(n)) > ev.k and (tensor_sum(n) or leading_sum(n))}
 
 
 # -- the rewrite --------------------------------------------------------------
@@ -310,22 +362,57 @@ def _unfused_readers(node: fx.Node, region, gradient) -> List[fx.Node]:
 
 
 def _pairing_problem(site: ForwardNormMatch, region, graph: fx.Graph) -> Optional[str]:
-    """Why the site cannot fuse yet: a decomposed backward reads its statistic or an
-    intermediate (the forward fuses paired with a fused backward, or with none), or another node
-    reads an intermediate (a fused dgamma-only backward reads the normalized value as its x). None
-    when nothing but the site and fused ops reads its outputs, and nothing else its intermediates."""
+    """Why the site cannot fuse yet: a decomposed backward reads its statistic (the forward fuses
+    paired with a fused backward, or with none), or, unpaired, a node outside it reads an
+    intermediate (a fused dgamma-only backward reads the normalized value as its x). None when
+    nothing but the site and fused ops reads its statistic; paired with its fused backward, an
+    intermediate another node reads stays (:func:`_kept`)."""
     gradient, fused_ops = gradient_dependent(graph) or set(), {op.overload for op in FUSED_OPS}
     readers = [(n, u) for n in outside_users(region, [site.y, site.rstd]) for u in n.users if u not in region]
-    decomposed = _unfused_readers(site.rstd, region, gradient) + [
-        u for _, u in readers if u in gradient and u.target not in fused_ops]
+    decomposed = _unfused_readers(site.rstd, region, gradient)
+    paired = _read_by_fused_backward(site.rstd, region)
+    if not paired:
+        decomposed += [u for _, u in readers if u in gradient and u.target not in fused_ops]
     if decomposed:
         return (f"a decomposed backward node ({decomposed[0].name}) reads the forward's statistic or intermediates "
-                f"(its backward is unfused, or leaves dgamma to the program): the forward fuses only where its "
-                f"fused backward alone reads them")
-    if readers:
+                f"(its backward is unfused): the forward fuses only where its fused backward reads its statistic")
+    if readers and not paired:
         node, user = readers[0]
         return f"intermediate {node.name} has a user outside the norm ({user.name})"
     return None
+
+
+def _read_by_fused_backward(rstd: fx.Node, region) -> bool:
+    """A fused ``rms_norm_grad`` reads ``rstd`` (through casts, views and detaches): the norm's
+    backward is fused, and what of it the rewrite left to the program (a dgamma whose gradient is
+    rounded more coarsely than it is kept, torchtitan's Qwen3 q/k norms in bf16) is the program's own."""
+    stack, seen = [u for u in rstd.users if u not in region], set()
+    while stack:
+        user = stack.pop()
+        if user in seen:
+            continue
+        seen.add(user)
+        if user.target == RMS_NORM_GRAD.overload:
+            return True
+        if user.op == "call_function" and user.target in CAST_TARGETS | VIEWS:
+            stack.extend(user.users)
+    return False
+
+
+def _kept(site: ForwardNormMatch, region) -> List[fx.Node]:
+    """The site's intermediates that a node outside it reads, and what they are computed from
+    inside it, up to the fused op's outputs: they stay, computing what they computed, from the
+    fused op's rstd (the normalized value the program's decomposed dgamma reads)."""
+    inside, outputs = set(region), {site.y, site.rstd}
+    stack = [n for n in region if n not in outputs and any(u not in inside for u in n.users)]
+    kept: Dict[fx.Node, None] = {}
+    while stack:
+        node = stack.pop()
+        if node in kept or node not in inside or node in outputs:
+            continue
+        kept[node] = None
+        stack.extend(node.all_input_nodes)
+    return list(kept)
 
 
 def _dtypes(site: ForwardNormMatch) -> tuple:
@@ -345,12 +432,12 @@ def emit(ctx: RuleContext, site: ForwardNormMatch):
     graph = ctx.graph
     site.x, site.gamma = ctx.current(site.x), ctx.current(site.gamma)
     region = _region(site)
-    problem = _pairing_problem(site, region, graph) or rounding_problem(
-        site.ev, {"y": site.y, "rstd": site.rstd.args[0]}, [site.x, site.rstd, site.gamma])
+    problem = _pairing_problem(site, region, graph) or _rounds_inside(site)
     compute, gamma_dtype = _dtypes(site)
     problem = problem or rms_norm_target_problem(ctx.target, compute, gamma_dtype, ge_op=OP.ge_op)
+    kept = set(_kept(site, region)) if problem is None else set()
     anchor = last_of(graph, [n for n in (site.x, site.gamma) if n is not None])
-    late = [u for out in (site.y, site.rstd) for u in out.users if u not in region and u < anchor]
+    late = [u for out in (site.y, site.rstd) for u in out.users if (u not in region or u in kept) and u < anchor]
     if problem is None and late:
         problem = f"{late[0].name} reads the norm's output before its weight is computed"
     order = memory_order(site.y, site.ev.k)  # the op runs in y's memory order (a q/k norm of a transposed q)
@@ -371,7 +458,8 @@ def emit(ctx: RuleContext, site: ForwardNormMatch):
                                           f"op's output in {site.y.name}'s memory order has others")
     added = inserted.nodes()
     _as_forward_work(added, site.y)
-    return commit(ctx.edit, OP.name, None, region, outputs, replacements, {"x": site.x, "gamma": site.gamma},
+    replaced = [n for n in region if n not in kept]
+    return commit(ctx.edit, OP.name, None, replaced, outputs, replacements, {"x": site.x, "gamma": site.gamma},
                   added, fused)
 
 
