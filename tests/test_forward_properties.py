@@ -1,0 +1,225 @@
+"""Property tests of the forward rules (``rms_norm_forward``, ``rope_forward``, issue 24): random
+forward programs around one RMSNorm or RoPE (npu_fusion_testing/forward_programs.py: dtypes with
+HF's upcasts and casts back, rounding before or after the weight, gamma, none or ``1 + w``, eps
+values, residual sums, sandwich and post norms, half and interleave RoPE with partial rotary and
+tables broadcast in BNSD and BSND, and near misses), compiled with both forward rules on
+(``strict``, the pass on the joint graph as the ``npu_fusion`` backend runs it), under either
+partitioner, with static or dynamic shapes. Each example must hold:
+
+(a) no false rewrite: every output and every gradient within the float64 criterion (README: at
+    most 4x further from float64 than eager, plus the per-dtype floor) and within two ulps of
+    eager's at the program's final rounding (what the float64 run cannot see: a dropped rounding);
+(b) a near miss is never fused: a program whose perturbation leaves no RMSNorm or RoPE formula has
+    no fused forward op;
+(c) outputs keep eager's dtypes and shapes (each site's output is a program output, maybe cast);
+(d) every site of an exact program is fused or a recorded miss.
+
+The backward generators of tests/test_properties.py are drawn here too with the forward rules on
+(their spellings, perturbations and wrappers, checked by (a) and (c)). Counts go to
+test_properties' summary (``forward:`` keys); profiles and ``NPU_FUSION_PROPERTY_KEEP_GOING`` /
+``NPU_FUSION_PROPERTY_LOG`` as there. The ``ci`` profile runs a thirtieth of its examples here (5
+per property) to keep the suite's time; the long profile is where the evidence is.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+from hypothesis import given, settings, strategies as st
+
+from npu_fusion.measure.grads import assert_close_as_unfused
+from npu_fusion_testing.capture import Capture
+from npu_fusion_testing.forward_programs import NORM_OP, ROPE_OP, ForwardProgram, norm_forward_programs, \
+    rope_forward_programs
+from npu_fusion_testing.programs import Program, rms_norm_programs, rope_programs
+from test_properties import (FAILURE_LOG, FAILURES, KEEP_GOING, STATS, BeyondEagerRounding, CompiledRunError,
+                             PassError, UndefinedMadeDefined, WrongGradient, WrongOutput, assert_safe_compute_dtypes,
+                             assert_within_ulps_of_eager, check_program_gradients, note_if_testing, widened)
+
+FORWARD_OPTIONS = {"rms_norm_forward": True, "rope_forward": True}
+OPS = (NORM_OP, ROPE_OP, "rms_norm_grad", "rotary_position_embedding_grad")
+#: a thirtieth of the profile's examples per property (5 in ci: about a minute on two cores for the
+#: four); the long profile's count as it is
+EXAMPLES = settings(max_examples=max(1, settings().max_examples // (30 if settings().derandomize else 1)))
+
+
+class NearMissFused(AssertionError):
+    """A program with no RMSNorm or RoPE formula left has a fused forward op."""
+
+
+class SilentMiss(AssertionError):
+    """A site of an exact program is neither fused nor a recorded miss."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    route: str           # "capture": torch.compile with the recording backend; "aot": AOTAutograd alone
+    partitioner: str
+    decompositions: str
+    dynamic: str         # "static", "mark" (batch and sequence), "all" (dynamic=True)
+    target: str
+    seed: int
+
+    def __str__(self):
+        return (f"route={self.route} partitioner={self.partitioner} decompositions={self.decompositions} "
+                f"dynamic={self.dynamic} target={self.target} seed={self.seed}")
+
+    __repr__ = __str__
+
+    def _repr_pretty_(self, printer, cycle):
+        printer.text(str(self))
+
+
+@st.composite
+def configs(draw):
+    route = draw(st.sampled_from(["capture", "aot"]))
+    dynamic = "static" if route == "aot" else draw(st.sampled_from(["static", "static", "mark", "all"]))
+    return Config(route=route, partitioner=draw(st.sampled_from(["default", "min_cut"])),
+                  decompositions=draw(st.sampled_from(["none", "none", "core"])), dynamic=dynamic,
+                  target=draw(st.sampled_from(["generic", "generic", "950", "a2"])), seed=draw(st.integers(0, 3)))
+
+
+class Compiled:
+    """``fn`` compiled with the pass and both forward rules on, as ``config`` says."""
+
+    def __init__(self, fn, config: Config):
+        self.capture = Capture(partitioner=config.partitioner, decompositions=config.decompositions,
+                               target=config.target, **FORWARD_OPTIONS)
+        torch._dynamo.reset()
+        if config.route == "aot":
+            self.fn = self.capture.aot_function(fn)
+        else:
+            self.fn = torch.compile(fn, backend=self.capture, dynamic=True if config.dynamic == "all" else None)
+
+    def __call__(self, *args):
+        return self.fn(*args)
+
+    def fused(self, op: str) -> int:
+        return self.capture.fused(op)
+
+    def misses(self, op: str) -> list:
+        return [m for m in self.capture.misses() if m.op == op]
+
+    def graphs(self):
+        return self.capture.after
+
+
+def as_tuple(outputs):
+    return tuple(outputs) if isinstance(outputs, (tuple, list)) else (outputs,)
+
+
+def check_outputs(compiled, program: Program, inputs):
+    """(a) for the outputs: each within the float64 criterion against eager, and within two ulps
+    of eager's at the program's final rounding beyond eager's own error; NaN in float64 stays NaN."""
+    with torch.no_grad():
+        eager = as_tuple(program.build()(*inputs))
+        exact = as_tuple(program.build(wide=True)(*widened(inputs)))
+        rounded = as_tuple(program.build(wide=True, keep_narrowing=True)(*widened(inputs)))
+        try:
+            got = as_tuple(compiled(*inputs))
+        except Exception as exc:
+            raise CompiledRunError(f"{type(exc).__name__}: {exc}") from exc
+    names = [f"output {i}" for i in range(len(eager))]
+    for name, g, e, x in zip(names, got, eager, exact):
+        if g.dtype != e.dtype or g.shape != e.shape:
+            raise WrongOutput(f"{name}: {g.dtype}{list(g.shape)}, eager {e.dtype}{list(e.shape)}")
+        x = x.double()
+        if (torch.isnan(x) & ~torch.isnan(g.double())).any():
+            raise UndefinedMadeDefined(f"{name}: a number where float64 is NaN")
+        keep = torch.isfinite(x) & torch.isfinite(e.double())
+        if not keep.any():
+            continue
+        try:
+            assert_close_as_unfused(g[keep], e[keep], x[keep], factor=4.0)
+        except AssertionError as exc:
+            err_fused, err_eager, floor = exc.args[0]
+            raise WrongOutput(f"{name} ({g.dtype}): max error vs float64 {err_fused:.4g}, eager's {err_eager:.4g} "
+                              f"(allowed {4 * err_eager + floor:.4g})") from None
+    assert_within_ulps_of_eager(list(got), list(eager), [r.double() for r in rounded], names)
+
+
+def check_sites(compiled: Compiled, program: Program):
+    """(b) and (d) for a drawn forward program."""
+    if not isinstance(program, ForwardProgram):
+        return
+    fused, missed = compiled.fused(program.op), len(compiled.misses(program.op))
+    if program.breaking and fused:
+        raise NearMissFused(f"{fused} {program.op} fused although {', '.join(program.breaking)} leaves no formula")
+    if not program.perturbations and fused + missed < program.sites:
+        raise SilentMiss(f"{program.sites} {program.op} sites: {fused} fused, {missed} recorded misses")
+
+
+def record(program: Program, config: Config, compiled: Compiled, failure):
+    """The counts (in test_properties' summary) and, for a failure, its note and log entry."""
+    fused = {op: compiled.fused(op) for op in OPS}
+    STATS["forward: examples"] += 1
+    STATS[f"forward: examples: {program.family}"] += 1
+    for op, count in fused.items():
+        STATS[f"forward: sites fused: {op}"] += count
+    if isinstance(program, ForwardProgram):
+        kind = "near misses" if program.breaking else ("other perturbations" if program.perturbations else "exact")
+        STATS[f"forward: {program.family}: {kind}"] += 1
+        STATS[f"forward: {program.family}: {kind} with the forward fused"] += bool(fused[program.op])
+        STATS[f"forward: {program.family}: {kind}, recorded misses"] += len(compiled.misses(program.op))
+    if FAILURE_LOG:
+        with open(FAILURE_LOG + ".counts", "w") as counts:
+            counts.write("".join(f"{key}: {value}\n" for key, value in sorted(STATS.items())))
+    if failure is None:
+        return
+    kind = type(failure).__name__
+    STATS[f"forward: failures: {kind}"] += 1
+    if isinstance(failure, (WrongGradient, BeyondEagerRounding, UndefinedMadeDefined, WrongOutput, NearMissFused)) \
+            and fused[NORM_OP] + fused[ROPE_OP]:
+        STATS["forward: false rewrites"] += 1
+    text = f"{program}# compiled with {config}\n# {kind}: {failure}; fused: {fused}"
+    note_if_testing(f"# {kind}: {failure}; fused: {fused}")
+    FAILURES.append((kind, text))
+    if FAILURE_LOG:
+        with open(FAILURE_LOG, "a") as log:
+            log.write(f"--- {kind}\n{text}\n")
+    if not KEEP_GOING:
+        raise failure
+
+
+def check_forward_program(program: Program, config: Config):
+    """Compile with the forward rules on, run, and check (a) to (d)."""
+    note_if_testing(f"{program}# compiled with {config}", [f"{program.family}: {n}" for n in program.perturbations])
+    inputs = program.tensors(config.seed)
+    if config.dynamic == "mark":
+        for index, axes in program.dynamic_dims().items():
+            for axis in axes:
+                torch._dynamo.mark_dynamic(inputs[index], axis)
+    compiled = Compiled(program.build(), config)
+    failure = None
+    try:
+        check_program_gradients(compiled, program, inputs)
+        check_outputs(compiled, program, inputs)
+        assert_safe_compute_dtypes(compiled.graphs())
+        check_sites(compiled, program)
+    except (AssertionError, PassError, CompiledRunError) as exc:
+        failure = exc
+    record(program, config, compiled, failure)
+
+
+@EXAMPLES
+@given(program=norm_forward_programs(), config=configs())
+def test_rms_norm_forward_programs(program, config):
+    check_forward_program(program, config)
+
+
+@EXAMPLES
+@given(program=rope_forward_programs(), config=configs())
+def test_rope_forward_programs(program, config):
+    check_forward_program(program, config)
+
+
+@EXAMPLES
+@given(program=rms_norm_programs(), config=configs())
+def test_rms_norm_programs_with_the_forward_rules(program, config):
+    check_forward_program(program, config)
+
+
+@EXAMPLES
+@given(program=rope_programs(), config=configs())
+def test_rope_programs_with_the_forward_rules(program, config):
+    check_forward_program(program, config)
