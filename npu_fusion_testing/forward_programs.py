@@ -61,13 +61,15 @@ NORM_AROUND = ["none", "sandwich", "post"]
 #: after the norm's output: returned as it is, through a projection, cast to float32
 NORM_AFTER = ["none", "matmul", "cast_fp32"]
 
+#: (an extra term after the normalized value, or its rounding to bf16 before the weight, leaves a
+#: weightless norm followed by other math: a site as it is, so they do not break it)
 NORM_BREAKING = {
     "eps_outside_root", "eps_on_x", "wrong_axis", "wrong_n", "abs_stat", "stat_of_flip", "numerator_flip",
-    "extra_term", "rstd_squared", "quartic_root", "rounded_stat", "rounded_normalized"}
+    "numerator_extra", "rstd_squared", "quartic_root", "rounded_stat"}
 NORM_PERTURBATIONS = [  # a list holds alternatives for one place in the norm (see some_of)
     ["wrong_axis", "wrong_n", "abs_stat", "stat_of_flip", "eps_on_x", "rounded_stat"],
     ["eps_outside_root", "quartic_root", "rstd_squared", "eps_negated"],
-    ["numerator_flip", "extra_term", "rounded_normalized"]]
+    ["numerator_flip", "numerator_extra", "extra_term", "rounded_normalized"]]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -138,7 +140,8 @@ def norm_body(form: NormForward, p) -> List[str]:
     upcast = form.casts != "plain"
     lines = ["h = x.to(torch.float32)"] if upcast else ["h = x"]
     lines += [f"ms = {norm_statistic(form, 'h', p)}", f"r = {norm_rstd(form, p)}",
-              "n = h.flip(-1) * r" if "numerator_flip" in p else "n = h * r"]
+              {"numerator_flip": "n = h.flip(-1) * r", "numerator_extra": "n = (h + 0.1 * h * h) * r"}.get(
+                  next((name for name in p if name.startswith("numerator")), ""), "n = h * r")]
     if "extra_term" in p:
         lines.append("n = n + 0.1 * h")
     if "rounded_normalized" in p:
@@ -214,12 +217,13 @@ TABLE_SPELLINGS = ["full", "rebuilt", "half_tables"]
 #: apply_rotary_pos_emb under float32 tables); "tables_to_x" tables cast to x's dtype first
 ROPE_CASTS = ["none", "upcast", "tables_to_x"]
 
+#: (a term added after the rotation, linear or not, leaves the rotation a site as it is)
 ROPE_BREAKING = {"wrong_split", "wrong_partner", "rot_of_flip", "rot_of_rolled", "rot_axis", "abs_x",
-                 "nonlinear_term", "rounded_term"}
+                 "term_inside", "rounded_term"}
 ROPE_PERTURBATIONS = [
     ["wrong_split", "wrong_partner", "rot_axis", "no_negation", "both_negated"],
     ["rot_of_flip", "rot_of_rolled", "abs_x"],
-    ["nonlinear_term", "linear_term", "term_sign", "rounded_term"],
+    ["term_inside", "nonlinear_term", "linear_term", "term_sign", "rounded_term"],
     ["halves_differ", "tables_swapped"]]
 
 
@@ -291,7 +295,8 @@ def rope_formula(form: RopeForward, p) -> List[str]:
         h = form.width // 2
         c2, s2 = (f"{c}.flip({table_seq_axis(form)})", s) if "halves_differ" in p else (c, s)
         x1 = "x1.abs()" if "abs_x" in p else "x1"
-        first = f"{x1} * {c} {'+' if 'term_sign' in p else '-'} x2 * {s}"
+        x2 = "(x2 + 0.1 * x1 * x1)" if "term_inside" in p else "x2"
+        first = f"{x1} * {c} {'+' if 'term_sign' in p else '-'} {x2} * {s}"
         if "nonlinear_term" in p:
             first += " + 0.1 * x1 * x1"
         if "linear_term" in p:
@@ -303,6 +308,8 @@ def rope_formula(form: RopeForward, p) -> List[str]:
     first = f"{xs} * {c}"
     if "rounded_term" in p:
         first = f"({first}).to(torch.bfloat16).to(x.dtype)"
+    if "term_inside" in p:  # a nonlinear term inside the rotated one: no node is the rotation
+        rx = f"({rx} + 0.1 * x * x)"
     y = f"{first} {'-' if 'term_sign' in p else '+'} {rx} * {s}"
     if "nonlinear_term" in p:
         y += " + 0.1 * x * x"
