@@ -30,8 +30,9 @@ from hypothesis import given, settings, strategies as st
 
 from npu_fusion.measure.grads import assert_close_as_unfused, ulps_apart
 from npu_fusion_testing.capture import Capture
-from npu_fusion_testing.forward_programs import NORM_OP, ROPE_OP, ForwardProgram, norm_forward_programs, \
-    rope_forward_programs
+from npu_fusion.patterns.rope_forward import SYMBOLIC_REASON
+from npu_fusion_testing.forward_programs import NORM_OP, ROPE_OP, ForwardProgram, RopeForward, norm_forward_programs, \
+    rope_forward_program, rope_forward_programs
 from npu_fusion_testing.programs import Program, rms_norm_programs, rope_programs
 from test_properties import (FAILURE_LOG, FAILURES, KEEP_GOING, STATS, ULPS, BeyondEagerRounding, CompiledRunError,
                              PassError, UndefinedMadeDefined, WrongGradient, WrongOutput, assert_safe_compute_dtypes,
@@ -248,3 +249,23 @@ def test_rms_norm_programs_with_the_forward_rules(program, config):
 @given(program=rope_programs(), config=configs())
 def test_rope_programs_with_the_forward_rules(program, config):
     check_forward_program(program, config)
+
+
+# -- regressions found by the long profile ------------------------------------------------------
+
+def test_rotation_of_a_symbolic_head_dim_is_a_recorded_forward_miss():
+    """``dynamic=True`` makes the head dim symbolic: the rotations' backward was a recorded miss,
+    but their forward was neither fused nor recorded (a silent miss, found by the long profile:
+    the program below as it drew it, q frozen, k trained, tables rebuilt from half-width ones)."""
+    form = RopeForward(mode=0, layout="BSND", table_layout="S1D", tables="rebuilt", casts="none", head_dim=16,
+                       width=16, sizes=(2, 1, 3), dtype=torch.float32, table_dtype=torch.float32, with_k=True,
+                       q_grad=False, after="times")
+    program = rope_forward_program(form, ())
+    config = Config(route="capture", partitioner="default", decompositions="none", dynamic="all", target="generic",
+                    seed=0)
+    compiled = Compiled(program.build(), config)
+    inputs = program.tensors(config.seed)
+    check_program_gradients(compiled, program, inputs)
+    check_outputs(compiled, program, inputs)
+    misses = compiled.misses(ROPE_OP)
+    assert not compiled.fused(ROPE_OP) and [m.reason for m in misses] == [SYMBOLIC_REASON] * 2, misses
