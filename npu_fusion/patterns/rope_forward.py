@@ -298,6 +298,7 @@ def find_sites(graph: fx.Graph, ctx: RuleContext) -> RoundReport:
         return RoundReport()
     gradient = gradient_dependent(graph) or set()
     seeds = [n for n in graph.nodes if n not in gradient and _moves_elements(n)]
+    symbolic = _symbolic_last_axis(graph, seeds, gradient)
     nodes = [n for n in downstream(graph, seeds, DX_DEPTH) if n not in gradient and n.op == "call_function"
              and shape(n) and static_int(shape(n)[-1]) is not None and 2 <= static_int(shape(n)[-1]) <= MAX_LANES
              and dtype(n) is not None and dtype(n).is_floating_point]
@@ -318,7 +319,7 @@ def find_sites(graph: fx.Graph, ctx: RuleContext) -> RoundReport:
     matches = [m for m in matches if m.y not in inside]
     ctx.evaluated(ev)
     scaled = [n for n in nodes if n not in looks and _reads_scaled_copy(ev, n)]
-    return RoundReport(matches, _near_misses(ev, looks, matches, inside) + _near_misses(
+    return RoundReport(matches, symbolic + _near_misses(ev, looks, matches, inside) + _near_misses(
         ev, scaled, matches, inside, SCALED_COPY_REASON))
 
 
@@ -341,6 +342,25 @@ def _innermost_where_shared(matches: List[ForwardRopeMatch]) -> List[ForwardRope
         return inner.y in regions[outer.y] and any(u not in regions[outer.y] for u in inner.y.users)
 
     return [m for m in matches if not any(o is not m and read_outside(m, o) for o in matches)]
+
+
+#: why a rotation of a symbolic head dim (``dynamic=True``) stays as it is
+SYMBOLIC_REASON = ("elements moved along a symbolic last axis and summed, as a RoPE forward does: the pass proves "
+                   "RoPE per position of a static head dim; mark only batch and sequence dynamic (dynamic=True also "
+                   "made the head dim symbolic)")
+
+
+def _symbolic_last_axis(graph: fx.Graph, seeds, gradient) -> List[Miss]:
+    """Forward elements moved along a symbolic last axis and then summed: no node of a symbolic
+    head dim is evaluated, so such a rotation would be a silent miss (found by the forward
+    property tests); recorded instead, as the backward rule does (:func:`.rope._symbolic_last_axis`)."""
+    sums = {}
+    for seed in (n for n in seeds if shape(n) and static_int(shape(n)[-1]) is None):
+        user = next((u for u in downstream(graph, [seed], 2) if u is not seed and u not in gradient
+                     and u.target in (aten.add.Tensor, aten.sub.Tensor)), None)
+        if user is not None:
+            sums[user] = None
+    return [Miss(OP.name, n.name, SYMBOLIC_REASON) for n in outermost(list(sums))]
 
 
 #: why a rotation that reads x in one term and a constant multiple of x in the other fuses in no form
