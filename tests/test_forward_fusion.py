@@ -153,6 +153,7 @@ def test_spelling_fuses_forward_paired_with_backward(spelling, dtype):
     assert_paired(fw, bw, sites)
 
 
+@pytest.mark.smoke  # in the version matrix's smoke set: the forward kept with its decomposed backward
 def test_forward_stays_unfused_while_its_backward_is_decomposed():
     """With the backward rule off, the forward's statistic is read by the decomposed backward:
     the forward is left as it is, a recorded miss saying why."""
@@ -316,6 +317,7 @@ ROPE, ROPE_GRAD = "rotary_position_embedding", "rotary_position_embedding_grad"
 BOTH = {"rms_norm_forward": True, "rope_forward": True}
 
 
+@pytest.mark.smoke  # in the version matrix's smoke set: the forward fused in each RoPE mode
 @pytest.mark.parametrize("name,dtype", [
     ("llama", torch.bfloat16), ("gptj", torch.float32), ("deepseek", torch.bfloat16)])
 def test_bundled_models_fuse_every_forward_and_backward(name, dtype):
@@ -363,6 +365,7 @@ def test_rope_forward_spellings_and_a_near_miss(fn, fused):
         assert "no mode's formula" in next(m.reason for m in result.misses if m.op == ROPE)
 
 
+@pytest.mark.smoke  # in the version matrix's smoke set: a target's forward refusal
 def test_rope_forward_refused_by_the_target_is_a_recorded_miss():
     """Mode 3 (DeepSeek-V3's interleave-half) runs on Ascend 950 only: on A2 the forward stays as it
     is, a recorded miss with the target's reason; on 950 it fuses."""
