@@ -88,6 +88,18 @@ def outside_fake_mode():
     return unset_fake_temporarily()
 
 
+def set_value_meta(node, value) -> None:
+    """Give a node the pass inserts its fake ``value`` as ``make_fx`` does: ``val``, and for a
+    tensor ``tensor_meta`` too. Torch 2.6 and 2.7's default partitioner reads a forward node
+    without ``tensor_meta`` as a tuple (it saves its users, and asserts they are all getitems),
+    which a fused forward op's outputs are not."""
+    from torch.fx.passes.shape_prop import _extract_tensor_metadata
+
+    node.meta["val"] = value
+    if isinstance(value, torch.Tensor):
+        node.meta["tensor_meta"] = _extract_tensor_metadata(value)
+
+
 class UnsupportedTorchair(RuntimeError):
     """The installed torchair offers no hook through which npu-fusion could run."""
 

@@ -221,6 +221,7 @@ def digest_of_corpus() -> str:
 
 def _capture(program: Program) -> Dict[str, Any]:
     from npu_fusion.plugin.backend import aot_backend
+    from npu_fusion.patterns import RULES
     from npu_fusion.plugin.options import FusionOptions
 
     kept = {}
@@ -236,7 +237,7 @@ def _capture(program: Program) -> Dict[str, Any]:
         kept.setdefault("inputs", [p.meta["val"] for p in gm.graph.find_nodes(op="placeholder")])
         run()  # with every fusion off: the graph stays as captured
 
-    options = FusionOptions(target="generic", rms_norm=False, rope=False)
+    options = FusionOptions(target="generic", **{rule.option: False for rule in RULES})
     step = program.build()
     torch._dynamo.reset()
     torch.compile(step, backend=aot_backend(options, around_pass, stage=program.stage), fullgraph=False)()

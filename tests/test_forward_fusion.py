@@ -177,6 +177,7 @@ def test_spelling_fuses_forward_paired_with_backward(spelling, dtype):
     assert_paired(fw, bw, sites)
 
 
+@pytest.mark.smoke  # in the version matrix's smoke set: the forward kept with its decomposed backward
 def test_forward_stays_unfused_while_its_backward_is_decomposed():
     """With the backward rule off, the forward's statistic is read by the decomposed backward:
     the forward is left as it is, a recorded miss saying why."""
@@ -258,7 +259,7 @@ def test_norm_feeding_a_router_fuses():
 def test_options_off_leave_the_forward_decomposed():
     w = _weight(torch.float32)
     x = torch.randn(2, 3, 16, requires_grad=True)
-    result, fw, _ = check(lambda x: F.rms_norm(x, (16,), w, EPS), [x], [w])
+    result, fw, _ = check(lambda x: F.rms_norm(x, (16,), w, EPS), [x], [w], rms_norm_forward=False)
     assert result.fused(BACKWARD) == 1 and not result.fused(FORWARD) and calls(fw, "rsqrt")
 
 
@@ -381,6 +382,7 @@ ROPE, ROPE_GRAD = "rotary_position_embedding", "rotary_position_embedding_grad"
 BOTH = {"rms_norm_forward": True, "rope_forward": True}
 
 
+@pytest.mark.smoke  # in the version matrix's smoke set: the forward fused in each RoPE mode
 @pytest.mark.parametrize("name,dtype", [
     ("llama", torch.bfloat16), ("gptj", torch.float32), ("deepseek", torch.bfloat16)])
 def test_bundled_models_fuse_every_forward_and_backward(name, dtype):
@@ -560,6 +562,7 @@ def test_rope_forward_of_a_decomposed_norm_times_weight(other_weight):
             result.sites, result.misses)
 
 
+@pytest.mark.smoke  # in the version matrix's smoke set: a target's forward refusal
 def test_rope_forward_refused_by_the_target_is_a_recorded_miss():
     """Mode 3 (DeepSeek-V3's interleave-half) runs on Ascend 950 only: on A2 the forward stays as it
     is, a recorded miss with the target's reason; on 950 it fuses."""

@@ -50,6 +50,7 @@ def _step(fn, inputs, params, **options):
     return seen["result"]
 
 
+@pytest.mark.smoke  # in the version matrix's smoke set: a recorded forward miss
 def test_square_root_statistic_is_a_recorded_forward_miss():
     """``x / sqrt(mean(x*x) + eps)``: no RMSNorm form of either direction; the forward is a
     recorded miss that says how to spell it, not silence."""
@@ -67,6 +68,7 @@ def complex_rope(x, freqs_cis):
     return torch.view_as_real(pairs * freqs_cis).flatten(3).type_as(x)
 
 
+@pytest.mark.smoke  # in the version matrix's smoke set: a complex rotation fused forward and backward
 def test_complex_rotation_fuses_forward_and_backward():
     """A complex ``freqs_cis`` rotation: its forward fuses with the real cos and sin tables
     rebuilt from freqs_cis's parts (and checked by value), beside its fused backward."""

@@ -67,7 +67,7 @@ def test_forms_and_options_derive_from_the_rules():
     assert FORMS == [(r.op.name, f.form, f.seen_in) for r in RULES for f in r.forms]
     fields = {f.name for f in FusionOptions.__dataclass_fields__.values()}
     assert {"rope", "rms_norm"} <= fields and all(r.option in fields for r in RULES)
-    off = FusionOptions.from_mapping({"rope": False})
+    off = FusionOptions.from_mapping({"rope": False, "rms_norm_forward": False, "rope_forward": False})
     assert [r.op.name for r in RULES if off.enables(r)] == [RMS]
     with pytest.raises(ValueError, match="unknown npu_fusion option"):
         FusionOptions.from_mapping({"rotary": False})

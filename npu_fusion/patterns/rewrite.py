@@ -21,7 +21,7 @@ from typing import Dict, Iterable, List, Optional, Sequence, Union
 import torch
 import torch.fx as fx
 
-from ..compat import fake_tensor_type, is_erased, outside_fake_mode
+from ..compat import fake_tensor_type, is_erased, outside_fake_mode, set_value_meta
 from ..lowering.constraints import FusedOpInputError
 from ..lowering.fused_op import FusedOp
 from ..lowering.sizes import same_shape
@@ -83,7 +83,7 @@ def call(graph: fx.Graph, fake_mode, target, args, kwargs=None, value=None, crea
     if created is not None:
         created.append(node)
     if value is not None:
-        node.meta["val"] = value
+        set_value_meta(node, value)
         return node
     meta_args, meta_kwargs = fx.node.map_arg((tuple(args), kwargs), lambda n: n.meta.get("val"))
     if fake_mode is None:
@@ -93,7 +93,7 @@ def call(graph: fx.Graph, fake_mode, target, args, kwargs=None, value=None, crea
         if value is None:
             with fake_mode:
                 value = target(*meta_args, **meta_kwargs)
-    node.meta["val"] = value
+    set_value_meta(node, value)
     return node
 
 def _static_fake_value(fake_mode, target, args, kwargs):
@@ -141,7 +141,7 @@ def getitem(graph, fake_mode, node, index, created=None) -> fx.Node:
     item = graph.call_function(operator.getitem, (node, index))
     if created is not None:
         created.append(item)
-    item.meta["val"] = node.meta["val"][index]
+    set_value_meta(item, node.meta["val"][index])
     return item
 
 def cast(graph, fake_mode, node: fx.Node, to: torch.dtype, created=None) -> fx.Node:

@@ -56,6 +56,7 @@ def _rstd_is_the_forward_rms_norms(ge, fx_graphs):
     assert backward.input_dtype(rms_grad, "rstd") == torch.float32
 
 
+@pytest.mark.smoke  # in the version matrix's smoke set: the forward fused through torchair
 @pytest.mark.parametrize("rope", ["half", "interleave"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_a2_forward_and_backward_ge_graphs_fused(ge, dtype, rope):
@@ -142,6 +143,7 @@ def test_forward_graph_handed_to_ge(ge):
     assert ("compile", (loaded.name,)) in cann_stub.CALLS
 
 
+@pytest.mark.smoke  # in the version matrix's smoke set: the forward's saved set through torchair
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_forward_fused_saves_no_more_than_the_backward_alone(ge, dtype):
     """The forward ops hand the backward what it read before (the norm's rstd is the rsqrt it
