@@ -34,8 +34,8 @@ from ..lowering.constraints import ROPE_MODES, rope_divisor, rope_target_problem
 from ..lowering.sizes import same_shape, static_int
 from .evaluator import JointProvenance, kept_precision, rounding_problem
 from .lanes import LaneEvaluator, Lanes
-from .nodes import (CAST_TARGETS, VIEWS, aten, downstream, dtype, gradient_dependent, last_of, outermost, outside_users, region_of, shape,
-                    val)
+from .nodes import (CAST_TARGETS, VIEWS, aten, downstream, dtype, gradient_dependent, last_of, outermost, outside_users,
+                    region_of, shape, val)
 from .rewrite import Insertion, Miss, RuleContext, commit, exact_common_dtype, input_problem, replacement_of
 from .pairing import calls, forward_is_complex, source, unpaired
 from .rms_norm_forward import _as_forward_work, expression, same_layout
