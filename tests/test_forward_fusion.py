@@ -463,8 +463,8 @@ def megatron_gpt(p, cos, sin, rotated_half_of=None):
 def test_rope_forward_whole_head_pass_through_and_split_projection(name):
     """An empty pass-through (Phi-3, Megatron at a whole-head rotation) is no foreign read; x a
     view of one split of a projection viewed per group (Megatron's q/k/v) is read as a leaf
-    there, so both rotations fuse. The same program with k's rotate_half reading two of q's heads (no rotation) keeps that
-    product as it is."""
+    there, so both rotations fuse. The same program with k's rotate_half reading two of q's heads
+    (no rotation) keeps that product as it is."""
     angles = torch.randn(6, 16, generator=torch.Generator().manual_seed(2))
     if name == "phi3":
         fn, p, params, cos, sin = phi3, torch.randn(2, 6, 4, 16, requires_grad=True), [], angles.cos(), angles.sin()
