@@ -14,9 +14,11 @@ output when, for some mode and some leaves playing x, cos and sin, position i of
 ``x[a(i)] * cos[i] + s(i) * x[b(i)] * sin[i]`` with ``a``, ``b`` and the signs ``s`` of the
 mode (the transpose of SPEC section 1's backward: :func:`~.rope.table_terms`), each table
 possibly negated as a whole. The fused op then reads the nodes the site reads that hold x, cos
-and sin exactly (a partial rotary's slice of q, a table after its ``unsqueeze``); tables that
-exist only in pieces (half-width tables rebuilt in the graph, complex ``freqs_cis``) are
-recorded misses. Casts are identities of the domain and the rounding rules of
+and sin exactly (a partial rotary's slice of q, a table after its ``unsqueeze``); an operand that
+exists only in pieces (a half-width table read twice, x read as its even and odd lanes, the real
+parts of a complex ``freqs_cis``, a cache's ``select``) is rebuilt from the node that holds its
+elements with slices and ``cat`` (or ``stack``), and the rebuilt node is evaluated and must equal
+the role position by position before the site fuses. Casts are identities of the domain and the rounding rules of
 :func:`~.evaluator.rounding_problem` judge the output. Only on a joint graph, after the backward
 rules in each round: an intermediate a decomposed backward still reads (``rotate_half(q)`` for
 a table's gradient) keeps the forward as it is until that backward is fused.
