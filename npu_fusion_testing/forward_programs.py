@@ -23,8 +23,7 @@ from typing import List, Tuple
 
 from hypothesis import strategies as st
 
-from .programs import BF16, DTYPE_NAME, DTYPE_NAME_TORCH, DTYPES, F16, F32, SIZES, Input, Program, function_source, \
-    some_of
+from .programs import BF16, DTYPE_NAME, DTYPES, F32, SIZES, Input, Program, function_source, some_of
 
 NORM_OP, ROPE_OP = "rms_norm", "rotary_position_embedding"
 
@@ -36,10 +35,6 @@ class ForwardProgram(Program):
     sites: int = 1
     #: the drawn perturbations that make every site no op's formula
     breaking: Tuple[str, ...] = ()
-
-
-def _cast(dtype) -> str:
-    return f".to({DTYPE_NAME_TORCH[dtype]})"
 
 
 # -- RMSNorm ------------------------------------------------------------------------------
@@ -400,4 +395,4 @@ def rope_forward_programs(draw, near_misses: bool = True) -> ForwardProgram:
     return rope_forward_program(form, draw(some_of(rope_slots(form), counts=(0, 1, 1))) if near_misses else ())
 
 
-__all__ = ["F16", "ForwardProgram", "NORM_OP", "ROPE_OP", "norm_forward_programs", "rope_forward_programs"]
+__all__ = ["ForwardProgram", "NORM_OP", "ROPE_OP", "norm_forward_programs", "rope_forward_programs"]
