@@ -11,8 +11,10 @@ broadcast table right-aligned first), and each result is permuted back (:func:`r
 which gives it exactly the output's strides. A small output the program lays out otherwise
 than that order (a keep-dim rstd, contiguous while y is BSHD) is copied into the program's own
 layout (:func:`relaid_like`). Strides are compared as expressions, so symbolic sizes need no
-guard; a layout no order explains (overlapping, padded, or the op's axes not innermost) has
-none, and the rule keeps the site as it is, a recorded miss.
+guard. Where no order has the op's axes innermost (Zaya's q, [B, H, S, D] stored BHDS), the op
+runs in the shape's order and each result is copied into the program's layout, one copy of the
+output; a layout that is dense in no order at all (overlapping, padded) keeps the site as it
+is, a recorded miss.
 """
 from __future__ import annotations
 

@@ -413,12 +413,12 @@ def emit_fused_op(ctx: RuleContext, op: FusedOp, at: fx.Node, operands: Sequence
         old = outputs.get(name)
         if old is not None:
             result = fused if single else edit.getitem(fused, index)
-            replacements[old] = _in_layout_of(edit, replacement_of(
+            replacements[old] = in_layout_of(edit, replacement_of(
                 edit, restored(edit, result, order) if order else result, old), old)
     return fused, replacements
 
 
-def _in_layout_of(edit: Edit, new: fx.Node, old: fx.Node) -> fx.Node:
+def in_layout_of(edit: Edit, new: fx.Node, old: fx.Node) -> fx.Node:
     """``new`` with ``old``'s strides: a copy into them where they differ and are a dense layout
     (a dx of a transposed q, a keep-dim rstd of a norm run in BSHD order), since the program's
     views of ``old`` rely on them; else ``new`` (the rule compares the layouts, if it must)."""

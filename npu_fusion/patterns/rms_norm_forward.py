@@ -440,10 +440,9 @@ def emit(ctx: RuleContext, site: ForwardNormMatch):
     late = [u for out in (site.y, site.rstd) for u in out.users if (u not in region or u in kept) and u < anchor]
     if problem is None and late:
         problem = f"{late[0].name} reads the norm's output before its weight is computed"
-    order = memory_order(site.y, site.ev.k)  # the op runs in y's memory order (a q/k norm of a transposed q)
-    if problem is None and order is None:
-        problem = (f"{site.y.name} has strides {list(val(site.y).stride())}: no dense layout of its shape with the "
-                   f"normalized axes innermost, which the fused op's output always is")
+    # the op runs in y's memory order (a q/k norm of a transposed q); where the normalized axes are
+    # not innermost in memory, in the shape's order, its outputs then copied into the program's layouts
+    order = memory_order(site.y, site.ev.k) or list(range(len(shape(site.y))))
     if problem is not None:
         return Miss(OP.name, site.y.name, problem)
     outputs = {"y": site.y, "rstd": site.rstd}

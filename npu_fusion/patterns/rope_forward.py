@@ -39,7 +39,8 @@ from .lanes import LaneEvaluator, Lanes
 from .lanes import shape as lane_shape
 from .nodes import (CAST_TARGETS, VIEWS, aten, downstream, dtype, gradient_dependent, is_float_cast, last_of,
                     outermost, outside_users, region_of, shape, val)
-from .rewrite import Insertion, Miss, RuleContext, commit, exact_common_dtype, input_problem, replacement_of
+from .rewrite import (Insertion, Miss, RuleContext, commit, exact_common_dtype, in_layout_of, input_problem,
+                      replacement_of)
 from .pairing import calls, forward_is_complex, source, unpaired
 from .rms_norm_forward import _as_forward_work
 from .layout import memory_order, permuted, restored, same_layout
@@ -607,10 +608,9 @@ def emit(ctx: RuleContext, site: ForwardRopeMatch):
     if isinstance(operands, str):
         return Miss(OP.name, site.y.name, operands)
     x, cos, sin, region = operands
-    order = memory_order(site.y)
-    if order is None:
-        return Miss(OP.name, site.y.name, f"the output's strides {list(val(site.y).stride())} are no dense layout "
-                                          f"of its shape with the rotated axis innermost")
+    # in y's memory order; where the rotated axis is not innermost in memory (Zaya's q, BHDS in
+    # memory), in the shape's order, the result then copied into y's layout
+    order = memory_order(site.y) or list(range(len(shape(site.y))))
     compute = exact_common_dtype((x.dtype(), cos.dtype(), sin.dtype(), kept_precision(site.y)))
     laid = [tuple(x.shape()[d] for d in order), tuple(([1] * (len(order) - len(cos.shape())) + list(cos.shape()))[d]
                                                       for d in order)]
@@ -644,7 +644,7 @@ def _emit_call(ctx: RuleContext, site: ForwardRopeMatch, roles, compute, order):
     if problem is not None:
         return Miss(OP.name, site.y.name, problem)
     fused = ctx.edit.call(OP.overload, (*operands, site.mode))
-    replacement = replacement_of(ctx.edit, restored(ctx.edit, fused, order), site.y)
+    replacement = in_layout_of(ctx.edit, replacement_of(ctx.edit, restored(ctx.edit, fused, order), site.y), site.y)
     if not same_layout(replacement, site.y):
         return Miss(OP.name, site.y.name, f"the output's strides {list(val(site.y).stride())} are no dense layout "
                                           f"of its shape with the rotated axis innermost")
