@@ -559,7 +559,7 @@ class RmsNormForwardRule(FusionRule):
     stage = "joint"
     domain = "norm"
     ops = (OP,)
-    enabled_by_default = False  # until the zoo and framework sweeps show it complete
+    enabled_by_default = True
     #: each norm call the model runs is one forward site, the backward's site
     site_probe = SiteProbe(kind=OP.option, same_sites_as="rms_norm")
     forms = tuple(Form(*row) for row in (
