@@ -14,6 +14,7 @@ from npu_fusion.measure.sites import FORWARD_OPS, KINDS, PROBES, kinds_enabled
 from npu_fusion.patterns import RULES
 from npu_fusion.plugin.backend import aot_backend
 from npu_fusion.plugin.options import FusionOptions
+from npu_fusion_testing.capture import compile_and_compare
 from npu_fusion.report import command as report
 
 FORWARD = {"rms_norm_forward": True, "rope_forward": True}
@@ -125,3 +126,22 @@ def test_whole_fused_rms_norm_forward_is_a_recorded_forward_miss():
     forward = [m for m in result.misses if m.op == "rms_norm"]
     assert result.fused("rms_norm_grad") == 1 and len(forward) == 1, result.misses
     assert "aten._fused_rms_norm" in forward[0].reason and "decomposed" in forward[0].reason
+
+
+PER_POSITION_WEIGHT = torch.nn.Parameter(torch.randn(5, 32, generator=torch.Generator().manual_seed(1)))
+
+
+def test_norm_whose_weight_gradient_no_form_matches_keeps_its_forward():
+    """A weight per position on an input that takes no gradient: the backward is only the
+    weight's gradient, ``sum(dy * x_hat)`` over the batch, which no RmsNormGrad form computes (a
+    recorded backward miss). Fused, the forward would hide that product's statistic from the
+    backward's no-silent-miss scan; it stays, with its own recorded miss, and gradients pass."""
+    def fn(x):
+        return PER_POSITION_WEIGHT * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6))
+
+    x = torch.randn(2, 5, 32, generator=torch.Generator().manual_seed(0))
+    capture = compile_and_compare(fn, [x], params=[PER_POSITION_WEIGHT], rms_norm_forward=True, rope_forward=True)
+    assert not capture.fused("rms_norm") and not capture.fused("rms_norm_grad")
+    reasons = {m.op: m.reason for m in capture.misses()}
+    assert "summed as a weight's gradient" in reasons["rms_norm_grad"], capture.misses()
+    assert "multiplies a gradient by the norm's output" in reasons["rms_norm"], capture.misses()
