@@ -64,15 +64,9 @@ def test_site_with_a_computed_dy_or_x_fuses(name, partitioner):
     fn, make_inputs, n_rope, n_rms = COMPUTED_DY[name]
     capture = compile_and_compare(fn, list(make_inputs()), partitioner=partitioner, target="generic")
     assert (capture.fused(ROPE), capture.fused(RMS)) == (n_rope, n_rms), capture.misses()
-    misses = capture.misses()
-    if name in FORWARD_MISSES:  # the forward rule (on by default) leaves one norm's forward, saying why
-        assert [m.op for m in misses] == ["rms_norm"] and FORWARD_MISSES[name] in misses[0].reason, misses
-    else:
-        assert not misses, misses
-
-
-#: programs whose forward the forward rules leave unfused: the recorded reason
-FORWARD_MISSES = {"sandwich_norm": "a forward RMS statistic rsqrt(mean(x*x) + eps) that no forward RMSNorm form matched"}
+    assert not capture.misses(), capture.misses()
+    # the forward rules (on by default) fuse each site's forward too
+    assert (capture.fused("rotary_position_embedding"), capture.fused("rms_norm")) == (n_rope, n_rms)
 
 
 def test_symbolic_hidden_size_fuses_rms_norm():
