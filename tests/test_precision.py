@@ -117,12 +117,12 @@ def test_rounding_coarser_than_the_value_stays_unfused(case, partitioner):
         inputs = [randn(2, 8, 32, grad=True), randn(32, seed=1, grad=True)]
     capture, got, eager = compile_grads(fn, inputs, partitioner=partitioner)
     if dx_alone:
-        [site] = [s for r in capture.results for s in r.sites]
+        [site] = [s for r in capture.results for s in r.sites if s.op == op]
         assert set(site.outputs) == {"dx"} and site.note.startswith("dgamma"), site
     else:
         assert capture.fused(op) == 0
-        [miss] = capture.misses()
-        assert miss.op == op and "more coarsely than it keeps" in miss.reason, miss
+        [miss] = [m for m in capture.misses() if m.op == op]
+        assert "more coarsely than it keeps" in miss.reason, miss
     for g, e in zip(got, eager):
         assert ulps_apart(g, e, torch.float32) <= 1
 
