@@ -267,3 +267,17 @@ def test_report_through_inductor(capsys):
     assert not r["misses"] and not r["pass_errors"]
     assert inductor_config().joint_custom_pre_pass is before
     assert report.run(parse("--compiler", "inductor", "--partitioner", "default")) == report.EXIT_USAGE
+
+
+def test_settings_say_whether_the_forward_is_fused():
+    """The forward rules are on by default: the report's settings say so without --forward, and
+    --backward-only turns them off (its options and its settings alike)."""
+    from npu_fusion.plugin.options import FusionOptions
+    from npu_fusion.report import command
+
+    parser = argparse.ArgumentParser()
+    command.add_arguments(parser)
+    for argv, fused in (([], True), (["--forward"], True), (["--backward-only"], False)):
+        args = parser.parse_args(argv)
+        options = FusionOptions.from_mapping(command.forward_switches(args))
+        assert command.forward_fused(args) is fused == options.rms_norm_forward == options.rope_forward

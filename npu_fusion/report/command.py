@@ -33,8 +33,18 @@ COMPILERS = ("npu_fusion", "inductor", "torchair")
 
 
 def forward_switches(args) -> dict:
-    """The forward rules' options when ``--forward`` asks for them (else their defaults)."""
+    """The forward rules' options: off with ``--backward-only``, on with ``--forward``, else their
+    defaults (on)."""
+    if getattr(args, "backward_only", False):
+        return {"rms_norm_forward": False, "rope_forward": False}
     return {"rms_norm_forward": True, "rope_forward": True} if getattr(args, "forward", False) else {}
+
+
+def forward_fused(args) -> bool:
+    """Whether the run fuses the forward (what the report's settings say): the options'
+    values, the defaults included."""
+    options = FusionOptions.from_mapping(forward_switches(args))
+    return bool(options.rms_norm_forward or options.rope_forward)
 
 
 def add_arguments(parser: argparse.ArgumentParser, sources: Sequence[SubjectSource] = ()) -> None:
@@ -72,8 +82,11 @@ def add_arguments(parser: argparse.ArgumentParser, sources: Sequence[SubjectSour
     parser.add_argument("--compiled-autograd", action="store_true",
                         help="compile forward and backward as one step with compiled autograd on")
     parser.add_argument("--forward", action="store_true",
-                        help="fuse the forward too (options rms_norm_forward and rope_forward): each counted site "
-                             "is then a forward site as well, in the rows of rms_norm and rotary_position_embedding")
+                        help="fuse the forward too (options rms_norm_forward and rope_forward, on by default): each "
+                             "counted site is then a forward site as well, in the rows of rms_norm and "
+                             "rotary_position_embedding")
+    parser.add_argument("--backward-only", action="store_true",
+                        help="turn the forward rules off (rms_norm_forward=False, rope_forward=False)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", action="store_true",
                         help="print everything as one JSON object on stdout (progress stays on stderr)")
@@ -150,4 +163,4 @@ def _settings(args: argparse.Namespace) -> Dict[str, Any]:
             "layers": args.layers, "dtype": args.dtype, "batch": args.batch, "seq": args.seq,
             "dynamic": args.dynamic, "target": args.target, "partitioner": args.partitioner,
             "compiler": getattr(args, "compiler", "npu_fusion"), "checkpointing": args.checkpointing, "compiled_autograd": args.compiled_autograd,
-            "seed": args.seed, "forward": bool(getattr(args, "forward", False))}
+            "seed": args.seed, "forward": forward_fused(args)}

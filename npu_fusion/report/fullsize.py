@@ -136,7 +136,8 @@ def collect(args: argparse.Namespace) -> Dict[str, Any]:
                     "overrides": list(args.overrides), "layers": args.layers, "dtype": dtype_name,
                     "batch": args.batch, "seq": args.seq, "dynamic": False, "target": target,
                     "partitioner": args.partitioner, "checkpointing": "none", "compiled_autograd": False,
-                    "seed": None, "forward": bool(getattr(args, "forward", False))}
+                    "seed": None, "forward": command.forward_fused(args),
+                    "backward_only": bool(getattr(args, "backward_only", False))}
         targets[target] = _one_target(model, ids, settings, counted)
     return {"model": f"{config.model_type} ({os.path.basename(args.hf_config)}, meta device)",
             "config": _shape_summary(config), "targets": targets,
