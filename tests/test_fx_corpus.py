@@ -39,8 +39,9 @@ def _outputs(gm, inputs):
         return {i: t for i, t in enumerate(gm(*inputs)) if isinstance(t, torch.Tensor) and t.dtype.is_floating_point}
 
 
-#: the forward ops (on by default, joint graphs only) and their backward, whose sites they share
+#: the forward ops and their backward, whose sites they share
 FORWARD = {"rms_norm": "rms_norm_grad", "rotary_position_embedding": "rotary_position_embedding_grad"}
+
 
 @pytest.mark.parametrize("name", sorted(fx_corpus.PROGRAMS))
 def test_rules_on_the_corpus(name):
@@ -49,8 +50,9 @@ def test_rules_on_the_corpus(name):
     wide = [t.double() if t.dtype.is_floating_point else t for t in entry.inputs]
     exact = {i: t.to(unfused[i].dtype) for i, t in _outputs(_float64_reading(entry.gm), wide).items() if i in unfused}
     options = {"target": "generic", "strict": True}
-    if entry.stage == "joint":
-        result = fuse_joint(entry.gm, options)
+    if entry.stage == "joint":  # the forward rules too: each site's forward fuses beside its backward
+        result = fuse_joint(entry.gm, dict(options, rms_norm_forward=True, rope_forward=True))
+        assert {op: result.fused(op) for op in FORWARD} == {op: entry.sites.get(b, 0) for op, b in FORWARD.items()}
     else:
         result = fuse_backward(entry.gm, options, forward=entry.forward)
     assert {op: result.fused(op) for op in entry.sites} == entry.sites, result.misses
@@ -58,9 +60,6 @@ def test_rules_on_the_corpus(name):
         assert result.misses and not result.sites  # a near miss: recorded, never rewritten
     else:
         assert not result.misses, result.misses
-        if entry.stage == "joint":  # each site's forward fuses beside its backward
-            for forward, backward in FORWARD.items():
-                assert result.fused(forward) == entry.sites.get(backward, 0), result.sites
     fused = _outputs(entry.gm, entry.inputs)
     assert not grad_failures(fused, unfused, exact, MODEL_FACTOR, precision=_precision(entry.inputs))
 

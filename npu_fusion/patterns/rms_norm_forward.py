@@ -47,7 +47,7 @@ from ..lowering.constraints import RMS_NORM_DTYPES, rms_norm_target_problem
 from ..lowering.sizes import same_shape, static_int
 from .algebra import Expr
 from .evaluator import JointProvenance, Provenance, Unsupported, kept_precision, rounding_problem
-from .nodes import (CAST_TARGETS, VIEWS, aten, downstream, dtype, gradient_dependent, gradient_product,
+from .nodes import (CAST_TARGETS, VIEWS, aten, downstream, dtype, gradient_dependent,
                     is_value_preserving_cast, last_of, normalize_dim, outermost, outside_users, region_of, shape, val)
 from .rewrite import Insertion, Miss, RuleContext, commit, emit_fused_op, exact_common_dtype
 from .layout import memory_order, permuted, same_layout
@@ -376,31 +376,10 @@ def _pairing_problem(site: ForwardNormMatch, region, graph: fx.Graph) -> Optiona
     if decomposed:
         return (f"a decomposed backward node ({decomposed[0].name}) reads the forward's statistic or intermediates "
                 f"(its backward is unfused): the forward fuses only where its fused backward reads its statistic")
-    weight_gradient = [] if paired else _gradient_products(site.y, region, gradient)
-    if weight_gradient:  # fused, the forward would hide that backward from the no-silent-miss scan
-        return (f"a decomposed backward node ({weight_gradient[0].name}) multiplies a gradient by the norm's output "
-                f"and no fused backward reads its statistic (a weight's gradient no RMSNorm form matched): the "
-                f"forward fuses only beside its fused backward")
     if readers and not paired:
         node, user = readers[0]
         return f"intermediate {node.name} has a user outside the norm ({user.name})"
     return None
-
-
-def _gradient_products(y: fx.Node, region, gradient) -> List[fx.Node]:
-    """Backward products of a gradient and ``y`` (read through casts and views): the elementwise
-    weight's gradient of a norm, ``sum(dy * y)``, when the norm's backward is left decomposed."""
-    found, stack, seen = [], [u for u in y.users if u not in region], set()
-    while stack:
-        user = stack.pop()
-        if user in seen:
-            continue
-        seen.add(user)
-        if user.op == "call_function" and user.target in CAST_TARGETS | VIEWS and user not in gradient:
-            stack.extend(user.users)
-        elif user in gradient and gradient_product(user, gradient) is not None:
-            found.append(user)
-    return found
 
 
 def _read_by_fused_backward(rstd: fx.Node, region) -> bool:
@@ -580,7 +559,7 @@ class RmsNormForwardRule(FusionRule):
     stage = "joint"
     domain = "norm"
     ops = (OP,)
-    enabled_by_default = True
+    enabled_by_default = False  # until the whole suite passes with it on (see the README)
     #: each norm call the model runs is one forward site, the backward's site
     site_probe = SiteProbe(kind=OP.option, same_sites_as="rms_norm")
     forms = tuple(Form(*row) for row in (

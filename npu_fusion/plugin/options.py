@@ -6,9 +6,8 @@ Given as ``torch.compile(..., backend="npu_fusion", options={...})``, to
 The switches derive from :data:`npu_fusion.patterns.RULES`: each rule's
 :attr:`~npu_fusion.patterns.FusionRule.option` (its fused op's option unless the rule names
 another: ``rope`` fuses RoPE backward subgraphs into ``npu_fusion.rotary_position_embedding_grad``,
-``rms_norm`` RMSNorm backward subgraphs into ``npu_fusion.rms_norm_grad``, ``rms_norm_forward`` and
-``rope_forward`` their forward on the joint graph into ``npu_fusion.rms_norm`` and
-``npu_fusion.rotary_position_embedding``), on by default unless the rule says otherwise; a
+``rms_norm`` RMSNorm backward subgraphs into ``npu_fusion.rms_norm_grad``), on by default unless
+the rule says otherwise (``rms_norm_forward``: forward RMSNorm into ``npu_fusion.rms_norm``, off); a
 rule's older option names (:attr:`~npu_fusion.patterns.FusionRule.option_aliases`) are still taken.
 """
 from __future__ import annotations
