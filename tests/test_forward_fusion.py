@@ -52,12 +52,17 @@ def check(fn, inputs, params=(), **options):
     got = compiled(*inputs)
     assert got.dtype == eager.dtype and got.shape == eager.shape
     assert_close_as_unfused(got.detach(), eager, exact, factor=MODEL_FACTOR)
+    check_gradients(compiled, fn, inputs, params)
+    return seen["result"], seen["fw"].graph, seen["bw"].graph
+
+
+def check_gradients(compiled, fn, inputs, params=()):
+    """Every gradient of ``compiled`` has eager's dtype and shape and passes the float64 criterion."""
     fused_grads, grad_outputs = run_grads(compiled, inputs, params)
     eager_grads, _ = run_grads(fn, inputs, params, grad_outputs)
     for f, e, x in zip(fused_grads, eager_grads, float64_grads(fn, inputs, params, grad_outputs)):
         assert f.dtype == e.dtype and f.shape == e.shape
         assert_close_as_unfused(f, e, x, factor=MODEL_FACTOR)
-    return seen["result"], seen["fw"].graph, seen["bw"].graph
 
 
 def calls(graph, name):

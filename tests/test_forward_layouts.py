@@ -10,10 +10,10 @@ import pytest
 import torch
 import torch.fx as fx
 
-from npu_fusion.measure.grads import MODEL_FACTOR, assert_close_as_unfused, float64_grads, run_grads
+from npu_fusion.measure.grads import MODEL_FACTOR, assert_close_as_unfused
 from npu_fusion.patterns.layout import memory_order
 from npu_fusion.patterns.pairing import source
-from test_forward_fusion import _compile, _float64_output, calls
+from test_forward_fusion import _compile, _float64_output, calls, check_gradients
 
 NORM, NORM_GRAD = "rms_norm", "rms_norm_grad"
 ROPE, ROPE_GRAD = "rotary_position_embedding", "rotary_position_embedding_grad"
@@ -40,11 +40,7 @@ def check(fn, inputs, params=(), mark_dynamic=(), **options):
     for g, e, x in zip(got, eager, exact):
         assert g.dtype == e.dtype and g.shape == e.shape and g.stride() == e.stride(), (g.stride(), e.stride())
         assert_close_as_unfused(g, e, x, factor=MODEL_FACTOR)
-    fused_grads, grad_outputs = run_grads(compiled, inputs, params)
-    eager_grads, _ = run_grads(fn, inputs, params, grad_outputs)
-    for f, e, x in zip(fused_grads, eager_grads, float64_grads(fn, inputs, params, grad_outputs)):
-        assert f.dtype == e.dtype and f.shape == e.shape
-        assert_close_as_unfused(f, e, x, factor=MODEL_FACTOR)
+    check_gradients(compiled, fn, inputs, params)
     return seen["result"], seen["fw"].graph, seen["bw"].graph
 
 

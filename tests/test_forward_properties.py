@@ -23,7 +23,6 @@ per property) to keep the suite's time; the long profile is where the evidence i
 """
 from __future__ import annotations
 
-import dataclasses
 import math
 
 import pytest
@@ -37,6 +36,7 @@ from npu_fusion_testing.forward_programs import NORM_OP, ROPE_OP, ForwardProgram
     rope_forward_program, rope_forward_programs
 from npu_fusion_testing.programs import Program, rms_norm_programs, rope_programs
 from test_properties import (FAILURE_LOG, FAILURES, KEEP_GOING, STATS, ULPS, BeyondEagerRounding, CompiledRunError,
+                             Config,
                              PassError, UndefinedMadeDefined, WrongGradient, WrongOutput, assert_safe_compute_dtypes,
                              final_rounding, from_the_pass, grads_keeping_roundings, note_if_testing, widened)
 
@@ -54,25 +54,6 @@ class NearMissFused(AssertionError):
 
 class SilentMiss(AssertionError):
     """A site of an exact program is neither fused nor a recorded miss."""
-
-
-@dataclasses.dataclass(frozen=True)
-class Config:
-    route: str           # "capture": torch.compile with the recording backend; "aot": AOTAutograd alone
-    partitioner: str
-    decompositions: str
-    dynamic: str         # "static", "mark" (batch and sequence), "all" (dynamic=True)
-    target: str
-    seed: int
-
-    def __str__(self):
-        return (f"route={self.route} partitioner={self.partitioner} decompositions={self.decompositions} "
-                f"dynamic={self.dynamic} target={self.target} seed={self.seed}")
-
-    __repr__ = __str__
-
-    def _repr_pretty_(self, printer, cycle):
-        printer.text(str(self))
 
 
 @st.composite
