@@ -70,6 +70,7 @@ import torch.fx as fx
 
 from ..compat import FUSED_RMS_NORM, FUSED_RMS_NORM_BACKWARD
 from ..lowering.constraints import RMS_NORM_DTYPES, rms_norm_target_problem
+from ..lowering import RMS_NORM as FORWARD_OP
 from ..lowering.rms_norm import OP
 from ..lowering.sizes import same_shape, static_int
 from .algebra import Expr, graph_constant
@@ -432,7 +433,8 @@ def unexplained(graph: fx.Graph, provenance: Optional[Provenance], misses: List[
         operand = _forward_operand(node, gradient) if node not in reached else None
         reason = unmatched_spelling(node if node.target is aten.div.Tensor else operand, provenance) \
             if operand is not None else None
-        if operand is None or not (reason or _is_rms_statistic(operand, provenance) or weight_gradient(node, operand)):
+        if operand is None or not (reason or _is_rms_statistic(operand, provenance)
+                                   or _fused_role(operand, provenance) == "rstd" or weight_gradient(node, operand)):
             continue
         reach = set(downstream(graph, [node], 2 * DX_DEPTH))
         reached |= reach
@@ -478,6 +480,8 @@ def _unfused_weight_gradient(graph: fx.Graph, provenance: Optional[Provenance], 
 
     def test(node: fx.Node, operand: fx.Node) -> bool:
         stat = normalized_operand(operand, provenance)
+        if stat is None and _fused_role(operand, provenance) == "normalized":
+            stat = fused_forward_output(operand, provenance)[1:3]
         return (stat is not None and summed_over_leading_axes(node, stat[1])
                 and _source(stat[0], provenance) not in covered())
     return test
@@ -530,6 +534,51 @@ def _definition(node: fx.Node, provenance: Optional[Provenance], exact: bool = F
             break
         node = node.args[0]
     return node
+
+
+#: what the forward rule puts between the fused ``rms_norm`` and the program's values: casts,
+#: reshapes and the permutations of a norm run in another memory order (each undone on the way out)
+_FUSED_FORWARD_WRAPPING = _SAME_VALUES | {aten.permute.default}
+
+
+def fused_forward_output(node: fx.Node, provenance: Optional[Provenance]) -> Optional[tuple]:
+    """``(index, x, k, gamma)`` when ``node`` is output ``index`` of a fused ``npu_fusion.rms_norm``
+    of ``x`` over its last k axes (0: y, 1: rstd), seen through the casts, reshapes and
+    permutations the forward rule wraps it in and saved tensors' forward definitions; ``x`` is
+    the program's own node. The backward's scans read these as they read the decomposed
+    statistic and normalized value: a forward fused before its backward hides neither."""
+    def unwrapped(n: fx.Node) -> fx.Node:
+        for _ in range(12):
+            if n.op == "placeholder" and provenance is not None:
+                n = provenance.forward_definition(n) or n
+            if n.op != "call_function" or n.target not in _FUSED_FORWARD_WRAPPING \
+                    or not isinstance(n.args[0], fx.Node):
+                break
+            n = n.args[0]
+        return n
+    node = unwrapped(node)
+    if not (node.op == "call_function" and node.target is operator.getitem
+            and isinstance(node.args[0], fx.Node) and node.args[0].target is FORWARD_OP.overload):
+        return None
+    x, gamma, _ = node.args[0].args[:3]
+    return node.args[1], unwrapped(x), len(shape(gamma)), gamma
+
+
+def _fused_role(node: fx.Node, provenance: Optional[Provenance]) -> Optional[str]:
+    """"rstd" or "normalized" (y of a norm without weight) when ``node`` is that output of a fused
+    forward ``rms_norm`` (:func:`fused_forward_output`), else None."""
+    found = fused_forward_output(node, provenance)
+    if found is None:
+        return None
+    index, _, _, gamma = found
+    return "rstd" if index == 1 else "normalized" if _is_ones(gamma, provenance) else None
+
+
+def _is_ones(node, provenance: Optional[Provenance]) -> bool:
+    """``node`` is a tensor of ones the program or the forward rule made (a norm without weight)."""
+    node = _definition(node, provenance) if isinstance(node, fx.Node) else node
+    return isinstance(node, fx.Node) and node.op == "call_function" and node.target in (
+        aten.full.default, aten.ones.default) and (node.target is aten.ones.default or node.args[1] == 1)
 
 
 def _source(node: fx.Node, provenance: Optional[Provenance]) -> fx.Node:
@@ -678,6 +727,8 @@ def _taken_norms(graph: fx.Graph, provenance, matches: List[NormMatch]) -> set:
     taken = set()
     for rstd in rstds:
         stat = rms_statistic_operand(rstd, provenance) if isinstance(rstd, fx.Node) else None
+        if stat is None and isinstance(rstd, fx.Node) and _fused_role(rstd, provenance) == "rstd":
+            stat = fused_forward_output(rstd, provenance)[1:3]
         if stat is not None:
             taken.add(_source(stat[0], provenance))
     return taken
