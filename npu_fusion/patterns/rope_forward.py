@@ -359,7 +359,7 @@ def _symbolic_last_axis(graph: fx.Graph, seeds, gradient) -> List[Miss]:
     property tests); recorded instead, as the backward rule does (:func:`.rope._symbolic_last_axis`)."""
     sums = {}
     for seed in (n for n in seeds if shape(n) and static_int(shape(n)[-1]) is None):
-        user = next((u for u in downstream(graph, [seed], 2) if u is not seed and u not in gradient
+        user = next((u for u in downstream(graph, [seed], 4) if u is not seed and u not in gradient
                      and u.target in (aten.add.Tensor, aten.sub.Tensor)), None)
         if user is not None:
             sums[user] = None
