@@ -305,13 +305,19 @@ def configs(draw):
                   target=draw(st.sampled_from(["generic", "generic", "950", "a2"])), seed=draw(st.integers(0, 3)))
 
 
+#: the backward rules alone: a fused forward rounds an HF norm once where the program rounds twice
+#: (allowed), which moves the gradients off eager's bits that the ulp check here compares with;
+#: tests/test_forward_properties.py holds the forward rules to the program's own roundings instead
+BACKWARD_ONLY = {"rms_norm_forward": False, "rope_forward": False}
+
+
 class Compiled:
-    """``fn`` compiled with the pass as ``config`` says; counts what was fused."""
+    """``fn`` compiled with the pass's backward rules as ``config`` says; counts what was fused."""
 
     def __init__(self, fn, config: Config):
         self.config = config
         self.capture = Capture(partitioner=config.partitioner, decompositions=config.decompositions,
-                               target=config.target)
+                               target=config.target, **BACKWARD_ONLY)
         torch._dynamo.reset()
         torch._dynamo.utils.counters.clear()
         if config.route == "aot":
@@ -320,7 +326,7 @@ class Compiled:
             self.fn = torch.compile(fn, backend=self.capture, dynamic=True if config.dynamic == "all" else None)
         else:
             options = {"target": config.target, "partitioner": config.partitioner,
-                       "decompositions": config.decompositions, "strict": True}
+                       "decompositions": config.decompositions, "strict": True, **BACKWARD_ONLY}
             self.fn = torch.compile(fn, backend="npu_fusion", options=options,
                                     dynamic=True if config.dynamic == "all" else None)
 
