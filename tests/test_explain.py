@@ -94,6 +94,9 @@ def test_explain_a_user_module_against_an_independent_count():
     assert r["ops"][ROPE]["modes"] == {"half": 4}
     assert r["misses"] == [] and r["pass_errors"] == []
     assert r["op_counts"]["after"]["npu_fusion.rms_norm_grad.default"] == counted[RMS]
+    # the forward rules (on by default) count the same sites, each fused too
+    for op, backward in (("rms_norm", RMS), ("rotary_position_embedding", ROPE)):
+        assert r["ops"][op]["expected"] == r["ops"][op]["fused"] == counted[backward], r["ops"][op]
     assert r["op_counts"]["nodes_after"] < r["op_counts"]["nodes_before"]
     # every parameter's gradient was checked against float64, and the user's model was not replaced
     assert r["gradients"]["passed"] and r["gradients"]["per_dtype"]["float32"]["params"] == len(list(model.parameters()))
@@ -107,7 +110,7 @@ def test_explain_a_user_module_against_an_independent_count():
     assert sorted(s["module"] for s in r["sites"] if s["op"] == RMS) == [
         "blocks.0.norm1", "blocks.0.norm2", "blocks.1.norm1", "blocks.1.norm2", "norm"]
     page = explained.to_html()
-    assert page.count("<tr class='fused'>") == 9 and "blocks.1.norm2" in page and "layer 1" in page
+    assert page.count("<tr class='fused'>") == 2 * 9 and "blocks.1.norm2" in page and "layer 1" in page
     assert "<span class='ok'>PASSED</span>" in page
 
 

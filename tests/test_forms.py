@@ -258,9 +258,15 @@ def test_rms_norm_of_an_input_without_gradient_fuses_its_dgamma(form, dtype, par
         capture = compile_and_compare(model, [x], params=list(model.parameters()), partitioner=partitioner,
                                       stage=stage)
         assert capture.fused(RMS) == 1, capture.misses()
-        [site] = capture.results[0].sites
-        assert set(site.outputs) == {"dgamma"} and not capture.misses()
+        [site] = [s for s in capture.results[0].sites if s.op == RMS]
+        assert set(site.outputs) == {"dgamma"} and not [m for m in capture.misses() if m.op == RMS]
         assert not decomposed_leftovers(capture.after[0])
+        # the forward (a joint graph's) fuses where the backward reads x and rstd; where it reads the
+        # normalized value, which the fused forward does not output, it stays, a miss saying so
+        forward_misses = [m for m in capture.misses() if m.op != RMS]
+        assert capture.fused("rms_norm") + len(forward_misses) == (stage == "joint"), capture.misses()
+        assert all(m.op == "rms_norm" and ("has a user outside the norm" in m.reason or "reads the norm's "
+                   "output before its weight" in m.reason) for m in forward_misses), forward_misses
 
 
 @pytest.mark.parametrize("partitioner", ["default", "min_cut"])
@@ -327,7 +333,7 @@ def test_rms_norm_gamma_widened_to_float32_when_the_table_needs_it():
     fused = [n for n in capture.after[0].nodes if n.target == torch.ops.npu_fusion.rms_norm_grad.default]
     dy, x, rstd, gamma = (a.meta["val"].dtype for a in fused[0].args)
     assert (dy, gamma) == (x, torch.float32) and rstd == torch.float32
-    [site] = capture.results[0].sites
+    [site] = [s for s in capture.results[0].sites if s.op == RMS]
     assert set(site.outputs) == {"dx"} and site.note.startswith("dgamma")
 
 
@@ -364,7 +370,8 @@ def test_complex_rope_llama4_and_deepseek_v2():
 
         capture = compile_and_compare(fn, [q, k, angles])
         sites = [s for r in capture.results for s in r.sites]
-        assert [s.mode for s in sites] == ["interleave", "interleave"], capture.misses()
+        for op in (ROPE, "rotary_position_embedding"):  # forward and backward, each q and k
+            assert [s.mode for s in sites if s.op == op] == ["interleave", "interleave"], capture.misses()
         assert not any(n.target == torch.ops.aten.view_as_complex.default for g in capture.after for n in g.nodes)
 
 
@@ -415,6 +422,6 @@ def test_rope_output_scaled_before_use():
 def test_every_mode_with_grad_tables(rotation):
     _, fn, inputs = rope_case(rotation, "BNSD_B1SD", cos_grad=True)
     capture = compile_and_compare(fn, inputs)
-    sites = [s for r in capture.results for s in r.sites]
+    sites = [s for r in capture.results for s in r.sites if s.op == ROPE]
     assert len(sites) == 2 and all(set(s.outputs) == {"dx", "dcos", "dsin"} for s in sites), \
         ([s.outputs for s in sites], capture.misses())

@@ -55,6 +55,13 @@ def _compiled_step(model, loss):
     return grads, "\n".join(codes), saved
 
 
+def both_ways(norms: int, rotations: int) -> dict:
+    """The sites fused by op: each norm and rotation forward and backward (the forward rules are on
+    by default)."""
+    return {"rms_norm_grad": norms, "rotary_position_embedding_grad": rotations, "rms_norm": norms,
+            "rotary_position_embedding": rotations}
+
+
 def _check(model, loss, hidden, sites):
     eager = _param_grads(model, loss)
     wide = copy.deepcopy(model).double()
@@ -64,6 +71,8 @@ def _check(model, loss, hidden, sites):
     assert dict(counters) == sites, dict(counters)
     assert "torch.ops.npu_fusion.rms_norm_grad.default" in code
     assert "torch.ops.npu_fusion.rotary_position_embedding_grad.default" in code
+    assert "torch.ops.npu_fusion.rms_norm.default" in code
+    assert "torch.ops.npu_fusion.rotary_position_embedding.default" in code
     assert not grad_failures(grads, eager, {n: g.to(eager[n].dtype) for n, g in exact.items()}, MODEL_FACTOR)
     return saved
 
@@ -75,7 +84,7 @@ def test_bundled_llama_through_inductor(installed, dtype):
     model = bundled("llama", num_layers=1, dtype=dtype)
     ids = torch.randint(0, model.config.vocab_size, (B, S), generator=torch.Generator().manual_seed(0))
     saved = _check(model, lambda m=None: (m or model).loss(ids), 64,
-                   {"rms_norm_grad": 3, "rotary_position_embedding_grad": 2})
+                   both_ways(norms=3, rotations=2))
     if dtype == torch.bfloat16:
         assert not [k for k in saved if k[0] == torch.float32 and k[1] == (B, S, 64)], saved
 
@@ -158,7 +167,7 @@ def test_transformers_llama_bf16_through_inductor(installed):
     model = _tiny_llama(torch.bfloat16)
     ids = torch.randint(0, 96, (B, S), generator=torch.Generator().manual_seed(1))
     saved = _check(model, lambda m=None: (m or model)(input_ids=ids, labels=ids).loss, 64,
-                   {"rms_norm_grad": 5, "rotary_position_embedding_grad": 4})
+                   both_ways(norms=5, rotations=4))
     assert not [k for k in saved if k[0] == torch.float32 and k[1] == (B, S, 64)], saved
 
 
@@ -217,7 +226,7 @@ def test_hugging_face_trainer_with_the_inductor_backend(installed, tmp_path):
     model.zero_grad(set_to_none=True)
     Trainer(model=model, args=args, train_dataset=data, callbacks=[KeepGradients()]).train()
     counters = torch._dynamo.utils.counters[COUNTER]
-    assert dict(counters) == {"rms_norm_grad": 5, "rotary_position_embedding_grad": 4}, dict(counters)
+    assert dict(counters) == both_ways(norms=5, rotations=4), dict(counters)
     seen = {n.removeprefix("_orig_mod."): g for n, g in seen.items()}
     assert not grad_failures(seen, eager, {n: g.float() for n, g in exact.items()}, MODEL_FACTOR)
 
@@ -230,7 +239,7 @@ def test_caller_updating_the_input_in_place_before_backward(installed):
 
     expected, exact = updated(hf_rms_norm), updated(hf_rms_norm, torch.float64)
     got = updated(torch.compile(hf_rms_norm))
-    assert dict(torch._dynamo.utils.counters[COUNTER]) == {"rms_norm_grad": 1}
+    assert dict(torch._dynamo.utils.counters[COUNTER]) == {"rms_norm_grad": 1, "rms_norm": 1}
     for g, e, x in zip(got, expected, exact):
         assert_close_as_unfused(g, e, x, factor=MODEL_FACTOR)
 

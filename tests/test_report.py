@@ -244,7 +244,10 @@ def test_command_line_json():
     assert proc.returncode == 0, proc.stderr[-3000:]
     r = json.loads(proc.stdout)  # stdout is only the JSON: progress is on stderr
     assert "[npu-fusion report] compiling" in proc.stderr
-    expected = bundled("llama", 1).expected_sites
+    backward = bundled("llama", 1).expected_sites
+    # the forward rules are on by default: each site fuses forward too
+    expected = dict(backward, rms_norm=backward["rms_norm_grad"],
+                    rotary_position_embedding=backward["rotary_position_embedding_grad"])
     assert {op: r["ops"][op]["fused"] for op in expected} == expected
     assert r["gradients"]["passed"]
     counted = collections.Counter(s["op"] for s in r["sites"])

@@ -60,7 +60,7 @@ def test_rule_list_is_ordered_and_typed():
     # every rule counts its sites; the forward rules' sites are their backward's
     assert [r.site_probe is not None and r.site_probe.kind == r.option for r in RULES] == [True, True, True, True]
     assert [r.site_probe.same_sites_as for r in RULES] == [None, None, "rms_norm", "rope"]
-    assert [r.enabled_by_default for r in RULES] == [True, True, False, False]
+    assert [r.enabled_by_default for r in RULES] == [True, True, True, True]
 
 
 def test_forms_and_options_derive_from_the_rules():

@@ -3,6 +3,8 @@ the partition (``npu_fusion/plugin/joint.py``): x in its own dtype instead of th
 an HF-style norm makes, under either partitioner, at or below what the min-cut partitioner saves
 for the unfused graph; and never a tensor the caller can update in place where the unfused
 program saved a copy."""
+import collections
+
 import pytest
 import torch
 
@@ -26,10 +28,12 @@ def _tiny_llama():
     return model.to(torch.bfloat16).eval(), config
 
 
-def _step(partitioner, stage, rms_norm=True):
-    """One compiled training step of the tiny bf16 Llama; returns (gradients, the pass's result)."""
+def _step(partitioner, stage, rms_norm=True, forward=False):
+    """One compiled training step of the tiny bf16 Llama; returns (gradients, the pass's result).
+    The forward rules are off unless ``forward``: only a joint graph has a forward to fuse."""
     model, config = _tiny_llama()
-    options = FusionOptions(partitioner=partitioner, target="generic", rms_norm=rms_norm, rope=rms_norm)
+    options = FusionOptions(partitioner=partitioner, target="generic", rms_norm=rms_norm, rope=rms_norm,
+                            rms_norm_forward=forward, rope_forward=forward)
     torch._dynamo.reset()
     mark = pass_manager.HISTORY.mark()
     compiled = torch.compile(model, backend=aot_backend(options, stage=stage))
@@ -51,6 +55,10 @@ def test_joint_graph_saves_x_not_its_float32_upcast(partitioner):
     assert not unfused_min_cut.sites
     for name, g in grads.items():  # the same fused ops on the same values: the very same gradients
         assert torch.equal(g, post[name]), name
+    # with the forward fused too the forward saves no more than with the backward fused alone
+    _, both = _step(partitioner, "joint", forward=True)
+    assert both.fused("rms_norm") == 5 and both.fused("rotary_position_embedding") == 4
+    assert both.saved.bytes <= result.saved.bytes, (both.saved.kinds, result.saved.kinds)
     if partitioner == "min_cut":  # it already saved x rather than the upcast; the pass changes nothing
         assert result.saved.bytes <= after_partition.saved.bytes
         assert result.saved.bytes <= unfused_min_cut.saved.bytes
@@ -130,9 +138,10 @@ def test_upcast_saved_only_where_the_fused_backward_reads_it(use, upcast_saved):
 @pytest.mark.parametrize("checkpoint", ["full", "selective"])
 @pytest.mark.parametrize("partitioner", ["default", "min_cut"])
 def test_activation_checkpointing_keeps_its_saved_set(checkpoint, partitioner):
-    """The nodes the pass inserts into a checkpointed joint graph are backward nodes: the forward
-    still saves only what checkpointing saves (nothing more than without the pass, no float32
-    upcast), no fused op lands in the forward, and the gradients pass the float64 criterion."""
+    """The backward nodes the pass inserts into a checkpointed joint graph stay backward nodes: the
+    forward still saves only what checkpointing saves (nothing more than without the pass, no
+    float32 upcast), no fused backward op lands in the forward (the fused forward ops do, each
+    site's), and the gradients pass the float64 criterion."""
     from npu_fusion.models import bundled
     from npu_fusion.plugin.backend import run_keeping_unfused
 
@@ -156,7 +165,8 @@ def test_activation_checkpointing_keeps_its_saved_set(checkpoint, partitioner):
     assert result.saved.bytes <= unfused.bytes, (result.saved, unfused)
     assert result.saved.count(torch.float32, (B, S, 64)) == 0
     forward = seen["run"].partitioned[0].graph
-    assert not [n for n in forward.nodes if str(n.target).startswith("npu_fusion.")]
+    fused_in_forward = collections.Counter(str(n.target) for n in forward.nodes if str(n.target).startswith("npu_fusion."))
+    assert fused_in_forward == {"npu_fusion.rms_norm.default": 5, "npu_fusion.rotary_position_embedding.default": 4}
     for name, g in got.items():
         assert_close_as_unfused(g, eager[name], exact[name], factor=MODEL_FACTOR)
 

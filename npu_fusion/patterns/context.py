@@ -38,6 +38,8 @@ class PassContext:
     fake_mode: Any = None
     #: the transactions in progress, innermost last
     transactions: List[Any] = dataclasses.field(default_factory=list)
+    #: the options of the rules that run (a rule leaves to another what that one accounts for)
+    enabled: frozenset = frozenset()
 
     @classmethod
     def of(cls, graph: fx.Graph, provenance=None, target: str = "generic", strict: bool = False) -> "PassContext":

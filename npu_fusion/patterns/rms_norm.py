@@ -54,8 +54,8 @@ is rewritten into ``rms_norm_grad(dy, x, rstd, weight or ones)`` with the output
 dtype table and chip limits, or left whole as a miss with the reason. No torch_npu
 line from 2.6.0 to 2.14.0 registers an NPU kernel for either op (read in the
 wheels; the README has the table), so on torch_npu the decomposed form is what the
-pass sees today. A whole forward ``_fused_rms_norm`` has no fused op yet and no
-torchair converter: each one is recorded as a miss.
+pass sees today. A whole forward ``_fused_rms_norm`` is not rewritten (and has no torchair
+converter): each one is recorded as a miss, by the forward rule where it runs.
 """
 from __future__ import annotations
 
@@ -74,7 +74,7 @@ from ..lowering import RMS_NORM as FORWARD_OP
 from ..lowering.rms_norm import OP
 from ..lowering.sizes import same_shape, static_int
 from .algebra import Expr, graph_constant
-from .evaluator import Provenance, Unsupported, kept_precision, rounding_problem
+from .evaluator import JointProvenance, Provenance, Unsupported, kept_precision, rounding_problem
 from .norm_algebra import NormEvaluator, size_key
 from .nodes import (CAST_TARGETS, VIEWS, aten, downstream, dtype, gradient_dependent, gradient_product,
                     is_value_preserving_cast, last_of, normalize_dim, outermost, region_of, shape, val)
@@ -1007,22 +1007,22 @@ def emit_whole_backward(rewrites: RuleContext, match: WholeBackwardMatch):
                   {"dy": dy, "x": x, "rstd": rstd, "gamma": weight}, inserted.nodes(), fused)
 
 
-#: why a whole forward RMSNorm stays as it is (issue 24 adds a fused forward op)
+#: why a whole forward RMSNorm stays as it is
 WHOLE_FORWARD_REASON = (
-    "aten._fused_rms_norm (the whole forward torch keeps where the device has its own kernel) has no fused "
-    "forward op in npu-fusion yet, and no torchair from torch_npu 2.6.0 to 2.14.0 has a converter for it "
-    "(torchair stops with 'Failed to auto-generated converter'): decompose it, with the backend option "
-    "decompositions='core' or torchair's custom_decompositions="
+    "aten._fused_rms_norm (the whole forward torch keeps where the device has its own kernel) is not rewritten "
+    "into npu-fusion's rms_norm (no torch_npu line routes F.rms_norm to it), and no torchair from torch_npu 2.6.0 "
+    "to 2.14.0 has a converter for it (torchair stops with 'Failed to auto-generated converter'): decompose it, "
+    "with the backend option decompositions='core' or torchair's custom_decompositions="
     "torch._decomp.get_decompositions([torch.ops.aten._fused_rms_norm]); its backward still fuses")
 
 
-def whole_forward_misses(graph: fx.Graph, provenance: Optional[Provenance]) -> List[Miss]:
-    """A miss for every ``aten._fused_rms_norm`` call in the graph (recomputed there under
-    activation checkpointing) or in the forward graph of its partition (named so): it stays as
-    it is, never silently."""
+def whole_forward_misses(graph: fx.Graph, provenance: Optional[Provenance], op: str) -> List[Miss]:
+    """A miss for ``op`` at every ``aten._fused_rms_norm`` call in the graph (recomputed there
+    under activation checkpointing) or in the forward graph of its partition (named so): it
+    stays as it is, never silently."""
     forward = provenance.forward if provenance is not None and provenance.forward is not None else None
-    misses = [Miss(OP.name, n.name, WHOLE_FORWARD_REASON) for n in graph.nodes if _is_call(n, FUSED_RMS_NORM)]
-    return misses + [Miss(OP.name, f"{n.name} (forward graph)", WHOLE_FORWARD_REASON)
+    misses = [Miss(op, n.name, WHOLE_FORWARD_REASON) for n in graph.nodes if _is_call(n, FUSED_RMS_NORM)]
+    return misses + [Miss(op, f"{n.name} (forward graph)", WHOLE_FORWARD_REASON)
                      for n in (forward.nodes if forward is not None else ()) if _is_call(n, FUSED_RMS_NORM)]
 
 
@@ -1077,4 +1077,7 @@ class RmsNormGradRule(FusionRule):
         return emit(ctx, self, match)
 
     def unexplained(self, graph: fx.Graph, ctx: RuleContext, misses) -> List[Miss]:
-        return unexplained(graph, ctx.provenance, misses) + whole_forward_misses(graph, ctx.provenance)
+        # the whole forward is a forward site: the forward rule's where it runs (a joint graph)
+        owned = "rms_norm_forward" in ctx.context.enabled and isinstance(ctx.provenance, JointProvenance)
+        whole = [] if owned else whole_forward_misses(graph, ctx.provenance, OP.name)
+        return unexplained(graph, ctx.provenance, misses) + whole

@@ -53,7 +53,8 @@ from .rewrite import Insertion, Miss, RuleContext, commit, emit_fused_op, exact_
 from .layout import memory_order, permuted, same_layout
 from .norm_algebra import NormEvaluator, size_key
 from .pairing import calls, source
-from .rms_norm import norm_evaluator, rms_statistic_operand, spelled_root, unmatched_spelling
+from .rms_norm import (norm_evaluator, rms_statistic_operand, spelled_root, unmatched_spelling,
+                       whole_forward_misses)
 from .rule import Form, FusionRule, RoundReport, SiteProbe
 
 #: uses from an rstd to the output y (rstd * x, a cast, the weight, a cast)
@@ -512,7 +513,8 @@ def unexplained(graph: fx.Graph, provenance: Optional[Provenance], misses: List[
                                         "form matched (run with TORCH_LOGS=npu_fusion and dump_graphs to see it)")
                   for n in found]
     spellings = [Miss(OP.name, n.name, reason) for n, reason in spelled.values()]
-    return statistics + spellings + _unpaired_backwards(graph, gradient, misses + statistics + spellings)
+    whole = whole_forward_misses(graph, provenance, OP.name)
+    return statistics + spellings + whole + _unpaired_backwards(graph, gradient, misses + statistics + spellings + whole)
 
 
 def _unpaired_backwards(graph: fx.Graph, gradient: set, misses: List[Miss]) -> List[Miss]:
@@ -535,11 +537,6 @@ def _unpaired_backwards(graph: fx.Graph, gradient: set, misses: List[Miss]) -> L
 
 
 def _unpaired_reason(grad: fx.Node, rstd: fx.Node) -> str:
-    if "_fused_rms_norm" in str(rstd.target):
-        return (f"this norm's backward fused ({grad.name}); its forward is a whole aten._fused_rms_norm "
-                f"({rstd.name}), which no fused forward op replaces (no torch_npu line registers a kernel for "
-                f"it): call the decomposed norm (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * "
-                f"weight) instead of F.rms_norm to fuse its forward")
     return (f"this norm's backward fused ({grad.name}), but its forward matched no forward RMSNorm form: its "
             f"statistic {rstd.name} ({_spelling(rstd)}) is no rsqrt(mean(x*x) + eps) with eps a number; spell it "
             f"as x * torch.rsqrt(...) to fuse it")
@@ -559,7 +556,6 @@ class RmsNormForwardRule(FusionRule):
     stage = "joint"
     domain = "norm"
     ops = (OP,)
-    enabled_by_default = False  # until the whole suite passes with it on (see the README)
     #: each norm call the model runs is one forward site, the backward's site
     site_probe = SiteProbe(kind=OP.option, same_sites_as="rms_norm")
     forms = tuple(Form(*row) for row in (

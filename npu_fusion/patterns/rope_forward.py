@@ -679,7 +679,6 @@ class RopeForwardRule(FusionRule):
     stage = "joint"
     domain = "lanes"
     ops = (OP,)
-    enabled_by_default = False  # until the whole suite passes with it on (see the README)
     #: each rotation the model runs is one forward site, the backward's site
     site_probe = SiteProbe(kind=OP.option, same_sites_as="rope")
     forms = tuple(Form(*row) for row in (

@@ -377,6 +377,7 @@ def _rewrite_in_rounds(context: PassContext, options: FusionOptions):
     the expression of another site's dx (post- and sandwich norms) fuses once that one is
     a fused op."""
     graph = context.graph
+    context.enabled = frozenset(rule.option for rule in RULES if options.enables(rule))
     rules: List[Tuple[FusionRule, RuleContext]] = [(rule, RuleContext(context, rule.op.name)) for rule in RULES
                                                    if options.enables(rule)]
     for _ in range(MAX_ROUNDS):

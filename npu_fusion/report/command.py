@@ -82,7 +82,7 @@ def add_arguments(parser: argparse.ArgumentParser, sources: Sequence[SubjectSour
     parser.add_argument("--compiled-autograd", action="store_true",
                         help="compile forward and backward as one step with compiled autograd on")
     parser.add_argument("--forward", action="store_true",
-                        help="fuse the forward too (options rms_norm_forward and rope_forward): each "
+                        help="fuse the forward too (options rms_norm_forward and rope_forward, on by default): each "
                              "counted site is then a forward site as well, in the rows of rms_norm and "
                              "rotary_position_embedding")
     parser.add_argument("--backward-only", action="store_true",
