@@ -23,18 +23,20 @@ per property) to keep the suite's time; the long profile is where the evidence i
 """
 from __future__ import annotations
 
+import collections
+import dataclasses
 import math
 
 import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from npu_fusion.measure.grads import assert_close_as_unfused, run_grads, ulps_apart
+from npu_fusion.measure.grads import assert_close_as_unfused, grad_error, run_grads, ulps_apart
 from npu_fusion_testing.capture import Capture
 from npu_fusion.patterns.rope_forward import SYMBOLIC_REASON
 from npu_fusion_testing.forward_programs import NORM_OP, ROPE_OP, ForwardProgram, RopeForward, norm_forward_programs, \
     rope_forward_program, rope_forward_programs
-from npu_fusion_testing.programs import Program, rms_norm_programs, rope_programs
+from npu_fusion_testing.programs import F16, Program, RopeForm, rms_norm_programs, rope_program, rope_programs
 from test_properties import (FAILURE_LOG, FAILURES, KEEP_GOING, STATS, ULPS, BeyondEagerRounding, CompiledRunError,
                              Config,
                              PassError, UndefinedMadeDefined, WrongGradient, WrongOutput, assert_safe_compute_dtypes,
@@ -283,3 +285,139 @@ def test_interleaved_rotation_of_a_symbolic_head_dim_is_a_recorded_forward_miss(
     check_outputs_and_gradients(compiled, program, program.tensors(config.seed))
     misses = compiled.misses(ROPE_OP)
     assert not compiled.fused(ROPE_OP) and misses and {m.reason for m in misses} == {SYMBOLIC_REASON}, misses
+
+
+# -- the fp16 example at the tables' scale of 3e4: the criterion's margin, measured -------------
+
+#: the long profile's example: an autograd.Function RoPE (its backward the one of swapped tables)
+#: of fp16 q and k with fp16 tables of scale 3e4, each output times o; o's gradient sums the
+#: products of the rotated values (up to 3.8e4) and the output gradients
+FP16_SCALED = rope_program(RopeForm(
+    spelling="function", mode=1, layout="TND", table_layout="T1D", head_dim=8, width=4, sizes=(2, 1, 2, 4),
+    dtype=F16, table_dtype=F16, table_grad=False, table_scale=3e4, with_k=True, k_one_head=False, upcast=False,
+    deinterleave="slices", after="times"), ("bw_swap_tables",))
+FP16_SCALED_CONFIG = Config(route="capture", partitioner="default", decompositions="core", dynamic="static",
+                            target="generic", seed=1)
+PROGRAM_ROTATION = "return x * cos + rot(x) * sin"
+
+
+def rotated_once(program: Program) -> Program:
+    """``program`` with its rotation computed in float64 and rounded once to x's dtype: what any
+    correctly rounded rotation returns, the rest of the program (its fp16 arithmetic) as it is."""
+    wide = "(x.to(torch.float64) * cos.to(torch.float64) + rot(x.to(torch.float64)) * sin.to(torch.float64))"
+    source = program.source.replace(PROGRAM_ROTATION, f"return {wide}.to(x.dtype)")
+    assert source != program.source
+    return dataclasses.replace(program, source=source)
+
+
+def same_values(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.dtype == b.dtype and bool(((a == b) | (a.isnan() & b.isnan())).all())
+
+
+def half_ulp_fp16(values: torch.Tensor) -> torch.Tensor:
+    """Half the spacing of fp16 in each value's binade: a round-to-nearest's largest error there."""
+    binade = torch.floor(torch.log2(values.double().abs().clamp_min(2.0 ** -14)))
+    return torch.exp2(binade - 11)
+
+
+def grad_o_rounding_bound(xs, rotated_exact, output_grads) -> torch.Tensor:
+    """The largest error of o's gradient that the program's own fp16 arithmetic allows after a
+    correctly rounded rotation (``rotated_exact``: the float64 rotations of the rotary lanes of
+    ``xs``), first order: per output, each rotated value's rounding times its output gradient,
+    each product's rounding to fp16, and the rounding to fp16 of the products' sum (accumulated in
+    float32 on the CPU: 2**-20 of the sum of magnitudes covers that); then the rounding of the
+    two outputs' sum."""
+    bound, total = 0.0, 0.0
+    for x, exact, dy in zip(xs, rotated_exact, output_grads):
+        width = exact.shape[-1]
+        value = torch.cat((exact.to(F16), x.detach()[..., width:]), dim=-1).double()
+        rounding = torch.zeros_like(value)
+        rounding[..., :width] = half_ulp_fp16(exact)
+        products = value * dy.double()  # exact: two fp16 values
+        bound = bound + (rounding * dy.double().abs() + half_ulp_fp16(products)
+                         + products.abs() * 2.0 ** -20).sum((0, 1))
+        partial = products.to(F16).double().sum((0, 1))
+        bound, total = bound + half_ulp_fp16(partial), total + partial.to(F16).double()
+    return bound + half_ulp_fp16(total)
+
+
+def rotations(x, cos, sin):
+    """Mode 1's rotation of x's first four lanes: in float64, by the program in fp16 (three
+    roundings), and by the fused op the pass put in the program's place (float32, one rounding)."""
+    x = x.detach()[..., :4]
+    wide, cos64, sin64 = x.double(), cos.double(), sin.double()
+    rot = lambda t: torch.stack((-t[..., 1::2], t[..., 0::2]), dim=-1).flatten(-2)  # noqa: E731
+    return (wide * cos64 + rot(wide) * sin64, x * cos + rot(x) * sin,
+            torch.ops.npu_fusion.rotary_position_embedding(x, cos, sin, 1))
+
+
+def fp16_scaled_margin(seeds) -> dict:
+    """:data:`FP16_SCALED` compiled once and run on the inputs of each seed: for o's gradient, how
+    often it equals the rounded-once program's (:func:`rotated_once`) bit for bit, how often the
+    float64 criterion fails it against eager, and how often eager would fail it against the
+    compiled run (the same criterion, the roles swapped), with both mean errors where the large
+    lanes are finite. README ("Forward fusion") quotes it for 2000 seeds."""
+    compiled = Compiled(FP16_SCALED.build(), FP16_SCALED_CONFIG)
+    eager_fn, wide_fn = FP16_SCALED.build(), FP16_SCALED.build(wide=True)
+    once_fn = rotated_once(FP16_SCALED).build()
+    counts = collections.Counter()
+    errors = {"compiled": 0.0, "eager": 0.0}
+    for seed in seeds:
+        inputs = FP16_SCALED.tensors(seed)
+        got, output_grads = run_grads(compiled, inputs)
+        eager, once = (run_grads(fn, inputs, grad_outputs=output_grads)[0][-1] for fn in (eager_fn, once_fn))
+        exact = run_grads(wide_fn, widened(inputs), grad_outputs=[g.double() for g in output_grads])[0][-1]
+        counts["seeds"] += 1
+        counts["o's gradient as rounded once"] += same_values(got[-1], once)
+        finite = exact.isfinite() & eager.isfinite()
+        counts["large lanes finite"] += bool((exact.abs() > 1e3)[finite].any())
+        compiled_error = grad_error(got[-1][finite], eager[finite], exact[finite], factor=4.0)
+        swapped = grad_error(eager[finite], got[-1][finite], exact[finite], factor=4.0)
+        counts["criterion fails the compiled run"] += not compiled_error.ok
+        counts["criterion fails eager against the compiled run"] += not swapped.ok
+        errors["compiled"] += compiled_error.fused
+        errors["eager"] += compiled_error.unfused
+    return dict(counts, **{f"mean error, {run}": total / max(1, counts["seeds"]) for run, total in errors.items()})
+
+
+def test_fp16_rope_at_table_scale_3e4_is_the_correctly_rounded_program():
+    """Found by the long profile: o's gradient 49.11 from float64 with the forward fused, eager's
+    3.056, allowed 4 * 3.056 + the fp16 floor 24.25 = 36.48. Not the rewrite: the fused rotation is
+    the correctly rounded one (eager's rounds three times, 8 of its 32 values more than half an
+    ulp off), and the compiled outputs and o's gradient are bit for bit those of the program with
+    its rotation computed in float64 and rounded once; 49.11 is the program's own fp16 arithmetic
+    after it (products up to 3.8e4 and a partial sum of 5.6e4, an ulp of 32, cancelling to 2.4e4),
+    within that arithmetic's rounding bound, where eager's errors cancelled by chance."""
+    program, config = FP16_SCALED, FP16_SCALED_CONFIG
+    compiled = Compiled(program.build(), config)
+    inputs = program.tensors(config.seed)
+    q, k, cos, sin, _ = inputs
+    exact_rotations = []
+    for x in (q, k):
+        exact, eager, fused = rotations(x, cos, sin)
+        overflow = exact.abs() >= 65520  # rounds to infinity in fp16
+        assert same_values(fused.isinf(), overflow) and bool((exact[overflow].sign() == fused[overflow].sign()).all())
+        assert ((fused.double() - exact).abs() <= half_ulp_fp16(exact))[~overflow].all()
+        finite = ~overflow & eager.isfinite()
+        assert (fused.double() - exact)[finite].abs().max() <= (eager.double() - exact)[finite].abs().max()
+        exact_rotations.append(exact)
+    got_grads, output_grads = run_grads(compiled, inputs)
+    assert compiled.fused(ROPE_OP) == 2
+    rounded_once = rotated_once(program).build()
+    once_grads, _ = run_grads(rounded_once, inputs, grad_outputs=output_grads)
+    outputs = zip(as_tuple(compiled(*inputs)), as_tuple(rounded_once(*inputs)))  # with grad: the joint graph's
+    assert all(same_values(got.detach(), once.detach()) for got, once in outputs)
+    assert same_values(got_grads[-1], once_grads[-1])
+    eager_grads, _ = run_grads(program.build(), inputs, grad_outputs=output_grads)
+    exact_grads, _ = run_grads(program.build(wide=True), widened(inputs),
+                               grad_outputs=[g.double() for g in output_grads])
+    error = (got_grads[-1].double() - exact_grads[-1]).abs()
+    bound = grad_o_rounding_bound((q, k), exact_rotations, output_grads)
+    finite = exact_grads[-1].isfinite() & eager_grads[-1].isfinite()
+    assert (error <= bound)[finite].all(), (error, bound)  # 28.94 and 49.11 in its large lanes, bounds 97.28, 116.0
+    # still the example it was found as: the criterion's factor of 4 over eager's lucky error does not hold
+    assert error[finite].max() > 4 * (eager_grads[-1].double() - exact_grads[-1]).abs()[finite].max()
+    for name, got, eager, exact in zip("qk", got_grads, eager_grads, exact_grads):
+        assert_close_to_float64(f"grad of {name}", got, eager, exact)
+    margin = fp16_scaled_margin(range(32))
+    assert margin["o's gradient as rounded once"] == margin["seeds"] == 32, margin
