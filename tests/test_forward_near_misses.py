@@ -195,15 +195,24 @@ def test_complex_rotation_of_a_symbolic_head_dim_is_a_recorded_backward_miss():
     assert [m for m in capture.misses() if m.op == ROPE + "_grad"], capture.misses()
 
 
-def test_half_products_of_a_symbolic_head_dim_are_a_recorded_forward_miss():
-    """``cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), -1)`` with every axis dynamic: sums of
-    products of the halves, still recorded."""
-    def rotate(q, cos, sin):
-        half = q.shape[-1] // 2
-        x1, x2 = q[..., :half], q[..., half:]
-        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), -1) * 2
+def _halves_rotated(q, cos, sin):
+    half = q.shape[-1] // 2
+    x1, x2 = q[..., :half], q[..., half:]
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), -1) * 2
 
-    angles = _seeded(2, 6, 8)
+
+SYMBOLIC_ROTATIONS = {  # name: (a rotation of q [2, 4, 6, 16], the tables' width)
+    "sums_of_the_halves_products": (_halves_rotated, 8),
+    "terms_scaled_by_constants": (lambda q, cos, sin: q * cos * 0.5 + (_rotate_half(q) * sin) / 3, 16),
+}
+
+
+@pytest.mark.parametrize("name", SYMBOLIC_ROTATIONS)
+def test_rotation_spellings_of_a_symbolic_head_dim_are_recorded_forward_misses(name):
+    """Rotations with every axis dynamic whose sums read the products through a ``cat`` of the
+    halves or through scalings by constants: still recorded by the narrowed scan."""
+    rotate, width = SYMBOLIC_ROTATIONS[name]
+    angles = _seeded(2, 6, width)
     capture = compile_and_compare(rotate, [_seeded(1, 2, 4, 6, 16).requires_grad_(), angles.cos(), angles.sin()],
                                   dynamic_dims={0: [0, 1, 2, 3], 1: [0, 1], 2: [0, 1]}, **BOTH)
     assert not capture.fused(ROPE) and SYMBOLIC_REASON in {m.reason for m in capture.misses() if m.op == ROPE}

@@ -396,11 +396,11 @@ def _sums_rotation_terms(node: fx.Node) -> bool:
 
 
 def _varying_product(node) -> bool:
-    """A product, through casts and reshapes, of two tensors that vary along the last axis: a
-    term of a rotation, not a constant or a weight per channel."""
-    while isinstance(node, fx.Node) and node.target in CAST_TARGETS | {aten.view.default, aten._unsafe_view.default,
-                                                                       aten.expand.default}:
-        node = node.args[0]
+    """A product, through casts, reshapes and scalings by constants, of two tensors that vary
+    along the last axis: a term of a rotation, not a constant or a weight per channel."""
+    passed_on = CAST_TARGETS | {aten.view.default, aten._unsafe_view.default, aten.expand.default}
+    while isinstance(node, fx.Node) and (node.target in passed_on or _unscaled(node) is not node):
+        node = node.args[0] if node.target in passed_on else _unscaled(node)
     return isinstance(node, fx.Node) and node.target is aten.mul.Tensor and all(
         isinstance(a, fx.Node) and shape(a) and static_int(shape(a)[-1]) != 1 for a in node.args[:2])
 
