@@ -7,6 +7,8 @@ site (a norm whose input takes a gradient fuses its forward only after its backw
 import pytest
 import torch
 
+from npu_fusion.patterns.rope_forward import SYMBOLIC_REASON
+from npu_fusion_testing.capture import compile_and_compare
 from test_forward_fusion import calls, check
 
 EPS = 1e-6
@@ -131,3 +133,96 @@ def test_rope_forward_with_tables_broadcast_over_heads(name):
         assert not result.fused(ROPE) and len(missed) == 1 and reason in missed[0], result.misses
     else:  # no rotation at all: x and its flip are two leaves
         assert not result.fused(ROPE) and not calls(fw, ROPE), result.sites
+
+
+# -- dynamic=True: a symbolic last axis ----------------------------------------------------------
+
+W1 = torch.nn.Parameter(_seeded(9, 1))
+
+
+def _causal_taps(h):
+    padded = torch.nn.functional.pad(h, (2, 0))
+    return padded[..., :-2] * W1[0] + padded[..., 1:-1] * 0.5 + padded[..., 2:]
+
+
+SYMBOLIC_NO_ROPE = {  # name: a program over h [2, 6, 12], every axis of h dynamic; no rotation
+    "difference_along_the_last_axis": lambda h: (h[..., 1:] - h[..., :-1]) * W1,
+    "causal_convolution_along_the_last_axis": lambda h: _causal_taps(h) * W1,
+    "concatenation_along_the_last_axis_plus_one": lambda h: (torch.cat((h, h.exp()), -1) + 1) * W1,
+    "roll_along_the_last_axis_plus_x": lambda h: (torch.cat((h[..., 1:], h[..., :1]), -1) + h) * W1,
+    "shift_along_the_sequence": lambda h: (h[:, 1:] + h[:, :-1]) * W1,
+}
+
+
+@pytest.mark.parametrize("name", SYMBOLIC_NO_ROPE)
+def test_symbolic_last_axis_without_a_rotation_is_no_rope_miss(name):
+    """Under dynamic shapes the forward RoPE rule records elements moved along a symbolic last
+    axis and summed as a rotation it cannot prove: only where the move is along the last axis and
+    the sum adds two products of tensors that vary along it (``x * cos + rotate(x) * sin``), or a
+    complex product. Differences, causal convolution taps, concatenations, rolls and sequence
+    shifts of a tensor whose last axis is symbolic are no RoPE: no RoPE miss (they were)."""
+    h = _seeded(2, 2, 6, 12)
+    capture = compile_and_compare(SYMBOLIC_NO_ROPE[name], [h], [W1], dynamic_dims={0: [0, 1, 2]}, **BOTH)
+    assert not [m for m in capture.misses() if m.op == ROPE], capture.misses()
+
+
+def _complex_rotation(x, cos_sin):
+    freqs_cis = torch.view_as_complex(cos_sin)  # a real input: float64_grads would drop a complex one's parts
+    pairs = torch.view_as_complex(x.float().reshape(*x.shape[:-1], -1, 2))
+    return torch.view_as_real(pairs * freqs_cis[:, None, :]).flatten(3) * 1.5
+
+
+COS_SIN = torch.stack((ANGLES[:6, :8].cos(), ANGLES[:6, :8].sin()), -1)
+
+
+def test_complex_rotation_of_a_symbolic_head_dim_is_a_recorded_forward_miss():
+    """A complex ``freqs_cis`` rotation whose head dim is symbolic (every axis dynamic): its
+    product of complex pairs is the rotation's sum; the forward was neither fused nor a recorded
+    miss (it fuses with a static head dim: test_forward_sites)."""
+    x = _seeded(1, 2, 6, 4, 16).requires_grad_()
+    capture = compile_and_compare(_complex_rotation, [x, COS_SIN], dynamic_dims={0: [0, 1, 2, 3], 1: [0, 1]},
+                                  **BOTH)
+    assert not capture.fused(ROPE) and [m.reason for m in capture.misses() if m.op == ROPE] == [SYMBOLIC_REASON]
+
+
+@pytest.mark.xfail(strict=True, reason="the backward RoPE rule's symbolic scan (rope._symbolic_last_axis) "
+                   "looks for an add or sub after a gradient's element move; a complex rotation's dx is a "
+                   "complex product (dy's pairs times conj(freqs_cis)): a silent backward miss")
+def test_complex_rotation_of_a_symbolic_head_dim_is_a_recorded_backward_miss():
+    x = _seeded(1, 2, 6, 4, 16).requires_grad_()
+    capture = compile_and_compare(_complex_rotation, [x, COS_SIN], dynamic_dims={0: [0, 1, 2, 3], 1: [0, 1]},
+                                  **BOTH)
+    assert [m for m in capture.misses() if m.op == ROPE + "_grad"], capture.misses()
+
+
+def _halves_rotated(q, cos, sin):
+    half = q.shape[-1] // 2
+    x1, x2 = q[..., :half], q[..., half:]
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), -1) * 2
+
+
+SYMBOLIC_ROTATIONS = {  # name: (a rotation of q [2, 4, 6, 16], the tables' width)
+    "sums_of_the_halves_products": (_halves_rotated, 8),
+    "terms_scaled_by_constants": (lambda q, cos, sin: q * cos * 0.5 + (_rotate_half(q) * sin) / 3, 16),
+}
+
+
+@pytest.mark.parametrize("name", SYMBOLIC_ROTATIONS)
+def test_rotation_spellings_of_a_symbolic_head_dim_are_recorded_forward_misses(name):
+    """Rotations with every axis dynamic whose sums read the products through a ``cat`` of the
+    halves or through scalings by constants: still recorded by the narrowed scan."""
+    rotate, width = SYMBOLIC_ROTATIONS[name]
+    angles = _seeded(2, 6, width)
+    capture = compile_and_compare(rotate, [_seeded(1, 2, 4, 6, 16).requires_grad_(), angles.cos(), angles.sin()],
+                                  dynamic_dims={0: [0, 1, 2, 3], 1: [0, 1], 2: [0, 1]}, **BOTH)
+    assert not capture.fused(ROPE) and SYMBOLIC_REASON in {m.reason for m in capture.misses() if m.op == ROPE}
+
+
+@pytest.mark.xfail(strict=True, reason="the backward RoPE rule's symbolic scan (rope._symbolic_last_axis, outside "
+                   "this file's rules) records any gradient moved by a slice or cat, along any axis, and summed "
+                   "within two uses while the last axis is symbolic")
+@pytest.mark.parametrize("name", ["difference_along_the_last_axis", "shift_along_the_sequence"])
+def test_symbolic_last_axis_of_a_trained_input_without_a_rotation_is_no_rope_miss(name):
+    h = _seeded(2, 2, 6, 12).requires_grad_()
+    capture = compile_and_compare(SYMBOLIC_NO_ROPE[name], [h], [W1], dynamic_dims={0: [0, 1, 2]}, **BOTH)
+    assert not [m for m in capture.misses() if m.op in (ROPE, ROPE + "_grad")], capture.misses()

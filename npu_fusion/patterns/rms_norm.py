@@ -479,12 +479,26 @@ def _unfused_weight_gradient(graph: fx.Graph, provenance: Optional[Provenance], 
                    for s in downstream(graph, [node], 2))
 
     def test(node: fx.Node, operand: fx.Node) -> bool:
-        stat = normalized_operand(operand, provenance)
+        stat = normalized_operand(operand, provenance) or _normalized_by_fused_rstd(operand, provenance)
         if stat is None and _fused_role(operand, provenance) == "normalized":
             stat = fused_forward_output(operand, provenance)[1:3]
         return (stat is not None and summed_over_leading_axes(node, stat[1])
                 and _source(stat[0], provenance) not in covered())
     return test
+
+
+def _normalized_by_fused_rstd(node: fx.Node, provenance: Optional[Provenance]) -> Optional[tuple]:
+    """``(x, k)`` when ``node`` is ``x * rstd`` with rstd a fused forward ``rms_norm``'s of x: the
+    normalized value the forward rule leaves to the backward's readers of y (min-cut recomputes it)."""
+    node = _definition(node, provenance)
+    if node.op != "call_function" or node.target is not aten.mul.Tensor:
+        return None
+    for a, b in (node.args[:2], node.args[1::-1]):
+        found = fused_forward_output(b, provenance) if isinstance(b, fx.Node) else None
+        if found is not None and found[0] == 1 and isinstance(a, fx.Node) \
+                and _source(a, provenance) is _source(found[1], provenance):
+            return found[1:3]
+    return None
 
 
 #: ops an RMS statistic may pass through on its way to the backward: casts, copies and views

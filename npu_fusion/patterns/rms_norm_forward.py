@@ -416,6 +416,30 @@ def _kept(site: ForwardNormMatch, region) -> List[fx.Node]:
     return list(kept)
 
 
+def _backward_readers_of_y(site: ForwardNormMatch, graph: fx.Graph) -> set:
+    """Backward nodes other than fused ops that read y itself: a modulation's gradient
+    ``sum(dy * y)`` (DiT's adaLN ``norm(x) * (1 + scale) + shift``)."""
+    gradient, fused_ops = gradient_dependent(graph) or set(), {op.overload for op in FUSED_OPS}
+    return {u for u in site.y.users if u in gradient and u.op == "call_function" and u.target not in fused_ops}
+
+
+def _computing_y(site: ForwardNormMatch, region, readers, anchor: fx.Node) -> List[fx.Node]:
+    """Where the backward reads y: y and what computes it from x inside the site, kept for those
+    readers and reading the fused rstd. Min-cut recomputes them from x and rstd as it does unfused;
+    the opaque fused op's y it would save (twice the activations of a modulated norm). None where
+    one of them comes before the fused op (a weight computed after x): all read the fused y then."""
+    if not readers:
+        return []
+    inside, kept, stack = set(region), {}, [site.y]
+    while stack:
+        node = stack.pop()
+        if node in kept or node not in inside or node is site.rstd:
+            continue
+        kept[node] = None
+        stack.extend(node.all_input_nodes)
+    return [] if any(n < anchor for n in kept) else list(kept)
+
+
 def _dtypes(site: ForwardNormMatch) -> tuple:
     """(x's, gamma's) dtypes for the fused op: x in the narrowest dtype that holds x and the
     precision the program keeps y at (y comes out in x's dtype, rounded once); gamma in its own
@@ -438,6 +462,9 @@ def emit(ctx: RuleContext, site: ForwardNormMatch):
     problem = problem or rms_norm_target_problem(ctx.target, compute, gamma_dtype, ge_op=OP.ge_op)
     kept = set(_kept(site, region)) if problem is None else set()
     anchor = last_of(graph, [n for n in (site.x, site.gamma) if n is not None])
+    readers = _backward_readers_of_y(site, graph) if problem is None else set()
+    computing_y = _computing_y(site, region, readers, anchor)
+    readers, kept = (readers, kept | set(computing_y)) if computing_y else (set(), kept)
     late = [u for out in (site.y, site.rstd) for u in out.users if (u not in region or u in kept) and u < anchor]
     if problem is None and late:
         problem = f"{late[0].name} reads the norm's output before its weight is computed"
@@ -459,8 +486,12 @@ def emit(ctx: RuleContext, site: ForwardNormMatch):
     added = inserted.nodes()
     _as_forward_work(added, site.y)
     replaced = [n for n in region if n not in kept]
-    return commit(ctx.edit, OP.name, None, replaced, outputs, replacements, {"x": site.x, "gamma": site.gamma},
+    fused_y = replacements.pop(site.y) if readers else None
+    done = commit(ctx.edit, OP.name, None, replaced, outputs, replacements, {"x": site.x, "gamma": site.gamma},
                   added, fused)
+    if fused_y is not None:  # the forward reads the fused y, the backward the program's, recomputable
+        site.y.replace_all_uses_with(fused_y, delete_user_cb=lambda user: user not in readers)
+    return done
 
 
 def _emit_call(ctx: RuleContext, site: ForwardNormMatch, compute: torch.dtype, gamma_dtype: torch.dtype, outputs,

@@ -356,14 +356,53 @@ SYMBOLIC_REASON = ("elements moved along a symbolic last axis and summed, as a R
 def _symbolic_last_axis(graph: fx.Graph, seeds, gradient) -> List[Miss]:
     """Forward elements moved along a symbolic last axis and then summed: no node of a symbolic
     head dim is evaluated, so such a rotation would be a silent miss (found by the forward
-    property tests); recorded instead, as the backward rule does (:func:`.rope._symbolic_last_axis`)."""
+    property tests); recorded instead, as the backward rule does (:func:`.rope._symbolic_last_axis`).
+    Only a move along the last axis whose sum is a rotation's: two products of tensors that vary
+    along that axis (``x * cos + rotate(x) * sin``), or a product of complex pairs (``freqs_cis``);
+    a difference, a causal convolution's taps or a sequence shift is no RoPE."""
     sums = {}
-    for seed in (n for n in seeds if shape(n) and static_int(shape(n)[-1]) is None):
+    for seed in (n for n in seeds if shape(n) and static_int(shape(n)[-1]) is None and _along_last_axis(n)):
         user = next((u for u in downstream(graph, [seed], 4) if u is not seed and u not in gradient
-                     and u.target in (aten.add.Tensor, aten.sub.Tensor)), None)
+                     and _sums_rotation_terms(u)), None)
         if user is not None:
             sums[user] = None
     return [Miss(OP.name, n.name, SYMBOLIC_REASON) for n in outermost(list(sums))]
+
+
+#: where an element move's axis is among its arguments (the others move along the last axis)
+_AXIS_ARGUMENT = {aten.slice.Tensor: 1, aten.select.int: 1, aten.cat.default: 1, aten.stack.default: 1,
+                  aten.unbind.int: 1, aten.split.Tensor: 2, aten.split_with_sizes.default: 2}
+
+
+def _along_last_axis(node: fx.Node) -> bool:
+    """Whether an element move (:func:`.rope._moves_elements`) moves along its input's last axis."""
+    position = _AXIS_ARGUMENT.get(node.target)
+    if position is None:
+        return True  # view_as_complex/real, a transpose of the last axis
+    source = node.args[0][0] if node.target in (aten.cat.default, aten.stack.default) else node.args[0]
+    axis = node.args[position] if len(node.args) > position else node.kwargs.get("dim", 0)
+    rank = len(shape(source)) if shape(source) is not None else None
+    if rank is None or not isinstance(axis, int):
+        return True  # unknown: keep the scan's record rather than risk a silent miss
+    if node.target is aten.stack.default:  # stacking inserts an axis: the last or the one before
+        return axis % (rank + 1) >= rank - 1
+    return axis % rank == rank - 1
+
+
+def _sums_rotation_terms(node: fx.Node) -> bool:
+    if node.target is aten.mul.Tensor:
+        return dtype(node) is not None and dtype(node).is_complex
+    return node.target in (aten.add.Tensor, aten.sub.Tensor) and all(_varying_product(a) for a in node.args[:2])
+
+
+def _varying_product(node) -> bool:
+    """A product, through casts, reshapes and scalings by constants, of two tensors that vary
+    along the last axis: a term of a rotation, not a constant or a weight per channel."""
+    passed_on = CAST_TARGETS | {aten.view.default, aten._unsafe_view.default, aten.expand.default}
+    while isinstance(node, fx.Node) and (node.target in passed_on or _unscaled(node) is not node):
+        node = node.args[0] if node.target in passed_on else _unscaled(node)
+    return isinstance(node, fx.Node) and node.target is aten.mul.Tensor and all(
+        isinstance(a, fx.Node) and shape(a) and static_int(shape(a)[-1]) != 1 for a in node.args[:2])
 
 
 #: why a rotation that reads x in one term and a constant multiple of x in the other fuses in no form
