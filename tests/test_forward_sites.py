@@ -159,20 +159,23 @@ def _modulated(x):
     return (normed * (1 + SCALE[:, None]) + SHIFT[:, None]) @ MIX
 
 
+@pytest.mark.parametrize("partitioner", ["min_cut", "default"])
 @pytest.mark.parametrize("x_grad", [True, False], ids=["x_trained", "x_without_gradient"])
-def test_modulated_norm_saves_no_more_with_its_forward_fused(x_grad):
+def test_modulated_norm_saves_no_more_with_its_forward_fused(x_grad, partitioner):
     """With the forward rules on, the forward saves no more than with the backward alone (as
     test_saved_activations asserts of a Llama), here under min-cut for a modulated norm without
     weight: the backward reads y for the modulation's gradient ``sum(dy * y)``, which min-cut
     recomputes from x and rstd unfused; the opaque fused y it saved (twice the activations, three
     times in bf16 with a copy of x). The backward's readers now read the program's y, computed
-    from the fused rstd. Left: the fused pair's weight of ones (one per hidden element) is saved."""
+    from the fused rstd. The default partitioner (torchair's) saves y either way, and there the
+    backward reads the fused y (the program's would be computed twice in the forward). Left: the
+    fused pair's weight of ones (one per hidden element) is saved."""
     from test_forward_fusion import check
 
     x = torch.randn(2, 8, 32, generator=torch.Generator().manual_seed(0)).requires_grad_(x_grad)
     params = [SCALE, SHIFT, MIX]
-    alone, _, _ = check(_modulated, [x], params, partitioner="min_cut", rms_norm_forward=False, rope_forward=False)
-    both, _, _ = check(_modulated, [x], params, partitioner="min_cut", **FORWARD)
+    alone, _, _ = check(_modulated, [x], params, partitioner=partitioner, rms_norm_forward=False, rope_forward=False)
+    both, _, _ = check(_modulated, [x], params, partitioner=partitioner, **FORWARD)
     assert both.fused("rms_norm") == 1
     ones = 32 * 4 if x_grad else 0  # the [H] ones both fused ops read (x trained: the backward fuses)
     assert both.saved.bytes <= alone.saved.bytes + ones, (both.saved.kinds, alone.saved.kinds)

@@ -97,8 +97,10 @@ class JointProvenance(Provenance):
     values they feed, as in a backward graph with its forward graph.
     """
 
-    def __init__(self, graph: fx.Graph, backward: Iterable[fx.Node]):
+    def __init__(self, graph: fx.Graph, backward: Iterable[fx.Node], min_cut: bool = False):
         super().__init__(None, graph)
+        #: whether min-cut partitions the graph (it recomputes cheap forward values in the backward)
+        self.min_cut = min_cut
         backward = set(backward)
         self._interior: set = set()
         saved = [n for n in graph.nodes if n not in backward and n.op != "output"

@@ -416,9 +416,13 @@ def _kept(site: ForwardNormMatch, region) -> List[fx.Node]:
     return list(kept)
 
 
-def _backward_readers_of_y(site: ForwardNormMatch, graph: fx.Graph) -> set:
-    """Backward nodes other than fused ops that read y itself: a modulation's gradient
-    ``sum(dy * y)`` (DiT's adaLN ``norm(x) * (1 + scale) + shift``)."""
+def _backward_readers_of_y(site: ForwardNormMatch, graph: fx.Graph, provenance) -> set:
+    """Backward nodes other than fused ops that read y itself (a modulation's gradient
+    ``sum(dy * y)``, DiT's adaLN ``norm(x) * (1 + scale) + shift``), where min-cut partitions the
+    graph: the default partitioner (torchair's) saves y either way, and the program's y kept for
+    them would only be computed twice in the forward."""
+    if not getattr(provenance, "min_cut", False):
+        return set()
     gradient, fused_ops = gradient_dependent(graph) or set(), {op.overload for op in FUSED_OPS}
     return {u for u in site.y.users if u in gradient and u.op == "call_function" and u.target not in fused_ops}
 
@@ -462,7 +466,7 @@ def emit(ctx: RuleContext, site: ForwardNormMatch):
     problem = problem or rms_norm_target_problem(ctx.target, compute, gamma_dtype, ge_op=OP.ge_op)
     kept = set(_kept(site, region)) if problem is None else set()
     anchor = last_of(graph, [n for n in (site.x, site.gamma) if n is not None])
-    readers = _backward_readers_of_y(site, graph) if problem is None else set()
+    readers = _backward_readers_of_y(site, graph, ctx.provenance) if problem is None else set()
     computing_y = _computing_y(site, region, readers, anchor)
     readers, kept = (readers, kept | set(computing_y)) if computing_y else (set(), kept)
     late = [u for out in (site.y, site.rstd) for u in out.users if (u not in region or u in kept) and u < anchor]

@@ -325,7 +325,7 @@ def _rewrite_or_restore(gm: fx.GraphModule, options, forward: Optional[fx.Graph]
         snapshot = Snapshot(graph)
         # before the rewrites: what the unfused backward reads
         layout = joint_layout(graph, options) if joint_layout is not None else None
-        provenance = JointProvenance(graph, layout.backward) if layout is not None else Provenance(forward, graph)
+        provenance = JointProvenance(graph, layout.backward, layout.min_cut) if layout is not None else Provenance(forward, graph)
         context = PassContext.of(graph, provenance, result.target, options.strict)
         result.sites, result.misses = _rewrite_in_rounds(context, options)
         if layout is not None and result.sites:
