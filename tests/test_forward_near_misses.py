@@ -185,10 +185,9 @@ def test_complex_rotation_of_a_symbolic_head_dim_is_a_recorded_forward_miss():
     assert not capture.fused(ROPE) and [m.reason for m in capture.misses() if m.op == ROPE] == [SYMBOLIC_REASON]
 
 
-@pytest.mark.xfail(strict=True, reason="the backward RoPE rule's symbolic scan (rope._symbolic_last_axis) "
-                   "looks for an add or sub after a gradient's element move; a complex rotation's dx is a "
-                   "complex product (dy's pairs times conj(freqs_cis)): a silent backward miss")
 def test_complex_rotation_of_a_symbolic_head_dim_is_a_recorded_backward_miss():
+    """Its dx is a complex product (dy's pairs times conj(freqs_cis)), no add: the backward scan
+    records complex products too (it looked only for an add or sub, a silent backward miss)."""
     x = _seeded(1, 2, 6, 4, 16).requires_grad_()
     capture = compile_and_compare(_complex_rotation, [x, COS_SIN], dynamic_dims={0: [0, 1, 2, 3], 1: [0, 1]},
                                   **BOTH)
@@ -218,11 +217,11 @@ def test_rotation_spellings_of_a_symbolic_head_dim_are_recorded_forward_misses(n
     assert not capture.fused(ROPE) and SYMBOLIC_REASON in {m.reason for m in capture.misses() if m.op == ROPE}
 
 
-@pytest.mark.xfail(strict=True, reason="the backward RoPE rule's symbolic scan (rope._symbolic_last_axis, outside "
-                   "this file's rules) records any gradient moved by a slice or cat, along any axis, and summed "
-                   "within two uses while the last axis is symbolic")
 @pytest.mark.parametrize("name", ["difference_along_the_last_axis", "shift_along_the_sequence"])
 def test_symbolic_last_axis_of_a_trained_input_without_a_rotation_is_no_rope_miss(name):
+    """The backward scan records a gradient's move only where it is summed with a rotation's term
+    (a product varying along the last axis, possibly moved) and along the last axis: a difference
+    or a sequence shift of a trained input was a false RoPE miss."""
     h = _seeded(2, 2, 6, 12).requires_grad_()
     capture = compile_and_compare(SYMBOLIC_NO_ROPE[name], [h], [W1], dynamic_dims={0: [0, 1, 2]}, **BOTH)
     assert not [m for m in capture.misses() if m.op in (ROPE, ROPE + "_grad")], capture.misses()

@@ -290,20 +290,88 @@ def _candidates(graph: fx.Graph):
 
 
 def _symbolic_last_axis(ev: LaneEvaluator, seeds) -> List[Miss]:
-    """Gradients moved along a symbolic last axis and then summed, as a RoPE dx does: the
-    match is proved position by position, which needs a static head dim, so such a site
-    cannot fuse; say so rather than leave it unexplained."""
+    """Gradients moved along a symbolic last axis and summed with a rotation's terms, as a RoPE dx
+    is (``dy * cos`` plus a move of ``dy * sin``), or multiplied as complex pairs (``freqs_cis``):
+    the match is proved position by position, which needs a static head dim, so such a site
+    cannot fuse; say so rather than leave it unexplained. A difference or a shift of a gradient
+    (its moves summed with no product) is no RoPE."""
     sums = {}
     for seed in seeds:
-        if shape(seed) and static_int(shape(seed)[-1]) is None and ev.depends_on_gradient(seed):
-            for user in downstream(seed.graph, [seed], 2):
-                if user.target in (aten.add.Tensor, aten.sub.Tensor) and user is not seed:
-                    sums[user] = None
-                    break
+        if shape(seed) and static_int(shape(seed)[-1]) is None and ev.depends_on_gradient(seed) \
+                and along_last_axis(seed):
+            user = next((u for u in downstream(seed.graph, [seed], 4) if u is not seed and _sums_dx_terms(u)), None)
+            if user is not None:
+                sums[user] = None
     return [Miss(OP.name, n.name, "gradients moved along a symbolic last axis, as a RoPE dx does: the pass "
                              "proves RoPE per position of a static head dim; mark only batch and "
                              "sequence dynamic (dynamic=True also made the head dim symbolic)")
             for n in outermost(list(sums))]
+
+
+def _sums_dx_terms(node: fx.Node) -> bool:
+    """A complex product, or a sum one of whose operands is a rotation's term: a product of two
+    tensors varying along the last axis, possibly negated, cast, reshaped or moved."""
+    if node.target is aten.mul.Tensor:
+        return dtype(node) is not None and dtype(node).is_complex
+    return node.target in (aten.add.Tensor, aten.sub.Tensor) and any(_rotation_term(a) for a in node.args[:2])
+
+
+def _rotation_term(node, depth: int = 6) -> bool:
+    if not isinstance(node, fx.Node) or node.op != "call_function" or depth == 0:
+        return False
+    if varying_product(node):
+        return True
+    if node.target in (aten.cat.default, aten.stack.default):
+        return any(_rotation_term(a, depth - 1) for a in node.args[0])
+    if node.target in (aten.slice_scatter.default, aten.select_scatter.default):
+        return any(_rotation_term(a, depth - 1) for a in node.args[:2])
+    if node.target in MOVES_ELEMENTS | CAST_TARGETS | VIEWS | {aten.neg.default}:
+        return _rotation_term(node.args[0], depth - 1)
+    return False
+
+
+#: where an element move's axis is among its arguments (the others move along the last axis)
+_AXIS_ARGUMENT = {aten.slice.Tensor: 1, aten.select.int: 1, aten.cat.default: 1, aten.stack.default: 1,
+                  aten.unbind.int: 1, aten.split.Tensor: 2, aten.split_with_sizes.default: 2,
+                  aten.slice_backward.default: 2, aten.select_backward.default: 2, aten.slice_scatter.default: 2}
+
+
+def along_last_axis(node: fx.Node) -> bool:
+    """Whether an element move (:func:`_moves_elements`) moves along its input's last axis."""
+    position = _AXIS_ARGUMENT.get(node.target)
+    if position is None:
+        return True  # view_as_complex/real, a transpose of the last axis
+    source = node.args[0][0] if node.target in (aten.cat.default, aten.stack.default) else node.args[0]
+    if node.target is aten.select_backward.default:  # its input lacks the selected axis; the output has it
+        source = node
+    axis = node.args[position] if len(node.args) > position else node.kwargs.get("dim", 0)
+    rank = len(shape(source)) if shape(source) is not None else None
+    if rank is None or not isinstance(axis, int):
+        return True  # unknown: keep the scan's record rather than risk a silent miss
+    if node.target is aten.stack.default:  # stacking inserts an axis: the last or the one before
+        return axis % (rank + 1) >= rank - 1
+    return axis % rank == rank - 1
+
+
+def varying_product(node) -> bool:
+    """A product, through casts, reshapes and scalings by constants, of two tensors that vary
+    along the last axis: a term of a rotation, not a constant or a weight per channel."""
+    passed_on = CAST_TARGETS | {aten.view.default, aten._unsafe_view.default, aten.expand.default}
+    while isinstance(node, fx.Node) and (node.target in passed_on or unscaled(node) is not node):
+        node = node.args[0] if node.target in passed_on else unscaled(node)
+    return isinstance(node, fx.Node) and node.target is aten.mul.Tensor and all(
+        isinstance(a, fx.Node) and shape(a) and static_int(shape(a)[-1]) != 1 for a in node.args[:2])
+
+
+def unscaled(node: fx.Node) -> fx.Node:
+    """``node`` without the products and quotients by constants it is (``2 * q`` is q)."""
+    while node.op == "call_function" and node.target in (aten.mul.Tensor, aten.mul.Scalar, aten.div.Tensor,
+                                                         aten.div.Scalar):
+        tensors = [a for a in node.args[:2] if isinstance(a, fx.Node)]
+        if len(tensors) != 1 or (node.target in (aten.div.Tensor, aten.div.Scalar) and node.args[0] is not tensors[0]):
+            break
+        node = tensors[0]
+    return node
 
 
 def _looks_like_dx(v: Optional[Lanes]) -> bool:

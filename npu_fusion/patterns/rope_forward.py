@@ -44,7 +44,8 @@ from .rewrite import (Insertion, Miss, RuleContext, commit, exact_common_dtype, 
 from .pairing import calls, forward_is_complex, source, unpaired
 from .rms_norm_forward import _as_forward_work
 from .layout import memory_order, permuted, restored, same_layout
-from .rope import DX_DEPTH, MAX_LANES, TABLE_SIGNS, _moves_elements, lane_evaluator, table_terms
+from .rope import (DX_DEPTH, MAX_LANES, TABLE_SIGNS, _moves_elements, along_last_axis, lane_evaluator, table_terms,
+                   unscaled, varying_product)
 from .rule import Form, FusionRule, RoundReport, SiteProbe
 
 #: (leaf id, the leaf position that plays each position of the fused op's operand)
@@ -361,7 +362,7 @@ def _symbolic_last_axis(graph: fx.Graph, seeds, gradient) -> List[Miss]:
     along that axis (``x * cos + rotate(x) * sin``), or a product of complex pairs (``freqs_cis``);
     a difference, a causal convolution's taps or a sequence shift is no RoPE."""
     sums = {}
-    for seed in (n for n in seeds if shape(n) and static_int(shape(n)[-1]) is None and _along_last_axis(n)):
+    for seed in (n for n in seeds if shape(n) and static_int(shape(n)[-1]) is None and along_last_axis(n)):
         user = next((u for u in downstream(graph, [seed], 4) if u is not seed and u not in gradient
                      and _sums_rotation_terms(u)), None)
         if user is not None:
@@ -369,57 +370,16 @@ def _symbolic_last_axis(graph: fx.Graph, seeds, gradient) -> List[Miss]:
     return [Miss(OP.name, n.name, SYMBOLIC_REASON) for n in outermost(list(sums))]
 
 
-#: where an element move's axis is among its arguments (the others move along the last axis)
-_AXIS_ARGUMENT = {aten.slice.Tensor: 1, aten.select.int: 1, aten.cat.default: 1, aten.stack.default: 1,
-                  aten.unbind.int: 1, aten.split.Tensor: 2, aten.split_with_sizes.default: 2}
-
-
-def _along_last_axis(node: fx.Node) -> bool:
-    """Whether an element move (:func:`.rope._moves_elements`) moves along its input's last axis."""
-    position = _AXIS_ARGUMENT.get(node.target)
-    if position is None:
-        return True  # view_as_complex/real, a transpose of the last axis
-    source = node.args[0][0] if node.target in (aten.cat.default, aten.stack.default) else node.args[0]
-    axis = node.args[position] if len(node.args) > position else node.kwargs.get("dim", 0)
-    rank = len(shape(source)) if shape(source) is not None else None
-    if rank is None or not isinstance(axis, int):
-        return True  # unknown: keep the scan's record rather than risk a silent miss
-    if node.target is aten.stack.default:  # stacking inserts an axis: the last or the one before
-        return axis % (rank + 1) >= rank - 1
-    return axis % rank == rank - 1
-
-
 def _sums_rotation_terms(node: fx.Node) -> bool:
     if node.target is aten.mul.Tensor:
         return dtype(node) is not None and dtype(node).is_complex
-    return node.target in (aten.add.Tensor, aten.sub.Tensor) and all(_varying_product(a) for a in node.args[:2])
-
-
-def _varying_product(node) -> bool:
-    """A product, through casts, reshapes and scalings by constants, of two tensors that vary
-    along the last axis: a term of a rotation, not a constant or a weight per channel."""
-    passed_on = CAST_TARGETS | {aten.view.default, aten._unsafe_view.default, aten.expand.default}
-    while isinstance(node, fx.Node) and (node.target in passed_on or _unscaled(node) is not node):
-        node = node.args[0] if node.target in passed_on else _unscaled(node)
-    return isinstance(node, fx.Node) and node.target is aten.mul.Tensor and all(
-        isinstance(a, fx.Node) and shape(a) and static_int(shape(a)[-1]) != 1 for a in node.args[:2])
+    return node.target in (aten.add.Tensor, aten.sub.Tensor) and all(varying_product(a) for a in node.args[:2])
 
 
 #: why a rotation that reads x in one term and a constant multiple of x in the other fuses in no form
 SCALED_COPY_REASON = ("two products per element like a RoPE forward, one of x and one of x scaled by a constant "
                       "(x * cos + rotate(c * x) * sin): no form folds the constant into a table; scale the table "
                       "instead (x * cos + rotate(x) * (c * sin)) to fuse it")
-
-
-def _unscaled(node: fx.Node) -> fx.Node:
-    """``node`` without the products and quotients by constants it is (``2 * q`` is q)."""
-    while node.op == "call_function" and node.target in (aten.mul.Tensor, aten.mul.Scalar, aten.div.Tensor,
-                                                         aten.div.Scalar):
-        tensors = [a for a in node.args[:2] if isinstance(a, fx.Node)]
-        if len(tensors) != 1 or (node.target in (aten.div.Tensor, aten.div.Scalar) and node.args[0] is not tensors[0]):
-            break
-        node = tensors[0]
-    return node
 
 
 def _reads_scaled_copy(ev: LaneEvaluator, node: fx.Node) -> bool:
@@ -431,7 +391,7 @@ def _reads_scaled_copy(ev: LaneEvaluator, node: fx.Node) -> bool:
             and all(len(p) == 2 and all(len(m) == 2 for m in p) for p in v.polys)):
         return False
     a, b = v.polys[0]
-    return any(l1 != l2 and p1 != p2 and _unscaled(ev.leaves[l1]) is _unscaled(ev.leaves[l2])
+    return any(l1 != l2 and p1 != p2 and unscaled(ev.leaves[l1]) is unscaled(ev.leaves[l2])
                for l1, p1 in a for l2, p2 in b)
 
 
