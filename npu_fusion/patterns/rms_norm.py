@@ -434,7 +434,8 @@ def unexplained(graph: fx.Graph, provenance: Optional[Provenance], misses: List[
         reason = unmatched_spelling(node if node.target is aten.div.Tensor else operand, provenance) \
             if operand is not None else None
         if operand is None or not (reason or _is_rms_statistic(operand, provenance)
-                                   or _fused_role(operand, provenance) == "rstd" or weight_gradient(node, operand)):
+                                   or fused_statistic_operand(operand, provenance) is not None
+                                   or weight_gradient(node, operand)):
             continue
         reach = set(downstream(graph, [node], 2 * DX_DEPTH))
         reached |= reach
@@ -479,26 +480,10 @@ def _unfused_weight_gradient(graph: fx.Graph, provenance: Optional[Provenance], 
                    for s in downstream(graph, [node], 2))
 
     def test(node: fx.Node, operand: fx.Node) -> bool:
-        stat = normalized_operand(operand, provenance) or _normalized_by_fused_rstd(operand, provenance)
-        if stat is None and _fused_role(operand, provenance) == "normalized":
-            stat = fused_forward_output(operand, provenance)[1:3]
+        stat = normalized_operand(operand, provenance) or fused_normalized_operand(operand, provenance)
         return (stat is not None and summed_over_leading_axes(node, stat[1])
                 and _source(stat[0], provenance) not in covered())
     return test
-
-
-def _normalized_by_fused_rstd(node: fx.Node, provenance: Optional[Provenance]) -> Optional[tuple]:
-    """``(x, k)`` when ``node`` is ``x * rstd`` with rstd a fused forward ``rms_norm``'s of x: the
-    normalized value the forward rule leaves to the backward's readers of y (min-cut recomputes it)."""
-    node = _definition(node, provenance)
-    if node.op != "call_function" or node.target is not aten.mul.Tensor:
-        return None
-    for a, b in (node.args[:2], node.args[1::-1]):
-        found = fused_forward_output(b, provenance) if isinstance(b, fx.Node) else None
-        if found is not None and found[0] == 1 and isinstance(a, fx.Node) \
-                and _source(a, provenance) is _source(found[1], provenance):
-            return found[1:3]
-    return None
 
 
 #: ops an RMS statistic may pass through on its way to the backward: casts, copies and views
@@ -555,12 +540,11 @@ def _definition(node: fx.Node, provenance: Optional[Provenance], exact: bool = F
 _FUSED_FORWARD_WRAPPING = _SAME_VALUES | {aten.permute.default}
 
 
-def fused_forward_output(node: fx.Node, provenance: Optional[Provenance]) -> Optional[tuple]:
+def _fused_forward_output(node: fx.Node, provenance: Optional[Provenance]) -> Optional[tuple]:
     """``(index, x, k, gamma)`` when ``node`` is output ``index`` of a fused ``npu_fusion.rms_norm``
     of ``x`` over its last k axes (0: y, 1: rstd), seen through the casts, reshapes and
     permutations the forward rule wraps it in and saved tensors' forward definitions; ``x`` is
-    the program's own node. The backward's scans read these as they read the decomposed
-    statistic and normalized value: a forward fused before its backward hides neither."""
+    the program's own node."""
     def unwrapped(n: fx.Node) -> fx.Node:
         for _ in range(12):
             if n.op == "placeholder" and provenance is not None:
@@ -578,14 +562,23 @@ def fused_forward_output(node: fx.Node, provenance: Optional[Provenance]) -> Opt
     return node.args[1], unwrapped(x), len(shape(gamma)), gamma
 
 
-def _fused_role(node: fx.Node, provenance: Optional[Provenance]) -> Optional[str]:
-    """"rstd" or "normalized" (y of a norm without weight) when ``node`` is that output of a fused
-    forward ``rms_norm`` (:func:`fused_forward_output`), else None."""
-    found = fused_forward_output(node, provenance)
-    if found is None:
-        return None
-    index, _, _, gamma = found
-    return "rstd" if index == 1 else "normalized" if _is_ones(gamma, provenance) else None
+def fused_statistic_operand(node: fx.Node, provenance: Optional[Provenance]) -> Optional[tuple]:
+    """``(x, k)`` when ``node`` is the rstd output of a fused forward ``rms_norm`` of x: what
+    :func:`rms_statistic_operand` reads in a decomposed statistic. The backward's scans read both:
+    a forward fused before its backward hides no statistic from them."""
+    found = _fused_forward_output(node, provenance)
+    return found[1:3] if found is not None and found[0] == 1 else None
+
+
+def fused_normalized_operand(node: fx.Node, provenance: Optional[Provenance]) -> Optional[tuple]:
+    """``(x, k)`` when ``node`` is x normalized by a fused forward ``rms_norm``: its y where the
+    weight is ones (a norm without weight), or ``x * its rstd`` (the program's y the forward rule
+    leaves to the backward's readers under min-cut); :func:`normalized_operand`'s fused twin."""
+    found = _fused_forward_output(node, provenance)
+    if found is not None:
+        index, x, k, gamma = found
+        return (x, k) if index == 0 and _is_ones(gamma, provenance) else None
+    return normalized_operand(node, provenance, statistic=fused_statistic_operand)
 
 
 def _is_ones(node, provenance: Optional[Provenance]) -> bool:
@@ -700,14 +693,16 @@ def _is_centred(y: fx.Node, provenance: Optional[Provenance]) -> bool:
         isinstance(a, fx.Node) and _definition(a, provenance).target is aten.mean.dim for a in y.args[:2])
 
 
-def normalized_operand(node: fx.Node, provenance: Optional[Provenance]) -> Optional[tuple]:
+def normalized_operand(node: fx.Node, provenance: Optional[Provenance],
+                       statistic=rms_statistic_operand) -> Optional[tuple]:
     """``(y, k)`` when ``node`` is ``y * rms_statistic(y)`` (the normalized value the forward
-    saves for the weight's gradient), seen as :func:`rms_statistic_operand` sees."""
+    saves for the weight's gradient), the statistic read by ``statistic`` (by default as
+    :func:`rms_statistic_operand` reads a decomposed one)."""
     node = _definition(node, provenance)
     if node.op != "call_function" or node.target is not aten.mul.Tensor:
         return None
     for a, b in (node.args[:2], node.args[1::-1]):
-        stat = rms_statistic_operand(b, provenance) if isinstance(b, fx.Node) else None
+        stat = statistic(b, provenance) if isinstance(b, fx.Node) else None
         if stat is not None and isinstance(a, fx.Node) and _source(a, provenance) is _source(stat[0], provenance):
             return stat
     return None
@@ -740,9 +735,8 @@ def _taken_norms(graph: fx.Graph, provenance, matches: List[NormMatch]) -> set:
                                          if n.op == "call_function" and n.target is OP.overload]
     taken = set()
     for rstd in rstds:
-        stat = rms_statistic_operand(rstd, provenance) if isinstance(rstd, fx.Node) else None
-        if stat is None and isinstance(rstd, fx.Node) and _fused_role(rstd, provenance) == "rstd":
-            stat = fused_forward_output(rstd, provenance)[1:3]
+        stat = rms_statistic_operand(rstd, provenance) or fused_statistic_operand(rstd, provenance) \
+            if isinstance(rstd, fx.Node) else None
         if stat is not None:
             taken.add(_source(stat[0], provenance))
     return taken

@@ -345,21 +345,26 @@ def _region(site: ForwardNormMatch) -> List[fx.Node]:
     return list(dict.fromkeys(region_of([site.y, site.rstd.args[0]], interior) + [site.rstd]))
 
 
-def _unfused_readers(node: fx.Node, region, gradient) -> List[fx.Node]:
-    """Backward nodes other than a fused op that read ``node`` from outside the site, through
-    casts, views and detaches (the decomposed backward reads rstd through ``detach``)."""
-    fused_ops = {op.overload for op in FUSED_OPS}
+def _readers(node: fx.Node, region) -> List[fx.Node]:
+    """The nodes outside the site that read ``node``, seen through casts, views and detaches (the
+    decomposed backward reads rstd through ``detach``)."""
     found, stack, seen = [], [u for u in node.users if u not in region], set()
     while stack:
         user = stack.pop()
-        if user in seen or user.target in fused_ops:
+        if user in seen:
             continue
         seen.add(user)
         if user.op == "call_function" and user.target in CAST_TARGETS | VIEWS:
             stack.extend(user.users)
-        elif user in gradient:
+        else:
             found.append(user)
     return found
+
+
+def _unfused_readers(node: fx.Node, region, gradient) -> List[fx.Node]:
+    """Backward nodes other than a fused op that read ``node`` from outside the site (:func:`_readers`)."""
+    fused_ops = {op.overload for op in FUSED_OPS}
+    return [u for u in _readers(node, region) if u.target not in fused_ops and u in gradient]
 
 
 def _pairing_problem(site: ForwardNormMatch, region, graph: fx.Graph) -> Optional[str]:
@@ -384,20 +389,10 @@ def _pairing_problem(site: ForwardNormMatch, region, graph: fx.Graph) -> Optiona
 
 
 def _read_by_fused_backward(rstd: fx.Node, region) -> bool:
-    """A fused ``rms_norm_grad`` reads ``rstd`` (through casts, views and detaches): the norm's
-    backward is fused, and what of it the rewrite left to the program (a dgamma whose gradient is
-    rounded more coarsely than it is kept, torchtitan's Qwen3 q/k norms in bf16) is the program's own."""
-    stack, seen = [u for u in rstd.users if u not in region], set()
-    while stack:
-        user = stack.pop()
-        if user in seen:
-            continue
-        seen.add(user)
-        if user.target == RMS_NORM_GRAD.overload:
-            return True
-        if user.op == "call_function" and user.target in CAST_TARGETS | VIEWS:
-            stack.extend(user.users)
-    return False
+    """A fused ``rms_norm_grad`` reads ``rstd`` (:func:`_readers`): the norm's backward is fused, and
+    what of it the rewrite left to the program (a dgamma whose gradient is rounded more coarsely
+    than it is kept, torchtitan's Qwen3 q/k norms in bf16) is the program's own."""
+    return any(u.target == RMS_NORM_GRAD.overload for u in _readers(rstd, region))
 
 
 def _kept(site: ForwardNormMatch, region) -> List[fx.Node]:
@@ -405,15 +400,8 @@ def _kept(site: ForwardNormMatch, region) -> List[fx.Node]:
     inside it, up to the fused op's outputs: they stay, computing what they computed, from the
     fused op's rstd (the normalized value the program's decomposed dgamma reads)."""
     inside, outputs = set(region), {site.y, site.rstd}
-    stack = [n for n in region if n not in outputs and any(u not in inside for u in n.users)]
-    kept: Dict[fx.Node, None] = {}
-    while stack:
-        node = stack.pop()
-        if node in kept or node not in inside or node in outputs:
-            continue
-        kept[node] = None
-        stack.extend(node.all_input_nodes)
-    return list(kept)
+    read_outside = [n for n in region if n not in outputs and any(u not in inside for u in n.users)]
+    return region_of(read_outside, lambda n: n in inside and n not in outputs)
 
 
 def _backward_readers_of_y(site: ForwardNormMatch, graph: fx.Graph, provenance) -> set:
@@ -434,14 +422,9 @@ def _computing_y(site: ForwardNormMatch, region, readers, anchor: fx.Node) -> Li
     one of them comes before the fused op (a weight computed after x): all read the fused y then."""
     if not readers:
         return []
-    inside, kept, stack = set(region), {}, [site.y]
-    while stack:
-        node = stack.pop()
-        if node in kept or node not in inside or node is site.rstd:
-            continue
-        kept[node] = None
-        stack.extend(node.all_input_nodes)
-    return [] if any(n < anchor for n in kept) else list(kept)
+    inside = set(region)
+    kept = region_of([site.y], lambda n: n in inside and n is not site.rstd)
+    return [] if any(n < anchor for n in kept) else kept
 
 
 def _dtypes(site: ForwardNormMatch) -> tuple:

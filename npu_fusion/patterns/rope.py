@@ -295,17 +295,29 @@ def _symbolic_last_axis(ev: LaneEvaluator, seeds) -> List[Miss]:
     the match is proved position by position, which needs a static head dim, so such a site
     cannot fuse; say so rather than leave it unexplained. A difference or a shift of a gradient
     (its moves summed with no product) is no RoPE."""
-    sums = {}
-    for seed in seeds:
-        if shape(seed) and static_int(shape(seed)[-1]) is None and ev.depends_on_gradient(seed) \
-                and along_last_axis(seed):
-            user = next((u for u in downstream(seed.graph, [seed], 4) if u is not seed and _sums_dx_terms(u)), None)
-            if user is not None:
-                sums[user] = None
+    sums = symbolic_rotation_sums([s for s in seeds if ev.depends_on_gradient(s)], _sums_dx_terms)
     return [Miss(OP.name, n.name, "gradients moved along a symbolic last axis, as a RoPE dx does: the pass "
                              "proves RoPE per position of a static head dim; mark only batch and "
                              "sequence dynamic (dynamic=True also made the head dim symbolic)")
-            for n in outermost(list(sums))]
+            for n in sums]
+
+
+#: uses from an element move to the sum of a rotation (slice, neg, stack, flatten view, multiply, add)
+ROTATION_SUM_REACH = 4
+
+
+def symbolic_rotation_sums(seeds, is_rotation_sum) -> List[fx.Node]:
+    """The outermost nodes ``is_rotation_sum`` accepts, each within :data:`ROTATION_SUM_REACH` uses of
+    a seed (an element move) along a symbolic last axis: rotations no rule can prove, forward
+    (:mod:`.rope_forward`) or backward."""
+    sums = {}
+    for seed in seeds:
+        if shape(seed) and static_int(shape(seed)[-1]) is None and along_last_axis(seed):
+            user = next((u for u in downstream(seed.graph, [seed], ROTATION_SUM_REACH)
+                         if u is not seed and is_rotation_sum(u)), None)
+            if user is not None:
+                sums[user] = None
+    return outermost(list(sums))
 
 
 def _sums_dx_terms(node: fx.Node) -> bool:

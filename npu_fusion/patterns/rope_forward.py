@@ -44,8 +44,8 @@ from .rewrite import (Insertion, Miss, RuleContext, commit, exact_common_dtype, 
 from .pairing import calls, forward_is_complex, source, unpaired
 from .rms_norm_forward import _as_forward_work
 from .layout import memory_order, permuted, restored, same_layout
-from .rope import (DX_DEPTH, MAX_LANES, TABLE_SIGNS, _moves_elements, along_last_axis, lane_evaluator, table_terms,
-                   unscaled, varying_product)
+from .rope import (DX_DEPTH, MAX_LANES, TABLE_SIGNS, _moves_elements, lane_evaluator, symbolic_rotation_sums,
+                   table_terms, unscaled, varying_product)
 from .rule import Form, FusionRule, RoundReport, SiteProbe
 
 #: (leaf id, the leaf position that plays each position of the fused op's operand)
@@ -302,7 +302,7 @@ def find_sites(graph: fx.Graph, ctx: RuleContext) -> RoundReport:
         return RoundReport()
     gradient = gradient_dependent(graph) or set()
     seeds = [n for n in graph.nodes if n not in gradient and _moves_elements(n)]
-    symbolic = _symbolic_last_axis(graph, seeds, gradient)
+    symbolic = _symbolic_last_axis(seeds, gradient)
     nodes = [n for n in downstream(graph, seeds, DX_DEPTH) if n not in gradient and n.op == "call_function"
              and shape(n) and static_int(shape(n)[-1]) is not None and 2 <= static_int(shape(n)[-1]) <= MAX_LANES
              and dtype(n) is not None and dtype(n).is_floating_point]
@@ -354,20 +354,15 @@ SYMBOLIC_REASON = ("elements moved along a symbolic last axis and summed, as a R
                    "made the head dim symbolic)")
 
 
-def _symbolic_last_axis(graph: fx.Graph, seeds, gradient) -> List[Miss]:
+def _symbolic_last_axis(seeds, gradient) -> List[Miss]:
     """Forward elements moved along a symbolic last axis and then summed: no node of a symbolic
     head dim is evaluated, so such a rotation would be a silent miss (found by the forward
     property tests); recorded instead, as the backward rule does (:func:`.rope._symbolic_last_axis`).
     Only a move along the last axis whose sum is a rotation's: two products of tensors that vary
     along that axis (``x * cos + rotate(x) * sin``), or a product of complex pairs (``freqs_cis``);
     a difference, a causal convolution's taps or a sequence shift is no RoPE."""
-    sums = {}
-    for seed in (n for n in seeds if shape(n) and static_int(shape(n)[-1]) is None and along_last_axis(n)):
-        user = next((u for u in downstream(graph, [seed], 4) if u is not seed and u not in gradient
-                     and _sums_rotation_terms(u)), None)
-        if user is not None:
-            sums[user] = None
-    return [Miss(OP.name, n.name, SYMBOLIC_REASON) for n in outermost(list(sums))]
+    sums = symbolic_rotation_sums(seeds, lambda u: u not in gradient and _sums_rotation_terms(u))
+    return [Miss(OP.name, n.name, SYMBOLIC_REASON) for n in sums]
 
 
 def _sums_rotation_terms(node: fx.Node) -> bool:
