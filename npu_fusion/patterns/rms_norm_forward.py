@@ -212,8 +212,8 @@ def _match_statistic(ev: NormEvaluator, graph: fx.Graph, rstd: fx.Node, forward)
     eps = _eps(argument.expr)
     inputs = _statistic_inputs(ev, rstd, argument.expr, eps) if eps is not None else []
     if not inputs and _tensor_eps(ev, argument.expr):
-        return Miss(OP.name, rstd.name, "eps is a tensor (dynamic=True passes the float as a graph input), and the "
-                                        "fused op takes eps as a number: mark only batch and sequence dynamic")
+        return Miss(OP.name, rstd.name, "eps is a tensor computed in the graph or passed as one, and the fused op "
+                                        "takes eps as a number: pass eps as a Python float")
     reasons = []
     for x in inputs:
         site = _site_at(ev, graph, rstd, x, float(eps), forward)
@@ -574,6 +574,7 @@ class RmsNormForwardRule(FusionRule):
     stage = "joint"
     domain = "norm"
     ops = (OP,)
+    reads_constant_floats = True  # the fused op's eps is an attribute
     #: each norm call the model runs is one forward site, the backward's site
     site_probe = SiteProbe(kind=OP.option, same_sites_as="rms_norm")
     forms = tuple(Form(*row) for row in (

@@ -114,6 +114,10 @@ class FusionRule:
     option_aliases: ClassVar[Tuple[str, ...]] = ()
     #: whether the rule's option is on by default
     enabled_by_default: ClassVar[bool] = True
+    #: whether its fused op takes a float of the program as a number (a norm's eps), so that under
+    #: ``dynamic=True`` the backend specializes such floats under a guard
+    #: (:mod:`npu_fusion.plugin.specialize`)
+    reads_constant_floats: ClassVar[bool] = False
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
