@@ -28,7 +28,7 @@ instead of reaching for a private name that only some releases have:
 * The FX, fake-tensor and Dynamo internals the pass reads (:func:`is_erased`,
   :func:`empty_graph_like`, :func:`fake_tensor_type`, :func:`symbolic_expr`,
   :func:`size_hint`, :func:`current_compile_id`, :func:`dynamo_counters`, :func:`graph_argument`,
-  :func:`guard_constant`): private names of
+  :func:`guard_constant`, :func:`specialize_size`): private names of
   every supported torch, kept here so that a release that renames one is fixed in one place.
 """
 from __future__ import annotations
@@ -267,6 +267,31 @@ def guard_constant(source) -> bool:
     if TracingContext.try_get() is None:
         return False
     install_guard(source.make_guard(GuardBuilder.EQUALS_MATCH))
+    return True
+
+
+def specialize_size(size) -> bool:
+    """Guard the compilation in progress on a symbolic size keeping its example value, so that
+    it reads as that number from then on (``guard_int``: the shape environment replaces the
+    symbol); False where no Dynamo compilation owns the size's shape environment (a graph
+    compiled later, after Dynamo made its guards, must not specialize) or where the user
+    marked the size dynamic."""
+    from torch._guards import TracingContext
+
+    context = TracingContext.try_get()
+    fake_mode = getattr(context, "fake_mode", None)
+    if fake_mode is None or fake_mode.shape_env is None or fake_mode.shape_env is not size.node.shape_env:
+        return False
+    env, expr = fake_mode.shape_env, size.node.expr
+    if size.node.hint is None:  # data dependent: no value to keep
+        return False
+    # only duck-shaped symbols (``dynamic=True``); one the user marked dynamic (``mark_dynamic``,
+    # a constraint that a specialization would violate) is created apart and never shared
+    values = getattr(env, "backed_var_to_val", None) or getattr(env, "var_to_val", {})
+    ducks = getattr(env, "val_to_var", {})
+    if not all(symbol in values and ducks.get(int(values[symbol])) == symbol for symbol in expr.free_symbols):
+        return False
+    symbolic_shapes.guard_int(size)
     return True
 
 

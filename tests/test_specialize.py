@@ -47,3 +47,37 @@ def test_without_the_forward_rule_nothing_is_specialized():
         out = compiled(x, w, eps, 2.0)
         torch.testing.assert_close(out, norm(x, w, eps, 2.0))
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
+
+
+def rotate_half(x):
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def rope(q, cos, sin):
+    """HF's rotation of q ``[B, N, S, D]`` with tables ``[S, D]`` the caller passes."""
+    return q * cos + rotate_half(q) * sin
+
+
+def test_head_dim_is_specialized_under_a_guard_and_batch_and_sequence_stay_symbolic():
+    """``dynamic=True`` makes q's head dim symbolic: the pass guards it to its value (the fused op
+    is proved per position of a static head dim), so the rotation fuses both ways, and another
+    batch and sequence length run the same graph."""
+    results = []
+    options = FusionOptions.from_mapping({"strict": True, "target": "generic"})
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    compiled = torch.compile(rope, backend=aot_backend(options, lambda gm, run: results.append(run())), dynamic=True)
+    for seed, (b, s) in enumerate(((2, 6), (3, 9))):
+        g = torch.Generator().manual_seed(seed)
+        q = torch.randn(b, 4, s, 16, generator=g).requires_grad_()
+        angles = torch.randn(s, 16, generator=g)
+        inputs = [q, angles.cos(), angles.sin()]
+        got, grad_outputs = run_grads(compiled, inputs)
+        eager, _ = run_grads(rope, inputs, (), grad_outputs)
+        for f, e, exact in zip(got, eager, float64_grads(rope, inputs, (), grad_outputs)):
+            assert f.dtype == e.dtype and f.shape == e.shape
+            assert_close_as_unfused(f, e, exact, factor=MODEL_FACTOR)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1, "another batch and sequence recompiled"
+    assert len(results) == 1 and not results[0].misses, results[0].misses
+    assert results[0].fused("rotary_position_embedding") == results[0].fused("rotary_position_embedding_grad") == 1

@@ -124,6 +124,12 @@ class FusionRule:
         if cls.stage not in STAGES:
             raise TypeError(f"{cls.__name__}.stage must be one of {STAGES}, got {cls.stage!r}")
 
+    def static_sizes(self, graph: fx.Graph) -> list:
+        """The symbolic sizes the rule's fused op needs static in ``graph`` (RoPE: the head dim
+        of a rotation-shaped sum): on a joint graph compiled by Dynamo the pass manager guards
+        them to their example values before the rounds (:func:`~npu_fusion.compat.specialize_size`)."""
+        return []
+
     @property
     def op(self) -> FusedOp:
         """The rule's fused op (its first): names its sites, misses and counters."""
