@@ -81,3 +81,25 @@ def test_head_dim_is_specialized_under_a_guard_and_batch_and_sequence_stay_symbo
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1, "another batch and sequence recompiled"
     assert len(results) == 1 and not results[0].misses, results[0].misses
     assert results[0].fused("rotary_position_embedding") == results[0].fused("rotary_position_embedding_grad") == 1
+
+
+def test_eps_passed_as_a_tensor_is_a_recorded_forward_miss():
+    """An eps the caller passes as a tensor is data, not a constant: no guard can keep it, so the
+    norm's forward stays (its backward, which reads no eps, fuses), recorded with the reason."""
+    from npu_fusion.patterns.rms_norm_forward import EPS_TENSOR_REASON
+
+    x = torch.randn(2, 5, 32, generator=torch.Generator().manual_seed(0)).requires_grad_()
+    w = torch.randn(32, generator=torch.Generator().manual_seed(1)).requires_grad_()
+    eps = torch.tensor(1e-6)
+    results = []
+    options = FusionOptions.from_mapping({"strict": True, "target": "generic"})
+    torch._dynamo.reset()
+    compiled = torch.compile(norm, backend=aot_backend(options, lambda gm, run: results.append(run())))
+    fn = lambda x, w: norm(x, w, eps, 1.0)  # noqa: E731
+    got, grad_outputs = run_grads(lambda x, w: compiled(x, w, eps, 1.0), [x, w])
+    eager, _ = run_grads(fn, [x, w], (), grad_outputs)
+    for g, e, exact in zip(got, eager, float64_grads(fn, [x, w], (), grad_outputs)):
+        assert_close_as_unfused(g, e, exact, factor=MODEL_FACTOR)
+    (result,) = results
+    assert result.fused("rms_norm_grad") == 1 and not result.fused("rms_norm")
+    assert [m.reason for m in result.misses] == [EPS_TENSOR_REASON]
