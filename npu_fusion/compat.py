@@ -27,7 +27,8 @@ instead of reaching for a private name that only some releases have:
   on a device with its own kernel (None on a torch without them).
 * The FX, fake-tensor and Dynamo internals the pass reads (:func:`is_erased`,
   :func:`empty_graph_like`, :func:`fake_tensor_type`, :func:`symbolic_expr`,
-  :func:`size_hint`, :func:`current_compile_id`, :func:`dynamo_counters`): private names of
+  :func:`size_hint`, :func:`current_compile_id`, :func:`dynamo_counters`, :func:`graph_argument`,
+  :func:`guard_constant`, :func:`specialize_size`): private names of
   every supported torch, kept here so that a release that renames one is fixed in one place.
 """
 from __future__ import annotations
@@ -247,6 +248,51 @@ def current_compile_id():
         return CompileContext.current_compile_id()
     except Exception:
         return None
+
+
+def graph_argument(placeholder):
+    """Dynamo's record of what a placeholder of its graph is (``meta["grapharg"]``: source, example), or None."""
+    return placeholder.meta.get("grapharg")
+
+
+def guard_constant(source) -> bool:
+    """Guard the compilation in progress on ``source`` keeping its present value (Dynamo's
+    ``EQUALS_MATCH``, the guard a specialized constant gets); False where there is no
+    compilation in progress or this torch has no such guard."""
+    try:
+        from torch._dynamo.guards import GuardBuilder, install_guard
+        from torch._guards import TracingContext
+    except ImportError:
+        return False
+    if TracingContext.try_get() is None:
+        return False
+    install_guard(source.make_guard(GuardBuilder.EQUALS_MATCH))
+    return True
+
+
+def specialize_size(size) -> bool:
+    """Guard the compilation in progress on a symbolic size keeping its example value, so that
+    it reads as that number from then on (``guard_int``: the shape environment replaces the
+    symbol); False where no Dynamo compilation owns the size's shape environment (a graph
+    compiled later, after Dynamo made its guards, must not specialize) or where the user
+    marked the size dynamic."""
+    from torch._guards import TracingContext
+
+    context = TracingContext.try_get()
+    fake_mode = getattr(context, "fake_mode", None)
+    if fake_mode is None or fake_mode.shape_env is None or fake_mode.shape_env is not size.node.shape_env:
+        return False
+    env, expr = fake_mode.shape_env, size.node.expr
+    if size.node.hint is None:  # data dependent: no value to keep
+        return False
+    # only duck-shaped symbols (``dynamic=True``); one the user marked dynamic (``mark_dynamic``,
+    # a constraint that a specialization would violate) is created apart and never shared
+    values = getattr(env, "backed_var_to_val", None) or getattr(env, "var_to_val", {})
+    ducks = getattr(env, "val_to_var", {})
+    if not all(symbol in values and ducks.get(int(values[symbol])) == symbol for symbol in expr.free_symbols):
+        return False
+    symbolic_shapes.guard_int(size)
+    return True
 
 
 def dynamo_counters(name: str):

@@ -145,3 +145,35 @@ def test_autocast_training_fuses_every_site(architecture, kv_heads, autocast, pa
     notes = [s.note for r in capture.results for s in r.sites if s.note]
     assert len(notes) == qk_norms and all(n.startswith("dgamma") for n in notes)
     assert grad_failures(fused, eager, exact) == []
+
+
+def test_dynamic_true_fuses_every_site_and_does_not_recompile(dtype=torch.bfloat16):
+    """``dynamic=True``: every size symbolic and every float a graph input. The norms' eps (a
+    float the fused forward takes as a number) is specialized under a guard, batch and sequence
+    stay symbolic: every site fuses forward and backward, a second call at another batch and
+    sequence length runs the same compiled graph, and a changed eps recompiles with the new one."""
+    model = tiny_llama(dtype)
+    shapes = [(2, 12), (3, 7)]
+    batches = [torch.randint(0, 96, s, generator=torch.Generator().manual_seed(i)) for i, s in enumerate(shapes)]
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    capture = Capture(target="generic")
+    compiled = torch.compile(model, backend=capture, dynamic=True)
+    for ids in batches:
+        with count_sites(model) as expected:
+            eager = param_grads(model, ids)
+        exact = param_grads(copy.deepcopy(model).double(), ids)
+        assert grad_failures(param_grads(model, ids, run=compiled), eager, exact) == []
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1, "a second batch and sequence recompiled"
+    assert capture.misses() == []
+    for op, sites in (("rms_norm", "rms_norm"), ("rms_norm_grad", "rms_norm"),
+                      ("rotary_position_embedding", "rope"), ("rotary_position_embedding_grad", "rope")):
+        assert capture.fused(op) == expected[sites], op
+
+    for module in model.modules():  # a changed eps: recompiled with it, not run with the old one
+        if hasattr(module, "variance_epsilon"):
+            module.variance_epsilon = 0.5
+    ids = batches[0]
+    eager, exact = param_grads(model, ids), param_grads(copy.deepcopy(model).double(), ids)
+    assert grad_failures(param_grads(model, ids, run=compiled), eager, exact) == []
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 2

@@ -202,6 +202,14 @@ def _without_readers_of_others(ev: NormEvaluator, outputs: List[tuple]) -> List[
     return [o for o in outputs if not reads_another(o[0])]
 
 
+#: why a norm whose eps is a tensor keeps its forward (the npu_fusion backend specializes a float eps
+#: that dynamic=True passes as a graph input, :mod:`npu_fusion.plugin.specialize`; other paths do not)
+EPS_TENSOR_REASON = ("eps is a tensor here (dynamic=True passes a float eps as a graph input, and only the npu_fusion "
+                     "backend reads it back as its value under a guard), and the fused op takes eps as a number: "
+                     "compile with backend='npu_fusion', set torch._dynamo.config.specialize_float = True, or pass "
+                     "eps as a Python float")
+
+
 def _match_statistic(ev: NormEvaluator, graph: fx.Graph, rstd: fx.Node, forward):
     """A :class:`ForwardNormMatch` at ``rstd``, a :class:`Miss` for a statistic whose output is
     not a norm's, or None when ``rstd`` is no RMS statistic."""
@@ -212,8 +220,7 @@ def _match_statistic(ev: NormEvaluator, graph: fx.Graph, rstd: fx.Node, forward)
     eps = _eps(argument.expr)
     inputs = _statistic_inputs(ev, rstd, argument.expr, eps) if eps is not None else []
     if not inputs and _tensor_eps(ev, argument.expr):
-        return Miss(OP.name, rstd.name, "eps is a tensor (dynamic=True passes the float as a graph input), and the "
-                                        "fused op takes eps as a number: mark only batch and sequence dynamic")
+        return Miss(OP.name, rstd.name, EPS_TENSOR_REASON)
     reasons = []
     for x in inputs:
         site = _site_at(ev, graph, rstd, x, float(eps), forward)
@@ -574,6 +581,7 @@ class RmsNormForwardRule(FusionRule):
     stage = "joint"
     domain = "norm"
     ops = (OP,)
+    reads_constant_floats = True  # the fused op's eps is an attribute
     #: each norm call the model runs is one forward site, the backward's site
     site_probe = SiteProbe(kind=OP.option, same_sites_as="rms_norm")
     forms = tuple(Form(*row) for row in (

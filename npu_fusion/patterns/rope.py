@@ -297,8 +297,8 @@ def _symbolic_last_axis(ev: LaneEvaluator, seeds) -> List[Miss]:
     (its moves summed with no product) is no RoPE."""
     sums = symbolic_rotation_sums([s for s in seeds if ev.depends_on_gradient(s)], _sums_dx_terms)
     return [Miss(OP.name, n.name, "gradients moved along a symbolic last axis, as a RoPE dx does: the pass "
-                             "proves RoPE per position of a static head dim; mark only batch and "
-                             "sequence dynamic (dynamic=True also made the head dim symbolic)")
+                             "proves RoPE per position of a static head dim, and this one was marked dynamic "
+                             "(mark_dynamic) or compiled where no guard can fix it: keep the head dim static")
             for n in sums]
 
 
@@ -310,14 +310,28 @@ def symbolic_rotation_sums(seeds, is_rotation_sum) -> List[fx.Node]:
     """The outermost nodes ``is_rotation_sum`` accepts, each within :data:`ROTATION_SUM_REACH` uses of
     a seed (an element move) along a symbolic last axis: rotations no rule can prove, forward
     (:mod:`.rope_forward`) or backward."""
+    return outermost(list(rotations_along_symbolic_axes(seeds, is_rotation_sum)))
+
+
+def rotations_along_symbolic_axes(seeds, is_rotation_sum) -> Dict[fx.Node, fx.Node]:
+    """``{sum: seed}``: each node ``is_rotation_sum`` accepts within :data:`ROTATION_SUM_REACH` uses of
+    a seed (an element move) along a symbolic last axis, and that seed."""
     sums = {}
     for seed in seeds:
         if shape(seed) and static_int(shape(seed)[-1]) is None and along_last_axis(seed):
             user = next((u for u in downstream(seed.graph, [seed], ROTATION_SUM_REACH)
                          if u is not seed and is_rotation_sum(u)), None)
             if user is not None:
-                sums[user] = None
-    return outermost(list(sums))
+                sums.setdefault(user, seed)
+    return sums
+
+
+def symbolic_head_dims(graph: fx.Graph, gradient: bool, is_rotation_sum) -> list:
+    """The symbolic last-axis sizes of the element moves (of gradients, or of forward values)
+    that a rotation-shaped sum reads: the head dims a RoPE rule needs static."""
+    moved = gradient_dependent(graph) or set()
+    seeds = [n for n in graph.nodes if _moves_elements(n) and (n in moved) == gradient]
+    return [shape(seed)[-1] for seed in rotations_along_symbolic_axes(seeds, is_rotation_sum).values()]
 
 
 def _sums_dx_terms(node: fx.Node) -> bool:
@@ -828,6 +842,9 @@ class RopeGradRule(FusionRule):
 
     def find(self, graph: fx.Graph, ctx: RuleContext) -> RoundReport:
         return find_sites(graph, ctx)
+
+    def static_sizes(self, graph: fx.Graph) -> list:
+        return symbolic_head_dims(graph, True, _sums_dx_terms)
 
     def outputs(self, match: RopeMatch) -> Dict[str, fx.Node]:
         return _outputs(match)

@@ -44,8 +44,8 @@ from .rewrite import (Insertion, Miss, RuleContext, commit, exact_common_dtype, 
 from .pairing import calls, forward_is_complex, source, unpaired
 from .rms_norm_forward import _as_forward_work
 from .layout import memory_order, permuted, restored, same_layout
-from .rope import (DX_DEPTH, MAX_LANES, TABLE_SIGNS, _moves_elements, lane_evaluator, symbolic_rotation_sums,
-                   table_terms, unscaled, varying_product)
+from .rope import (DX_DEPTH, MAX_LANES, TABLE_SIGNS, _moves_elements, lane_evaluator, symbolic_head_dims,
+                   symbolic_rotation_sums, table_terms, unscaled, varying_product)
 from .rule import Form, FusionRule, RoundReport, SiteProbe
 
 #: (leaf id, the leaf position that plays each position of the fused op's operand)
@@ -350,8 +350,8 @@ def _innermost_where_shared(matches: List[ForwardRopeMatch]) -> List[ForwardRope
 
 #: why a rotation of a symbolic head dim (``dynamic=True``) stays as it is
 SYMBOLIC_REASON = ("elements moved along a symbolic last axis and summed, as a RoPE forward does: the pass proves "
-                   "RoPE per position of a static head dim; mark only batch and sequence dynamic (dynamic=True also "
-                   "made the head dim symbolic)")
+                   "RoPE per position of a static head dim, and this one was marked dynamic (mark_dynamic) or "
+                   "compiled where no guard can fix it: keep the head dim static")
 
 
 def _symbolic_last_axis(seeds, gradient) -> List[Miss]:
@@ -686,6 +686,9 @@ class RopeForwardRule(FusionRule):
 
     def find(self, graph: fx.Graph, ctx: RuleContext) -> RoundReport:
         return find_sites(graph, ctx)
+
+    def static_sizes(self, graph: fx.Graph) -> list:
+        return symbolic_head_dims(graph, False, _sums_rotation_terms)
 
     def emit(self, ctx: RuleContext, match: ForwardRopeMatch):
         return emit(ctx, match)

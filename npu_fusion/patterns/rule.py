@@ -114,11 +114,21 @@ class FusionRule:
     option_aliases: ClassVar[Tuple[str, ...]] = ()
     #: whether the rule's option is on by default
     enabled_by_default: ClassVar[bool] = True
+    #: whether its fused op takes a float of the program as a number (a norm's eps), so that under
+    #: ``dynamic=True`` the backend specializes such floats under a guard
+    #: (:mod:`npu_fusion.plugin.specialize`)
+    reads_constant_floats: ClassVar[bool] = False
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
         if cls.stage not in STAGES:
             raise TypeError(f"{cls.__name__}.stage must be one of {STAGES}, got {cls.stage!r}")
+
+    def static_sizes(self, graph: fx.Graph) -> list:
+        """The symbolic sizes the rule's fused op needs static in ``graph`` (RoPE: the head dim
+        of a rotation-shaped sum): on a joint graph compiled by Dynamo the pass manager guards
+        them to their example values before the rounds (:func:`~npu_fusion.compat.specialize_size`)."""
+        return []
 
     @property
     def op(self) -> FusedOp:

@@ -16,8 +16,10 @@ import torch
 from ..compat import aot_autograd, core_aten_decompositions, make_boxed_func, partition_function
 from ..fallback import warn_fallback
 from .options import FusionOptions
+from ..patterns import RULES
 from .pass_manager import fuse_backward, fuse_joint, in_compiled_autograd
 from .saved_activations import saved_set
+from .specialize import specialize_model_constants
 
 
 def _on_npu_host() -> bool:
@@ -94,8 +96,15 @@ def aot_backend(options: FusionOptions, around_pass: Optional[Callable] = None, 
         return compiler(bw_gm, inputs) if compiler is not None else make_boxed_func(bw_gm.forward)
 
     table = decompositions if decompositions is not None else _decompositions(options.decompositions)
-    return aot_autograd(fw_compiler=fw_compiler, bw_compiler=bw_compiler, partition_fn=partition_fn,
-                        decompositions=table, **aot_options)
+    aot = aot_autograd(fw_compiler=fw_compiler, bw_compiler=bw_compiler, partition_fn=partition_fn,
+                       decompositions=table, **aot_options)
+    if not any(rule.reads_constant_floats and options.enables(rule) for rule in RULES):
+        return aot
+
+    def backend(gm, example_inputs):
+        specialize_model_constants(gm, example_inputs)
+        return aot(gm, example_inputs)
+    return backend
 
 
 def _fuser(options: FusionOptions, stage: str, around_pass: Optional[Callable]):

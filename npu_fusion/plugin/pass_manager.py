@@ -22,7 +22,7 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple, Union
 import torch
 import torch.fx as fx
 
-from ..compat import current_compile_id, dynamo_counters, empty_graph_like
+from ..compat import current_compile_id, dynamo_counters, empty_graph_like, specialize_size
 from ..patterns import RULES
 from ..patterns.evaluator import JointProvenance, Provenance
 from ..patterns.context import PassContext
@@ -380,6 +380,10 @@ def _rewrite_in_rounds(context: PassContext, options: FusionOptions):
     context.enabled = frozenset(rule.option for rule in RULES if options.enables(rule))
     rules: List[Tuple[FusionRule, RuleContext]] = [(rule, RuleContext(context, rule.op.name)) for rule in RULES
                                                    if options.enables(rule)]
+    if isinstance(context.provenance, JointProvenance):  # compiled now: a guard still reaches Dynamo
+        for rule, _ in rules:
+            for size in rule.static_sizes(graph):
+                specialize_size(size)
     for _ in range(MAX_ROUNDS):
         fused = sum(len(ctx.sites) for _, ctx in rules)
         pending = 0
