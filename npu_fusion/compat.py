@@ -39,7 +39,7 @@ import torch
 from torch.fx.experimental import symbolic_shapes
 
 #: the CompilerConfig attribute torchair calls with ``fn(gm, example_inputs, config)``
-#: on every graph after the forward/backward partition (SPEC section 3).
+#: on every graph after the forward/backward partition (docs/how-it-works.md#the-hooks).
 TORCHAIR_PASS_SLOT = "post_grad_custom_pre_pass"
 
 #: ``aten._fused_rms_norm.default`` and ``aten._fused_rms_norm_backward.default`` where this

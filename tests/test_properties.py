@@ -623,7 +623,7 @@ def test_mixed_fp16_bf16_computes_in_float32(case):
     torch._dynamo.reset()
     check_gradients(torch.compile(fn, backend=capture), fn, inputs)
     assert_safe_compute_dtypes(capture.after)
-    if case == "rope":  # RMSNorm may fuse in float32 or stay unfused (SPEC's dtype table)
+    if case == "rope":  # RMSNorm may fuse in float32 or stay unfused (docs/fused-ops.md#rms_norm_grad)
         assert capture.fused(ROPE) == 1, capture.misses()
 
 

@@ -69,7 +69,8 @@ def test_whole_backward_fuses(partitioner, dtype):
 @pytest.mark.parametrize("weight_dtype", [torch.float32, torch.float16])
 def test_direct_call_with_a_weight_of_another_dtype(partitioner, weight_dtype):
     """``F.rms_norm`` takes the composite for a weight of another dtype; a direct call keeps the
-    whole op: gamma is widened exactly to float32 (SPEC's (bf16, fp32) row), each output is cast
+    whole op: gamma is widened exactly to float32 (the (bf16, fp32) row of
+    docs/fused-ops.md#rms_norm_grad), each output is cast
     back to the dtype the call declares."""
     def program(x, w):
         return torch.ops.aten._fused_rms_norm(x, [64], w, 1e-5)[0].tanh()

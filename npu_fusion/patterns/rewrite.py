@@ -217,8 +217,8 @@ def replacement_of(edit: Edit, result: fx.Node, old: fx.Node) -> fx.Node:
     return result
 
 def input_problem(fake_mode, check, *args) -> Optional[str]:
-    """The message of the fused op's own input ``check`` (a SPEC constraint it breaks) on the
-    values of ``args`` (nodes, None or plain values), under the graph's fake mode; None if none."""
+    """The message of the fused op's own input ``check`` (a constraint of docs/fused-ops.md it breaks)
+    on the values of ``args`` (nodes, None or plain values), under the graph's fake mode; None if none."""
     values = [val(a) if isinstance(a, fx.Node) else a for a in args]
     try:
         with fake_mode if fake_mode is not None else contextlib.nullcontext():

@@ -21,7 +21,7 @@ any other op a leaf) with the normalized axes as an abstract index: a
 leaf is a symbol, ``x_i`` when it spans the normalized axes and ``r`` when it is
 constant along them (``rstd``), and a sum over the normalized axes becomes a
 symbol ``S[monomial]`` after expanding its summand. A node is dx when its expression equals, for some leaves,
-``r*dy*g - r**3 * x * S[dy*g*x] / N`` (SPEC section 2), and dgamma when it is
+``r*dy*g - r**3 * x * S[dy*g*x] / N`` (docs/fused-ops.md#rms_norm_grad), and dgamma when it is
 ``dy * x * r`` summed over exactly the leading axes to gamma's shape. Equality is
 algebraic, so eps outside the square root, a wrong exponent or a missing term
 do not match.
@@ -825,7 +825,7 @@ def _widened_from(node: fx.Node, to: torch.dtype, provenance: Optional[Provenanc
 
 
 def _gamma_dtype(compute: torch.dtype, gamma: torch.dtype) -> torch.dtype:
-    """gamma's dtype for the fused op: its own, or float32 when SPEC's table has no
+    """gamma's dtype for the fused op: its own, or float32 when the op's dtype table has no
     (compute, gamma) row but has (compute, float32); the widening cast is exact."""
     if (compute, gamma) not in RMS_NORM_DTYPES and (compute, torch.float32) in RMS_NORM_DTYPES \
             and exact_common_dtype((gamma, torch.float32)) == torch.float32:

@@ -16,8 +16,8 @@ Fused::
 
 How a match is found: every node is evaluated by :class:`~.lanes.LaneEvaluator`
 into exact per-position polynomials of its leaves. A node is a ``dx`` when its
-polynomials equal SPEC's formula for some mode and some leaves playing dy, cos
-and sin; a node is a ``dcos``/``dsin`` of that site when it equals the
+polynomials equal the op's formula (docs/fused-ops.md#rotary_position_embedding_grad) for some
+mode and some leaves playing dy, cos and sin; a node is a ``dcos``/``dsin`` of that site when it equals the
 broadcast-reduced ``dy * x`` / ``dy * rotate(x)`` with the same dy. Equality of
 those polynomials is equality of the functions, so near misses (a wrong sign, a
 wrong split point, a swapped table) simply do not match.
@@ -63,7 +63,7 @@ def contiguous(lid: int, offset: int, d: int) -> Role:
     return lid, tuple(range(offset, offset + d))
 
 
-# -- SPEC section 1, position by position -------------------------------------
+# -- docs/fused-ops.md#rotary_position_embedding_grad, position by position -------
 
 def dx_terms(mode: int, d: int):
     """For each position i of dx: [(coef, dy position, table, table position)]."""
@@ -131,7 +131,7 @@ def _polys_equal(a, b) -> bool:
     return len(a) == len(b) and all(pa == pb for pa, pb in zip(a, b))
 
 
-# -- per-target constraints (SPEC section 1) ----------------------------------
+# -- per-target constraints (docs/fused-ops.md#rotary_position_embedding_grad) --
 
 # -- matching -----------------------------------------------------------------
 

@@ -12,8 +12,9 @@ How a match is found, by value in the backward rule's domain (:class:`~.lanes.La
 exact per-position polynomials of leaf elements) run on the forward nodes: a node is a RoPE
 output when, for some mode and some leaves playing x, cos and sin, position i of its value is
 ``x[a(i)] * cos[i] + s(i) * x[b(i)] * sin[i]`` with ``a``, ``b`` and the signs ``s`` of the
-mode (the transpose of SPEC section 1's backward: :func:`~.rope.table_terms`), each table
-possibly negated as a whole. The fused op then reads the nodes the site reads that hold x, cos
+mode (the transpose of the backward in docs/fused-ops.md#rotary_position_embedding_grad:
+:func:`~.rope.table_terms`), each table possibly negated as a whole. The fused op then reads the
+nodes the site reads that hold x, cos
 and sin exactly (a partial rotary's slice of q, a table after its ``unsqueeze``); an operand that
 exists only in pieces (a half-width table read twice, x read as its even and odd lanes, the real
 parts of a complex ``freqs_cis``, a cache's ``select``) is rebuilt from the node that holds its

@@ -1,7 +1,7 @@
 """``npu_fusion::rotary_position_embedding``: single-path RoPE's forward (GE
 ``RotaryPositionEmbedding``, torch_npu ``npu_rotary_mul``).
 
-Math (the forward whose backward SPEC section 1 states; modes as there)::
+Math (docs/fused-ops.md#rotary_position_embedding; modes as for the backward)::
 
     y = x * cos + rotate(x) * sin        (cos/sin broadcast to x's shape)
 
@@ -87,7 +87,7 @@ def cases():
 
 OP = FusedOp(
     name="rotary_position_embedding", ge_op="RotaryPositionEmbedding", label="RoPE forward",
-    option="rope_forward", spec_section="SPEC section 1 (its forward) and torch_npu's npu_rotary_mul",
+    option="rope_forward", spec_section="docs/fused-ops.md#rotary_position_embedding",
     outputs=("y",), checks=check_rope_inputs,
     schema="(Tensor x, Tensor cos, Tensor sin, int mode) -> Tensor",
     reference=reference_kernel, meta=meta_kernel, unfused=unfused, target_problem=_target_problem, cases=cases,
