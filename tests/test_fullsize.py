@@ -1,7 +1,7 @@
 """``npu-fusion report --hf-config`` on the meta device, and ``--html`` rendered in headless Chromium.
 
 The configs here are small versions of the shipped examples (the full sizes trace in the same code
-path; their timings are in the README), so each test compiles a step in seconds."""
+path; their timings are in docs/report.md), so each test compiles a step in seconds."""
 import argparse
 import json
 import os

@@ -1,6 +1,6 @@
 """``aten._fused_rms_norm_backward``, the whole RMSNorm backward torch keeps where the device has
-its own ``_fused_rms_norm`` kernel (CUDA, MPS, XPU; no torch_npu line registers one, see the
-README), rewritten into ``npu_fusion.rms_norm_grad`` or left with its reason.
+its own ``_fused_rms_norm`` kernel (CUDA, MPS, XPU; no torch_npu line registers one, see
+docs/compatibility.md), rewritten into ``npu_fusion.rms_norm_grad`` or left with its reason.
 
 The routing is simulated on the CPU as a device with its own kernels would have it
 (:mod:`npu_fusion_testing.whole_rms_norm`: CPU kernels for the two ops, for this module's tests

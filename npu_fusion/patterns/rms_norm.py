@@ -53,7 +53,7 @@ is rewritten into ``rms_norm_grad(dy, x, rstd, weight or ones)`` with the output
 ``output_mask`` asks for, cast back to the call's dtypes and shapes, under the same
 dtype table and chip limits, or left whole as a miss with the reason. No torch_npu
 line from 2.6.0 to 2.14.0 registers an NPU kernel for either op (read in the
-wheels; the README has the table), so on torch_npu the decomposed form is what the
+wheels; docs/compatibility.md has the table), so on torch_npu the decomposed form is what the
 pass sees today. A whole forward ``_fused_rms_norm`` is not rewritten (and has no torchair
 converter): each one is recorded as a miss, by the forward rule where it runs.
 """

@@ -3,8 +3,8 @@
 A rule is a subclass of :class:`FusionRule`, one module per rule (``patterns/<op>.py``), and
 one line in :data:`npu_fusion.patterns.RULES`. Everything else derives from that list: the
 pass manager runs the rules in its order, the options (:mod:`npu_fusion.plugin.options`)
-take each rule's :attr:`~FusionRule.option`, the README's table of supported forms is
-rendered from each rule's :attr:`~FusionRule.forms`, and the independent site counters
+take each rule's :attr:`~FusionRule.option`, the table of supported forms (docs/supported-forms.md)
+is rendered from each rule's :attr:`~FusionRule.forms`, and the independent site counters
 read each rule's :attr:`~FusionRule.site_probe`.
 
 How a rule subclasses it::
@@ -58,7 +58,7 @@ STAGES = ("backward", "joint", "forward")
 
 @dataclasses.dataclass(frozen=True)
 class Form:
-    """One spelling a rule is tested on: the README's table of supported forms has a row each."""
+    """One spelling a rule is tested on: docs/supported-forms.md has a row each."""
     form: str
     seen_in: str
 

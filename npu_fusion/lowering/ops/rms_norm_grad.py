@@ -108,7 +108,7 @@ def rms_norm_target_problem(target: str, compute: torch.dtype, gamma_dtype: torc
     if dtypes is None:
         return f"{ge_op} is not documented for Ascend {target} (docs/fused-ops.md#rms_norm_grad)"
     if (compute, gamma_dtype) not in dtypes:
-        return f"dtype combination dy/x={compute}, gamma={gamma_dtype} is not in its dtype table"
+        return f"dtype combination dy/x={compute}, gamma={gamma_dtype} is not in {ge_op}'s dtype table"
     return None
 
 
