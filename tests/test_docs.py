@@ -185,7 +185,7 @@ def test_nothing_cites_a_file_outside_the_repository():
 
 
 #: the longest first sentence a docstring may open with: two lines of a module's width
-FIRST_SENTENCE_LIMIT = 300
+FIRST_SENTENCE_LIMIT = 240
 
 
 def first_sentence(docstring: str) -> str:

@@ -65,7 +65,9 @@ class Form:
 
 @dataclasses.dataclass(frozen=True)
 class SiteProbe:
-    """What one site of a rule's forward is, for the counters that count sites independently of
+    """What one site of a rule's forward is, for the independent site counters.
+
+    What one site of a rule's forward is, for the counters that count sites independently of
     the pass (the zoo, the framework models): an eager call whose output receives a gradient, of
     a module whose class name matches ``module_classes`` (or whose source matches ``source``), or
     of a module-level function whose name matches ``functions`` and not ``excluded``."""
@@ -163,7 +165,9 @@ class FusionRule:
     # -- what the base class does ---------------------------------------------------
     def resolve_shared(self, ctx: RuleContext, match, outputs: Dict[str, fx.Node],
                        refreshed_outputs: bool = False):
-        """``(match, outputs, region)`` ready to rewrite, or a :class:`Miss`: where an intermediate
+        """The match ready to rewrite, found again around the intermediates it shares, or a Miss.
+
+        ``(match, outputs, region)`` ready to rewrite, or a :class:`Miss`: where an intermediate
         of the region has a user outside it, the match found again with the shared
         intermediates as leaves (a cast shared with another consumer is harmless, a shared
         partial product is a near miss). With ``refreshed_outputs`` the outputs are read again

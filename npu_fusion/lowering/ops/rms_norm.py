@@ -1,4 +1,6 @@
-"""``npu_fusion::rms_norm``: RMSNorm's forward (GE ``RmsNorm``, torch_npu ``npu_rms_norm``).
+"""RMSNorm's forward as the fused op ``npu_fusion::rms_norm``.
+
+``npu_fusion::rms_norm``: RMSNorm's forward (GE ``RmsNorm``, torch_npu ``npu_rms_norm``).
 
 Math, over the normalized axes ``n:`` (``gamma.shape == x.shape[n:]``)::
 
@@ -72,7 +74,9 @@ def unfused(x, gamma, eps):
 
 
 def cases():
-    """``(x, gamma, eps)``: the op's dtype combinations, normalizing the last axis or the last two."""
+    """The declared cases as arguments ``(x, gamma, eps)``.
+
+    ``(x, gamma, eps)``: the op's dtype combinations, normalizing the last axis or the last two."""
     generator = torch.Generator().manual_seed(0)
     seen = set()
     for dtype, gamma_dtype, x_shape, _, gamma_shape in rms_norm_supported_cases():

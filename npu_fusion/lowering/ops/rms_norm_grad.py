@@ -1,4 +1,6 @@
-"""``npu_fusion::rms_norm_grad``: the backward of RMSNorm (docs/fused-ops.md#rms_norm_grad;
+"""RMSNorm's backward as the fused op ``npu_fusion::rms_norm_grad``.
+
+``npu_fusion::rms_norm_grad``: the backward of RMSNorm (docs/fused-ops.md#rms_norm_grad;
 GE ``RmsNormGrad``, torch_npu ``npu_rms_norm_backward``).
 
 Math. Forward over the normalized axes ``n:`` (``gamma.shape == x.shape[n:]``)::
@@ -157,7 +159,9 @@ def unfused(dy, x, rstd, gamma):
 # -- declared cases ---------------------------------------------------------------
 
 def rms_norm_supported_cases():
-    """``(dy/x dtype, gamma dtype, x shape, rstd shape, gamma shape)``: every dtype combination
+    """The dtypes and shapes the op declares supported, one tuple per case.
+
+    ``(dy/x dtype, gamma dtype, x shape, rstd shape, gamma shape)``: every dtype combination
     with keep-dim rstd, then plain rstd, then normalizing over the last two axes."""
     x = (4, 16, 64)
     combinations = sorted(RMS_NORM_DTYPES, key=str)

@@ -1,4 +1,6 @@
-"""``npu_fusion::rotary_position_embedding``: single-path RoPE's forward (GE
+"""Single-path RoPE's forward as the fused op ``npu_fusion::rotary_position_embedding``.
+
+``npu_fusion::rotary_position_embedding``: single-path RoPE's forward (GE
 ``RotaryPositionEmbedding``, torch_npu ``npu_rotary_mul``).
 
 Math (docs/fused-ops.md#rotary_position_embedding; modes as for the backward)::
@@ -75,7 +77,9 @@ def unfused(x, cos, sin, mode):
 
 
 def cases():
-    """``(x, cos, sin, mode)``: the backward's declared cases with x (every mode and dtype, every
+    """The declared cases as arguments ``(x, cos, sin, mode)``.
+
+    ``(x, cos, sin, mode)``: the backward's declared cases with x (every mode and dtype, every
     A2/A3 table layout)."""
     generator = torch.Generator().manual_seed(0)
     for dt, x, cos, with_x, mode in rope_supported_cases():

@@ -1,4 +1,6 @@
-"""``npu_fusion::rotary_position_embedding_grad``: the backward of single-path RoPE
+"""Single-path RoPE's backward as the fused op ``npu_fusion::rotary_position_embedding_grad``.
+
+``npu_fusion::rotary_position_embedding_grad``: the backward of single-path RoPE
 (docs/fused-ops.md#rotary_position_embedding_grad; GE ``RotaryPositionEmbeddingGrad``, torch_npu
 ``npu_rotary_mul_backward``).
 
