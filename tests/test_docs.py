@@ -121,10 +121,11 @@ def section(text: str, heading: str) -> str:
     return text.split(f"\n{heading}\n", 1)[1].split("\n## ", 1)[0]
 
 
-def test_readme_options_table_is_fusion_options():
+@pytest.mark.parametrize("page", [README, ROOT / "docs" / "usage.md"], ids=lambda p: p.name)
+def test_options_table_is_fusion_options(page):
     from npu_fusion.plugin.options import FusionOptions
 
-    rows = [line.split("|")[1:3] for line in section(README.read_text(), "## Options").splitlines()
+    rows = [line.split("|")[1:3] for line in section(page.read_text(), "## Options").splitlines()
             if line.startswith("| `")]
     table = {name.strip().strip("`"): ast.literal_eval(default.strip().strip("`")) for name, default in rows}
     fields = {f.name: f.default for f in dataclasses.fields(FusionOptions)}
