@@ -32,6 +32,7 @@ import torch
 
 from npu_fusion.lowering import FUSED_OPS
 from npu_fusion_testing.frameworks import FRAMEWORKS, measure
+from npu_fusion_testing.generated import publishing, script_command
 
 LABELS = {op.option: op.label for op in FUSED_OPS}
 
@@ -135,6 +136,8 @@ def main(argv=None) -> int:
                         help="also fuse the forward (options rms_norm_forward and rope_forward on) and count "
                              "its sites: the backward's sites, each a forward site too")
     parser.add_argument("--json", metavar="PATH", help="also write the rows as JSON")
+    parser.add_argument("--write-docs", metavar="NAME",
+                        help="also write what this prints into block NAME of its docs/ page")
     args = parser.parse_args(argv)
     names = args.frameworks.split(",") if args.frameworks else list(FRAMEWORKS)
     unknown = [n for n in names if n not in FRAMEWORKS]
@@ -148,11 +151,12 @@ def main(argv=None) -> int:
         for dtype in args.dtypes.split(","):
             rows.append(run_one(name, dtype, args.target, args.forward))
             print(f"[{len(rows)}] {name} {dtype}: {rows[-1].error or 'done'}", file=sys.stderr, flush=True)
-    print_table(rows)
-    print()
-    print_details(rows)
-    print_summary(rows)
-    print(f"wall time {time.perf_counter() - wall:.0f} s")
+    with publishing(args.write_docs, script_command(__file__, argv)):
+        print_table(rows)
+        print()
+        print_details(rows)
+        print_summary(rows)
+        print(f"wall time {time.perf_counter() - wall:.0f} s")
     if args.json:
         with open(args.json, "w") as f:
             json.dump([dataclasses.asdict(r) for r in rows], f, indent=2)

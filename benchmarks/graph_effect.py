@@ -37,6 +37,7 @@ from __future__ import annotations
 import argparse
 import collections
 import copy
+import os
 import sys
 import time
 
@@ -52,6 +53,10 @@ from npu_fusion.compat import inductor_decompositions
 from npu_fusion.plugin.backend import aot_backend
 from npu_fusion.plugin.saved_activations import saved_set
 from npu_fusion.plugin.options import FusionOptions
+
+# the repository root, where the test harness (npu_fusion_testing) lives: it is not installed
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from npu_fusion_testing.generated import publishing, script_command  # noqa: E402
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 LLAMA_7B = dict(vocab_size=32000, hidden_size=4096, intermediate_size=11008, num_heads=32, num_kv_heads=32,
@@ -105,6 +110,8 @@ def _parse(argv):
                              "decompositions and min-cut partitioner (npu_fusion.install_inductor; no codegen)")
     parser.add_argument("--forward", action="store_true",
                         help="fuse the forward too (rms_norm_forward, rope_forward; joint-graph paths only)")
+    parser.add_argument("--write-docs", metavar="NAME",
+                        help="also write what this prints into block NAME of its docs/ page")
     args = parser.parse_args(argv)
     if args.forward and PATHS[args.path][0] != "joint":
         parser.error(f"--forward needs a joint-graph path; {args.path} runs the pass on the backward graph")
@@ -169,10 +176,15 @@ def main(argv=None) -> int:
         step = torch.compile(lambda i: model.loss(i), backend=_backend(args, captured), fullgraph=True)
         step(ids).backward()
     traced = time.perf_counter() - start
+    assert not captured["result"].error, captured["result"].error
+    with publishing(args.write_docs, script_command(__file__, argv), fenced=False):
+        return _print_effect(args, config, captured, norms, traced)
+
+
+def _print_effect(args, config, captured, norms, traced) -> int:
     result = captured["result"]
-    assert not result.error, result.error
     partitioner = PATHS[args.path][1] or args.partitioner
-    print(f"## Llama-7B-shaped decoder: {args.layers} layer(s), hidden {config.hidden_size}, "
+    print(f"Llama-7B-shaped decoder: {args.layers} layer(s), hidden {config.hidden_size}, "
           f"{config.num_heads} heads x {config.head_dim}, MLP {config.intermediate_size}, vocab {config.vocab_size}, "
           f"batch {args.batch} x seq {args.seq}, {args.dtype}, target {args.target}, path {args.path} "
           f"(pass on the {result.graph} graph), partitioner {partitioner}, "

@@ -81,6 +81,7 @@ from npu_fusion.lowering import RMS_NORM, ROPE
 from npu_fusion.models import bundled
 from npu_fusion.plugin.backend import aot_backend
 from npu_fusion.plugin.options import FusionOptions
+from npu_fusion_testing.generated import publishing, script_command
 
 
 class GcTimer:
@@ -381,6 +382,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="npu-fusion target (default: generic, or a2 with --torchair)")
     parser.add_argument("--forward", action="store_true",
                         help="each size twice, side by side: the backward rules alone, then the forward rules too")
+    parser.add_argument("--write-docs", metavar="NAME",
+                        help="also write what this prints into block NAME of its docs/ page")
     args = parser.parse_args(argv)
     if args.forward and args.torchair:
         parser.error("--forward needs a joint graph; through torchair the pass sees the backward graph")
@@ -483,6 +486,11 @@ def main(argv=None) -> int:
     run, mode = chosen_path(args)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} thread(s); {mode}; warming up...", file=sys.stderr)
     run(1)
+    with publishing(args.write_docs, script_command(__file__, argv), fenced=False):
+        return measure_and_print(run, args)
+
+
+def measure_and_print(run, args) -> int:
     if args.forward:  # each size alone and too, one after the other, so a busy machine disturbs both alike
         pairs = [(measure_sizes(run, sized, False)[0], measure_sizes(run, sized, True)[0])
                  for sized in (argparse.Namespace(**{**vars(args), "layers": [n]}) for n in args.layers)]

@@ -43,6 +43,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch
 
+from npu_fusion_testing.generated import publishing, script_command
 from npu_fusion_testing.zoo import discover, print_details, print_table, run_model, summary
 
 
@@ -59,6 +60,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="also fuse the forward (options rope_forward and rms_norm_forward on): each counted "
                              "site is a forward site too, shown in the RoPE fw and RMSNorm fw columns")
     parser.add_argument("--show-skipped", action="store_true")
+    parser.add_argument("--write-docs", metavar="NAME",
+                        help="also write what this prints into block NAME of its docs/ page")
     return parser.parse_args(argv)
 
 
@@ -122,6 +125,11 @@ def main(argv=None) -> int:
     quiet_libraries()
     import transformers
 
+    with publishing(args.write_docs, script_command(__file__, argv)):
+        return report(args, transformers)
+
+
+def report(args, transformers) -> int:
     wall = time.perf_counter()
     outcomes = sweep(args)
     wall = time.perf_counter() - wall

@@ -1,6 +1,15 @@
-"""npu-fusion: fuse the decomposed RoPE and RMSNorm backward subgraphs that
-AOTAutograd produces into single Ascend fused-op calls."""
-from . import lowering  # noqa: F401  (registers torch.ops.npu_fusion)
+"""Fuse the decomposed RoPE and RMSNorm subgraphs of AOTAutograd's graphs into Ascend fused ops.
+
+npu-fusion is a ``torch.compile`` graph pass; :func:`install_inductor`, :func:`install` (torchair)
+and the ``npu_fusion`` backend put it into a compiler, :func:`explain` reports what it did.
+"""
+import warnings
+
+with warnings.catch_warnings():
+    # torch says once, when its fake-tensor machinery is first imported, that NumPy is missing;
+    # npu-fusion uses no NumPy, so that notice is noise here (a NumPy call elsewhere still raises)
+    warnings.filterwarnings("ignore", message="Failed to initialize NumPy", category=UserWarning)
+    from . import lowering  # noqa: F401  (registers torch.ops.npu_fusion)
 
 __version__ = "0.1.0"
 

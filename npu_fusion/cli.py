@@ -7,7 +7,9 @@ from typing import List, Optional, Sequence
 
 
 def main(argv: Optional[List[str]] = None, sources: Sequence = ()) -> int:
-    """``sources``: :class:`~npu_fusion.report.subjects.SubjectSource` s adding models to the
+    """Run the ``npu-fusion`` command line; the exit status of its command.
+
+    ``sources``: :class:`~npu_fusion.report.subjects.SubjectSource` s adding models to the
     report (the repository's harness adds ``--framework``: ``python -m npu_fusion_testing report``)."""
     parser = argparse.ArgumentParser(prog="npu-fusion", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)

@@ -40,7 +40,7 @@ import torch
 from torch.fx.experimental import symbolic_shapes
 
 #: the CompilerConfig attribute torchair calls with ``fn(gm, example_inputs, config)``
-#: on every graph after the forward/backward partition (SPEC section 3).
+#: on every graph after the forward/backward partition (docs/how-it-works.md#the-hooks).
 TORCHAIR_PASS_SLOT = "post_grad_custom_pre_pass"
 
 #: ``aten._fused_rms_norm.default`` and ``aten._fused_rms_norm_backward.default`` where this
@@ -142,7 +142,9 @@ def torchair_pass(compiler_config) -> Optional[Callable]:
 
 
 def inductor_config():
-    """``torch._inductor.config``: where Inductor reads its joint-graph hook
+    """Inductor's config module, where its joint-graph hook lives.
+
+    ``torch._inductor.config``: where Inductor reads its joint-graph hook
     (``joint_custom_pre_pass``, called with the joint graph before the partition)."""
     import torch._inductor.config as config
 
@@ -172,7 +174,9 @@ def inductor_decompositions() -> dict:
 
 
 def torchair_decompositions(compiler_config) -> dict:
-    """The decompositions ``torchair.get_npu_backend`` gives AOTAutograd for this config: its
+    """The decompositions ``torchair.get_npu_backend`` gives AOTAutograd for this config.
+
+    The decompositions ``torchair.get_npu_backend`` gives AOTAutograd for this config: its
     defaults with its patches applied (``npu_fx_compiler._get_merged_decompositions``), or, in a
     torchair without that helper, its defaults (``_utils.get_npu_default_decompositions``)."""
     try:
@@ -351,13 +355,17 @@ def op_schema(overload):
 
 
 def check_with(error_type, condition, message) -> None:
-    """``torch._check_with``: raise ``error_type`` unless ``condition``; a SymBool gets a guard or a
+    """Raise ``error_type`` unless ``condition`` holds, as ``torch._check_with`` does.
+
+    ``torch._check_with``: raise ``error_type`` unless ``condition``; a SymBool gets a guard or a
     runtime assertion."""
     torch._check_with(error_type, condition, message)
 
 
 def torchair_converter_api():
-    """torchair's converter API, by the names the GE converters use: ``ge`` (its op builders,
+    """torchair's converter API, under the names the GE converters use.
+
+    torchair's converter API, by the names the GE converters use: ``ge`` (its op builders,
     ``ge_apis``), ``IrDef`` and ``ge_op`` (builders written from an IR; ``compat_ir``), ``GeGraph``
     and ``ge_type_to_torch_type`` (``ge._ge_graph``), ``Support`` and ``specs`` (``{torch dtype:
     F32/F16/BF16}``, ``supported_declaration``), and ``declare_supported`` (None where this torchair

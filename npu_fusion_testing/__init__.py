@@ -10,7 +10,7 @@ backend, run counts, the gradient criterion, the site counter) and on the report
 
 - :mod:`.capture`: the recording backend with the tests' defaults (``strict``), and what the pass
   tests check with it (:func:`.capture.compile_and_compare`, :func:`.capture.decomposed_leftovers`);
-- :mod:`.reference`: the fused ops' SPEC forwards written plainly, differentiated in float64;
+- :mod:`.reference`: the fused ops' forwards (docs/fused-ops.md) written plainly, differentiated in float64;
 - :mod:`.programs`: random RoPE/RMSNorm programs for the property tests (needs hypothesis);
 - :mod:`.frameworks`: tiny random models of torchtitan, torchtune and Megatron-core, measured
   with the site counter; :mod:`.report` adds them to ``npu-fusion report`` as ``--framework``

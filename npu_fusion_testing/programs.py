@@ -156,7 +156,7 @@ def scaled(y: str, p) -> str:
 
 # -- RoPE -------------------------------------------------------------------------
 
-ROPE_LAYOUTS = {  # q/k axes: the cos/sin axes allowed with them (README "Supported forms")
+ROPE_LAYOUTS = {  # q/k axes: the cos/sin axes allowed with them (docs/supported-forms.md)
     "BNSD": ["SD", "11SD", "B1SD", "BNSD"],
     "BSND": ["1S1D", "BS1D"],
     "SBND": ["S11D"],

@@ -1,10 +1,10 @@
-"""Independent float64 references for the fused ops' tests: the SPEC forwards written plainly (no
-code shared with the ops), differentiated by autograd."""
+"""Independent float64 references for the fused ops' tests: the forwards of docs/fused-ops.md
+written plainly (no code shared with the ops), differentiated by autograd."""
 import torch
 
 
 def rotate(x, mode):
-    """The forward rotation of each RoPE mode (SPEC section 1), without sharing code with the op."""
+    """The forward rotation of each RoPE mode (docs/fused-ops.md), without sharing code with the op."""
     d = x.shape[-1]
     if mode == 0:
         return torch.cat((-x[..., d // 2:], x[..., : d // 2]), dim=-1)

@@ -544,7 +544,7 @@ def _fused_rope_widths(graph) -> set:
 def _is_partial_rotary_split(node, widths) -> bool:
     """``slice_backward`` of partial rotary's split ``x[..., :w]`` / ``x[..., w:]`` (or the trailing
     ``x[..., -w:]``) around a fused RoPE op of width ``w``: it puts dx of the rotated part (or dy of
-    the pass-through part) back into the full head. It is no part of the SPEC op (whose D is the
+    the pass-through part) back into the full head. It is no part of the fused op (whose D is the
     rotated width)."""
     if getattr(node.target, "__name__", "").split(".")[0] != "slice_backward":
         return False

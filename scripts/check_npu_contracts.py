@@ -12,6 +12,7 @@ declaration.
 
     python scripts/check_npu_contracts.py            # every line below
     python scripts/check_npu_contracts.py 2.13.0     # some lines
+    python scripts/check_npu_contracts.py --write-docs contracts   # and into docs/compatibility.md
 Exit status 1 when any check found a problem.
 """
 from __future__ import annotations
@@ -22,6 +23,10 @@ import subprocess
 import sys
 
 import torch
+
+# the repository root, where the test harness (npu_fusion_testing) lives: it is not installed
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from npu_fusion_testing.generated import pop_write_docs, publishing, script_command  # noqa: E402
 
 #: the newest release of each torch_npu line 2.6 to 2.14 on the package index (checked 2026-11-30;
 #: 2.9 has two: 2.9.0.post9 and 2.9.1).
@@ -101,13 +106,15 @@ def print_table(reports) -> None:
 
 
 def main(argv) -> int:
-    lines = argv or LINES
+    write_docs, lines = pop_write_docs(argv)
+    lines = lines or LINES
     default_torchair = torch.__version__.split("+")[0]
     reports = []
     for line in lines:
         print(f"checking torch_npu {line} ...", file=sys.stderr, flush=True)
         reports.append(check_line(line, default_torchair))
-    print_table(reports)
+    with publishing(write_docs, script_command(__file__, argv), fenced=False):
+        print_table(reports)
     failed = [r for r in reports if "error" in r or r.get("eager_problems") or r.get("ge_problems") or "ge" not in r]
     return 1 if failed else 0
 

@@ -2,6 +2,7 @@
 
     python scripts/version_matrix.py                       # the whole matrix (hours; GBs per venv)
     python scripts/version_matrix.py --torch 2.7.1 --no-torchair
+    python scripts/version_matrix.py --table-from matrix.json --write-docs matrix   # into docs/compatibility.md
 
 Per torch release: the full suite on the default torch (the one CI runs), the smoke set
 (``pytest -m smoke``: the fused ops, the pass, a sample of forms, torchair with the
@@ -29,6 +30,10 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+
+# the repository root, where the test harness (npu_fusion_testing) lives: it is not installed
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from npu_fusion_testing.generated import publishing, script_command  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_TORCH = "2.13.0"
@@ -167,6 +172,8 @@ def main(argv=None) -> int:
     parser.add_argument("--no-torchair", action="store_true")
     parser.add_argument("--json", type=Path, help="also write the results here (after every row)")
     parser.add_argument("--table-from", type=Path, nargs="*", help="print the table of earlier --json files")
+    parser.add_argument("--write-docs", metavar="NAME",
+                        help="also write the tables into block NAME of its docs/ page (npu_fusion_testing.generated)")
     args = parser.parse_args(argv)
 
     def log(message):
@@ -174,8 +181,9 @@ def main(argv=None) -> int:
 
     if args.table_from:  # runs split over several processes (or days) make one table
         merged = [json.loads(path.read_text()) for path in args.table_from]
-        print_tables({k: v for m in merged for k, v in m["torch"].items()},
-                     {k: v for m in merged for k, v in m["torchair"].items()})
+        with publishing(args.write_docs, script_command(__file__, argv), fenced=False):
+            print_tables({k: v for m in merged for k, v in m["torch"].items()},
+                         {k: v for m in merged for k, v in m["torchair"].items()})
         return 0
 
     torch_rows, torchair_rows = {}, {}
@@ -196,7 +204,8 @@ def main(argv=None) -> int:
         torch_version, _, exact = line.partition("@")
         torchair_rows[line] = run_probe(ensure_venv(args.venvs, torch_version, log), exact, log)
         save()
-    print_tables(torch_rows, torchair_rows)
+    with publishing(args.write_docs, script_command(__file__, argv), fenced=False):
+        print_tables(torch_rows, torchair_rows)
     failed = any(row["tests"].get("failed") or row["tests"].get("error") for row in torch_rows.values())
     return 1 if failed else 0
 

@@ -1,10 +1,11 @@
 """Whether each torch_npu line registers an NPU kernel for torch's whole RMSNorm ops
 (``aten._fused_rms_norm``, ``aten._fused_rms_norm_backward``), read from the wheels by
 ``npu_fusion_testing.torchair.whole_ops`` (never installed; downloaded once into
-``~/.cache/npu_fusion/wheels``), printed as the README's table.
+``~/.cache/npu_fusion/wheels``), printed as the table of docs/compatibility.md.
 
     python scripts/whole_rms_norm_registrations.py            # every line of check_npu_contracts.LINES
     python scripts/whole_rms_norm_registrations.py 2.13.0     # some lines
+    python scripts/whole_rms_norm_registrations.py --write-docs whole-ops   # and into docs/compatibility.md
 Exit status 1 when a wheel's control registration (``native_layer_norm``) was not seen.
 """
 from __future__ import annotations
@@ -17,6 +18,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from check_npu_contracts import LINES
 
+from npu_fusion_testing.generated import pop_write_docs, publishing, script_command
 from npu_fusion_testing.torchair.harness import wheel_file
 from npu_fusion_testing.torchair.whole_ops import OPS, read_wheel
 
@@ -48,7 +50,13 @@ def row(line: str, report: dict) -> str:
     return f"| {line} | {kernels} | {converters} | {python} | {mentions} |"
 
 
-def main(lines) -> int:
+def main(argv) -> int:
+    write_docs, lines = pop_write_docs(argv)
+    with publishing(write_docs, script_command(__file__, argv), fenced=False):
+        return print_rows(lines or LINES)
+
+
+def print_rows(lines) -> int:
     print("| torch_npu | NPU kernel for `_fused_rms_norm` / `_fused_rms_norm_backward` | torchair converter "
           "| Python files naming them | other library strings naming them |")
     print("|---|---|---|---|---|")
@@ -61,4 +69,4 @@ def main(lines) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:] or LINES))
+    sys.exit(main(sys.argv[1:]))

@@ -6,7 +6,7 @@ tables broadcast in BNSD and BSND, and near misses), compiled with both forward 
 (``strict``, the pass on the joint graph as the ``npu_fusion`` backend runs it), under either
 partitioner, with static or dynamic shapes. Each example must hold:
 
-(a) no false rewrite: every output and every gradient within the float64 criterion (README: at
+(a) no false rewrite: every output and every gradient within the float64 criterion (docs/testing.md: at
     most 4x further from float64 than eager, plus the per-dtype floor) and no further from the
     program's math with its explicit roundings kept than eager is, plus two ulps of the program's
     final rounding (what the float64 run cannot see: a dropped or an added rounding);
@@ -123,7 +123,7 @@ def check_outputs_and_gradients(compiled, program: Program, inputs):
 
 
 def assert_close_to_float64(name, got, eager, exact):
-    """The float64 criterion (README: at most 4x further from float64 than eager, plus the per-dtype
+    """The float64 criterion (docs/testing.md: at most 4x further from float64 than eager, plus the per-dtype
     floor) where float64 and eager are finite; dtype and shape as eager's; NaN of float64 kept."""
     if got.dtype != eager.dtype or got.shape != eager.shape:
         raise (WrongOutput if name.startswith("output") else WrongGradient)(
@@ -363,7 +363,7 @@ def fp16_scaled_margin(seeds) -> dict:
     often it equals the rounded-once program's (:func:`rotated_once`) bit for bit, how often the
     float64 criterion fails it against eager, and how often eager would fail it against the
     compiled run (the same criterion, the roles swapped), with both mean errors where the large
-    lanes are finite. README ("Forward fusion") quotes it for 2000 seeds."""
+    lanes are finite. A diagnostic: run it over many seeds by hand."""
     compiled = Compiled(FP16_SCALED.build(), FP16_SCALED_CONFIG)
     eager_fn, wide_fn = FP16_SCALED.build(), FP16_SCALED.build(wide=True)
     once_fn = rotated_once(FP16_SCALED).build()

@@ -156,7 +156,7 @@ def test_rms_norm_meta_shapes_match_reference_including_symbolic():
     assert tuple(dgamma.shape) == (32,) and dgamma.dtype == torch.float32
 
 
-# -- every input outside SPEC is refused, in every setting -------------------------------
+# -- every input outside docs/fused-ops.md is refused, in every setting ------------------
 
 class T(NamedTuple):
     """A tensor argument of a call, made anew in each setting (eager, fake, symbolic, meta)."""

@@ -99,16 +99,6 @@ def test_target_from_device_name(name, target):
     assert target_from_device_name(name) == target
 
 
-def test_readme_forms_table_is_rendered_from_the_registry():
-    import pathlib
-
-    from npu_fusion.patterns import render_forms
-
-    readme = (pathlib.Path(__file__).parent.parent / "README.md").read_text()
-    table = readme.split("<!-- forms -->")[1].split("<!-- /forms -->")[0].strip()
-    assert table == render_forms()
-
-
 def _graph_record(gm):
     return [(n.name, n.op, str(n.target), str(n.args), str(n.kwargs), n.meta.get("val") is not None)
             for n in gm.graph.nodes]

@@ -9,7 +9,7 @@ perturbations that make them *almost* RoPE or RMSNorm (a flipped sign, a wrong s
 differ, ...). Each is compiled with the real pass (strict, so an internal error of the
 pass raises) through torch.compile or AOTAutograd directly, under either partitioner,
 with static or dynamic shapes; then every gradient is compared with eager in the same
-dtype and with the program's own math in float64 (README: at most 4x further from float64
+dtype and with the program's own math in float64 (docs/testing.md: at most 4x further from float64
 than eager is, plus the per-dtype floor). A rewrite of anything that is not exactly a
 RoPE/RMSNorm backward shows up as a gradient outside that bound.
 
@@ -73,7 +73,7 @@ FAILURES: List[tuple] = []
 # -- what can go wrong ----------------------------------------------------------------
 
 class WrongGradient(AssertionError):
-    """A compiled gradient is further from float64 than the README allows."""
+    """A compiled gradient is further from float64 than the criterion allows."""
 
 
 class BeyondEagerRounding(AssertionError):
@@ -137,7 +137,7 @@ def check_gradients(compiled: Callable, eager: Callable, inputs, wide: Optional[
                     rounded: Optional[Callable] = None, grad_rounding=None):
     """Run ``compiled`` and ``eager`` forward and backward on ``inputs`` with the same output
     gradients; every compiled output must keep eager's dtype and shape, and every gradient
-    must be within README's criterion of the float64 run of ``wide`` (default: ``eager`` on
+    must be within the criterion of the float64 run of ``wide`` (default: ``eager`` on
     float64 inputs), and within two ulps of eager's as :func:`assert_within_ulps_of_eager`
     says, ``rounded`` being the float64 run that keeps the program's explicit roundings
     (default: ``eager`` on float64 inputs, whose casts to a narrower type round) and
@@ -623,7 +623,7 @@ def test_mixed_fp16_bf16_computes_in_float32(case):
     torch._dynamo.reset()
     check_gradients(torch.compile(fn, backend=capture), fn, inputs)
     assert_safe_compute_dtypes(capture.after)
-    if case == "rope":  # RMSNorm may fuse in float32 or stay unfused (SPEC's dtype table)
+    if case == "rope":  # RMSNorm may fuse in float32 or stay unfused (docs/fused-ops.md#rms_norm_grad)
         assert capture.fused(ROPE) == 1, capture.misses()
 
 

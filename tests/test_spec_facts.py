@@ -1,5 +1,6 @@
-"""SPEC's facts are stated once, in each op's module (``lowering/ops/``; RoPE's in ``rope_grad.py``,
-RMSNorm's in ``rms_norm_grad.py``, read by the forward ops too), and read by the op's input checks,
+"""The fused ops' facts (docs/fused-ops.md) are stated once, in each op's module (``lowering/ops/``;
+RoPE's in ``rope_grad.py``, RMSNorm's in ``rms_norm_grad.py``, read by the forward ops too), and read
+by the op's input checks,
 the per-target limits the pass fuses under, and the GE converters' declared supported shapes;
 these tests hold the three to each other, for the backward and the forward ops."""
 import pytest

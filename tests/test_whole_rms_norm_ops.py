@@ -1,6 +1,6 @@
 """``aten._fused_rms_norm_backward``, the whole RMSNorm backward torch keeps where the device has
-its own ``_fused_rms_norm`` kernel (CUDA, MPS, XPU; no torch_npu line registers one, see the
-README), rewritten into ``npu_fusion.rms_norm_grad`` or left with its reason.
+its own ``_fused_rms_norm`` kernel (CUDA, MPS, XPU; no torch_npu line registers one, see
+docs/compatibility.md), rewritten into ``npu_fusion.rms_norm_grad`` or left with its reason.
 
 The routing is simulated on the CPU as a device with its own kernels would have it
 (:mod:`npu_fusion_testing.whole_rms_norm`: CPU kernels for the two ops, for this module's tests
@@ -69,7 +69,8 @@ def test_whole_backward_fuses(partitioner, dtype):
 @pytest.mark.parametrize("weight_dtype", [torch.float32, torch.float16])
 def test_direct_call_with_a_weight_of_another_dtype(partitioner, weight_dtype):
     """``F.rms_norm`` takes the composite for a weight of another dtype; a direct call keeps the
-    whole op: gamma is widened exactly to float32 (SPEC's (bf16, fp32) row), each output is cast
+    whole op: gamma is widened exactly to float32 (the (bf16, fp32) row of
+    docs/fused-ops.md#rms_norm_grad), each output is cast
     back to the dtype the call declares."""
     def program(x, w):
         return torch.ops.aten._fused_rms_norm(x, [64], w, 1e-5)[0].tanh()

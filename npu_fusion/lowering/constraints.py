@@ -1,5 +1,5 @@
-"""SPEC's facts under the names the pattern rules and older callers import. Each fact lives in
-its op's module (:mod:`.ops.rope_grad`, :mod:`.ops.rms_norm_grad`) and the shared checks in
+"""The fused ops' facts (docs/fused-ops.md) under the names the pattern rules and older callers
+import. Each fact lives in its op's module (:mod:`.ops.rope_grad`, :mod:`.ops.rms_norm_grad`) and the shared checks in
 :mod:`.checks`; this module only re-exports them."""
 from .checks import FLOAT_DTYPES, TARGETS, FusedOpInputError, numel  # noqa: F401
 from .ops.rms_norm_grad import (RMS_NORM_DTYPES, RMS_NORM_MAX_RANK, RMS_NORM_TARGET_DTYPES,  # noqa: F401

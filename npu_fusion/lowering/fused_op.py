@@ -117,7 +117,7 @@ class FusedOp:
     #: the :class:`~npu_fusion.plugin.options.FusionOptions` field that turns its fusion on,
     #: and the key of the independent site counters (one site per forward call)
     option: str
-    #: where SPEC (or, for a forward op, the documents its module names) states its semantics
+    #: the section of docs/fused-ops.md that states its semantics (a path with its anchor)
     spec_section: str
     #: its outputs, in order
     outputs: Tuple[str, ...]

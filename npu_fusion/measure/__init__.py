@@ -1,4 +1,6 @@
-"""What ``npu-fusion report`` and :func:`npu_fusion.explain` measure, shipped with the package
+"""What ``npu-fusion report`` and :func:`npu_fusion.explain` measure.
+
+What ``npu-fusion report`` and :func:`npu_fusion.explain` measure, shipped with the package
 (the test harness, ``npu_fusion_testing`` in the repository, builds on it but stays out of the
 wheel):
 

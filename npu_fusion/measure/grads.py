@@ -1,4 +1,6 @@
-"""The gradient criterion of the tests, the benchmarks and ``npu-fusion report``: a compiled (fused)
+"""The gradient criterion: is a compiled gradient as close to float64 as eager's.
+
+The gradient criterion of the tests, the benchmarks and ``npu-fusion report``: a compiled (fused)
 gradient is at least as close to the float64 gradient as the eager (unfused) one, up to a factor,
 with a per-dtype floor; :func:`ulps_apart`, which sees what the float64 run cannot (a rounding the
 program does and the compiled run dropped); the helpers that compute the gradients compared; and
@@ -128,7 +130,9 @@ def float64_grads(fn, inputs, params, grad_outputs):
 
 def compare_gradients(fused: Dict[str, torch.Tensor], eager: Dict[str, torch.Tensor],
                       exact: Dict[str, torch.Tensor]) -> Dict[str, Any]:
-    """Per parameter, the float64 criterion (:func:`grad_error`, factor :data:`MODEL_FACTOR`):
+    """Compare each parameter's compiled and eager gradients with float64 by the criterion.
+
+    Per parameter, the float64 criterion (:func:`grad_error`, factor :data:`MODEL_FACTOR`):
     ``err(compiled) <= 4 * err(eager) + floor``, ``err`` the max abs difference to the float64
     gradient and the floor per dtype; it must hold for every parameter. ``max |compiled - eager|``
     is reported beside it, per dtype."""

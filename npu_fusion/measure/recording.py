@@ -1,4 +1,6 @@
-"""The one recording backend of the report, the tests and the benchmarks: the ``npu_fusion``
+"""The one recording backend of the report, the tests and the benchmarks.
+
+The one recording backend of the report, the tests and the benchmarks: the ``npu_fusion``
 backend's AOTAutograd with the real pass, keeping each graph's backward before and after the
 pass, the pass's :class:`~npu_fusion.plugin.pass_manager.FusionResult` s, and how many times
 each graph ran (:mod:`.runs`).
@@ -235,7 +237,9 @@ def on_npu() -> bool:
 
 
 def module_path(node: torch.fx.Node) -> str:
-    """The module whose forward made ``node`` (AOTAutograd copies the forward node's
+    """The path of the module whose forward made ``node``, such as ``layers.0.attn``.
+
+    The module whose forward made ``node`` (AOTAutograd copies the forward node's
     ``nn_module_stack`` onto a backward node, as ``fwd_nn_module_stack`` or, recomputed, as
     ``nn_module_stack``), relative to the outermost module of the stack: ``layers.0.attn``; ""
     for none or for the outermost module itself."""

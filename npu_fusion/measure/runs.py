@@ -40,7 +40,9 @@ def count_runs(gm: torch.fx.GraphModule) -> int:
 
 
 def count_graph_runs(gm, run, keys: List[Optional[int]]) -> None:
-    """Append to ``keys`` the :data:`GRAPH_RUNS` key that counts the runs of the graph the pass
+    """Append to ``keys`` the key that counts the runs of the graph the pass just ran on.
+
+    Append to ``keys`` the :data:`GRAPH_RUNS` key that counts the runs of the graph the pass
     just ran on (``gm``, through an ``around_pass``'s ``run``): its partition's forward (in
     training each backward runs once per run of its forward; Dynamo reuses one compiled graph for
     every layer whose code and guards match, whose sites then run once per layer), known once the
@@ -60,7 +62,9 @@ def count_graph_runs(gm, run, keys: List[Optional[int]]) -> None:
 
 
 def count_calls(compiled: Callable):
-    """``(key, wrapper)``: a plain wrapper around a compiled callable counting its calls into
+    """A wrapper around a compiled callable that counts its calls, with its key.
+
+    ``(key, wrapper)``: a plain wrapper around a compiled callable counting its calls into
     ``GRAPH_RUNS[key]``. Plain, not ``functools.wraps`` (module docstring)."""
     key = len(GRAPH_RUNS)
     GRAPH_RUNS[key] = 0

@@ -183,7 +183,9 @@ class Accounting:
 
 
 def account(counted: SiteCounter, outside: SiteCounter, capture) -> Dict[str, Accounting]:
-    """Per kind: the counted sites, and of them the fused ones and the recorded misses (from the
+    """Where each counted site ended, per kind: fused, a recorded miss, outside, or unexplained.
+
+    Per kind: the counted sites, and of them the fused ones and the recorded misses (from the
     capture's ``FusionResult`` s and backward-graph runs) and those that ran outside every
     compiled graph (``outside``: the same counter, active during the compiled run)."""
     table = {}

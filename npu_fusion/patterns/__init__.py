@@ -1,7 +1,7 @@
 """The fusion rules: find decomposed subgraphs, check the target's constraints, rewrite
 them into fused op calls. One module per rule, each a :class:`~.rule.FusionRule`
 subclass; :data:`RULES` is what the pass manager runs, in order, and what the options,
-the README's table of supported forms and the independent site counters derive from.
+the table of supported forms (docs/supported-forms.md) and the independent site counters derive from.
 
 The method they share: :mod:`.nodes` reads a graph, :mod:`.evaluator` evaluates it
 (memoized, seeing through saved tensors), :mod:`.lanes` and :mod:`.norm_algebra` (with
@@ -10,7 +10,7 @@ transaction with one shared emit, :mod:`.rule` is the rules' base class, :mod:`.
 the state of one run, and :mod:`.traffic` is the report's memory-traffic model.
 
 :data:`FORMS` lists the spellings each rule is tested on (its :attr:`~.rule.FusionRule.forms`);
-the README's table of supported forms is rendered from it (``render_forms``) and a test keeps
+the table of supported forms (docs/supported-forms.md) is rendered from it (``render_forms``) and a test keeps
 the two equal.
 """
 from .rms_norm import RmsNormGradRule

@@ -453,7 +453,9 @@ class LaneEvaluator(MemoEvaluator):
             static_int(s) for s in shape(node)[len(shape(node)) - len(v.inner):]))
 
     def _select_backward(self, node, args) -> Lanes:
-        """``select_backward(grad, sizes, dim, index)``: grad placed at ``index`` of a new axis
+        """Evaluate ``select_backward``: the gradient placed at one index of a new axis.
+
+        ``select_backward(grad, sizes, dim, index)``: grad placed at ``index`` of a new axis
         ``dim``, zeros elsewhere (torchtune's ``stack([x[..., 0] * c - ..., ...], -1)``). The
         new axis joins the tracked ones, so it must lie among them or just before them."""
         grad, sizes, dim, index = args
@@ -504,7 +506,9 @@ class LaneEvaluator(MemoEvaluator):
         return Lanes(inner, polys, complex=True)
 
     def _product(self, node, args) -> Lanes:
-        """A product; where it would be wider than any RoPE term, its factors of degree two
+        """Evaluate a product, cutting factors wider than any RoPE term into leaves.
+
+        A product; where it would be wider than any RoPE term, its factors of degree two
         or more are cut into leaves: such a factor is the pattern's dy, an expression of its
         own (``2 * grad * y`` after ``y.square()``, ``grad * k_rot`` after ``q_rot . k_rot``,
         a per-position scale). Cutting is always sound: a leaf is the node's own value."""

@@ -43,7 +43,9 @@ def same_layout(a: fx.Node, b: fx.Node) -> bool:
 
 
 def memory_order(node: fx.Node, inner: int = 1) -> Optional[List[int]]:
-    """The axes of ``node``'s value from outermost to innermost in memory, its last ``inner``
+    """The axes of ``node``'s value from outermost to innermost in memory, or None.
+
+    The axes of ``node``'s value from outermost to innermost in memory, its last ``inner``
     axes innermost and in order: the order of the leading axes whose dense strides equal the
     value's (axes of size 1 excepted), compared as expressions; None when no order does (the
     value is no dense layout of its shape with those axes innermost)."""

@@ -149,7 +149,9 @@ class NormEvaluator(MemoEvaluator):
         return self._by_value, self._by_body
 
     def spans(self, s) -> Optional[bool]:
-        """True: the shape spans the normalized axes; False: it is 1 along them; None: neither."""
+        """Whether a shape spans the normalized axes (True), is 1 along them (False), or neither (None).
+
+        True: the shape spans the normalized axes; False: it is 1 along them; None: neither."""
         tail = tuple(s[max(0, len(s) - self.k):])
         if not all(type(x) is int for x in tail):  # symbolic sizes: no cache (== would guard)
             return self._tail_spans(tail)

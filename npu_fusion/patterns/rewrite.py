@@ -65,7 +65,9 @@ class Site:
     note: Optional[str] = None
 
 def exact_common_dtype(dtypes: Iterable[torch.dtype]) -> torch.dtype:
-    """The narrowest float dtype that holds every operand exactly: one of them when it holds
+    """The narrowest float dtype that holds every operand exactly.
+
+    The narrowest float dtype that holds every operand exactly: one of them when it holds
     the others, else float32 (float16 and bfloat16 each hold only part of the other), so a
     fused op never rounds data through a dtype the program did not use for it."""
     dtypes = set(dtypes)
@@ -217,8 +219,8 @@ def replacement_of(edit: Edit, result: fx.Node, old: fx.Node) -> fx.Node:
     return result
 
 def input_problem(fake_mode, check, *args) -> Optional[str]:
-    """The message of the fused op's own input ``check`` (a SPEC constraint it breaks) on the
-    values of ``args`` (nodes, None or plain values), under the graph's fake mode; None if none."""
+    """The message of the fused op's own input ``check`` (a constraint of docs/fused-ops.md it breaks)
+    on the values of ``args`` (nodes, None or plain values), under the graph's fake mode; None if none."""
     values = [val(a) if isinstance(a, fx.Node) else a for a in args]
     try:
         with fake_mode if fake_mode is not None else contextlib.nullcontext():
@@ -281,7 +283,9 @@ class Transaction:
     outcome: Optional[Union[Site, Miss]] = None
 
 class RuleContext:
-    """One rule's view of one run of the pass: the :class:`~.context.PassContext` (graph,
+    """One rule's view of one run of the pass, with its own ledger.
+
+    One rule's view of one run of the pass: the :class:`~.context.PassContext` (graph,
     provenance, target, strictness) and the rule's own ledger (its sites, its internal errors,
     the candidates that failed, the nodes its rewrites replaced); each candidate is its own
     transaction.
@@ -397,7 +401,9 @@ Rewrites = RuleContext
 
 def emit_fused_op(ctx: RuleContext, op: FusedOp, at: fx.Node, operands: Sequence,
                   outputs: Dict[str, fx.Node], order: Optional[List[int]] = None) -> Union[Miss, tuple]:
-    """Inside a rule's :class:`Insertion`: ``(fused call, {replaced output: its replacement})``
+    """Insert the call of ``op`` on ``operands`` and the casts that replace the site's outputs.
+
+    Inside a rule's :class:`Insertion`: ``(fused call, {replaced output: its replacement})``
     for ``op`` called on ``operands`` (nodes, None or plain values), ``outputs`` named as the
     op names its outputs; or a :class:`Miss` at ``at`` when the operands break one of the
     op's own input checks. With ``order``, the caller's operands are permuted into that memory
@@ -419,7 +425,9 @@ def emit_fused_op(ctx: RuleContext, op: FusedOp, at: fx.Node, operands: Sequence
 
 
 def in_layout_of(edit: Edit, new: fx.Node, old: fx.Node) -> fx.Node:
-    """``new`` with ``old``'s strides: a copy into them where they differ and are a dense layout
+    """The value of ``new`` in ``old``'s strides, copied where they differ.
+
+    ``new`` with ``old``'s strides: a copy into them where they differ and are a dense layout
     (a dx of a transposed q, a keep-dim rstd of a norm run in BSHD order), since the program's
     views of ``old`` rely on them; else ``new`` (the rule compares the layouts, if it must)."""
     if not isinstance(val(new), torch.Tensor) or same_layout(new, old):

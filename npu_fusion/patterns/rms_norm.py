@@ -21,7 +21,7 @@ any other op a leaf) with the normalized axes as an abstract index: a
 leaf is a symbol, ``x_i`` when it spans the normalized axes and ``r`` when it is
 constant along them (``rstd``), and a sum over the normalized axes becomes a
 symbol ``S[monomial]`` after expanding its summand. A node is dx when its expression equals, for some leaves,
-``r*dy*g - r**3 * x * S[dy*g*x] / N`` (SPEC section 2), and dgamma when it is
+``r*dy*g - r**3 * x * S[dy*g*x] / N`` (docs/fused-ops.md#rms_norm_grad), and dgamma when it is
 ``dy * x * r`` summed over exactly the leading axes to gamma's shape. Equality is
 algebraic, so eps outside the square root, a wrong exponent or a missing term
 do not match.
@@ -53,7 +53,7 @@ is rewritten into ``rms_norm_grad(dy, x, rstd, weight or ones)`` with the output
 ``output_mask`` asks for, cast back to the call's dtypes and shapes, under the same
 dtype table and chip limits, or left whole as a miss with the reason. No torch_npu
 line from 2.6.0 to 2.14.0 registers an NPU kernel for either op (read in the
-wheels; the README has the table), so on torch_npu the decomposed form is what the
+wheels; docs/compatibility.md has the table), so on torch_npu the decomposed form is what the
 pass sees today. A whole forward ``_fused_rms_norm`` is not rewritten (and has no torchair
 converter): each one is recorded as a miss, by the forward rule where it runs.
 """
@@ -391,7 +391,9 @@ def _sums_and_region(ev: NormEvaluator, site: NormMatch) -> tuple:
 
 
 def _near_miss_verdict(ev: NormEvaluator, n: fx.Node, done: set, inside: set) -> Optional[str]:
-    """``"suspect"``: ``n`` normalizes like an RMSNorm dx and matched nothing; ``"pending"``: it is
+    """Whether ``n`` is a suspect RMSNorm dx, a pending one, or neither.
+
+    ``"suspect"``: ``n`` normalizes like an RMSNorm dx and matched nothing; ``"pending"``: it is
     built on a site this round matched; None: neither."""
     v = ev.memo.get(n)
     if v is None or v.lead_sum is not None or not ev.spans(shape(n)) or not same_shape(
@@ -419,7 +421,9 @@ def _near_miss_verdict(ev: NormEvaluator, n: fx.Node, done: set, inside: set) ->
 
 
 def unexplained(graph: fx.Graph, provenance: Optional[Provenance], misses: List[Miss]) -> List[Miss]:
-    """No silent misses: a gradient multiplied by an RMS statistic (``rsqrt(mean(x*x) + eps)``,
+    """Record each RMSNorm the pass left in the graph that no form matched and no miss explains.
+
+    No silent misses: a gradient multiplied by an RMS statistic (``rsqrt(mean(x*x) + eps)``,
     saved or recomputed), or by a normalized value and summed as a weight's gradient (a norm
     whose input takes no gradient), that is left in the graph after the pass, and that no
     recorded miss accounts for, is an RMSNorm no form matched; each becomes a miss."""
@@ -459,7 +463,9 @@ def _forward_operand(node: fx.Node, gradient: set) -> Optional[fx.Node]:
 
 
 def _unfused_weight_gradient(graph: fx.Graph, provenance: Optional[Provenance], missed: set):
-    """A test of (product, forward operand): a gradient times a normalized value
+    """Test whether a product is an unaccounted weight gradient of an RMSNorm.
+
+    A test of (product, forward operand): a gradient times a normalized value
     ``y * rsqrt(mean(y*y) + eps)`` summed over leading axes (a weight's gradient, as a norm
     whose input takes no gradient has), of a norm neither a fused op in the graph covers (a
     fused dx whose dgamma the rewrite left to the program, with a note) nor a recorded miss
@@ -541,7 +547,9 @@ _FUSED_FORWARD_WRAPPING = _SAME_VALUES | {aten.permute.default}
 
 
 def _fused_forward_output(node: fx.Node, provenance: Optional[Provenance]) -> Optional[tuple]:
-    """``(index, x, k, gamma)`` when ``node`` is output ``index`` of a fused ``npu_fusion.rms_norm``
+    """Which output of a fused ``npu_fusion.rms_norm`` ``node`` is, if any.
+
+    ``(index, x, k, gamma)`` when ``node`` is output ``index`` of a fused ``npu_fusion.rms_norm``
     of ``x`` over its last k axes (0: y, 1: rstd), seen through the casts, reshapes and
     permutations the forward rule wraps it in and saved tensors' forward definitions; ``x`` is
     the program's own node."""
@@ -571,7 +579,9 @@ def fused_statistic_operand(node: fx.Node, provenance: Optional[Provenance]) -> 
 
 
 def fused_normalized_operand(node: fx.Node, provenance: Optional[Provenance]) -> Optional[tuple]:
-    """``(x, k)`` when ``node`` is x normalized by a fused forward ``rms_norm``: its y where the
+    """The x and axes that ``node`` is normalized over by a fused forward ``rms_norm``, if any.
+
+    ``(x, k)`` when ``node`` is x normalized by a fused forward ``rms_norm``: its y where the
     weight is ones (a norm without weight), or ``x * its rstd`` (the program's y the forward rule
     leaves to the backward's readers under min-cut); :func:`normalized_operand`'s fused twin."""
     found = _fused_forward_output(node, provenance)
@@ -651,7 +661,9 @@ KEEPDIM_REASON = ("an RMSNorm statistic rsqrt(mean(x*x) + eps) taken with keepdi
 
 
 def unmatched_spelling(node: fx.Node, provenance: Optional[Provenance]) -> Optional[str]:
-    """Why ``node`` (through casts, reshapes and saved tensors' definitions) is an RMSNorm
+    """Why ``node`` is an RMSNorm spelling no form reads, or None.
+
+    Why ``node`` (through casts, reshapes and saved tensors' definitions) is an RMSNorm
     spelling no form reads, or None: a value divided by the root ``sqrt(mean(y*y) + eps)``, or a
     statistic ``rsqrt(mean(y*y) + eps)`` whose mean drops its axes (``keepdim=False``)."""
     root = spelled_root(node, provenance)
@@ -825,7 +837,7 @@ def _widened_from(node: fx.Node, to: torch.dtype, provenance: Optional[Provenanc
 
 
 def _gamma_dtype(compute: torch.dtype, gamma: torch.dtype) -> torch.dtype:
-    """gamma's dtype for the fused op: its own, or float32 when SPEC's table has no
+    """gamma's dtype for the fused op: its own, or float32 when the op's dtype table has no
     (compute, gamma) row but has (compute, float32); the widening cast is exact."""
     if (compute, gamma) not in RMS_NORM_DTYPES and (compute, torch.float32) in RMS_NORM_DTYPES \
             and exact_common_dtype((gamma, torch.float32)) == torch.float32:
@@ -940,7 +952,9 @@ def _emit(rewrites: RuleContext, site: NormMatch, outputs, region):
 
 
 def _ones_of_part(edit: Edit, x: fx.Node, k: int, to: torch.dtype, gamma_part: bool) -> fx.Node:
-    """Ones of rstd's keep-dim shape ``x.shape[:n] + [1] * k`` (x sliced to one element along
+    """Ones in the shape of rstd, or of a part of gamma, built from x.
+
+    Ones of rstd's keep-dim shape ``x.shape[:n] + [1] * k`` (x sliced to one element along
     each normalized axis), or with ``gamma_part`` of gamma's ``x.shape[n:]`` (x's first element
     along each leading axis): views of x, so symbolic sizes need no size nodes."""
     part, n = x, len(shape(x)) - k
@@ -983,7 +997,9 @@ def _whole_backward_outputs(node: fx.Node):
 
 
 def emit_whole_backward(rewrites: RuleContext, match: WholeBackwardMatch):
-    """``aten._fused_rms_norm_backward(dy, x, normalized_shape, rstd, weight, output_mask)``
+    """Rewrite a whole ``aten._fused_rms_norm_backward`` into ``rms_norm_grad``.
+
+    ``aten._fused_rms_norm_backward(dy, x, normalized_shape, rstd, weight, output_mask)``
     rewritten into ``rms_norm_grad(dy, x, rstd, gamma)``: the same formula, rstd the same
     float32 ``1/RMS(x)`` (eps inside it), gamma the weight or ones; each output the program
     uses cast back to the call's dtype and shape. A Miss when the target refuses."""

@@ -81,7 +81,9 @@ class ForwardNormMatch:
 
 
 def _statistic_nodes(graph: fx.Graph, forward) -> Dict[tuple, tuple]:
-    """{norm shape key: (norm shape, [rstd candidates])}: forward ``rsqrt(a)`` and ``a ** -0.5``
+    """The forward nodes that may be a norm's rstd, grouped by the axes they normalize.
+
+    {norm shape key: (norm shape, [rstd candidates])}: forward ``rsqrt(a)`` and ``a ** -0.5``
     nodes of a keep-dim shape, grouped by the trailing axes of the keep-dim mean or sum they
     are built on (a hint for the evaluator's abstract axes; the match itself is by value)."""
     found: Dict[tuple, tuple] = {}
@@ -145,7 +147,9 @@ def _statistic_inputs(ev: NormEvaluator, rstd: fx.Node, argument: Expr, eps) -> 
 
 
 def _squared_operands(rstd: fx.Node, depth: int = 5) -> List[fx.Node]:
-    """What the program squares under ``rstd`` (``pow(a, 2)``, ``a * a``), each followed by the
+    """What the program squares under ``rstd``, each with the tensors it exactly widens.
+
+    What the program squares under ``rstd`` (``pow(a, 2)``, ``a * a``), each followed by the
     tensors it is an exact widening of, the source last first: the x the program reads, tried
     before any other node of the same value (a less rounded copy would change the function)."""
     found, frontier = [], [rstd.args[0]]
@@ -268,7 +272,9 @@ def _rounds_inside(site: ForwardNormMatch) -> Optional[str]:
 
 
 def _normalized_value_site(weighted: ForwardNormMatch, outputs: List[tuple]) -> Optional[ForwardNormMatch]:
-    """The weightless site ``y' = rstd * x`` where the program rounds y' before its weight
+    """The site of a norm's weightless normalized value, where the program rounds it before its weight.
+
+    The weightless site ``y' = rstd * x`` where the program rounds y' before its weight
     multiplies it more coarsely than it keeps the product (autocast: a bf16 input's normalized
     value rounded to bf16, times a float32 weight, Qwen3's q/k norms): the fused op with a weight
     of ones computes y' rounded once to the dtype the program rounds it to, and the program's
@@ -318,7 +324,9 @@ def find_sites(graph: fx.Graph, ctx: RuleContext) -> RoundReport:
 
 
 def _forward_inputs(ev: NormEvaluator, graph: fx.Graph, forward) -> set:
-    """Forward values a norm reads as its x, each a leaf, as the backward rule reads them:
+    """The forward values a norm reads as its x, each a leaf of the algebra.
+
+    Forward values a norm reads as its x, each a leaf, as the backward rule reads them:
 
     - sums of two tensors that span the normalized axes (a residual stream ``h + attn(h)``,
       Gemma's ``embedding * normalizer + attn``, a post-norm's ``residual + norm(h)``).
@@ -375,7 +383,9 @@ def _unfused_readers(node: fx.Node, region, gradient) -> List[fx.Node]:
 
 
 def _pairing_problem(site: ForwardNormMatch, region, graph: fx.Graph) -> Optional[str]:
-    """Why the site cannot fuse yet: a decomposed backward reads its statistic (the forward fuses
+    """Why the site cannot fuse yet, or None.
+
+    Why the site cannot fuse yet: a decomposed backward reads its statistic (the forward fuses
     paired with a fused backward, or with none), or, unpaired, a node outside it reads an
     intermediate (a fused dgamma-only backward reads the normalized value as its x). None when
     nothing but the site and fused ops reads its statistic; paired with its fused backward, an
@@ -396,14 +406,18 @@ def _pairing_problem(site: ForwardNormMatch, region, graph: fx.Graph) -> Optiona
 
 
 def _read_by_fused_backward(rstd: fx.Node, region) -> bool:
-    """A fused ``rms_norm_grad`` reads ``rstd`` (:func:`_readers`): the norm's backward is fused, and
+    """Whether a fused ``rms_norm_grad`` reads ``rstd``.
+
+    A fused ``rms_norm_grad`` reads ``rstd`` (:func:`_readers`): the norm's backward is fused, and
     what of it the rewrite left to the program (a dgamma whose gradient is rounded more coarsely
     than it is kept, torchtitan's Qwen3 q/k norms in bf16) is the program's own."""
     return any(u.target == RMS_NORM_GRAD.overload for u in _readers(rstd, region))
 
 
 def _kept(site: ForwardNormMatch, region) -> List[fx.Node]:
-    """The site's intermediates that a node outside it reads, and what they are computed from
+    """The site's intermediates that a node outside it reads, and what they are computed from.
+
+    The site's intermediates that a node outside it reads, and what they are computed from
     inside it, up to the fused op's outputs: they stay, computing what they computed, from the
     fused op's rstd (the normalized value the program's decomposed dgamma reads)."""
     inside, outputs = set(region), {site.y, site.rstd}
@@ -412,7 +426,9 @@ def _kept(site: ForwardNormMatch, region) -> List[fx.Node]:
 
 
 def _backward_readers_of_y(site: ForwardNormMatch, graph: fx.Graph, provenance) -> set:
-    """Backward nodes other than fused ops that read y itself (a modulation's gradient
+    """The backward nodes, other than fused ops, that read a norm's output y under min-cut.
+
+    Backward nodes other than fused ops that read y itself (a modulation's gradient
     ``sum(dy * y)``, DiT's adaLN ``norm(x) * (1 + scale) + shift``), where min-cut partitions the
     graph: the default partitioner (torchair's) saves y either way, and the program's y kept for
     them would only be computed twice in the forward."""
@@ -543,7 +559,9 @@ def unexplained(graph: fx.Graph, provenance: Optional[Provenance], misses: List[
 
 
 def _unpaired_backwards(graph: fx.Graph, gradient: set, misses: List[Miss]) -> List[Miss]:
-    """A fused ``rms_norm_grad`` whose rstd is no fused forward op's and near which no forward miss
+    """The fused RMSNorm backwards whose forward neither fused nor was recorded as a miss.
+
+    A fused ``rms_norm_grad`` whose rstd is no fused forward op's and near which no forward miss
     was recorded: its forward ran and matched no form (``x / sqrt(...)``, a statistic built
     otherwise), each a miss named by the backward node (:mod:`.pairing`)."""
     missed, used, out = {m.node for m in misses}, set(), []

@@ -16,8 +16,8 @@ Fused::
 
 How a match is found: every node is evaluated by :class:`~.lanes.LaneEvaluator`
 into exact per-position polynomials of its leaves. A node is a ``dx`` when its
-polynomials equal SPEC's formula for some mode and some leaves playing dy, cos
-and sin; a node is a ``dcos``/``dsin`` of that site when it equals the
+polynomials equal the op's formula (docs/fused-ops.md#rotary_position_embedding_grad) for some
+mode and some leaves playing dy, cos and sin; a node is a ``dcos``/``dsin`` of that site when it equals the
 broadcast-reduced ``dy * x`` / ``dy * rotate(x)`` with the same dy. Equality of
 those polynomials is equality of the functions, so near misses (a wrong sign, a
 wrong split point, a swapped table) simply do not match.
@@ -63,7 +63,7 @@ def contiguous(lid: int, offset: int, d: int) -> Role:
     return lid, tuple(range(offset, offset + d))
 
 
-# -- SPEC section 1, position by position -------------------------------------
+# -- docs/fused-ops.md#rotary_position_embedding_grad, position by position -------
 
 def dx_terms(mode: int, d: int):
     """For each position i of dx: [(coef, dy position, table, table position)]."""
@@ -131,7 +131,7 @@ def _polys_equal(a, b) -> bool:
     return len(a) == len(b) and all(pa == pb for pa, pb in zip(a, b))
 
 
-# -- per-target constraints (SPEC section 1) ----------------------------------
+# -- per-target constraints (docs/fused-ops.md#rotary_position_embedding_grad) --
 
 # -- matching -----------------------------------------------------------------
 
@@ -290,7 +290,9 @@ def _candidates(graph: fx.Graph):
 
 
 def _symbolic_last_axis(ev: LaneEvaluator, seeds) -> List[Miss]:
-    """Gradients moved along a symbolic last axis and summed with a rotation's terms, as a RoPE dx
+    """Record the RoPE sites that a symbolic head dim keeps from fusing.
+
+    Gradients moved along a symbolic last axis and summed with a rotation's terms, as a RoPE dx
     is (``dy * cos`` plus a move of ``dy * sin``), or multiplied as complex pairs (``freqs_cis``):
     the match is proved position by position, which needs a static head dim, so such a site
     cannot fuse; say so rather than leave it unexplained. A difference or a shift of a gradient
@@ -483,7 +485,9 @@ def _dx_matches(rewrites: RuleContext, ev: LaneEvaluator, looks: List[fx.Node]):
 
 
 def _accumulated_matches(rewrites: RuleContext, ev: LaneEvaluator, nodes, matched: set, inside: set):
-    """Sites whose dx autograd sums with other gradients of x in one accumulation (``rope(q) * q``:
+    """The sites whose dx autograd sums with other gradients of x in one accumulation.
+
+    Sites whose dx autograd sums with other gradients of x in one accumulation (``rope(q) * q``:
     dx plus ``dy * rope(q)``; two rotations of one q: one dx plus the other): the root of a
     tree of single-use adds whose summands, all but one, sum to a RoPE dx. The one left out is
     added back to the fused dx (:attr:`RopeMatch.rest`); each is its own site."""
@@ -645,7 +649,9 @@ def _is_rotary_table(node: fx.Node, provenance: Optional[Provenance]) -> bool:
 
 
 def unexplained(graph: fx.Graph, provenance: Optional[Provenance], misses: List[Miss]) -> List[Miss]:
-    """No silent misses: a gradient multiplied by a rotary table (a forward value shaped from
+    """Record each RoPE the pass left in the graph that no form matched and no miss explains.
+
+    No silent misses: a gradient multiplied by a rotary table (a forward value shaped from
     cos, sin or a complex polar by views, casts, repeats and concatenation) that is left in the
     graph after the pass, and that no recorded miss accounts for, is a RoPE application no form
     matched. Each connected group of such products becomes a miss naming where the lane
@@ -792,7 +798,9 @@ def emit(rewrites: RuleContext, site: RopeMatch, outputs, region):
 
 
 def _operands(edit: Edit, site: RopeMatch, leaves, outputs) -> list:
-    """dy, cos, sin and x for the fused op, built from the role leaves, negated where the
+    """Build dy, cos, sin and x for the fused op from the site's role leaves.
+
+    dy, cos, sin and x for the fused op, built from the role leaves, negated where the
     site's table is the leaf negated, in the narrowest dtype that holds them all exactly and
     every output's :func:`kept_precision` (the op returns its outputs in dy's dtype, which must
     not round them more coarsely than the program does before its own next rounding)."""

@@ -12,8 +12,9 @@ How a match is found, by value in the backward rule's domain (:class:`~.lanes.La
 exact per-position polynomials of leaf elements) run on the forward nodes: a node is a RoPE
 output when, for some mode and some leaves playing x, cos and sin, position i of its value is
 ``x[a(i)] * cos[i] + s(i) * x[b(i)] * sin[i]`` with ``a``, ``b`` and the signs ``s`` of the
-mode (the transpose of SPEC section 1's backward: :func:`~.rope.table_terms`), each table
-possibly negated as a whole. The fused op then reads the nodes the site reads that hold x, cos
+mode (the transpose of the backward in docs/fused-ops.md#rotary_position_embedding_grad:
+:func:`~.rope.table_terms`), each table possibly negated as a whole. The fused op then reads the
+nodes the site reads that hold x, cos
 and sin exactly (a partial rotary's slice of q, a table after its ``unsqueeze``); an operand that
 exists only in pieces (a half-width table read twice, x read as its even and odd lanes, the real
 parts of a complex ``freqs_cis``, a cache's ``select``) is rebuilt from the node that holds its
@@ -152,7 +153,9 @@ SPLITS = {aten.split.Tensor, aten.split_with_sizes.default, aten.chunk.default, 
 
 
 def _axis_makers(ev: LaneEvaluator, looks) -> set:
-    """The views that give a rotation a second tracked axis, from a value tracked over one:
+    """The views that give a rotation a second tracked axis, to be read as leaves.
+
+    The views that give a rotation a second tracked axis, from a value tracked over one:
     BSND's tables ``cos[:, None]`` ([S, 1, D], tracked as (1, D); the product with an x of
     [B, S, N, D] is then no value at all) and, for a rotation-shaped value over several axes,
     ``proj.view(B, S, N, D)`` of a projection N*D wide (tracked as (N, D)). Read as leaves
@@ -176,7 +179,9 @@ def _axis_makers(ev: LaneEvaluator, looks) -> set:
 
 
 def _complex_pair_sources(ev: LaneEvaluator) -> set:
-    """Llama 4's and torchtitan's ``view_as_complex(q.reshape(..., D/2, 2)) * freqs_cis`` with q
+    """The sources of complex-pair rotations whose x is a projection's view into heads.
+
+    Llama 4's and torchtitan's ``view_as_complex(q.reshape(..., D/2, 2)) * freqs_cis`` with q
     a projection's view into heads: x tracked over (N, D/2, 2) times a table over (D/2, 2) is a
     refused broadcast, and nothing downstream looks like a rotation. The node whose pairs are
     taken (q, past its float casts) is read as a leaf, over its last axis."""
@@ -206,7 +211,9 @@ SAME_VALUE_OPS = RESHAPES | {aten.select.int, aten.slice.Tensor, aten.expand.def
 
 
 class _SameValues:
-    """The forward's own values, with no saved tensors (the evaluator's provenance protocol), where
+    """The forward's own values, where a leaf the program computes twice is one leaf.
+
+    The forward's own values, with no saved tensors (the evaluator's provenance protocol), where
     a leaf the program computes twice is one leaf: torchtune writes ``rope_cache[..., 0]`` once
     per term, two ``select`` nodes of the same table, which must be the same cos to be a rotation."""
 
@@ -243,7 +250,9 @@ def _hashable(value):
 
 
 def _uncovered(ctx: RuleContext, ev: LaneEvaluator, looks) -> list:
-    """The rotation-shaped nodes no matched rotation over one axis computes: a value over two
+    """The rotation-shaped nodes that no matched rotation over one axis computes.
+
+    The rotation-shaped nodes no matched rotation over one axis computes: a value over two
     axes inside one (torchtune's ``stack`` of the pairs, before its ``flatten``) needs no view
     read as a leaf, and reading x's ``view(..., D/2, 2)`` as one would hide the rotation."""
     matched = [y for y in looks if len(ev.memo[y].inner) == 1 and ctx.examine(y, match_y, ev, y) is not None]
@@ -336,7 +345,9 @@ def _unbroadcast(matches: List[ForwardRopeMatch]) -> List[ForwardRopeMatch]:
 
 
 def _innermost_where_shared(matches: List[ForwardRopeMatch]) -> List[ForwardRopeMatch]:
-    """Without the matches built on another match whose output something outside them also
+    """Drop the matches that are copies of another match read elsewhere.
+
+    Without the matches built on another match whose output something outside them also
     reads: a copy of a rotation (``repeat_kv``'s expand and clone of the rotated k, read twice
     by DiffLlama's two attentions) is a rotation too, but only the rotation itself can be
     replaced; its copies then read the fused op's output."""
@@ -355,7 +366,9 @@ SYMBOLIC_REASON = ("elements moved along a symbolic last axis and summed, as a R
 
 
 def _symbolic_last_axis(seeds, gradient) -> List[Miss]:
-    """Forward elements moved along a symbolic last axis and then summed: no node of a symbolic
+    """Record the forward rotations that a symbolic head dim keeps from fusing.
+
+    Forward elements moved along a symbolic last axis and then summed: no node of a symbolic
     head dim is evaluated, so such a rotation would be a silent miss (found by the forward
     property tests); recorded instead, as the backward rule does (:func:`.rope._symbolic_last_axis`).
     Only a move along the last axis whose sum is a rotation's: two products of tensors that vary
@@ -425,7 +438,9 @@ def _identity(ev: LaneEvaluator, role: Role):
 
 @dataclasses.dataclass
 class Operand:
-    """How the fused op gets one role: ``base``, a node the site reads, holds the role's values
+    """How the fused op gets one role from a node the site reads.
+
+    How the fused op gets one role: ``base``, a node the site reads, holds the role's values
     in its trailing axes (flattened, a complex tensor as its real view); ``picks`` are the
     positions of those values that make the role, in order (None: base is the role whole)."""
     base: fx.Node
@@ -495,7 +510,9 @@ def _gather_plan(picks):
 
 
 def _find_operand(ev: LaneEvaluator, region, role: Role, like) -> Optional[Operand]:
-    """How the fused op reads ``role``, from the nodes the site reads (and the role's leaf): a
+    """How the fused op reads ``role`` from the nodes the site reads.
+
+    How the fused op reads ``role``, from the nodes the site reads (and the role's leaf): a
     node holding it exactly, position by position, in a shape ``like`` accepts, the one nearest
     the output (a table after its ``unsqueeze``, a partial rotary's slice of x); else a node
     whose values are the role's in pieces, nearest the output first (a half-width table read
@@ -516,7 +533,9 @@ def _find_operand(ev: LaneEvaluator, region, role: Role, like) -> Optional[Opera
 
 
 def _built(edit, ev: LaneEvaluator, operand: Operand, role: Role) -> Optional[fx.Node]:
-    """The operand's tensor, emitted: its base (a complex one as its real view), trailing axes
+    """Emit the operand's tensor from its base and picks.
+
+    The operand's tensor, emitted: its base (a complex one as its real view), trailing axes
     flattened, the picks gathered by slices and ``cat`` (or ``stack`` of two such for pairs);
     None unless the emitted node's value is the role's, position by position (the proof)."""
     node = operand.base
@@ -541,7 +560,9 @@ def _sliced(edit, node: fx.Node, runs) -> fx.Node:
 
 
 def _empty(node: fx.Node) -> bool:
-    """No elements: the pass-through of a partial rotary whose rotation is the whole head
+    """Whether ``node`` has no elements, as a partial rotary's empty pass-through has.
+
+    No elements: the pass-through of a partial rotary whose rotation is the whole head
     (``cat([rotated, q[..., D:]])``, Phi-3's ``q_pass`` at ``partial_rotary_factor`` 1), read by
     nothing the fused op computes, and left to the graph's dead-code removal."""
     return any(static_int(s) == 0 for s in shape(node) or ())
@@ -646,7 +667,9 @@ def _emit_call(ctx: RuleContext, site: ForwardRopeMatch, roles, compute, order):
 
 
 def unexplained(graph: fx.Graph, provenance, misses: List[Miss]) -> List[Miss]:
-    """No silent misses: a fused ``rotary_position_embedding_grad`` that no fused forward and no
+    """Record each fused RoPE backward whose forward neither fused nor was recorded as a miss.
+
+    No silent misses: a fused ``rotary_position_embedding_grad`` that no fused forward and no
     recorded forward miss accounts for is a rotation whose forward matched no form
     (:mod:`.pairing`); each a miss named by the backward node, saying what its forward is."""
     if not isinstance(provenance, JointProvenance):

@@ -3,8 +3,8 @@
 A rule is a subclass of :class:`FusionRule`, one module per rule (``patterns/<op>.py``), and
 one line in :data:`npu_fusion.patterns.RULES`. Everything else derives from that list: the
 pass manager runs the rules in its order, the options (:mod:`npu_fusion.plugin.options`)
-take each rule's :attr:`~FusionRule.option`, the README's table of supported forms is
-rendered from each rule's :attr:`~FusionRule.forms`, and the independent site counters
+take each rule's :attr:`~FusionRule.option`, the table of supported forms (docs/supported-forms.md)
+is rendered from each rule's :attr:`~FusionRule.forms`, and the independent site counters
 read each rule's :attr:`~FusionRule.site_probe`.
 
 How a rule subclasses it::
@@ -58,14 +58,16 @@ STAGES = ("backward", "joint", "forward")
 
 @dataclasses.dataclass(frozen=True)
 class Form:
-    """One spelling a rule is tested on: the README's table of supported forms has a row each."""
+    """One spelling a rule is tested on: docs/supported-forms.md has a row each."""
     form: str
     seen_in: str
 
 
 @dataclasses.dataclass(frozen=True)
 class SiteProbe:
-    """What one site of a rule's forward is, for the counters that count sites independently of
+    """What one site of a rule's forward is, for the independent site counters.
+
+    What one site of a rule's forward is, for the counters that count sites independently of
     the pass (the zoo, the framework models): an eager call whose output receives a gradient, of
     a module whose class name matches ``module_classes`` (or whose source matches ``source``), or
     of a module-level function whose name matches ``functions`` and not ``excluded``."""
@@ -173,7 +175,9 @@ class FusionRule:
     # -- what the base class does ---------------------------------------------------
     def resolve_shared(self, ctx: RuleContext, match, outputs: Dict[str, fx.Node],
                        refreshed_outputs: bool = False):
-        """``(match, outputs, region)`` ready to rewrite, or a :class:`Miss`: where an intermediate
+        """The match ready to rewrite, found again around the intermediates it shares, or a Miss.
+
+        ``(match, outputs, region)`` ready to rewrite, or a :class:`Miss`: where an intermediate
         of the region has a user outside it, the match found again with the shared
         intermediates as leaves (a cast shared with another consumer is harmless, a shared
         partial product is a near miss). With ``refreshed_outputs`` the outputs are read again

@@ -108,7 +108,9 @@ def aot_backend(options: FusionOptions, around_pass: Optional[Callable] = None, 
 
 
 def _fuser(options: FusionOptions, stage: str, around_pass: Optional[Callable]):
-    """``fuse(gm, forward, split=None) -> (result, run)``: the pass on ``gm`` (a joint graph when
+    """The function that runs the pass on a graph, through ``around_pass`` when there is one.
+
+    ``fuse(gm, forward, split=None) -> (result, run)``: the pass on ``gm`` (a joint graph when
     ``split``, the partition function, is given on the joint stage; else a backward graph),
     through ``around_pass`` when there is one."""
     def fuse(gm, forward, split=None):
@@ -141,7 +143,9 @@ def _partitioned(run, result, fw_gm, bw_gm) -> None:
 
 
 def run_keeping_unfused(gm: torch.fx.GraphModule, run):
-    """For an ``around_pass``: run the pass and return ``(result, backward graph, saved set)`` of
+    """Run the pass and keep the backward graph and saved set of the program without it.
+
+    For an ``around_pass``: run the pass and return ``(result, backward graph, saved set)`` of
     the program without the pass; on a joint graph, the partition of a copy taken before the
     pass, else a copy of the backward graph (its saved set is the one the partition keeps: None)."""
     if run.stage == "joint" and run.split is not None:
@@ -162,7 +166,9 @@ def fused_backward(gm: torch.fx.GraphModule, run) -> Callable[[], torch.fx.Graph
 
 
 def torchair_backend(options: FusionOptions, compiler_config=None):
-    """The backend on an Ascend host: AOTAutograd with the pass on the joint graph, as
+    """The backend on an Ascend host, with torchair's compilers and decompositions.
+
+    The backend on an Ascend host: AOTAutograd with the pass on the joint graph, as
     elsewhere, with torchair's compiler (``torchair.get_compiler(config)``) for the forward,
     backward and inference graphs and torchair's decompositions, so GE compiles both graphs
     and the fused ops reach it through their converters. Every option is honoured:

@@ -1,14 +1,17 @@
-"""Options of the npu-fusion pass: one switch per fusion rule, plus the target and safety switches.
+"""The npu-fusion pass's options: one switch per fusion rule, plus the target and safety switches.
 
 Given as ``torch.compile(..., backend="npu_fusion", options={...})``, to
-``npu_fusion.install(config, **options)`` or to :func:`fuse_backward`.
+``npu_fusion.install(config, **options)``, ``npu_fusion.install_inductor(**options)`` or to
+:func:`fuse_backward`. The README's options table lists them (a test holds it to these fields).
 
 The switches derive from :data:`npu_fusion.patterns.RULES`: each rule's
 :attr:`~npu_fusion.patterns.FusionRule.option` (its fused op's option unless the rule names
 another: ``rope`` fuses RoPE backward subgraphs into ``npu_fusion.rotary_position_embedding_grad``,
-``rms_norm`` RMSNorm backward subgraphs into ``npu_fusion.rms_norm_grad``), on by default unless
-the rule says otherwise (``rms_norm_forward``: forward RMSNorm into ``npu_fusion.rms_norm``, off); a
-rule's older option names (:attr:`~npu_fusion.patterns.FusionRule.option_aliases`) are still taken.
+``rms_norm`` RMSNorm backward subgraphs into ``npu_fusion.rms_norm_grad``, ``rms_norm_forward``
+forward RMSNorm into ``npu_fusion.rms_norm``, ``rope_forward`` forward RoPE into
+``npu_fusion.rotary_position_embedding``), on by default unless the rule says otherwise (all four
+are on); a rule's older option names (:attr:`~npu_fusion.patterns.FusionRule.option_aliases`) are
+still taken.
 """
 from __future__ import annotations
 

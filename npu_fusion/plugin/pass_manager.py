@@ -127,7 +127,9 @@ _COLLECTIONS_PAUSED = _CollectionsPaused()
 
 
 class PassSession:
-    """What the pass keeps between its runs: the newest results (:class:`History`, which the
+    """What the pass keeps between its runs.
+
+    What the pass keeps between its runs: the newest results (:class:`History`, which the
     report and the benchmarks read) and the forward graphs torchair's hook saw, by dynamo
     compile id, so the backward of the same compilation can see what its saved tensors were.
     Each run takes a session (``session=``); the hooks use :data:`DEFAULT_SESSION`."""
@@ -149,7 +151,9 @@ class PassSession:
                 self.forwards.popitem(last=False)
 
     def forward_for(self, gm: fx.GraphModule) -> Optional[fx.Graph]:
-        """The forward graph remembered for this backward's compile id, if it provably is this
+        """The forward graph of this backward, if one was remembered and provably is it.
+
+        The forward graph remembered for this backward's compile id, if it provably is this
         backward's forward (:func:`saved_tensor_mismatch`); otherwise None, and the pass runs on
         the backward alone (a wrong forward would make the pass see wrong saved values)."""
         key = _compile_id()
@@ -371,7 +375,9 @@ MAX_ROUNDS = 4
 
 
 def _rewrite_in_rounds(context: PassContext, options: FusionOptions):
-    """Run the enabled rules (:data:`~npu_fusion.patterns.RULES`, in that order) until a
+    """Run the enabled rules in rounds until a round changes nothing that another could use.
+
+    Run the enabled rules (:data:`~npu_fusion.patterns.RULES`, in that order) until a
     round fuses nothing new or leaves no candidate undecided (a miss, or a candidate a
     rule's :class:`~npu_fusion.patterns.RoundReport` counts as pending): a site whose dy is
     the expression of another site's dx (post- and sandwich norms) fuses once that one is

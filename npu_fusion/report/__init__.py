@@ -1,4 +1,6 @@
-"""The report, an application above :mod:`npu_fusion.plugin`: ``npu-fusion report``
+"""The report: an application above :mod:`npu_fusion.plugin`.
+
+The report, an application above :mod:`npu_fusion.plugin`: ``npu-fusion report``
 (:mod:`.command`), :func:`explain` (one training step of the user's own module or function with
 the pass, reported; :mod:`.explanation`), the full-size analysis of a transformers config on fake
 tensors (:mod:`.fullsize`) and the HTML page (:mod:`.html`).

@@ -1,4 +1,6 @@
-"""One training step of a :class:`~.subjects.Subject`, measured: in float64 eagerly (the
+"""One training step of a :class:`~.subjects.Subject`, measured.
+
+One training step of a :class:`~.subjects.Subject`, measured: in float64 eagerly (the
 reference), eagerly (the baseline, while an independent counter counts the sites), and compiled
 with the pass through the recording backend (:mod:`npu_fusion.measure.recording`), with the
 counter active again to see the sites that ran outside every compiled graph. :func:`analyse`
@@ -71,7 +73,9 @@ def _placed(records: List[Dict[str, Any]], paths: Dict[str, str], nodes) -> List
 
 
 def _saved_summary(recorder: "Recorder") -> Dict[str, int]:
-    """Bytes the forward saves for the backward without and with the pass, over the graphs where
+    """Bytes the forward saves for the backward, without and with the pass.
+
+    Bytes the forward saves for the backward without and with the pass, over the graphs where
     the pass fused a site on the joint graph (the partitioner then chose the saved set for the
     fused backward; elsewhere it is the one chosen for the unfused backward)."""
     pairs = [(before, r.saved) for r, before in zip(recorder.results, recorder.saved_before)
@@ -219,7 +223,9 @@ def _compiled_autograd_step(subject: Subject, model, recorder, ids):
 
 
 def accounting_errors(report: Dict[str, Any], recorder: Recorder) -> List[str]:
-    """Where the report's per-op accounting disagrees with the pass's own results: a backward
+    """Where the report's per-op accounting disagrees with the pass's own results.
+
+    Where the report's per-op accounting disagrees with the pass's own results: a backward
     graph whose sites the pass recorded but that the step counted as never run (every graph
     compiled for the step runs in it), fused-op nodes the pass added to a graph that are not
     the sites it recorded there, or a table row whose fused and unfused do not add up or

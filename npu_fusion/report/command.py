@@ -1,4 +1,6 @@
-"""``npu-fusion report``: compile a model with the pass, train one step, and show
+"""The ``npu-fusion report`` command: compile a model with the pass, train one step, show what fused.
+
+``npu-fusion report``: compile a model with the pass, train one step, and show
 what was fused, what was left unfused and why, what it did to the backward graph
 and to its modelled memory traffic, and whether the gradients are still right.
 

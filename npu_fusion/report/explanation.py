@@ -1,4 +1,6 @@
-"""``npu_fusion.explain(model_or_fn, *example_inputs, loss=..., **options)``: what the pass does to
+"""What the pass does to the user's own model and training step (:func:`npu_fusion.explain`).
+
+``npu_fusion.explain(model_or_fn, *example_inputs, loss=..., **options)``: what the pass does to
 the user's own model and training step, the way ``torch._dynamo.explain`` tells about graph breaks.
 
 It runs one step three times without touching the user's code: in float64 on a deep copy (the

@@ -1,4 +1,6 @@
-"""``npu-fusion report --hf-config PATH|MODEL_TYPE [key=value ...]``: what a chip would run of a
+"""What a chip would run of a transformers model at its real sizes, without its weights.
+
+``npu-fusion report --hf-config PATH|MODEL_TYPE [key=value ...]``: what a chip would run of a
 transformers model at its real sizes, without its weights or the memory to train it.
 
 The model is built on the meta device (parameters with shapes and dtypes, no storage) from a

@@ -1,4 +1,6 @@
-"""``npu-fusion report --html FILE``: the report as one self-contained page a person reads at a glance.
+"""The report as one self-contained HTML page (``npu-fusion report --html FILE``).
+
+``npu-fusion report --html FILE``: the report as one self-contained page a person reads at a glance.
 
 The page has no script, no stylesheet or font to fetch and no image file: inline CSS and inline
 SVG only, so it opens offline and renders the same anywhere. Per target (one for the ordinary

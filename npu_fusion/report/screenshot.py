@@ -1,4 +1,6 @@
-"""Render a report page in a real headless browser and look at the result, without a dependency:
+"""Render a report page in headless Chromium and tell a rendered page from a blank one.
+
+Render a report page in a real headless browser and look at the result, without a dependency:
 :func:`screenshot` runs Chromium (Debian's ``chromium`` package, or Google Chrome) headless on the
 page and :func:`png_summary` decodes the PNG it writes (8-bit RGB or RGBA, not interlaced: what
 Chromium writes) with ``zlib`` alone, to tell a page that rendered from a blank one."""

@@ -1,4 +1,6 @@
-"""What the report runs a training step of (:class:`Subject`): the bundled decoders, a tiny random
+"""What the report runs a training step of, and how it counts sites independently.
+
+What the report runs a training step of (:class:`Subject`): the bundled decoders, a tiny random
 transformers model, or the user's own module or function (:func:`npu_fusion.explain`); and the
 independent site counter of the transformers naming convention (:func:`conventional_counter`).
 
@@ -146,7 +148,9 @@ class FunctionModule(torch.nn.Module):
 
 
 def conventional_counter(model: torch.nn.Module) -> SiteCounter:
-    """A site counter for the transformers naming convention: calls of module classes named
+    """A site counter for the transformers naming convention.
+
+    A site counter for the transformers naming convention: calls of module classes named
     ``*RMSNorm``, and tensors returned by functions named ``apply_rotary_pos_emb*`` in the modules
     that define the model's classes (Llama's rotates q and k in one call, GPT-J's one tensor per
     call). A plain function (:class:`FunctionModule`) is counted through the attribute that holds

@@ -1,4 +1,6 @@
-"""The report as text: one table per section (fused ops, where the counted sites ended, what was
+"""The report as text, one table per section.
+
+The report as text: one table per section (fused ops, where the counted sites ended, what was
 left unfused and why, backward ops before and after, modelled traffic, saved activations, the
 gradient check), as ``npu-fusion report`` and ``str(npu_fusion.explain(...))`` print it."""
 from __future__ import annotations

@@ -2,7 +2,7 @@
 ``aten._fused_rms_norm_backward``, read from the wheel without installing it.
 
 Where torch_npu registered an NPU kernel for one of them, torch would route ``F.rms_norm`` to the
-whole op on the NPU and AOTAutograd would keep its backward whole (README, "Whole RMSNorm ops").
+whole op on the NPU and AOTAutograd would keep its backward whole (docs/compatibility.md, "Whole RMSNorm ops").
 A kernel registration (``TORCH_LIBRARY_IMPL(aten, PrivateUse1, m) { m.impl("_fused_rms_norm", ...) }``
 in C++, or an op-plugin yaml entry) leaves the op's name as a string of its own in the shared
 library, so the reader looks at:

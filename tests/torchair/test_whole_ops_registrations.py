@@ -1,8 +1,8 @@
-"""The wheel reader behind the README's table of what each torch_npu line registers for the whole
+"""The wheel reader behind the table of docs/compatibility.md of what each torch_npu line registers for the whole
 RMSNorm ops (``npu_fusion_testing.torchair.whole_ops``): on a made-up wheel it must see each kind
 of entry, and the default line's wheel must register no NPU kernel and no torchair converter for
 either op (else the rewrite of ``aten._fused_rms_norm_backward`` is live on that line, and the
-README is wrong)."""
+page is wrong)."""
 from __future__ import annotations
 
 import zipfile

@@ -1,4 +1,6 @@
-"""The fused ops, one declarative module each (:class:`~..fused_op.FusedOp`); this list is
+"""The fused ops, one declarative module each, and their list.
+
+The fused ops, one declarative module each (:class:`~..fused_op.FusedOp`); this list is
 what the registrar, the pass manager's options and counters, the report, the contract
 checks and the conformance tests (``tests/test_op_conformance.py``) read.
 

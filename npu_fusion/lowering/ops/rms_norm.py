@@ -1,4 +1,6 @@
-"""``npu_fusion::rms_norm``: RMSNorm's forward (GE ``RmsNorm``, torch_npu ``npu_rms_norm``).
+"""RMSNorm's forward as the fused op ``npu_fusion::rms_norm``.
+
+``npu_fusion::rms_norm``: RMSNorm's forward (GE ``RmsNorm``, torch_npu ``npu_rms_norm``).
 
 Math, over the normalized axes ``n:`` (``gamma.shape == x.shape[n:]``)::
 
@@ -13,9 +15,9 @@ statistic instead of recomputing it. The contract is the one of torch_npu's
 dtypes) and rstd (float32 only), attribute ``epsilon`` (Float, 1e-6).
 
 Constraints (aclnnRmsNorm; torch_npu's docs): x has 1 to 8 axes, ``gamma.shape ==
-x.shape[n:]`` with ``n < x.dim()``, the dtype combinations of SPEC section 2's
-RmsNormGrad table (gamma float32 beside float16/bfloat16 x on Atlas A2/A3), and the
-same products: Atlas A2, A3 and the inference series, not Ascend 950.
+x.shape[n:]`` with ``n < x.dim()``, the dtype combinations of RmsNormGrad's
+table (docs/fused-ops.md#rms_norm_grad: gamma float32 beside float16/bfloat16 x on Atlas A2/A3),
+and the same products: Atlas A2, A3 and the inference series, not Ascend 950.
 """
 from __future__ import annotations
 
@@ -72,7 +74,9 @@ def unfused(x, gamma, eps):
 
 
 def cases():
-    """``(x, gamma, eps)``: SPEC's dtype combinations, normalizing the last axis or the last two."""
+    """The declared cases as arguments ``(x, gamma, eps)``.
+
+    ``(x, gamma, eps)``: the op's dtype combinations, normalizing the last axis or the last two."""
     generator = torch.Generator().manual_seed(0)
     seen = set()
     for dtype, gamma_dtype, x_shape, _, gamma_shape in rms_norm_supported_cases():
@@ -85,7 +89,7 @@ def cases():
 
 OP = FusedOp(
     name="rms_norm", ge_op="RmsNorm", label="RMSNorm forward", option="rms_norm_forward",
-    spec_section="aclnnRmsNorm and torch_npu's npu_rms_norm (rstd as SPEC section 2 takes it)",
+    spec_section="docs/fused-ops.md#rms_norm",
     outputs=("y", "rstd"), checks=check_rms_norm_inputs,
     schema="(Tensor x, Tensor gamma, float eps) -> (Tensor y, Tensor rstd)",
     reference=reference_kernel, meta=meta_kernel, unfused=unfused, target_problem=_target_problem, cases=cases,

@@ -1,5 +1,7 @@
-"""``npu_fusion::rms_norm_grad``: the backward of RMSNorm (SPEC section 2; GE ``RmsNormGrad``,
-torch_npu ``npu_rms_norm_backward``).
+"""RMSNorm's backward as the fused op ``npu_fusion::rms_norm_grad``.
+
+``npu_fusion::rms_norm_grad``: the backward of RMSNorm (docs/fused-ops.md#rms_norm_grad;
+GE ``RmsNormGrad``, torch_npu ``npu_rms_norm_backward``).
 
 Math. Forward over the normalized axes ``n:`` (``gamma.shape == x.shape[n:]``)::
 
@@ -15,7 +17,7 @@ Backward, with ``N = numel(x.shape[n:])`` and sums over the normalized axes::
 keep-dim form ``x.shape[:n] + [1] * (x.dim() - n)``. dx has dy's dtype, dgamma is
 float32 with gamma's shape. Empty inputs give empty dx and a zero dgamma.
 
-SPEC's facts of RMSNorm (the dtype table, the chips) are stated here once; the
+The facts of RMSNorm (the dtype table, the chips) are stated here once; the
 forward op (:mod:`.rms_norm`) reads them too. Note the argument orders: GE's
 ``RmsNormGrad(dy, x, rstd, gamma)``, torch_npu's ``npu_rms_norm_backward(dy, self, gamma, rstd)``.
 """
@@ -28,7 +30,7 @@ import torch
 from ..checks import require, require_dtype_like, require_float, require_one_device, same_shape, shown
 from ..fused_op import FusedOp, GeInput, GeIr, NpuBinding
 
-#: RmsNormGrad tensors are ND with 1 to 8 axes (SPEC section 2).
+#: RmsNormGrad tensors are ND with 1 to 8 axes (docs/fused-ops.md#rms_norm_grad).
 RMS_NORM_MAX_RANK = 8
 #: RmsNormGrad dtype combinations on Atlas A2/A3, a superset of the inference series':
 #: (dy/x, gamma) -> dx, dgamma (fp32).
@@ -39,7 +41,8 @@ RMS_NORM_DTYPES = {
     (torch.float32, torch.float32),
     (torch.bfloat16, torch.bfloat16),
 }
-#: the targets RmsNorm and RmsNormGrad run on (SPEC section 2 "Products", aclnnRmsNorm's
+#: the targets RmsNorm and RmsNormGrad run on (docs/fused-ops.md#rms_norm_grad,
+#: aclnnRmsNorm's
 #: products: not Ascend 950), each with the dtype combinations it accepts
 RMS_NORM_TARGET_DTYPES = {"generic": RMS_NORM_DTYPES, "a2": RMS_NORM_DTYPES, "a3": RMS_NORM_DTYPES}
 NORM_KINDS = "DT_FLOAT, DT_FLOAT16, DT_BF16"
@@ -53,7 +56,7 @@ def rms_norm_split(x, gamma) -> int:
 
 
 def require_rms_norm_dtypes(op: str, label: str, x, gamma) -> None:
-    """(x's dtype, gamma's) is in SPEC's table; ``label`` names x's dtype (``dy/x``, ``x``)."""
+    """(x's dtype, gamma's) is in the op's dtype table; ``label`` names x's dtype (``dy/x``, ``x``)."""
     require((x.dtype, gamma.dtype) in RMS_NORM_DTYPES,
             lambda: f"{op}: unsupported dtype combination {label}={x.dtype}, gamma={gamma.dtype}; supported "
             f"({label}, gamma): {sorted((str(a), str(b)) for a, b in RMS_NORM_DTYPES)}")
@@ -84,7 +87,7 @@ def _require_rstd(op: str, x, rstd, n: int) -> None:
 
 
 def check_rms_norm_grad_inputs(op: str, dy, x, rstd, gamma) -> None:
-    """SPEC section 2's constraints that hold on every target; ``op`` names the op in messages."""
+    """The op's constraints that hold on every target; ``op`` names the op in messages."""
     require_one_device(op, (("dy", dy), ("x", x), ("rstd", rstd), ("gamma", gamma)))
     require_float(op, "dy", dy)
     require_dtype_like(op, "dy", dy, (("x", x),))
@@ -105,9 +108,9 @@ def rms_norm_target_problem(target: str, compute: torch.dtype, gamma_dtype: torc
     if target == "common":
         return f"{ge_op} does not run on every known chip (not on Ascend 950); target 'common' emits none"
     if dtypes is None:
-        return f"{ge_op} is not documented for Ascend {target} (SPEC section 2 products)"
+        return f"{ge_op} is not documented for Ascend {target} (docs/fused-ops.md#rms_norm_grad)"
     if (compute, gamma_dtype) not in dtypes:
-        return f"dtype combination dy/x={compute}, gamma={gamma_dtype} is not in SPEC's table"
+        return f"dtype combination dy/x={compute}, gamma={gamma_dtype} is not in {ge_op}'s dtype table"
     return None
 
 
@@ -156,7 +159,9 @@ def unfused(dy, x, rstd, gamma):
 # -- declared cases ---------------------------------------------------------------
 
 def rms_norm_supported_cases():
-    """``(dy/x dtype, gamma dtype, x shape, rstd shape, gamma shape)``: every dtype combination
+    """The dtypes and shapes the op declares supported, one tuple per case.
+
+    ``(dy/x dtype, gamma dtype, x shape, rstd shape, gamma shape)``: every dtype combination
     with keep-dim rstd, then plain rstd, then normalizing over the last two axes."""
     x = (4, 16, 64)
     combinations = sorted(RMS_NORM_DTYPES, key=str)
@@ -178,7 +183,8 @@ def cases():
 
 OP = FusedOp(
     name="rms_norm_grad", ge_op="RmsNormGrad", label="RMSNorm", option="rms_norm",
-    spec_section="SPEC section 2", outputs=("dx", "dgamma"), checks=check_rms_norm_grad_inputs,
+    spec_section="docs/fused-ops.md#rms_norm_grad", outputs=("dx", "dgamma"),
+    checks=check_rms_norm_grad_inputs,
     schema="(Tensor dy, Tensor x, Tensor rstd, Tensor gamma) -> (Tensor, Tensor)",
     reference=reference_kernel, meta=meta_kernel, unfused=unfused, target_problem=_target_problem, cases=cases,
     npu=NpuBinding(op="npu_rms_norm_backward", positional=("dy", "x", "gamma", "rstd")),

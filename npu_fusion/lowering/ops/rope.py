@@ -1,7 +1,9 @@
-"""``npu_fusion::rotary_position_embedding``: single-path RoPE's forward (GE
+"""Single-path RoPE's forward as the fused op ``npu_fusion::rotary_position_embedding``.
+
+``npu_fusion::rotary_position_embedding``: single-path RoPE's forward (GE
 ``RotaryPositionEmbedding``, torch_npu ``npu_rotary_mul``).
 
-Math (the forward whose backward SPEC section 1 states; modes as there)::
+Math (docs/fused-ops.md#rotary_position_embedding; modes as for the backward)::
 
     y = x * cos + rotate(x) * sin        (cos/sin broadcast to x's shape)
 
@@ -75,7 +77,9 @@ def unfused(x, cos, sin, mode):
 
 
 def cases():
-    """``(x, cos, sin, mode)``: the backward's declared cases with x (every mode and dtype, every
+    """The declared cases as arguments ``(x, cos, sin, mode)``.
+
+    ``(x, cos, sin, mode)``: the backward's declared cases with x (every mode and dtype, every
     A2/A3 table layout)."""
     generator = torch.Generator().manual_seed(0)
     for dt, x, cos, with_x, mode in rope_supported_cases():
@@ -87,7 +91,7 @@ def cases():
 
 OP = FusedOp(
     name="rotary_position_embedding", ge_op="RotaryPositionEmbedding", label="RoPE forward",
-    option="rope_forward", spec_section="SPEC section 1 (its forward) and torch_npu's npu_rotary_mul",
+    option="rope_forward", spec_section="docs/fused-ops.md#rotary_position_embedding",
     outputs=("y",), checks=check_rope_inputs,
     schema="(Tensor x, Tensor cos, Tensor sin, int mode) -> Tensor",
     reference=reference_kernel, meta=meta_kernel, unfused=unfused, target_problem=_target_problem, cases=cases,

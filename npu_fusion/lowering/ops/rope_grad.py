@@ -1,5 +1,8 @@
-"""``npu_fusion::rotary_position_embedding_grad``: the backward of single-path RoPE
-(SPEC section 1; GE ``RotaryPositionEmbeddingGrad``, torch_npu ``npu_rotary_mul_backward``).
+"""Single-path RoPE's backward as the fused op ``npu_fusion::rotary_position_embedding_grad``.
+
+``npu_fusion::rotary_position_embedding_grad``: the backward of single-path RoPE
+(docs/fused-ops.md#rotary_position_embedding_grad; GE ``RotaryPositionEmbeddingGrad``, torch_npu
+``npu_rotary_mul_backward``).
 
 Math. The forward is ``y = x * cos + rotate(x) * sin`` with cos/sin broadcast to
 x's shape; ``rotate`` depends on the mode:
@@ -24,7 +27,7 @@ optional x being null means they are not written): the op returns empty
 one-dimensional tensors of shape ``[0]`` in dy's dtype for them. The meta
 kernel, the reference kernel and the (hand-written) GE converter all follow that.
 
-SPEC's facts of RoPE (the modes, each chip's limits) are stated here once; the
+The facts of RoPE (the modes, each chip's limits) are stated here once; the
 forward op (:mod:`.rope`) reads them too.
 """
 from __future__ import annotations
@@ -39,7 +42,7 @@ from ..checks import (FLOAT_DTYPES, broadcasts_to, case_shape, require, require_
 from ..fused_op import FusedOp, GeAttr, GeInput, GeIr, NpuBinding
 from ..sizes import provably_less, same_shape as provably_same_shape, same_size, static_int
 
-#: RotaryPositionEmbeddingGrad ``mode`` attribute values (SPEC section 1).
+#: RotaryPositionEmbeddingGrad ``mode`` attribute values.
 ROPE_MODES = {0: "half", 1: "interleave", 2: "quarter", 3: "interleave-half"}
 #: RoPE mode -> the ``rotary_mode`` string torch_npu's eager kernels accept for it (every line
 #: 2.6 to 2.14: "should be half or interleave"; modes 2 and 3 run in graph mode only).
@@ -103,7 +106,7 @@ def check_rope_tables(op: str, lead: str, t, cos, sin, mode: int) -> None:
 
 
 def check_rope_grad_inputs(op: str, dy, cos, sin, x: Optional[torch.Tensor], mode: int) -> None:
-    """SPEC section 1's constraints that hold on every target; ``op`` names the op in messages."""
+    """The op's constraints that hold on every target; ``op`` names the op in messages."""
     mode = rope_mode(op, mode)
     require_one_device(op, (("dy", dy), ("cos", cos), ("sin", sin), ("x", x)))
     require_float(op, "dy", dy)
@@ -198,7 +201,7 @@ def _interleave(a, b):
 
 
 def rope_grad_dx(dy, cos, sin, mode: int):
-    """dx of SPEC section 1, in dy's (already widened) dtype, broadcasting cos/sin."""
+    """The op's dx, in dy's (already widened) dtype, broadcasting cos/sin."""
     cos, sin = cos.expand_as(dy), sin.expand_as(dy)
     if mode == 2:
         y, c, s = _halves(dy, 4), _halves(cos, 4), _halves(sin, 4)
@@ -320,7 +323,8 @@ def convert_without_x(build, arguments, meta_outputs):
 
 OP = FusedOp(
     name="rotary_position_embedding_grad", ge_op="RotaryPositionEmbeddingGrad", label="RoPE", option="rope",
-    spec_section="SPEC section 1", outputs=("dx", "dcos", "dsin"), checks=check_rope_grad_inputs,
+    spec_section="docs/fused-ops.md#rotary_position_embedding_grad", outputs=("dx", "dcos", "dsin"),
+    checks=check_rope_grad_inputs,
     # ``SymInt mode``: stated, not inferred (torch 2.6 cannot resolve postponed annotations)
     schema="(Tensor dy, Tensor cos, Tensor sin, Tensor? x=None, SymInt mode=0) -> (Tensor, Tensor, Tensor)",
     reference=reference_kernel, meta=meta_kernel, unfused=unfused, target_problem=_target_problem, cases=cases,
