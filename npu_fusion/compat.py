@@ -275,9 +275,10 @@ def guard_constant(source) -> bool:
 
 
 def specialize_size(size) -> bool:
-    """Guard the compilation in progress on a symbolic size keeping its example value, so that
-    it reads as that number from then on (``guard_int``: the shape environment replaces the
-    symbol); False where no Dynamo compilation owns the size's shape environment (a graph
+    """Guard the compilation in progress on a symbolic size keeping its example value.
+
+    The size then reads as that number (``guard_int``: the shape environment replaces the
+    symbol). False where no Dynamo compilation owns the size's shape environment (a graph
     compiled later, after Dynamo made its guards, must not specialize) or where the user
     marked the size dynamic."""
     from torch._guards import TracingContext

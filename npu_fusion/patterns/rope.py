@@ -316,8 +316,9 @@ def symbolic_rotation_sums(seeds, is_rotation_sum) -> List[fx.Node]:
 
 
 def rotations_along_symbolic_axes(seeds, is_rotation_sum) -> Dict[fx.Node, fx.Node]:
-    """``{sum: seed}``: each node ``is_rotation_sum`` accepts within :data:`ROTATION_SUM_REACH` uses of
-    a seed (an element move) along a symbolic last axis, and that seed."""
+    """Each node ``is_rotation_sum`` accepts near an element move along a symbolic last axis, with that move.
+
+    Returned as ``{sum: seed}``; near is within :data:`ROTATION_SUM_REACH` uses of the seed."""
     sums = {}
     for seed in seeds:
         if shape(seed) and static_int(shape(seed)[-1]) is None and along_last_axis(seed):
