@@ -170,6 +170,27 @@ def inductor_decompositions() -> dict:
     return select_decomp_table()
 
 
+def inductor_refuses(target) -> bool:
+    """Whether Inductor's graph lowering raises on a call of ``target``: an ATen op it has no
+    lowering for, yet decomposes (its implicit fallback asserts there is no decomposition)."""
+    import torch
+    from torch._inductor.lowering import FALLBACK_ALLOW_LIST, lowerings
+
+    return (isinstance(target, torch._ops.OpOverload) and target not in lowerings
+            and target.name().split(".")[0] not in FALLBACK_ALLOW_LIST and target in inductor_decompositions())
+
+
+def traced_decomposition(fn, values, decompositions: dict):
+    """``fn`` traced on ``values`` (fake tensors, SymInts, of the graph's fake mode, active)
+    into a graph of the ops ``decompositions`` leaves: what Inductor's own pattern replacements
+    trace (``make_fx`` in real mode over the fake values, under the Python dispatcher)."""
+    from torch._dispatch.python import enable_python_dispatcher
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    with enable_python_dispatcher():
+        return make_fx(fn, decompositions, tracing_mode="real")(*values)
+
+
 def torchair_decompositions(compiler_config) -> dict:
     """The decompositions ``torchair.get_npu_backend`` gives AOTAutograd for this config: its
     defaults with its patches applied (``npu_fx_compiler._get_merged_decompositions``), or, in a

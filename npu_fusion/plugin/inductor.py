@@ -59,7 +59,7 @@ def _make_pass_class():
             else:
                 return
             if result.sites:
-                _decompose_casts(gm)
+                decompose_what_inductor_refuses(gm)
 
         def uuid(self) -> Optional[bytes]:
             previous = [p.uuid() if hasattr(p, "uuid") else None for p in _as_passes(self.previous)]
@@ -81,18 +81,64 @@ def _copy_by_multiplying(graph, fake_mode, value):
     return call(graph, fake_mode, torch.ops.aten.mul.Tensor, (value, 1))
 
 
-def _decompose_casts(gm) -> None:
-    """Inductor's graphs are decomposed already and it has no lowering for ``aten._to_copy``
-    (only the decomposition): the casts the pass inserted become ``prims.convert_element_type``,
-    as Inductor's table makes them."""
-    import torch
+def decompose_what_inductor_refuses(gm) -> int:
+    """Decompose, in place and with Inductor's own table, each call Inductor's lowering would
+    refuse: the ATen ops the pass emits after AOTAutograd decomposed the graph (casts, ones of a
+    norm without weight or input gradient, a rotation table rebuilt by ``stack`` or
+    ``repeat_interleave``...) that Inductor only knows by their decomposition. Returns how many
+    calls were decomposed."""
+    from ..compat import inductor_decompositions, inductor_refuses
+    from ..patterns.context import fake_mode_of
 
-    for node in gm.graph.find_nodes(op="call_function", target=torch.ops.aten._to_copy.default):
-        dtype = node.kwargs.get("dtype")
-        if set(node.kwargs) == {"dtype"} and dtype is not None:
-            node.target = torch.ops.prims.convert_element_type.default
-            node.args, node.kwargs = (node.args[0], dtype), {}
-    gm.recompile()
+    refused = [n for n in gm.graph.nodes if n.op == "call_function" and inductor_refuses(n.target)]
+    if refused:
+        table, fake_mode = inductor_decompositions(), fake_mode_of(gm.graph)
+        for node in refused:
+            _replace_by_decomposition(gm.graph, node, table, fake_mode)
+        gm.graph.lint()
+        gm.recompile()
+    return len(refused)
+
+
+def _replace_by_decomposition(graph, node, table: dict, fake_mode) -> None:
+    """Put the trace of ``node``'s decomposition (``table``) in place of ``node``."""
+    import contextlib
+    import operator
+
+    import torch.fx as fx
+    import torch.utils._pytree as pytree
+
+    from ..compat import traced_decomposition
+
+    leaves, spec = pytree.tree_flatten((node.args, node.kwargs))
+    inputs = [i for i, leaf in enumerate(leaves) if isinstance(leaf, fx.Node)]
+
+    def call(*values):
+        filled = list(leaves)
+        for i, value in zip(inputs, values):
+            filled[i] = value
+        args, kwargs = pytree.tree_unflatten(filled, spec)
+        return node.target(*args, **kwargs)
+
+    with fake_mode if fake_mode is not None else contextlib.nullcontext():
+        traced = traced_decomposition(call, [leaves[i].meta["val"] for i in inputs], table)
+    env, placeholders = {}, iter(leaves[i] for i in inputs)
+    with graph.inserting_before(node):
+        for inner in traced.graph.nodes:
+            if inner.op == "placeholder":
+                env[inner] = next(placeholders)
+            elif inner.op == "output":
+                result = fx.node.map_arg(inner.args[0], env.__getitem__)
+            else:
+                env[inner] = graph.node_copy(inner, env.__getitem__)
+    if isinstance(result, fx.Node):
+        node.replace_all_uses_with(result)
+    else:  # an op of several outputs: its users are getitems
+        for user in list(node.users):
+            assert user.target is operator.getitem, user
+            user.replace_all_uses_with(result[user.args[1]])
+            graph.erase_node(user)
+    graph.erase_node(node)
 
 
 def _as_passes(slot) -> tuple:
