@@ -174,10 +174,11 @@ def inductor_refuses(target) -> bool:
     """Whether Inductor's graph lowering raises on a call of ``target``: an ATen op it has no
     lowering for, yet decomposes (its implicit fallback asserts there is no decomposition)."""
     import torch
-    from torch._inductor.lowering import FALLBACK_ALLOW_LIST, lowerings
+    from torch._inductor import lowering
 
-    return (isinstance(target, torch._ops.OpOverload) and target not in lowerings
-            and target.name().split(".")[0] not in FALLBACK_ALLOW_LIST and target in inductor_decompositions())
+    allowed = getattr(lowering, "FALLBACK_ALLOW_LIST", ())  # ops Inductor falls back on despite a decomposition
+    return (isinstance(target, torch._ops.OpOverload) and target not in lowering.lowerings
+            and target.name().split(".")[0] not in allowed and target in inductor_decompositions())
 
 
 def traced_decomposition(fn, values, decompositions: dict):
