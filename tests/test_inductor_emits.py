@@ -176,3 +176,22 @@ def test_every_emittable_op_is_compiled_by_inductor(installed):
     missing = sorted(emittable_targets() - compiled)
     assert not missing, "emitted by no program compiled through Inductor: " + "; ".join(
         f"{op} (at {', '.join(ops.get(op, ['the fused-op registry']))})" for op in missing)
+
+
+def test_scan_names_every_spelled_emit_and_reports_any_other(tmp_path):
+    """The scan is what makes the list complete: it finds targets spelled in either form of the
+    helper's call, in any expression, and reports a target it cannot name."""
+    patterns = tmp_path / "patterns"
+    patterns.mkdir()
+    (tmp_path / "plugin").mkdir()
+    (patterns / "rule.py").write_text(
+        "def emit(edit, graph, fake_mode, node, which, op):\n"
+        "    edit.call(aten.erf.default, (node,))\n"
+        "    call(graph, fake_mode, torch.ops.prims.convert_element_type.default, (node, None))\n"
+        "    edit.call(*((aten.select.int, (node, 0, 0)) if which else (aten.slice.Tensor, (node, 0, 0, 1))))\n"
+        "    edit.call(op.overload, (node,))\n"
+        "    edit.call(node.target, (node,))\n")
+    ops, unknown = scan(tmp_path)
+    assert sorted(ops) == ["aten.erf.default", "aten.select.int", "aten.slice.Tensor",
+                           "prims.convert_element_type.default"]
+    assert unknown == [f"{tmp_path.name}/patterns/rule.py:6: node.target"], unknown
