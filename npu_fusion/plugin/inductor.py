@@ -94,14 +94,18 @@ def decompose_what_inductor_refuses(gm) -> int:
     if refused:
         table, fake_mode = inductor_decompositions(), fake_mode_of(gm.graph)
         for node in refused:
-            _replace_by_decomposition(gm.graph, node, table, fake_mode)
+            _replace_by_decomposition(gm, node, table, fake_mode)
         gm.graph.lint()
         gm.recompile()
     return len(refused)
 
 
-def _replace_by_decomposition(graph, node, table: dict, fake_mode) -> None:
-    """Put the trace of ``node``'s decomposition (``table``) in place of ``node``."""
+#: node meta that describes a call's value (the trace of its decomposition has its own)
+VALUE_META = ("val", "tensor_meta", "example_value")
+
+
+def _replace_by_decomposition(gm, node, table: dict, fake_mode) -> None:
+    """Put the trace of ``node``'s decomposition (``table``) in place of ``node`` in ``gm``."""
     import contextlib
     import operator
 
@@ -113,7 +117,7 @@ def _replace_by_decomposition(graph, node, table: dict, fake_mode) -> None:
     leaves, spec = pytree.tree_flatten((node.args, node.kwargs))
     inputs = [i for i, leaf in enumerate(leaves) if isinstance(leaf, fx.Node)]
 
-    def call(*values):
+    def as_called(*values):
         filled = list(leaves)
         for i, value in zip(inputs, values):
             filled[i] = value
@@ -121,16 +125,23 @@ def _replace_by_decomposition(graph, node, table: dict, fake_mode) -> None:
         return node.target(*args, **kwargs)
 
     with fake_mode if fake_mode is not None else contextlib.nullcontext():
-        traced = traced_decomposition(call, [leaves[i].meta["val"] for i in inputs], table)
-    env, placeholders = {}, iter(leaves[i] for i in inputs)
+        traced = traced_decomposition(as_called, [leaves[i].meta["val"] for i in inputs], table)
+    graph, env, placeholders = gm.graph, {}, iter(leaves[i] for i in inputs)
     with graph.inserting_before(node):
         for inner in traced.graph.nodes:
             if inner.op == "placeholder":
                 env[inner] = next(placeholders)
+            elif inner.op == "get_attr":  # a constant the decomposition made: moved into gm
+                name = f"_decomposed_{node.name}_{inner.target}"
+                setattr(gm, name, getattr(traced, inner.target))
+                env[inner] = graph.get_attr(name)
+                env[inner].meta = dict(inner.meta)
             elif inner.op == "output":
                 result = fx.node.map_arg(inner.args[0], env.__getitem__)
             else:
-                env[inner] = graph.node_copy(inner, env.__getitem__)
+                env[inner] = copied = graph.node_copy(inner, env.__getitem__)
+                # the replaced call's partitioner tag and recompute policy, the trace's own values
+                copied.meta = {**{k: v for k, v in node.meta.items() if k not in VALUE_META}, **copied.meta}
     if isinstance(result, fx.Node):
         node.replace_all_uses_with(result)
     else:  # an op of several outputs: its users are getitems
