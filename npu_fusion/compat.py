@@ -182,9 +182,11 @@ def inductor_refuses(target) -> bool:
 
 
 def traced_decomposition(fn, values, decompositions: dict):
-    """``fn`` traced on ``values`` (fake tensors, SymInts, of the graph's fake mode, active)
-    into a graph of the ops ``decompositions`` leaves: what Inductor's own pattern replacements
-    trace (``make_fx`` in real mode over the fake values, under the Python dispatcher)."""
+    """Trace ``fn`` on ``values`` into a graph of the ops ``decompositions`` leaves.
+
+    The values are fake tensors and SymInts of the graph's fake mode, which is active; the trace
+    is the one Inductor's own pattern replacements make (``make_fx`` in real mode over the fake
+    values, under the Python dispatcher)."""
     from torch._dispatch.python import enable_python_dispatcher
     from torch.fx.experimental.proxy_tensor import make_fx
 

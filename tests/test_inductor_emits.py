@@ -1,8 +1,9 @@
-"""Everything the pass emits lowers in stock Inductor (issue 30): every op the pass can insert
-into a graph (:func:`npu_fusion_testing.emits.emittable_targets`, read from its sources: the
-fused ops, casts, ones of a norm without weight or input gradient, rotation tables rebuilt from
-complex or half-width ones, layout copies, the copies of caller-reachable tensors) is emitted by
-at least one program below compiled with ``backend="inductor"`` after ``install_inductor``, on
+"""Everything the pass emits lowers in stock Inductor (issue 30).
+
+Every op the pass can insert into a graph (:func:`npu_fusion_testing.emits.emittable_targets`,
+read from its sources: the fused ops, casts, ones of a norm without weight or input gradient,
+rotation tables rebuilt from complex or half-width ones, layout copies, the copies of
+caller-reachable tensors) is emitted by at least one program below compiled with ``backend="inductor"`` after ``install_inductor``, on
 the CPU, whose outputs and gradients pass the float64 criterion. A new emit fails
 :func:`test_every_emittable_op_is_compiled_by_inductor` until a program here compiles it.
 
@@ -70,7 +71,9 @@ def complex_rope_s1():
 
 
 def norms_without_weight_or_input_gradient():
-    """A norm without weight (ones made with ``full``) whose input's gradient also flows past it
+    """Three norms, each emitting ops of its own.
+
+    A norm without weight (ones made with ``full``) whose input's gradient also flows past it
     (the fused dx added to the rest), in float16 with float32 statistics; a frozen input under a
     weight of keep-dim shape (dgamma viewed back to it); and a bfloat16 input the fused ops read
     where the unfused backward read its float32 copy (the caller may update it in place: a copy
@@ -86,7 +89,9 @@ def norms_without_weight_or_input_gradient():
 
 
 def rotations_of_rebuilt_tables():
-    """Tables the fused op needs at full width, rebuilt from what the program reads: halves
+    """Rotations whose tables the fused op needs at full width, rebuilt from what the program reads.
+
+    Halves
     (``x1 * c - x2 * s, x2 * c + x1 * s`` concatenated: ``cat``), pairs (GPT-J's interleaved
     rotation of tables repeated element-wise), and a sine read negated
     (``x * cos - rotate_half(x) * -sin``)."""

@@ -82,11 +82,12 @@ def _copy_by_multiplying(graph, fake_mode, value):
 
 
 def decompose_what_inductor_refuses(gm) -> int:
-    """Decompose, in place and with Inductor's own table, each call Inductor's lowering would
-    refuse: the ATen ops the pass emits after AOTAutograd decomposed the graph (casts, ones of a
-    norm without weight or input gradient, a rotation table rebuilt by ``stack`` or
-    ``repeat_interleave``...) that Inductor only knows by their decomposition. Returns how many
-    calls were decomposed."""
+    """Decompose, in place and with Inductor's own table, each call Inductor's lowering would refuse.
+
+    Those are the ATen ops the pass emits after AOTAutograd decomposed the graph (casts, ones of
+    a norm without weight or input gradient, a rotation table rebuilt by ``stack`` or
+    ``repeat_interleave``...) that Inductor only knows by their decomposition: its implicit
+    fallback asserts there is none. Returns how many calls were decomposed."""
     from ..compat import inductor_decompositions, inductor_refuses
     from ..patterns.context import fake_mode_of
 
