@@ -173,6 +173,30 @@ def inductor_decompositions() -> dict:
     return select_decomp_table()
 
 
+def inductor_refuses(target) -> bool:
+    """Whether Inductor's graph lowering raises on a call of ``target``: an ATen op it has no
+    lowering for, yet decomposes (its implicit fallback asserts there is no decomposition)."""
+    import torch
+    from torch._inductor import lowering
+
+    allowed = getattr(lowering, "FALLBACK_ALLOW_LIST", ())  # ops Inductor falls back on despite a decomposition
+    return (isinstance(target, torch._ops.OpOverload) and target not in lowering.lowerings
+            and target.name().split(".")[0] not in allowed and target in inductor_decompositions())
+
+
+def traced_decomposition(fn, values, decompositions: dict):
+    """Trace ``fn`` on ``values`` into a graph of the ops ``decompositions`` leaves.
+
+    The values are fake tensors and SymInts of the graph's fake mode, which is active; the trace
+    is the one Inductor's own pattern replacements make (``make_fx`` in real mode over the fake
+    values, under the Python dispatcher)."""
+    from torch._dispatch.python import enable_python_dispatcher
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    with enable_python_dispatcher():
+        return make_fx(fn, decompositions, tracing_mode="real")(*values)
+
+
 def torchair_decompositions(compiler_config) -> dict:
     """The decompositions ``torchair.get_npu_backend`` gives AOTAutograd for this config.
 

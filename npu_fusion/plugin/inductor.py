@@ -59,7 +59,7 @@ def _make_pass_class():
             else:
                 return
             if result.sites:
-                _decompose_casts(gm)
+                decompose_what_inductor_refuses(gm)
 
         def uuid(self) -> Optional[bytes]:
             previous = [p.uuid() if hasattr(p, "uuid") else None for p in _as_passes(self.previous)]
@@ -81,18 +81,76 @@ def _copy_by_multiplying(graph, fake_mode, value):
     return call(graph, fake_mode, torch.ops.aten.mul.Tensor, (value, 1))
 
 
-def _decompose_casts(gm) -> None:
-    """Inductor's graphs are decomposed already and it has no lowering for ``aten._to_copy``
-    (only the decomposition): the casts the pass inserted become ``prims.convert_element_type``,
-    as Inductor's table makes them."""
-    import torch
+def decompose_what_inductor_refuses(gm) -> int:
+    """Decompose, in place and with Inductor's own table, each call Inductor's lowering would refuse.
 
-    for node in gm.graph.find_nodes(op="call_function", target=torch.ops.aten._to_copy.default):
-        dtype = node.kwargs.get("dtype")
-        if set(node.kwargs) == {"dtype"} and dtype is not None:
-            node.target = torch.ops.prims.convert_element_type.default
-            node.args, node.kwargs = (node.args[0], dtype), {}
-    gm.recompile()
+    Those are the ATen ops the pass emits after AOTAutograd decomposed the graph (casts, ones of
+    a norm without weight or input gradient, a rotation table rebuilt by ``stack`` or
+    ``repeat_interleave``...) that Inductor only knows by their decomposition: its implicit
+    fallback asserts there is none. Returns how many calls were decomposed."""
+    from ..compat import inductor_decompositions, inductor_refuses
+    from ..patterns.context import fake_mode_of
+
+    refused = [n for n in gm.graph.nodes if n.op == "call_function" and inductor_refuses(n.target)]
+    if refused:
+        table, fake_mode = inductor_decompositions(), fake_mode_of(gm.graph)
+        for node in refused:
+            _replace_by_decomposition(gm, node, table, fake_mode)
+        gm.graph.lint()
+        gm.recompile()
+    return len(refused)
+
+
+#: node meta that describes a call's value (the trace of its decomposition has its own)
+VALUE_META = ("val", "tensor_meta", "example_value")
+
+
+def _replace_by_decomposition(gm, node, table: dict, fake_mode) -> None:
+    """Put the trace of ``node``'s decomposition (``table``) in place of ``node`` in ``gm``."""
+    import contextlib
+    import operator
+
+    import torch.fx as fx
+    import torch.utils._pytree as pytree
+
+    from ..compat import traced_decomposition
+
+    leaves, spec = pytree.tree_flatten((node.args, node.kwargs))
+    inputs = [i for i, leaf in enumerate(leaves) if isinstance(leaf, fx.Node)]
+
+    def as_called(*values):
+        filled = list(leaves)
+        for i, value in zip(inputs, values):
+            filled[i] = value
+        args, kwargs = pytree.tree_unflatten(filled, spec)
+        return node.target(*args, **kwargs)
+
+    with fake_mode if fake_mode is not None else contextlib.nullcontext():
+        traced = traced_decomposition(as_called, [leaves[i].meta["val"] for i in inputs], table)
+    graph, env, placeholders = gm.graph, {}, iter(leaves[i] for i in inputs)
+    with graph.inserting_before(node):
+        for inner in traced.graph.nodes:
+            if inner.op == "placeholder":
+                env[inner] = next(placeholders)
+            elif inner.op == "get_attr":  # a constant the decomposition made: moved into gm
+                name = f"_decomposed_{node.name}_{inner.target}"
+                setattr(gm, name, getattr(traced, inner.target))
+                env[inner] = graph.get_attr(name)
+                env[inner].meta = dict(inner.meta)
+            elif inner.op == "output":
+                result = fx.node.map_arg(inner.args[0], env.__getitem__)
+            else:
+                env[inner] = copied = graph.node_copy(inner, env.__getitem__)
+                # the replaced call's partitioner tag and recompute policy, the trace's own values
+                copied.meta = {**{k: v for k, v in node.meta.items() if k not in VALUE_META}, **copied.meta}
+    if isinstance(result, fx.Node):
+        node.replace_all_uses_with(result)
+    else:  # an op of several outputs: its users are getitems
+        for user in list(node.users):
+            assert user.target is operator.getitem, user
+            user.replace_all_uses_with(result[user.args[1]])
+            graph.erase_node(user)
+    graph.erase_node(node)
 
 
 def _as_passes(slot) -> tuple:

@@ -54,6 +54,9 @@ class FusionResult:
     #: what the backend's partition saves for the backward after the pass
     #: (:class:`~npu_fusion.plugin.saved_activations.SavedSet`), when the backend partitioned
     saved: Optional[Any] = None
+    #: the nodes the pass added, counted by target (``aten.full_like.default``,
+    #: ``npu_fusion.rms_norm_grad.default``, ``getitem``): what it asks the compiler to lower
+    emitted: Dict[str, int] = dataclasses.field(default_factory=dict)
 
     def fused(self, op: str) -> int:
         return sum(1 for s in self.sites if s.op == op)
@@ -336,6 +339,7 @@ def _rewrite_or_restore(gm: fx.GraphModule, options, forward: Optional[fx.Graph]
             result.copies = [n.args[0].name for n in layout.prepare_for_partition()]
         graph.lint()
         if result.sites:
+            result.emitted = emitted_targets(snapshot, graph)
             gm.recompile()
     except Exception as exc:  # the pass never makes a graph wrong: put the original back
         if snapshot is not None:
@@ -343,8 +347,22 @@ def _rewrite_or_restore(gm: fx.GraphModule, options, forward: Optional[fx.Graph]
         if options.strict:
             raise
         result.error = f"{type(exc).__name__}: {exc}"
-        result.sites, result.misses, result.copies = [], [], []
+        result.sites, result.misses, result.copies, result.emitted = [], [], [], {}
         log.warning("npu_fusion: pass failed, graph left unchanged: %s", result.error, exc_info=True)
+
+
+def emitted_target_name(target) -> str:
+    """How :attr:`FusionResult.emitted` names a call's target: an op overload by its qualified
+    name (``aten.stack.default``), any other callable by its name (``getitem``)."""
+    return str(target) if isinstance(target, torch._ops.OpOverload) else getattr(target, "__name__", str(target))
+
+
+def emitted_targets(snapshot: Snapshot, graph: fx.Graph) -> Dict[str, int]:
+    """The calls in ``graph`` that were not in ``snapshot`` (the pass added them), counted by target."""
+    before = {node for node, *_ in snapshot.nodes}
+    counts: Dict[str, int] = collections.Counter(
+        emitted_target_name(n.target) for n in graph.nodes if n.op == "call_function" and n not in before)
+    return dict(sorted(counts.items()))
 
 
 def _record(result: FusionResult) -> None:
