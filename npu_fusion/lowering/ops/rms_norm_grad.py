@@ -41,7 +41,7 @@ RMS_NORM_DTYPES = {
     (torch.bfloat16, torch.bfloat16),
 }
 #: the chips RmsNorm and RmsNormGrad run on, each with the dtype combinations it accepts: Atlas A2
-#: and A3 (SPEC section 2), and Ascend 950PR/950DT, whose pages in the public CANN operator sources
+#: and A3, and Ascend 950PR/950DT, whose pages in the public CANN operator sources
 #: (``hicann/ops-nn``: ``norm/rms_norm`` and ``norm/rms_norm_grad``, their aclnn and Ascend IR pages
 #: and op definitions) give it the same table
 RMS_NORM_CHIP_DTYPES = {"a2": RMS_NORM_DTYPES, "a3": RMS_NORM_DTYPES, "950": RMS_NORM_DTYPES}
@@ -127,11 +127,10 @@ def _rms_norm_950_problem(target: str, ge_op: str, x_shape, k: int) -> Optional[
     """Ascend 950's shape limits (:data:`RMS_NORM_950_LIMITS`); sizes must be provably positive."""
     chip = "Ascend 950" if target == "950" else "Ascend 950 (target 'common' keeps every chip's limits)"
     lead, normalized = list(x_shape[:len(x_shape) - k]), list(x_shape[len(x_shape) - k:])
-    if _empty(normalized):
-        return (f"gamma shape {shown(normalized)} {_empty(normalized)}: {ge_op} on {chip} needs every normalized "
-                f"axis > 0")
-    if ge_op == "RmsNorm" and _empty(lead):
-        return f"x shape {shown(x_shape)} {_empty(lead)}: RmsNorm on {chip} takes no empty x"
+    if empty := _empty(normalized):
+        return f"gamma shape {shown(normalized)} {empty}: {ge_op} on {chip} needs every normalized axis > 0"
+    if ge_op == "RmsNorm" and (empty := _empty(lead)):
+        return f"x shape {shown(x_shape)} {empty}: RmsNorm on {chip} takes no empty x"
     if ge_op == "RmsNormGrad" and not lead:
         return (f"the norm spans every axis of x (shape {shown(x_shape)}, gamma the same): RmsNormGrad on {chip} "
                 f"needs at least one leading axis (dy/x 2 to 8 axes, rstd 1 to 7); keep a batch axis")
