@@ -31,8 +31,9 @@ def parse(*argv):
 
 @pytest.fixture(scope="module")
 def llama_two_targets():
-    """A Llama-shaped config (the example's, shrunk), head_dim 64, on A2 and on Ascend 950."""
-    return fullsize.collect(parse("--hf-config", os.path.join(EXAMPLES, "llama-3-70b.json"), *SMALL,
+    """A Llama-shaped config (the example's, shrunk) with head_dim 1024, on A2 (D < 896: RoPE
+    refused) and on Ascend 950 (D <= 1024: every site runs)."""
+    return fullsize.collect(parse("--hf-config", os.path.join(EXAMPLES, "llama-3-70b.json"), *SMALL, "head_dim=1024",
                                   "--layers", "2", "--seq", "64", "--target", "a2,950"))
 
 
@@ -42,25 +43,25 @@ def test_each_target_runs_or_refuses_every_counted_site(llama_two_targets):
         assert r["ops"][RMS]["expected"] == 5 and r["ops"][ROPE]["expected"] == 4  # the eager count on meta
         assert all(a["unexplained"] == 0 and a["outside"] == 0 for a in r["accounting"].values())
         assert r["pass_errors"] == [] and r["gradients"]["checked"] is False
-    assert a2["ops"][RMS]["fused"] == 5 and a2["ops"][ROPE]["fused"] == 4 and a2["misses"] == []
-    assert a2["ops"]["rms_norm"]["fused"] == 5 and a2["ops"]["rotary_position_embedding"]["fused"] == 4
-    # Ascend 950 has no RmsNormGrad: each norm's backward is refused by name, with its module, and
-    # its forward stays unfused with it (a forward fused alone would save nothing the backward reads)
-    assert ascend950["ops"][RMS]["fused"] == 0 and ascend950["ops"][ROPE]["fused"] == 4
-    norms = ["model.layers.0.input_layernorm", "model.layers.0.post_attention_layernorm",
-             "model.layers.1.input_layernorm", "model.layers.1.post_attention_layernorm", "model.norm"]
-    for op in (RMS, "rms_norm"):
-        assert sorted(m["module"] for m in ascend950["misses"] if m["op"] == op) == norms, ascend950["misses"]
-    assert all("950" in m["reason"] for m in ascend950["misses"] if m["op"] == RMS)
-    assert len(ascend950["misses"]) == 2 * len(norms)
-    assert {s["module"] for s in a2["sites"] if s["op"] == ROPE} == {"model.layers.0.self_attn", "model.layers.1.self_attn"}
+        assert r["ops"][RMS]["fused"] == 5 and r["ops"]["rms_norm"]["fused"] == 5  # every chip runs RMSNorm
+    assert ascend950["ops"][ROPE]["fused"] == 4 and ascend950["ops"]["rotary_position_embedding"]["fused"] == 4
+    assert ascend950["misses"] == []
+    # A2 refuses each rotation (q and k of each layer) both ways by name, with its module
+    assert a2["ops"][ROPE]["fused"] == 0 and a2["ops"]["rotary_position_embedding"]["fused"] == 0
+    attention = ["model.layers.0.self_attn"] * 2 + ["model.layers.1.self_attn"] * 2
+    for op in (ROPE, "rotary_position_embedding"):
+        assert sorted(m["module"] for m in a2["misses"] if m["op"] == op) == attention, a2["misses"]
+    assert all("A2/A3 need D < 896, got 1024" == m["reason"] for m in a2["misses"])
+    assert len(a2["misses"]) == 2 * len(attention)
+    assert {s["module"] for s in ascend950["sites"] if s["op"] == ROPE} == {"model.layers.0.self_attn",
+                                                                            "model.layers.1.self_attn"}
     # traffic and saved bytes come from the shapes: batch 2 x seq 64 x hidden 256 in bfloat16
     traffic = a2["memory_traffic"][RMS]
     assert traffic["bytes_minimum"] <= traffic["bytes_after"] < traffic["bytes_before"]
     assert a2["saved_activations"]["bytes_after"] < a2["saved_activations"]["bytes_before"]
     assert fullsize.status(llama_two_targets) == report.EXIT_OK
     text = fullsize.format_text(llama_two_targets)
-    assert "# Target 950" in text and "REFUSED" in text and "model.layers.1.post_attention_layernorm" in text
+    assert "# Target a2" in text and "REFUSED" in text and "model.layers.1.self_attn" in text
 
 
 def test_mla_and_moe_trace_on_meta_and_a2_refuses_interleave_half():
@@ -89,10 +90,11 @@ def test_overrides_and_usage_errors(capsys):
 def test_html_page_is_self_contained_and_names_every_site(llama_two_targets):
     page = html.render(llama_two_targets)
     assert "http" not in page and "<script" not in page and "<link" not in page and "src=" not in page
-    assert page.count("<title>") > 1 + len(llama_two_targets["targets"]["950"]["misses"])  # a tooltip per site
-    # each site a row per op, forward and backward: 950 refuses the 5 norms both ways
-    assert page.count("<tr class='missed'>") == 2 * 5 and page.count("<tr class='fused'>") == 2 * (9 + 4)
-    assert "RmsNormGrad is not documented for Ascend 950" in page and "Target 950" in page
+    assert page.count("<title>") > 1 + len(llama_two_targets["targets"]["a2"]["misses"])  # a tooltip per site
+    # each site a row per op, forward and backward: A2 refuses the 4 rotations both ways
+    assert page.count("<tr class='missed'>") == 2 * 4 and page.count("<tr class='fused'>") == 2 * (5 + 9)
+    assert "A2/A3 need D &lt; 896, got 1024" in page  # the reason, escaped
+    assert "Target 950" in page and "Target a2" in page
 
 
 def test_html_page_renders_in_headless_chromium(tmp_path, llama_two_targets):
@@ -119,5 +121,6 @@ def test_command_line_writes_json_and_html(tmp_path):
                           cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     r = json.loads(proc.stdout)
-    assert r["targets"]["950"]["ops"][RMS]["unfused"] == 3 and r["peak_rss_bytes"] > 0
+    assert r["targets"]["950"]["ops"][RMS]["fused"] == 3 and r["targets"]["950"]["ops"][RMS]["unfused"] == 0
+    assert r["targets"]["950"]["ops"]["rms_norm"]["fused"] == 3 and r["peak_rss_bytes"] > 0
     assert "Target 950" in page.read_text()

@@ -5,7 +5,7 @@ declared case, without per-op test code.
   it replaces, run in the inputs' dtype and in float64, by the shared float64 criterion
   (:func:`npu_fusion.measure.grads.assert_close_as_unfused`); shapes as the unfused program's;
 * meta: the fake kernel's shapes and dtypes equal the reference kernel's;
-* targets: every declared case passes the op's checks and runs on some chip;
+* targets: every declared case passes the op's checks and runs on some chip, and on Ascend 950;
 * schema: the declaration names as many outputs as the schema returns, and
   ``torch.library.opcheck`` holds on the first and last declared case (its checks are of the
   registration, not of the numbers);
@@ -61,6 +61,15 @@ def test_meta_kernel_agrees_with_the_reference(op, number, case):
 def test_declared_case_is_valid_on_some_chip(op, number, case):
     op.check_inputs(*case)
     assert any(op.target_problem(target, *case) is None for target in ("a2", "a3", "950"))
+
+
+@pytest.mark.parametrize("op, number, case", CASES)
+def test_declared_case_runs_on_every_chip(op, number, case):
+    """Ascend 950 accepts every declared case (it takes all that A2/A3 take, RoPE's modes 2 and 3
+    besides); so does ``common`` where the op's documented limits are every chip's."""
+    assert op.target_problem("950", *case) is None
+    if all(op.target_problem(chip, *case) is None for chip in ("a2", "a3")):
+        assert op.target_problem("common", *case) is None
 
 
 @pytest.mark.parametrize("op, case", [pytest.param(op, case, id=f"{op.name}-{end}") for op in FUSED_OPS

@@ -107,6 +107,22 @@ def test_deepseek_on_a2_leaves_rope_unfused_with_the_reason(capsys):
     assert rope_misses[0]["node"] in text and "Ascend 950" in text
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_950_fuses_every_norm_both_ways(capsys, dtype):
+    """``npu-fusion report --target 950``: Ascend 950 runs RmsNorm and RmsNormGrad, so every norm of
+    the bundled Llama fuses forward and backward, every rotation too, gradients by the float64
+    criterion, nothing left unfused."""
+    status, r, _ = run_json(capsys, "--target", "950", "--layers", "1", "--dtype", dtype)
+    assert status == 0 and r["settings"]["resolved_target"] == "950"
+    for op, count in bundled("llama", 1).expected_sites.items():
+        assert (r["ops"][op]["fused"], r["ops"][op]["unfused"]) == (count, 0), (op, r["ops"][op])
+    for op in ("rms_norm", "rotary_position_embedding"):  # the forward rules, on by default
+        assert r["ops"][op]["fused"] == r["ops"][op]["expected"] > 0 and r["ops"][op]["unfused"] == 0
+    assert r["misses"] == [] and r["pass_errors"] == [] and r["gradients"]["passed"]
+    text = format_text(r)
+    assert "rms_norm_grad: all 3 sites fused" in text and "rms_norm: all 3 sites fused" in text
+
+
 def test_bfloat16_dynamic_min_cut(capsys):
     status, r, _ = run_json(capsys, "--dtype", "bfloat16", "--dynamic", "--partitioner", "min_cut",
                             "--layers", "1", "--target", "generic")

@@ -33,7 +33,7 @@ def test_declared_rms_norm_cases_are_valid_on_some_target(case):
     x_t = torch.empty(x, dtype=dy_dtype, device="meta")
     RMS_NORM_GRAD.check_inputs(x_t, x_t, torch.empty(rstd, device="meta"),
                                torch.empty(gamma, dtype=gamma_dtype, device="meta"))
-    assert any(rms_norm_target_problem(t, dy_dtype, gamma_dtype) is None for t in ("a2", "a3"))
+    assert all(rms_norm_target_problem(t, dy_dtype, gamma_dtype, x, len(gamma)) is None for t in ("a2", "a3", "950"))
 
 
 LAYOUT_SIZES = st.sampled_from([1, 2, 3, 16, 999, 1000, 1025])
@@ -70,11 +70,11 @@ def test_rms_norm_targets_accept_only_spec_dtypes(dtypes):
     gamma = torch.empty(8, dtype=dtypes[1], device="meta")
     rstd = torch.empty(2, 1, device="meta")
     for target in TARGETS:
-        backward = rms_norm_target_problem(target, *dtypes)
+        backward = rms_norm_target_problem(target, *dtypes, (2, 8), 1)
         assert RMS_NORM_GRAD.target_problem(target, x, x, rstd, gamma) == backward
         assert (RMS_NORM.target_problem(target, x, gamma, 1e-6) is None) == (backward is None)
         if backward is None:
-            assert dtypes in RMS_NORM_DTYPES and target != "950"
+            assert dtypes in RMS_NORM_DTYPES
     if dtypes not in RMS_NORM_DTYPES:
         with pytest.raises(FusedOpInputError, match="unsupported dtype combination"):
             RMS_NORM_GRAD.check_inputs(x, x, rstd, gamma)

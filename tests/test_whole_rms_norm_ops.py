@@ -51,12 +51,13 @@ def norm_then_tanh(x, w):
     return F.rms_norm(x * 2, (x.shape[-1],), w, 1e-6).tanh()
 
 
+@pytest.mark.parametrize("target", ["a2", "950"])
 @pytest.mark.parametrize("partitioner", PARTITIONERS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-def test_whole_backward_fuses(partitioner, dtype):
+def test_whole_backward_fuses(partitioner, dtype, target):
     x = torch.randn(2, 8, 64, dtype=dtype, requires_grad=True)
     w = (1 + 0.1 * torch.randn(64)).to(dtype).requires_grad_()
-    capture = compile_and_compare(norm_then_tanh, [x, w], partitioner=partitioner, target="a2")
+    capture = compile_and_compare(norm_then_tanh, [x, w], partitioner=partitioner, target=target)
     assert capture.fused(RMS_NORM_GRAD.name) == 1
     assert [n.name for g in capture.before for n in g.nodes if n.target is FUSED_RMS_NORM_BACKWARD]
     assert not [n for n in whole_ops_left(capture) if "backward" in n]
@@ -129,16 +130,31 @@ def test_output_mask_chooses_the_outputs(partitioner, wants):
     assert only_forward_misses(capture) == []
 
 
+def norm_over_every_axis_then_tanh(x, w):
+    return F.rms_norm(x * 2, tuple(x.shape), w, 1e-6).tanh()
+
+
 @pytest.mark.parametrize("partitioner", PARTITIONERS)
-@pytest.mark.parametrize("target, dtype, reason", [
-    ("950", torch.bfloat16, "not documented for Ascend 950"),
-    ("a2", torch.float64, "dtype combination dy/x=torch.float64"),
-    ("generic", torch.float64, "dtype combination dy/x=torch.float64"),
+@pytest.mark.parametrize("target", ["a2", "generic"])
+def test_whole_backward_over_every_axis_fuses(partitioner, target):
+    """A norm over every axis of x (gamma shaped like x, rstd of one element) on the chips whose
+    RmsNormGrad takes it."""
+    x = torch.randn(8, 64, requires_grad=True)
+    w = (1 + 0.1 * torch.randn(8, 64)).requires_grad_()
+    capture = compile_and_compare(norm_over_every_axis_then_tanh, [x, w], partitioner=partitioner, target=target)
+    assert capture.fused(RMS_NORM_GRAD.name) == 1 and only_forward_misses(capture) == []
+
+
+@pytest.mark.parametrize("partitioner", PARTITIONERS)
+@pytest.mark.parametrize("target, dtype, norm, reason", [
+    ("950", torch.bfloat16, norm_over_every_axis_then_tanh, "RmsNormGrad on Ascend 950 needs at least one leading axis"),
+    ("a2", torch.float64, norm_then_tanh, "dtype combination dy/x=torch.float64"),
+    ("generic", torch.float64, norm_then_tanh, "dtype combination dy/x=torch.float64"),
 ])
-def test_near_misses_stay_whole_with_their_reason(partitioner, target, dtype, reason):
-    x = torch.randn(2, 8, 64, dtype=dtype, requires_grad=True)
-    w = (1 + 0.1 * torch.randn(64)).to(dtype).requires_grad_()
-    capture = compile_and_compare(norm_then_tanh, [x, w], partitioner=partitioner, target=target)
+def test_near_misses_stay_whole_with_their_reason(partitioner, target, dtype, norm, reason):
+    x = torch.randn(8, 64, dtype=dtype, requires_grad=True)
+    w = (1 + 0.1 * torch.randn(*(x.shape if norm is norm_over_every_axis_then_tanh else (64,)))).to(dtype)
+    capture = compile_and_compare(norm, [x, w.requires_grad_()], partitioner=partitioner, target=target)
     assert capture.fused(RMS_NORM_GRAD.name) == 0
     assert [n for n in whole_ops_left(capture) if "backward" in n]
     (miss,) = only_forward_misses(capture)

@@ -922,7 +922,8 @@ def _emit(rewrites: RuleContext, site: NormMatch, outputs, region):
     if "dx" in outputs:
         compute = exact_common_dtype((compute, kept_precision(site.dx)))  # dx is returned in this dtype
     gamma_dtype = _gamma_dtype(compute, dtype(site.gamma) if site.gamma is not None else compute)
-    problem = rms_norm_target_problem(target, compute, gamma_dtype) or rounding_problem(site.ev, outputs, [*site.roles, *site.rest])
+    problem = rms_norm_target_problem(target, compute, gamma_dtype, shape(site.x), site.ev.k) \
+        or rounding_problem(site.ev, outputs, [*site.roles, *site.rest])
     if problem is not None:
         return Miss(OP.name, site.dx.name, problem)
     anchor = last_of(graph, [n for n in (site.dy, site.x, site.rstd, site.gamma) if n is not None])
@@ -1010,7 +1011,7 @@ def emit_whole_backward(rewrites: RuleContext, match: WholeBackwardMatch):
         return outputs or Miss(OP.name, node.name, "no output of aten._fused_rms_norm_backward is used")
     compute = exact_common_dtype((dtype(dy), dtype(x)))
     gamma_dtype = _gamma_dtype(compute, dtype(weight) if weight is not None else compute)
-    problem = rms_norm_target_problem(target, compute, gamma_dtype)
+    problem = rms_norm_target_problem(target, compute, gamma_dtype, shape(x), len(normalized_shape))
     if problem is None and exact_common_dtype((torch.float32, dtype(rstd))) != torch.float32:
         problem = f"rstd dtype {dtype(rstd)} does not fit RmsNormGrad's float32 rstd"
     if problem is not None:

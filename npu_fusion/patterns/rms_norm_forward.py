@@ -469,7 +469,8 @@ def emit(ctx: RuleContext, site: ForwardNormMatch):
     region = _region(site)
     problem = _pairing_problem(site, region, graph) or _rounds_inside(site)
     compute, gamma_dtype = _dtypes(site)
-    problem = problem or rms_norm_target_problem(ctx.target, compute, gamma_dtype, ge_op=OP.ge_op)
+    problem = problem or rms_norm_target_problem(ctx.target, compute, gamma_dtype, shape(site.x), site.ev.k,
+                                                  ge_op=OP.ge_op)
     kept = set(_kept(site, region)) if problem is None else set()
     anchor = last_of(graph, [n for n in (site.x, site.gamma) if n is not None])
     readers = _backward_readers_of_y(site, graph, ctx.provenance) if problem is None else set()

@@ -38,7 +38,7 @@ def target_from_device_name(name: str) -> str:
     if target is None:
         warn_fallback("target", f"NPU device {name!r} is none of the chips npu-fusion knows (Ascend 910B* = a2, "
                                 f"910_93* = a3, 950* = 950): fusing only what all of them run (target "
-                                f"{FALLBACK_TARGET!r}, no RmsNormGrad). If your chip is one of them, pass target= "
+                                f"{FALLBACK_TARGET!r}: A2/A3's RoPE, every chip's RMSNorm). If your chip is one of them, pass target= "
                                 f"explicitly; otherwise npu-fusion does not support it")
         return FALLBACK_TARGET
     return target
@@ -58,7 +58,7 @@ def detect_target() -> str:
     except Exception as error:  # torch_npu is here but cannot tell the chip: assume the narrowest
         warn_fallback("target", f"target='auto' could not ask torch_npu which chip this is "
                                 f"({type(error).__name__}: {error}): fusing only what every known chip runs "
-                                f"(target {FALLBACK_TARGET!r}, no RmsNormGrad). Fix torch_npu/CANN, or pass "
+                                f"(target {FALLBACK_TARGET!r}: A2/A3's RoPE, every chip's RMSNorm). Fix torch_npu/CANN, or pass "
                                 f"target='a2', 'a3' or '950'")
         return FALLBACK_TARGET
     return target_from_device_name(name)

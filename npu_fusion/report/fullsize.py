@@ -7,8 +7,8 @@ The model is built on the meta device (parameters with shapes and dtypes, no sto
 ``config.json`` or a model type with overrides, at ``--layers`` decoder layers. One training step
 is compiled per ``--target`` with the pass: dynamo and AOTAutograd trace it on fake tensors, the
 pass rewrites the backward graph and checks each site against the chip's limits at those shapes
-(D < 896 and the batch and head limits of Atlas A2/A3, B < S for batch-dependent tables; no
-RmsNormGrad on Ascend 950), and the step then "runs" on meta tensors, which only propagate shapes.
+(D < 896 and the batch and head limits of Atlas A2/A3, B < S for batch-dependent tables; no empty
+x for RmsNorm on Ascend 950), and the step then "runs" on meta tensors, which only propagate shapes.
 So the report names, per target, the sites the chip runs and those it refuses with the reason,
 with the modelled traffic of each replaced subgraph and the bytes the forward saves for the backward.
 

@@ -90,17 +90,25 @@ def test_without_the_forward_options_the_forward_is_decomposed(ge, rope):
 
 @pytest.mark.parametrize("rope", ["half", "interleave", "interleave_half"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-def test_950_forward_rotation_fused_norm_a_recorded_miss(ge, dtype, rope):
-    """Ascend 950 runs RotaryPositionEmbedding in every mode, RmsNorm(Grad) not: the norm stays
-    decomposed forward and backward, each a recorded miss."""
-    result, _ = _step(ge, {"target": "950", **FORWARD}, dtype, rope)
-    assert sorted(m.op for m in result.misses) == ["rms_norm", "rms_norm_grad"], result.misses
-    assert result.fused("rotary_position_embedding") == 2 and result.fused("rotary_position_embedding_grad") == 2
+def test_950_forward_and_backward_ge_graphs_fused(ge, dtype, rope):
+    """Ascend 950 runs RotaryPositionEmbedding in every mode and RmsNorm(Grad) (the public CANN
+    operator sources list it for both): the forward GE graph holds RmsNorm and the rotations, the
+    backward graph their Grad ops, RmsNormGrad reading the forward RmsNorm's rstd; no miss."""
+    result, fx_graphs = _step(ge, {"target": "950", **FORWARD}, dtype, rope)
+    assert result.target == "950" and not result.misses, result.misses
+    assert [result.fused(op) for op in ("rms_norm", "rms_norm_grad", "rotary_position_embedding",
+                                        "rotary_position_embedding_grad")] == [1, 1, 2, 2]
     forward, backward = ge.forward(), ge.backward()
-    assert forward.types()["RotaryPositionEmbedding"] == 2 and "RmsNorm" not in forward.types(), forward
-    assert decomposed_forward_ops(forward) == {"Rsqrt", "ReduceMean", "Pow"}, forward
+    assert forward.types()["RmsNorm"] == 1 and forward.types()["RotaryPositionEmbedding"] == 2, forward
+    assert not decomposed_forward_ops(forward), forward
+    assert backward.types()["RmsNormGrad"] == 1 and backward.types()["RotaryPositionEmbeddingGrad"] == 2, backward
+    assert not decomposed_ops(backward) and not FORWARD_FUSED & set(backward.types()), backward
     for rotation in forward.of_type("RotaryPositionEmbedding") + backward.of_type("RotaryPositionEmbeddingGrad"):
         assert (forward if rotation in forward.ops else backward).attrs(rotation).get("mode", 0) == MODES[rope]
+    norm = forward.one("RmsNorm")
+    assert [forward.output_dtype(norm, i) for i in (0, 1)] == [dtype, torch.float32]
+    assert forward.attrs(norm)["epsilon"] == pytest.approx(1e-6)
+    _rstd_is_the_forward_rms_norms(ge, fx_graphs)
 
 
 def test_a2_symbolic_sequence_fp16(ge):

@@ -29,10 +29,11 @@ def inputs(dtype):
             (1 + 0.1 * torch.randn(64)).to(dtype).requires_grad_()]
 
 
+@pytest.mark.parametrize("target", ["a2", "950"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-def test_whole_backward_becomes_rms_norm_grad(ge, dtype):
+def test_whole_backward_becomes_rms_norm_grad(ge, dtype, target):
     pass_manager.HISTORY.clear()
-    config = npu_fusion.install(ge.config(), target="a2")
+    config = npu_fusion.install(ge.config(), target=target)
     args = inputs(dtype)
     with device_rms_norm_kernels():
         compiled = ge.compile(norm_then_tanh, config=config, decompositions=forward_decomposition())
@@ -45,7 +46,7 @@ def test_whole_backward_becomes_rms_norm_grad(ge, dtype):
     backward = ge.backward()
     assert backward.types()["RmsNormGrad"] == 1, backward
     (result,) = pass_manager.HISTORY
-    assert result.misses == [] and result.sites[0].replaced_targets.get("_fused_rms_norm_backward.default") == 1
+    assert result.target == target and result.misses == [] and result.sites[0].replaced_targets.get("_fused_rms_norm_backward.default") == 1
 
 
 def test_whole_forward_has_no_torchair_converter(ge):

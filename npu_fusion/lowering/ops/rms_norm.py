@@ -15,9 +15,10 @@ statistic instead of recomputing it. The contract is the one of torch_npu's
 dtypes) and rstd (float32 only), attribute ``epsilon`` (Float, 1e-6).
 
 Constraints (aclnnRmsNorm; torch_npu's docs): x has 1 to 8 axes, ``gamma.shape ==
-x.shape[n:]`` with ``n < x.dim()``, the dtype combinations of RmsNormGrad's
-table (docs/fused-ops.md#rms_norm_grad: gamma float32 beside float16/bfloat16 x on Atlas A2/A3),
-and the same products: Atlas A2, A3 and the inference series, not Ascend 950.
+x.shape[n:]`` with ``n < x.dim()``, the dtype combinations of RmsNormGrad's table
+(docs/fused-ops.md#rms_norm_grad: gamma float32 beside float16/bfloat16 x), and the same
+products: Atlas A2, A3, the inference series and Ascend 950PR/950DT, where x and gamma have
+no empty axis (:data:`.rms_norm_grad.RMS_NORM_950_LIMITS`).
 """
 from __future__ import annotations
 
@@ -42,7 +43,7 @@ def check_rms_norm_inputs(op: str, x, gamma, eps) -> None:
 
 
 def _target_problem(target, x, gamma, eps):
-    return rms_norm_target_problem(target, x.dtype, gamma.dtype, ge_op="RmsNorm")
+    return rms_norm_target_problem(target, x.dtype, gamma.dtype, tuple(x.shape), gamma.dim(), ge_op="RmsNorm")
 
 
 def rstd_shape(x, gamma) -> list:

@@ -29,6 +29,7 @@ import torch
 
 from ..checks import require, require_dtype_like, require_float, require_one_device, same_shape, shown
 from ..fused_op import FusedOp, GeInput, GeIr, NpuBinding
+from ..sizes import provably_less, static_int
 
 #: RmsNormGrad tensors are ND with 1 to 8 axes (docs/fused-ops.md#rms_norm_grad).
 RMS_NORM_MAX_RANK = 8
@@ -41,10 +42,20 @@ RMS_NORM_DTYPES = {
     (torch.float32, torch.float32),
     (torch.bfloat16, torch.bfloat16),
 }
-#: the targets RmsNorm and RmsNormGrad run on (docs/fused-ops.md#rms_norm_grad,
-#: aclnnRmsNorm's
-#: products: not Ascend 950), each with the dtype combinations it accepts
-RMS_NORM_TARGET_DTYPES = {"generic": RMS_NORM_DTYPES, "a2": RMS_NORM_DTYPES, "a3": RMS_NORM_DTYPES}
+#: the chips RmsNorm and RmsNormGrad run on, each with the dtype combinations it accepts: Atlas A2
+#: and A3, and Ascend 950PR/950DT, whose pages in the public CANN operator sources
+#: (docs/fused-ops.md#rms_norm_grad; ``hicann/ops-nn``: ``norm/rms_norm`` and ``norm/rms_norm_grad``, their aclnn and Ascend IR pages
+#: and op definitions) give it the same table
+RMS_NORM_CHIP_DTYPES = {"a2": RMS_NORM_DTYPES, "a3": RMS_NORM_DTYPES, "950": RMS_NORM_DTYPES}
+#: per target: ``generic`` every combination the reference kernels take, ``common`` only what
+#: every chip accepts
+RMS_NORM_TARGET_DTYPES = {"generic": RMS_NORM_DTYPES, **RMS_NORM_CHIP_DTYPES,
+                          "common": frozenset.intersection(*map(frozenset, RMS_NORM_CHIP_DTYPES.values()))}
+#: the targets that keep Ascend 950's shape limits (``common`` keeps every chip's):
+#: RmsNorm takes no empty x or gamma (every axis > 0, its Ascend IR page); RmsNormGrad takes empty
+#: leading axes (empty dx, zero dgamma) but no empty normalized axis, and dy/x with 2 to 8 axes,
+#: rstd with 1 to 7 (aclnnRmsNormGrad), so gamma spans fewer axes than x
+RMS_NORM_950_LIMITS = ("950", "common")
 NORM_KINDS = "DT_FLOAT, DT_FLOAT16, DT_BF16"
 
 
@@ -100,22 +111,45 @@ def check_rms_norm_grad_inputs(op: str, dy, x, rstd, gamma) -> None:
 
 # -- what each target accepts ---------------------------------------------------------
 
-def rms_norm_target_problem(target: str, compute: torch.dtype, gamma_dtype: torch.dtype,
+def rms_norm_target_problem(target: str, compute: torch.dtype, gamma_dtype: torch.dtype, x_shape, k: int,
                             ge_op: str = "RmsNormGrad") -> Optional[str]:
     """Why ``target`` cannot run ``ge_op`` (RmsNormGrad, or the forward RmsNorm: the same chips
-    and dtypes) with these dtypes, or None."""
+    and dtypes) on an x of ``x_shape`` normalized over its last ``k`` axes (gamma's), or None."""
     dtypes = RMS_NORM_TARGET_DTYPES.get(target)
-    if target == "common":
-        return f"{ge_op} does not run on every known chip (not on Ascend 950); target 'common' emits none"
     if dtypes is None:
-        return f"{ge_op} is not documented for Ascend {target} (docs/fused-ops.md#rms_norm_grad)"
+        return f"{ge_op} is not documented for target {target!r} (docs/fused-ops.md#rms_norm_grad)"
     if (compute, gamma_dtype) not in dtypes:
         return f"dtype combination dy/x={compute}, gamma={gamma_dtype} is not in {ge_op}'s dtype table"
+    if target in RMS_NORM_950_LIMITS:
+        return _rms_norm_950_problem(target, ge_op, x_shape, k)
+    return None
+
+
+def _rms_norm_950_problem(target: str, ge_op: str, x_shape, k: int) -> Optional[str]:
+    """Ascend 950's shape limits (:data:`RMS_NORM_950_LIMITS`); sizes must be provably positive."""
+    chip = "Ascend 950" if target == "950" else "Ascend 950 (target 'common' keeps every chip's limits)"
+    lead, normalized = list(x_shape[:len(x_shape) - k]), list(x_shape[len(x_shape) - k:])
+    if empty := _empty(normalized):
+        return f"gamma shape {shown(normalized)} {empty}: {ge_op} on {chip} needs every normalized axis > 0"
+    if ge_op == "RmsNorm" and (empty := _empty(lead)):
+        return f"x shape {shown(x_shape)} {empty}: RmsNorm on {chip} takes no empty x"
+    if ge_op == "RmsNormGrad" and not lead:
+        return (f"the norm spans every axis of x (shape {shown(x_shape)}, gamma the same): RmsNormGrad on {chip} "
+                f"needs at least one leading axis (dy/x 2 to 8 axes, rstd 1 to 7); keep a batch axis")
+    return None
+
+
+def _empty(sizes) -> Optional[str]:
+    """How ``sizes`` may hold no element (a size 0, or one not provably positive), or None."""
+    if any(static_int(size) == 0 for size in sizes):
+        return "has an empty axis"
+    if not all(provably_less(0, size) for size in sizes):
+        return "may have an empty axis (a size not provably > 0)"
     return None
 
 
 def _target_problem(target, dy, x, rstd, gamma):
-    return rms_norm_target_problem(target, dy.dtype, gamma.dtype)
+    return rms_norm_target_problem(target, dy.dtype, gamma.dtype, tuple(x.shape), gamma.dim())
 
 
 # -- kernels --------------------------------------------------------------------------
