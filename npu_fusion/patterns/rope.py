@@ -295,7 +295,7 @@ def _symbolic_last_axis(ev: LaneEvaluator, seeds) -> List[Miss]:
     the match is proved position by position, which needs a static head dim, so such a site
     cannot fuse; say so rather than leave it unexplained. A difference or a shift of a gradient
     (its moves summed with no product) is no RoPE."""
-    sums = symbolic_rotation_sums([s for s in seeds if ev.depends_on_gradient(s)], _sums_dx_terms)
+    sums = rotation_sums([s for s in seeds if ev.depends_on_gradient(s)], _sums_dx_terms)
     return [Miss(OP.name, n.name, "gradients moved along a symbolic last axis, as a RoPE dx does: the pass "
                              "proves RoPE per position of a static head dim; mark only batch and "
                              "sequence dynamic (dynamic=True also made the head dim symbolic)")
@@ -306,13 +306,15 @@ def _symbolic_last_axis(ev: LaneEvaluator, seeds) -> List[Miss]:
 ROTATION_SUM_REACH = 4
 
 
-def symbolic_rotation_sums(seeds, is_rotation_sum) -> List[fx.Node]:
+def rotation_sums(seeds, is_rotation_sum, symbolic_only: bool = True) -> List[fx.Node]:
     """The outermost nodes ``is_rotation_sum`` accepts, each within :data:`ROTATION_SUM_REACH` uses of
     a seed (an element move) along a symbolic last axis: rotations no rule can prove, forward
-    (:mod:`.rope_forward`) or backward."""
+    (:mod:`.rope_forward`) or backward. Without ``symbolic_only``, along any last axis: what looks
+    like a rotation in a graph with no backward to pair it with (an inference graph's leftovers)."""
     sums = {}
     for seed in seeds:
-        if shape(seed) and static_int(shape(seed)[-1]) is None and along_last_axis(seed):
+        symbolic = bool(shape(seed)) and static_int(shape(seed)[-1]) is None
+        if shape(seed) and (symbolic or not symbolic_only) and along_last_axis(seed):
             user = next((u for u in downstream(seed.graph, [seed], ROTATION_SUM_REACH)
                          if u is not seed and is_rotation_sum(u)), None)
             if user is not None:

@@ -26,7 +26,7 @@ import torch.fx as fx
 
 from ..compat import current_compile_id, dynamo_counters, empty_graph_like
 from ..patterns import RULES
-from ..patterns.evaluator import JointProvenance, Provenance
+from ..patterns.evaluator import InferenceProvenance, JointProvenance, Provenance
 from ..patterns.context import PassContext
 from ..patterns.rewrite import Miss, RuleContext, Site
 from ..patterns.rule import FusionRule, RoundReport
@@ -351,8 +351,8 @@ def _rewrite_or_restore(gm: fx.GraphModule, options, forward: Optional[fx.Graph]
         inference = result.graph == "inference"
         if layout is not None:
             provenance = JointProvenance(graph, layout.backward, layout.min_cut)
-        elif inference:  # a joint graph without a backward: every node a forward one, none saved
-            provenance = JointProvenance(graph, ())
+        elif inference:
+            provenance = InferenceProvenance(graph)
         else:
             provenance = Provenance(forward, graph)
         context = PassContext.of(graph, provenance, result.target, options.strict)

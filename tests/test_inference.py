@@ -1,0 +1,134 @@
+"""Forward fusion on inference graphs (issue 35): under ``torch.no_grad()``, or where no input needs a
+gradient, AOTAutograd makes an inference graph instead of a joint one; the forward rules run on it,
+through the ``npu_fusion`` backend and through Inductor after ``install_inductor``. Every norm and
+rotation of a bf16 transformers Llama and Qwen3 in ``eval()`` fuses, the outputs by the float64
+criterion."""
+import copy
+
+import pytest
+import torch
+
+from npu_fusion.measure.grads import MODEL_FACTOR, assert_close_as_unfused
+from npu_fusion.measure.recording import InductorRecorder
+from npu_fusion.plugin.options import FusionOptions
+from npu_fusion_testing.capture import Capture, decomposed_leftovers
+
+transformers = pytest.importorskip("transformers")
+
+from test_models import count_sites, tiny_causal_lm  # noqa: E402
+
+FORWARD_OPS = ("rms_norm", "rotary_position_embedding")
+
+
+def eval_model(architecture):
+    """A 2-layer bf16 transformers causal LM of ``architecture`` in ``eval()``, and its sites
+    counted in an eager run (independently of the pass)."""
+    model = tiny_causal_lm(architecture, kv_heads=2).to(torch.bfloat16).eval()
+    ids = torch.randint(0, 96, (2, 12), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad(), count_sites(model) as expected:
+        eager = model(input_ids=ids).logits
+    with torch.no_grad():
+        exact = copy.deepcopy(model).double()(input_ids=ids).logits
+    return model, ids, expected, eager, exact
+
+
+def assert_every_site_fused(results, expected):
+    assert results and all(r.graph == "inference" and r.error is None for r in results), results
+    assert [m for r in results for m in r.misses] == []
+    assert sum(r.fused("rms_norm") for r in results) == expected["rms_norm"]
+    assert sum(r.fused("rotary_position_embedding") for r in results) == expected["rope"]
+    assert not any(s.op.endswith("_grad") for r in results for s in r.sites)
+
+
+@pytest.mark.parametrize("architecture, norms", [("llama", 5), ("qwen3", 9)])
+def test_eval_under_no_grad_fuses_every_site_through_the_backend(architecture, norms):
+    """The inference graph of a bf16 Llama (5 norms, 4 rotations) and Qwen3 (its q/k norms too):
+    every norm and rotation fused, nothing of a decomposed norm or rotation left, and the logits
+    as close to float64 as eager's."""
+    model, ids, expected, eager, exact = eval_model(architecture)
+    assert expected == {"rms_norm": norms, "rope": 4}
+    torch._dynamo.reset()
+    capture = Capture(target="generic")
+    with torch.no_grad():
+        got = torch.compile(model, backend=capture)(input_ids=ids).logits
+    assert_every_site_fused(capture.results, expected)
+    assert all(decomposed_leftovers(graph) == [] for graph in capture.after)
+    assert capture.backwards == []  # an inference graph is no backward
+    assert got.dtype == eager.dtype and got.shape == eager.shape
+    assert_close_as_unfused(got, eager, exact, factor=MODEL_FACTOR)
+
+
+@pytest.mark.parametrize("architecture", ["llama", "qwen3"])
+def test_eval_under_no_grad_fuses_every_site_through_inductor(architecture):
+    """The same models through stock Inductor after ``install_inductor``: its joint-graph passes
+    run on the inference graph, so the installed pass fuses it."""
+    model, ids, expected, eager, exact = eval_model(architecture)
+    torch._dynamo.reset()
+    recorder = InductorRecorder(FusionOptions.from_mapping({"target": "generic", "strict": True}))
+    with recorder.installed(), torch.no_grad():
+        got = torch.compile(model, backend=recorder)(input_ids=ids).logits
+    assert_every_site_fused(recorder.results, expected)
+    assert got.dtype == eager.dtype and got.shape == eager.shape
+    assert_close_as_unfused(got, eager, exact, factor=MODEL_FACTOR)
+
+
+def hf_norm_and_rotation(x, w, cos, sin):
+    """An HF bf16 RMSNorm, then HF's ``rotate_half`` RoPE of its output."""
+    x32 = x.float()
+    h = w * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + 1e-6)).to(x.dtype)
+    half = h.shape[-1] // 2
+    return h * cos + torch.cat((-h[..., half:], h[..., :half]), -1) * sin
+
+
+def norm_and_rotation_inputs(requires_grad=False):
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 4, 8, 32, generator=g).to(torch.bfloat16).requires_grad_(requires_grad)
+    w = torch.randn(32, generator=g).to(torch.bfloat16).requires_grad_(requires_grad)
+    angles = torch.randn(8, 16, generator=g)
+    cos, sin = (torch.cat((f(angles), f(angles)), -1).to(torch.bfloat16) for f in (torch.cos, torch.sin))
+    return x, w, cos, sin
+
+
+def test_no_input_needing_a_gradient_is_an_inference_graph_too():
+    """Grad mode on, but no input requires grad (frozen weights): AOTAutograd makes an inference
+    graph, and both sites fuse there; the output by the float64 criterion."""
+    inputs = norm_and_rotation_inputs()
+    torch._dynamo.reset()
+    capture = Capture(target="generic")
+    got = torch.compile(hf_norm_and_rotation, backend=capture)(*inputs)
+    (result,) = capture.results
+    assert result.graph == "inference" and result.fused("rms_norm") == 1
+    assert result.fused("rotary_position_embedding") == 1 and not result.misses
+    eager = hf_norm_and_rotation(*inputs)
+    exact = hf_norm_and_rotation(*(t.double() for t in inputs))
+    assert_close_as_unfused(got, eager, exact, factor=MODEL_FACTOR)
+
+
+def test_training_still_runs_the_joint_graph():
+    """With inputs that need a gradient, the same program is a joint graph, fused as before
+    (forward and backward); no inference result."""
+    inputs = norm_and_rotation_inputs(requires_grad=True)
+    torch._dynamo.reset()
+    capture = Capture(target="generic")
+    torch.compile(hf_norm_and_rotation, backend=capture)(*inputs).sum().backward()
+    (result,) = capture.results
+    assert result.graph == "joint" and result.fused("rms_norm_grad") == 1 and result.fused("rms_norm") == 1
+    assert result.fused("rotary_position_embedding_grad") == 1 and result.fused("rotary_position_embedding") == 1
+
+
+def test_a_site_the_target_refuses_is_one_recorded_miss():
+    """Ascend 950 has no RmsNorm: in inference the norm stays as it is, one miss with the target's
+    reason; the rotation fuses."""
+    inputs = norm_and_rotation_inputs()
+    torch._dynamo.reset()
+    capture = Capture(target="950")
+    with torch.no_grad():
+        got = torch.compile(hf_norm_and_rotation, backend=capture)(*inputs)
+    (result,) = capture.results
+    assert result.fused("rotary_position_embedding") == 1 and result.fused("rms_norm") == 0
+    (miss,) = result.misses
+    assert miss.op == "rms_norm" and "950" in miss.reason, miss
+    eager = hf_norm_and_rotation(*inputs)
+    exact = hf_norm_and_rotation(*(t.double() for t in inputs))
+    assert_close_as_unfused(got, eager, exact, factor=MODEL_FACTOR)
+
