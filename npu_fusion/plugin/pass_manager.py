@@ -213,6 +213,15 @@ def is_backward_graph(gm: fx.GraphModule) -> bool:
                                          for n in gm.graph.nodes)
 
 
+def is_inference_graph(gm: fx.GraphModule) -> bool:
+    """A forward graph that no backward reads: AOTAutograd's inference graph (made instead of a
+    joint graph under ``torch.no_grad()`` or when no input needs a gradient). AOTAutograd names a
+    joint graph's inputs, and so its partition's, ``primals_*`` and ``tangents_*``; an inference
+    graph's are ``arg*_*``. A compiled-autograd graph is a backward (:func:`is_backward_graph`)."""
+    names = [n.name for n in gm.graph.find_nodes(op="placeholder")]
+    return not is_backward_graph(gm) and not any(name.startswith(("primals", "tangents")) for name in names)
+
+
 def in_compiled_autograd() -> bool:
     key = _compile_id()
     return getattr(key, "compiled_autograd_id", None) is not None
@@ -437,14 +446,19 @@ def _run_round(rule: FusionRule, graph: fx.Graph, ctx: RuleContext) -> RoundRepo
 
 
 def make_torchair_pass(options: Union[FusionOptions, Mapping, None] = None, session: Optional[PassSession] = None):
-    """A ``post_grad_custom_pre_pass`` for torchair: ``fn(gm, example_inputs, config)``; it
-    remembers each forward graph in ``session`` (:data:`DEFAULT_SESSION`) for its backward."""
+    """A ``post_grad_custom_pre_pass`` for torchair: ``fn(gm, example_inputs, config)``. It fuses
+    each backward graph and each inference graph (the forward rules, :func:`fuse_inference`), and
+    remembers each training forward graph in ``session`` (:data:`DEFAULT_SESSION`) for its
+    backward. A training forward stays as it is: its partition is fixed, and the backward reads
+    the forward's decomposed intermediates it saved."""
     options = options if isinstance(options, FusionOptions) else FusionOptions.from_mapping(options)
     session = session or DEFAULT_SESSION
 
     def npu_fusion_pass(gm, example_inputs=None, config=None):
         if is_backward_graph(gm):
             fuse_backward(gm, options, forward=session.forward_for(gm), session=session)
+        elif is_inference_graph(gm):
+            fuse_inference(gm, options, session=session)
         else:
             session.remember_forward(gm)
 
