@@ -132,3 +132,34 @@ def test_a_site_the_target_refuses_is_one_recorded_miss():
     exact = hf_norm_and_rotation(*(t.double() for t in inputs))
     assert_close_as_unfused(got, eager, exact, factor=MODEL_FACTOR)
 
+
+
+def test_explain_an_inference_step():
+    """``explain(train=False)``: the forward under no_grad, each counted norm and rotation fused on
+    the inference graph and accounted for, the logits by the float64 criterion."""
+    import npu_fusion
+
+    model, ids, expected, _, _ = eval_model("qwen3")
+    report = npu_fusion.explain(model, ids, train=False, target="generic").report
+    assert report["settings"]["train"] is False and not report["pass_errors"] and not report["accounting_errors"]
+    assert report["ops"]["rms_norm"]["fused"] == report["ops"]["rms_norm"]["expected"] == expected["rms_norm"]
+    assert report["ops"]["rotary_position_embedding"]["fused"] == expected["rope"]
+    assert report["ops"]["rms_norm_grad"]["found"] == 0 and report["misses"] == []
+    assert set(report["accounting"]) == {"rms_norm", "rotary_position_embedding"}
+    assert all(row["unexplained"] == 0 and row["fused"] == row["expected"] for row in report["accounting"].values())
+    assert report["gradients"]["passed"] and report["gradients"]["per_dtype"]["bfloat16"]["params"] == 1
+
+
+def test_report_command_line_inference(capsys):
+    """``npu-fusion report --hf llama --inference``: the inference step, exit status 0, the text
+    report checks outputs, not gradients."""
+    import json
+
+    from npu_fusion import cli
+
+    assert cli.main(["report", "--hf", "llama", "--layers", "1", "--target", "generic", "--inference", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["ops"]["rms_norm"]["fused"] == report["ops"]["rms_norm"]["expected"] == 3
+    assert report["ops"]["rotary_position_embedding"]["fused"] == report["ops"]["rotary_position_embedding"]["expected"] == 2
+    assert report["gradients"]["passed"]
+    assert cli.main(["report", "--inference", "--compiled-autograd"]) == 2
