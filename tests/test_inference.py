@@ -163,3 +163,25 @@ def test_report_command_line_inference(capsys):
     assert report["ops"]["rotary_position_embedding"]["fused"] == report["ops"]["rotary_position_embedding"]["expected"] == 2
     assert report["gradients"]["passed"]
     assert cli.main(["report", "--inference", "--compiled-autograd"]) == 2
+
+
+def test_static_cache_generation_fuses_prefill_and_decode_graphs():
+    """Greedy ``generate()`` of 16 tokens with a static cache and the model's forward compiled: the
+    same tokens as eager; one prefill and one decode graph (sequence length 1, positions from the
+    cache), each with its 5 norms and 4 rotations fused; no recompile after the first decode step,
+    whose graph then runs for each of the other 15 tokens."""
+    model = tiny_causal_lm("llama", kv_heads=2).eval()
+    ids = torch.randint(3, 96, (2, 8), generator=torch.Generator().manual_seed(1))
+    generation = dict(max_new_tokens=16, do_sample=False, cache_implementation="static", pad_token_id=0)
+    eager = model.generate(ids, **generation)
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    capture = Capture(target="generic")
+    model.forward = torch.compile(model.forward, backend=capture)
+    got = model.generate(ids, **generation)
+    assert torch.equal(got, eager)
+    assert len(capture.results) == 2 and all(r.graph == "inference" and not r.misses for r in capture.results)
+    assert [r.fused("rms_norm") for r in capture.results] == [5, 5]
+    assert [r.fused("rotary_position_embedding") for r in capture.results] == [4, 4]
+    assert torch._dynamo.utils.counters["frames"]["total"] == 2  # prefill, then the first decode step
+    assert capture.runs == [1, 15]
