@@ -21,7 +21,9 @@ elements with slices and ``cat`` (or ``stack``), and the rebuilt node is evaluat
 the role position by position before the site fuses. Casts are identities of the domain and the rounding rules of
 :func:`~.evaluator.rounding_problem` judge the output. Only on a joint graph, after the backward
 rules in each round: an intermediate a decomposed backward still reads (``rotate_half(q)`` for
-a table's gradient) keeps the forward as it is until that backward is fused.
+a table's gradient) keeps the forward as it is until that backward is fused; and on an inference
+graph (:class:`~.evaluator.InferenceProvenance`), where no backward pairs a rotation and what no
+form matched is found by its shape (:func:`_left_rotations`).
 """
 from __future__ import annotations
 
