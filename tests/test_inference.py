@@ -15,6 +15,7 @@ from npu_fusion_testing.capture import Capture, decomposed_leftovers
 
 transformers = pytest.importorskip("transformers")
 
+from test_forward_near_misses import NORM_NEAR_MISSES, ROPE_NEAR_MISSES, _seeded  # noqa: E402
 from test_models import count_sites, tiny_causal_lm  # noqa: E402
 
 FORWARD_OPS = ("rms_norm", "rotary_position_embedding")
@@ -132,6 +133,34 @@ def test_a_site_the_target_refuses_is_one_recorded_miss():
     exact = hf_norm_and_rotation(*(t.double() for t in inputs))
     assert_close_as_unfused(got, eager, exact, factor=MODEL_FACTOR)
 
+
+
+#: near misses whose statistic is no RMS statistic (a sum over 15 of 16 elements, a variance, a
+#: centred value): no RMSNorm, so nothing to record
+NO_RMS_STATISTIC = {"sum_over_the_wrong_n", "variance_not_mean_square", "centred_statistic_uncentred_x"}
+
+
+@pytest.mark.parametrize("name, table, op, size", [(n, NORM_NEAR_MISSES, "rms_norm", (2, 3, 16))
+                                                   for n in NORM_NEAR_MISSES] +
+                         [(n, ROPE_NEAR_MISSES, "rotary_position_embedding", (2, 4, 6, 16)) for n in ROPE_NEAR_MISSES],
+                         ids=lambda v: v if isinstance(v, str) and " " not in v else None)
+def test_near_misses_on_an_inference_graph(name, table, op, size):
+    """The forward rules' near misses and odd spellings under no_grad, with no backward to pair a
+    miss with: each fuses exactly where the joint graph's does, and otherwise is one recorded
+    miss (never silent, never twice); the output by the float64 criterion."""
+    body, fuses = table[name]
+    x = _seeded(2 if op == "rms_norm" else 1, *size)
+    torch._dynamo.reset()
+    capture = Capture(target="generic")
+    with torch.no_grad():
+        got = torch.compile(lambda t: body(t) * 2, backend=capture)(x)
+    (result,) = capture.results
+    misses = [m for m in result.misses if m.op == op]
+    assert result.graph == "inference" and result.fused(op) == int(fuses), (result.sites, result.misses)
+    assert len(misses) == (0 if fuses or name in NO_RMS_STATISTIC else 1), misses
+    eager, exact = body(x) * 2, body(x.double()) * 2
+    assert got.dtype == eager.dtype
+    assert_close_as_unfused(got, eager, exact, factor=MODEL_FACTOR)
 
 
 def test_explain_an_inference_step():
