@@ -140,11 +140,14 @@ def test_a_site_the_target_refuses_is_one_recorded_miss():
 NO_RMS_STATISTIC = {"sum_over_the_wrong_n", "variance_not_mean_square", "centred_statistic_uncentred_x"}
 
 
-@pytest.mark.parametrize("name, table, op, size", [(n, NORM_NEAR_MISSES, "rms_norm", (2, 3, 16))
-                                                   for n in NORM_NEAR_MISSES] +
-                         [(n, ROPE_NEAR_MISSES, "rotary_position_embedding", (2, 4, 6, 16)) for n in ROPE_NEAR_MISSES],
-                         ids=lambda v: v if isinstance(v, str) and " " not in v else None)
-def test_near_misses_on_an_inference_graph(name, table, op, size):
+#: (op, near miss, its table, x's size) of both forward rules
+NEAR_MISSES = [pytest.param("rms_norm", n, NORM_NEAR_MISSES, (2, 3, 16), id=f"norm-{n}") for n in NORM_NEAR_MISSES] + \
+    [pytest.param("rotary_position_embedding", n, ROPE_NEAR_MISSES, (2, 4, 6, 16), id=f"rope-{n}")
+     for n in ROPE_NEAR_MISSES]
+
+
+@pytest.mark.parametrize("op, name, table, size", NEAR_MISSES)
+def test_near_misses_on_an_inference_graph(op, name, table, size):
     """The forward rules' near misses and odd spellings under no_grad, with no backward to pair a
     miss with: each fuses exactly where the joint graph's does, and otherwise is one recorded
     miss (never silent, never twice); the output by the float64 criterion."""
