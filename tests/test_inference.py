@@ -135,6 +135,21 @@ def test_a_site_the_target_refuses_is_one_recorded_miss():
 
 
 
+def test_qwen3_on_ascend_950_fuses_its_rotations_of_unfused_qk_norms():
+    """Ascend 950 has no RmsNorm: each of Qwen3's 9 norms stays as it is, one miss each with the
+    target's reason, and its 4 rotations, whose q and k are the unfused q/k norms' outputs, fuse."""
+    model, ids, expected, eager, exact = eval_model("qwen3")
+    torch._dynamo.reset()
+    capture = Capture(target="950")
+    with torch.no_grad():
+        got = torch.compile(model, backend=capture)(input_ids=ids).logits
+    (result,) = capture.results
+    assert result.fused("rotary_position_embedding") == expected["rope"] and result.fused("rms_norm") == 0
+    assert len(result.misses) == expected["rms_norm"] and all(
+        m.op == "rms_norm" and "Ascend 950" in m.reason for m in result.misses), result.misses
+    assert_close_as_unfused(got, eager, exact, factor=MODEL_FACTOR)
+
+
 #: near misses whose statistic is no RMS statistic (a sum over 15 of 16 elements, a variance, a
 #: centred value): no RMSNorm, so nothing to record
 NO_RMS_STATISTIC = {"sum_over_the_wrong_n", "variance_not_mean_square", "centred_statistic_uncentred_x"}
