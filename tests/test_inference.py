@@ -11,6 +11,7 @@ import torch
 from npu_fusion.measure.grads import MODEL_FACTOR, assert_close_as_unfused
 from npu_fusion.measure.recording import InductorRecorder
 from npu_fusion.plugin.options import FusionOptions
+from npu_fusion.plugin.pass_manager import HISTORY
 from npu_fusion_testing.capture import Capture, decomposed_leftovers
 
 transformers = pytest.importorskip("transformers")
@@ -232,3 +233,26 @@ def test_static_cache_generation_fuses_prefill_and_decode_graphs():
     assert [r.fused("rotary_position_embedding") for r in capture.results] == [4, 4]
     assert torch._dynamo.utils.counters["frames"]["total"] == 2  # prefill, then the first decode step
     assert capture.runs == [1, 15]
+
+
+def test_hugging_face_trainer_evaluation_step_is_fused(tmp_path):
+    """Trainer with ``torch_compile=True`` (backend "inductor", after ``install_inductor``)
+    evaluates under no_grad: its evaluation graph is an inference graph, every norm and rotation
+    fused there, and the evaluation loss by the float64 criterion."""
+    from transformers import Trainer, TrainingArguments
+
+    model = tiny_causal_lm("llama", kv_heads=2).eval()
+    ids = torch.randint(0, 96, (2, 12), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        eager = model(input_ids=ids, labels=ids).loss
+        exact = copy.deepcopy(model).double()(input_ids=ids, labels=ids).loss
+    args = TrainingArguments(output_dir=str(tmp_path), torch_compile=True, torch_compile_backend="inductor",
+                             use_cpu=True, per_device_eval_batch_size=2, report_to=[])
+    torch._dynamo.reset()
+    recorder = InductorRecorder(FusionOptions.from_mapping({"target": "generic", "strict": True}))
+    mark = HISTORY.mark()
+    with recorder.installed():
+        metrics = Trainer(model=model, args=args).evaluate([{"input_ids": r, "labels": r} for r in ids])
+    assert_every_site_fused(HISTORY.since(mark), {"rms_norm": 5, "rope": 4})
+    got = torch.tensor(metrics["eval_loss"], dtype=eager.dtype)
+    assert_close_as_unfused(got, eager, exact, factor=MODEL_FACTOR)
