@@ -90,7 +90,7 @@ class Recorder:
         return aot_function(fn, **self.backend().kwargs)
 
     def _around_pass(self, gm, run):
-        if run.stage == "backward" or run.split is None:
+        if run.stage == "backward" or (run.stage == "joint" and run.split is None):
             self.backwards.append(gm)
             self.partition_forwards.append(run.forward)
         if not self.fuse:

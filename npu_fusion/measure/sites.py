@@ -1,7 +1,8 @@
 """Counting RoPE and RMSNorm sites independently of the pass, and accounting for each of them.
 
 A site is one RMSNorm call or one RoPE application (one rotated tensor) whose output receives a
-gradient: only those have a backward for a fused op to replace. :class:`SiteCounter` finds them by
+gradient: only those have a backward for a fused op to replace. In an inference step (grad mode
+off: evaluation, generation) there is no backward, and each call is a forward site as it runs. :class:`SiteCounter` finds them by
 forward hooks on a library's norm and RoPE module classes, or by a wrapper around its apply-RoPE
 function, and records each by ``(kind, module path)``: the norm module's path, or for RoPE the path
 of the module whose forward applied it (RoPE modules are often one instance shared by every layer,
@@ -57,6 +58,18 @@ def grad_tensors(out) -> List[torch.Tensor]:
     return []
 
 
+def floating_tensors(out) -> List[torch.Tensor]:
+    """The floating tensors of a module's or function's output (nested tuples, lists and dicts,
+    a ``ModelOutput``), in order."""
+    if isinstance(out, torch.Tensor):
+        return [out] if out.is_floating_point() else []
+    if isinstance(out, dict):
+        out = list(out.values())
+    if isinstance(out, (tuple, list)):
+        return [t for o in out for t in floating_tensors(o)]
+    return []
+
+
 def _caller_module(skip):
     """The nn.Module whose own forward is running below this call (not ``skip``, not the
     machinery of ``Module.__call__`` or of this file)."""
@@ -101,6 +114,9 @@ class SiteCounter:
         self._undo: List = []
 
     def _watch(self, kind: str, where: str, out) -> None:
+        if not torch.is_grad_enabled():  # an inference step: each floating output is a forward site
+            self.counted[(kind, where)] += len(floating_tensors(out))
+            return
         for t in grad_tensors(out):
             # a view's own backward node is bypassed when the caller later writes into a view of it
             # (torchtune's Gemma 2 scales q in place after RoPE's flatten): its base's node is not
@@ -182,14 +198,17 @@ class Accounting:
         return self.inside - self.fused - self.missed
 
 
-def account(counted: SiteCounter, outside: SiteCounter, capture) -> Dict[str, Accounting]:
+def account(counted: SiteCounter, outside: SiteCounter, capture, inference: bool = False) -> Dict[str, Accounting]:
     """Where each counted site ended, per kind: fused, a recorded miss, outside, or unexplained.
 
     Per kind: the counted sites, and of them the fused ones and the recorded misses (from the
     capture's ``FusionResult`` s and backward-graph runs) and those that ran outside every
-    compiled graph (``outside``: the same counter, active during the compiled run)."""
+    compiled graph (``outside``: the same counter, active during the compiled run). An
+    ``inference`` step has the forward kinds only (no backward ran)."""
     table = {}
     for kind, op in kinds_enabled(getattr(capture, "options", None)).items():
+        if inference and not PROBES[kind].same_sites_as:
+            continue
         away = [path for path, n in outside.sites_of(kind) for _ in range(n)]
         misses, missed = [], 0
         for result, runs in zip(capture.results, capture.runs):

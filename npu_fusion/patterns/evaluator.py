@@ -123,6 +123,15 @@ class JointProvenance(Provenance):
     def is_forward(self, node: fx.Node) -> bool:
         return node in self._interior
 
+class InferenceProvenance(JointProvenance):
+    """An inference graph (AOTAutograd's graph when nothing needs a gradient) read as a joint graph
+    with no backward: every node a forward one, none saved. The forward rules fuse there unpaired,
+    and what no form matches is found by its own shape, with no backward to pair it with."""
+
+    def __init__(self, graph: fx.Graph):
+        super().__init__(graph, ())
+
+
 def _expression_key(node: fx.Node, memo: Dict[fx.Node, Any], interned: Dict[tuple, int]):
     """An id of a forward node's expression, equal for nodes that compute the same values from
     the same graph inputs; None for a random or impure op anywhere in it. Expressions are

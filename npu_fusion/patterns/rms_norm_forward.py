@@ -31,7 +31,9 @@ backward is a fused ``rms_norm_grad`` reading rstd (or the norm has no backward)
 whose statistic or intermediates a decomposed backward still reads stays as it is this round (a
 miss with that reason, decided again in the next round), so the backward rules always see the
 forward they were written for, and the backward's ``unexplained`` sees every statistic it looks
-for. Only on a joint graph: a backward graph has no forward to fuse.
+for. Only on a joint graph and on an inference graph (:class:`~.evaluator.InferenceProvenance`:
+no backward, so each norm fuses unpaired where the target takes it): a backward graph has no
+forward to fuse.
 """
 from __future__ import annotations
 

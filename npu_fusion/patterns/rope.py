@@ -297,7 +297,7 @@ def _symbolic_last_axis(ev: LaneEvaluator, seeds) -> List[Miss]:
     the match is proved position by position, which needs a static head dim, so such a site
     cannot fuse; say so rather than leave it unexplained. A difference or a shift of a gradient
     (its moves summed with no product) is no RoPE."""
-    sums = symbolic_rotation_sums([s for s in seeds if ev.depends_on_gradient(s)], _sums_dx_terms)
+    sums = rotation_sums([s for s in seeds if ev.depends_on_gradient(s)], _sums_dx_terms)
     return [Miss(OP.name, n.name, "gradients moved along a symbolic last axis, as a RoPE dx does: the pass "
                              "proves RoPE per position of a static head dim, and this one was marked dynamic "
                              "(mark_dynamic) or compiled where no guard can fix it: keep the head dim static")
@@ -308,20 +308,24 @@ def _symbolic_last_axis(ev: LaneEvaluator, seeds) -> List[Miss]:
 ROTATION_SUM_REACH = 4
 
 
-def symbolic_rotation_sums(seeds, is_rotation_sum) -> List[fx.Node]:
-    """The outermost nodes ``is_rotation_sum`` accepts, each within :data:`ROTATION_SUM_REACH` uses of
-    a seed (an element move) along a symbolic last axis: rotations no rule can prove, forward
-    (:mod:`.rope_forward`) or backward."""
-    return outermost(list(rotations_along_symbolic_axes(seeds, is_rotation_sum)))
+def rotation_sums(seeds, is_rotation_sum, symbolic_only: bool = True) -> List[fx.Node]:
+    """The outermost rotation-shaped sums near an element move along a symbolic last axis.
+
+    Each is a node ``is_rotation_sum`` accepts within :data:`ROTATION_SUM_REACH` uses of a seed
+    (an element move): rotations no rule can prove, forward (:mod:`.rope_forward`) or backward.
+    Without ``symbolic_only``, along any last axis: what looks like a rotation in a graph with no
+    backward to pair it with (an inference graph's leftovers)."""
+    return outermost(list(rotation_seeds(seeds, is_rotation_sum, symbolic_only)))
 
 
-def rotations_along_symbolic_axes(seeds, is_rotation_sum) -> Dict[fx.Node, fx.Node]:
-    """Each node ``is_rotation_sum`` accepts near an element move along a symbolic last axis, with that move.
+def rotation_seeds(seeds, is_rotation_sum, symbolic_only: bool = True) -> Dict[fx.Node, fx.Node]:
+    """Each rotation-shaped sum :func:`rotation_sums` finds, with the element move it was found from.
 
-    Returned as ``{sum: seed}``; near is within :data:`ROTATION_SUM_REACH` uses of the seed."""
+    Returned as ``{sum: seed}``, every sum, not only the outermost."""
     sums = {}
     for seed in seeds:
-        if shape(seed) and static_int(shape(seed)[-1]) is None and along_last_axis(seed):
+        symbolic = bool(shape(seed)) and static_int(shape(seed)[-1]) is None
+        if shape(seed) and (symbolic or not symbolic_only) and along_last_axis(seed):
             user = next((u for u in downstream(seed.graph, [seed], ROTATION_SUM_REACH)
                          if u is not seed and is_rotation_sum(u)), None)
             if user is not None:
@@ -334,7 +338,7 @@ def symbolic_head_dims(graph: fx.Graph, gradient: bool, is_rotation_sum) -> list
     that a rotation-shaped sum reads: the head dims a RoPE rule needs static."""
     moved = gradient_dependent(graph) or set()
     seeds = [n for n in graph.nodes if _moves_elements(n) and (n in moved) == gradient]
-    return [shape(seed)[-1] for seed in rotations_along_symbolic_axes(seeds, is_rotation_sum).values()]
+    return [shape(seed)[-1] for seed in rotation_seeds(seeds, is_rotation_sum).values()]
 
 
 def _sums_dx_terms(node: fx.Node) -> bool:

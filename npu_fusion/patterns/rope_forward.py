@@ -22,7 +22,9 @@ elements with slices and ``cat`` (or ``stack``), and the rebuilt node is evaluat
 the role position by position before the site fuses. Casts are identities of the domain and the rounding rules of
 :func:`~.evaluator.rounding_problem` judge the output. Only on a joint graph, after the backward
 rules in each round: an intermediate a decomposed backward still reads (``rotate_half(q)`` for
-a table's gradient) keeps the forward as it is until that backward is fused.
+a table's gradient) keeps the forward as it is until that backward is fused; and on an inference
+graph (:class:`~.evaluator.InferenceProvenance`), where no backward pairs a rotation and what no
+form matched is found by its shape (:func:`_left_rotations`).
 """
 from __future__ import annotations
 
@@ -35,7 +37,7 @@ import torch.fx as fx
 from ..lowering import ROPE as OP, ROPE_GRAD
 from ..lowering.constraints import ROPE_MODES, rope_divisor, rope_target_problem
 from ..lowering.sizes import same_shape, static_int
-from .evaluator import JointProvenance, kept_precision, rounding_problem
+from .evaluator import InferenceProvenance, JointProvenance, kept_precision, rounding_problem
 from .lanes import LaneEvaluator, Lanes
 from .lanes import shape as lane_shape
 from .nodes import (CAST_TARGETS, VIEWS, aten, downstream, dtype, gradient_dependent, is_float_cast, last_of,
@@ -45,8 +47,8 @@ from .rewrite import (Insertion, Miss, RuleContext, commit, exact_common_dtype, 
 from .pairing import calls, forward_is_complex, source, unpaired
 from .rms_norm_forward import _as_forward_work
 from .layout import memory_order, permuted, restored, same_layout
-from .rope import (DX_DEPTH, MAX_LANES, TABLE_SIGNS, _moves_elements, lane_evaluator, symbolic_head_dims,
-                   symbolic_rotation_sums, table_terms, unscaled, varying_product)
+from .rope import (DX_DEPTH, MAX_LANES, TABLE_SIGNS, _moves_elements, lane_evaluator, rotation_sums,
+                   symbolic_head_dims, table_terms, unscaled, varying_product)
 from .rule import Form, FusionRule, RoundReport, SiteProbe
 
 #: (leaf id, the leaf position that plays each position of the fused op's operand)
@@ -260,6 +262,16 @@ def _uncovered(ctx: RuleContext, ev: LaneEvaluator, looks) -> list:
     return [y for y in looks if y not in covered]
 
 
+def _unshaped_rotations(ev: LaneEvaluator, seeds, gradient, looks) -> list:
+    """Sums of rotation terms near a move of elements along the last axis (:func:`.rope.rotation_sums`)
+    that the evaluator read and that are no rotation-shaped node nor inside one: where x is a
+    product (a decomposed norm's ``normed * weight``, the norm left unfused), the evaluator cuts it
+    into a different leaf at each term's reader, and the rotation reads no leaf twice."""
+    inside = {n for y in looks for n in region_of([y], lambda r: r in ev.interpreted)}
+    sums = rotation_sums(seeds, lambda u: u not in gradient and _sums_rotation_terms(u), symbolic_only=False)
+    return [n for n in sums if n in ev.interpreted and n not in inside]
+
+
 #: ops that pass elements on unchanged (casts, views, slices, concatenations, negation)
 PASSES_ON = CAST_TARGETS | VIEWS | RESHAPES | {aten.slice.Tensor, aten.select.int, aten.cat.default,
                                                aten.stack.default, aten.neg.default, aten.clone.default}
@@ -320,7 +332,8 @@ def find_sites(graph: fx.Graph, ctx: RuleContext) -> RoundReport:
     if makers:
         ctx.evaluated(ev)
         ev, looks = _evaluated(ctx, nodes, makers)
-    products = _products_passed_on(ev, _uncovered(ctx, ev, looks), looks)
+    products = _products_passed_on(ev, _uncovered(ctx, ev, looks) + _unshaped_rotations(ev, seeds, gradient, looks),
+                                   looks)
     if products:
         ctx.evaluated(ev)
         ev, looks = _evaluated(ctx, nodes, makers | products)
@@ -374,7 +387,7 @@ def _symbolic_last_axis(seeds, gradient) -> List[Miss]:
     Only a move along the last axis whose sum is a rotation's: two products of tensors that vary
     along that axis (``x * cos + rotate(x) * sin``), or a product of complex pairs (``freqs_cis``);
     a difference, a causal convolution's taps or a sequence shift is no RoPE."""
-    sums = symbolic_rotation_sums(seeds, lambda u: u not in gradient and _sums_rotation_terms(u))
+    sums = rotation_sums(seeds, lambda u: u not in gradient and _sums_rotation_terms(u))
     return [Miss(OP.name, n.name, SYMBOLIC_REASON) for n in sums]
 
 
@@ -671,7 +684,10 @@ def unexplained(graph: fx.Graph, provenance, misses: List[Miss]) -> List[Miss]:
 
     No silent misses: a fused ``rotary_position_embedding_grad`` that no fused forward and no
     recorded forward miss accounts for is a rotation whose forward matched no form
-    (:mod:`.pairing`); each a miss named by the backward node, saying what its forward is."""
+    (:mod:`.pairing`); each a miss named by the backward node, saying what its forward is. An
+    inference graph has no backward to pair with: there, each rotation left in it (:func:`_left_rotations`)."""
+    if isinstance(provenance, InferenceProvenance):
+        return _left_rotations(graph, misses)
     if not isinstance(provenance, JointProvenance):
         return []
     gradient = gradient_dependent(graph) or set()
@@ -687,6 +703,24 @@ def unexplained(graph: fx.Graph, provenance, misses: List[Miss]) -> List[Miss]:
            "no forward RoPE form reads its forward (tables only in pieces, or a spelling the forward rule does "
            "not know; run with TORCH_LOGS=npu_fusion and dump_graphs to see it)")
     return [Miss(OP.name, n.name, f"this rotation's backward fused ({n.name}), but {why}") for n in lone]
+
+
+#: why a rotation left in an inference graph stays as it is
+LEFT_ROTATION_REASON = ("elements moved along the last axis and summed with products of tensors varying along it, as "
+                        "a RoPE forward is, but no forward RoPE form reads it (its x, cos or sin not seen whole, or "
+                        "a spelling the forward rule does not know; run with TORCH_LOGS=npu_fusion and dump_graphs "
+                        "to see it)")
+
+
+def _left_rotations(graph: fx.Graph, misses: List[Miss]) -> List[Miss]:
+    """No silent misses where no backward pairs a rotation (an inference graph): each sum of
+    rotation terms (:func:`_sums_rotation_terms`) near a move of elements along the last axis, left
+    after the pass, that no recorded miss at it or after it accounts for, is a miss."""
+    missed = {m.node for m in misses}
+    seeds = [n for n in graph.nodes if _moves_elements(n)]
+    left = rotation_sums(seeds, _sums_rotation_terms, symbolic_only=False)
+    return [Miss(OP.name, n.name, LEFT_ROTATION_REASON) for n in left
+            if not any(d.name in missed for d in downstream(graph, [n], DX_DEPTH))]
 
 
 class RopeForwardRule(FusionRule):

@@ -51,8 +51,9 @@ from .rewrite import Miss, RuleContext, Site
 
 #: the graphs a rule reads: a backward graph (or the backward part of a joint graph, where
 #: the forward values are what the partition saves), the whole joint graph, or a forward graph.
-#: (Today the pass manager runs every enabled rule on each graph it is handed, a backward or a
-#: joint graph; a rule's stage says what it reads there.)
+#: (Today the pass manager runs every enabled rule on each backward or joint graph it is handed,
+#: a rule's stage saying what it reads there; on an inference graph, which has no backward, only
+#: the rules of stage "joint" and "forward".)
 STAGES = ("backward", "joint", "forward")
 
 

@@ -1,7 +1,8 @@
 """The ``npu_fusion`` torch.compile backend.
 
 ``torch.compile(model, backend="npu_fusion", options={...})``. It runs AOTAutograd with
-the pass on each joint graph, before the partition, everywhere: on an Ascend host with
+the pass on each joint graph, before the partition, and on each inference graph (the
+forward rules: evaluation, generation), everywhere: on an Ascend host with
 torchair's compilers and decompositions (GE compiles both graphs), elsewhere with the
 graphs run as they are (the fused ops on their reference kernels).
 """
@@ -17,7 +18,7 @@ from ..compat import aot_autograd, core_aten_decompositions, make_boxed_func, pa
 from ..fallback import warn_fallback
 from .options import FusionOptions
 from ..patterns import RULES
-from .pass_manager import fuse_backward, fuse_joint, in_compiled_autograd
+from .pass_manager import fuse_backward, fuse_inference, fuse_joint, in_compiled_autograd
 from .saved_activations import saved_set
 from .specialize import specialize_model_constants
 
@@ -51,6 +52,9 @@ def aot_backend(options: FusionOptions, around_pass: Optional[Callable] = None, 
     fused whichever way it then runs: compiled lazily on the first backward, or inlined into
     a compiled-autograd graph. A compiled-autograd graph that reaches this backend (it is only
     a backward) is rewritten too, with :func:`~npu_fusion.plugin.pass_manager.fuse_backward`.
+    An inference graph (AOTAutograd makes one instead of a joint graph under ``torch.no_grad()``
+    or when no input needs a gradient) gets the forward rules,
+    :func:`~npu_fusion.plugin.pass_manager.fuse_inference`, before it is compiled.
 
     ``stage="backward"`` runs the pass on the backward graph after the partition instead, with
     the forward graph of the same partition for provenance: what torchair's post-partition hook
@@ -60,7 +64,7 @@ def aot_backend(options: FusionOptions, around_pass: Optional[Callable] = None, 
     ``around_pass(gm, run)``, if given, wraps the pass call (the report, the tests and the
     benchmarks record graphs or time it): ``gm`` is the graph the pass rewrites, ``run()`` runs
     the pass and returns its :class:`~npu_fusion.plugin.pass_manager.FusionResult`;
-    ``run.stage`` is ``"joint"`` or ``"backward"``, ``run.forward`` the forward graph given for
+    ``run.stage`` is ``"joint"``, ``"backward"`` or ``"inference"``, ``run.forward`` the forward graph given for
     provenance (backward stage), ``run.split(joint_gm)`` partitions a joint graph as this
     backend does (a copy taken before ``run()`` gives the unfused partition), and
     ``run.partitioned`` is ``(forward, backward)`` once the backend has partitioned.
@@ -95,9 +99,16 @@ def aot_backend(options: FusionOptions, around_pass: Optional[Callable] = None, 
     def bw_compiler(bw_gm, inputs):
         return compiler(bw_gm, inputs) if compiler is not None else make_boxed_func(bw_gm.forward)
 
+    def inference_compiler(gm, inputs):
+        if in_compiled_autograd():  # the whole backward, compiled as an inference graph
+            fuse(gm, None)
+        else:
+            fuse(gm, None, inference=True)
+        return compiler(gm, inputs) if compiler is not None else make_boxed_func(gm.forward)
+
     table = decompositions if decompositions is not None else _decompositions(options.decompositions)
-    aot = aot_autograd(fw_compiler=fw_compiler, bw_compiler=bw_compiler, partition_fn=partition_fn,
-                       decompositions=table, **aot_options)
+    aot = aot_autograd(fw_compiler=fw_compiler, bw_compiler=bw_compiler, inference_compiler=inference_compiler,
+                       partition_fn=partition_fn, decompositions=table, **aot_options)
     if not any(rule.reads_constant_floats and options.enables(rule) for rule in RULES):
         return aot
 
@@ -110,17 +121,22 @@ def aot_backend(options: FusionOptions, around_pass: Optional[Callable] = None, 
 def _fuser(options: FusionOptions, stage: str, around_pass: Optional[Callable]):
     """The function that runs the pass on a graph, through ``around_pass`` when there is one.
 
-    ``fuse(gm, forward, split=None) -> (result, run)``: the pass on ``gm`` (a joint graph when
-    ``split``, the partition function, is given on the joint stage; else a backward graph),
-    through ``around_pass`` when there is one."""
-    def fuse(gm, forward, split=None):
+    ``fuse(gm, forward, split=None, inference=False) -> (result, run)``: the pass on ``gm`` (a
+    joint graph when ``split``, the partition function, is given on the joint stage; an inference
+    graph with ``inference``; else a backward graph)."""
+    def fuse(gm, forward, split=None, inference=False):
         result = []
 
         def run():
-            joint = stage == "joint" and split is not None
-            result.append(fuse_joint(gm, options) if joint else fuse_backward(gm, options, forward=forward))
+            if inference:
+                result.append(fuse_inference(gm, options))
+            elif stage == "joint" and split is not None:
+                result.append(fuse_joint(gm, options))
+            else:
+                result.append(fuse_backward(gm, options, forward=forward))
             return result[-1]
-        run.stage, run.forward, run.split, run.partitioned = stage, forward, split, None
+        run.stage = "inference" if inference else stage
+        run.forward, run.split, run.partitioned = forward, split, None
         run.after_partition = []  # callbacks(forward, backward) once a joint graph is partitioned
 
         if around_pass is None:

@@ -1,10 +1,13 @@
-"""Hook the npu-fusion pass into Inductor (stock, or torch_npu's) on the joint graph.
+"""Hook the npu-fusion pass into Inductor (stock, or torch_npu's) on the joint and inference graphs.
 
 Inductor's partition runs its joint-graph passes first, and they call
-``torch._inductor.config.joint_custom_pre_pass`` with the joint forward-and-backward graph.
-:func:`install_inductor` puts the pass there, so ``backend="inductor"`` (and Hugging Face's
-Trainer with ``torch_compile_backend="inductor"``) fuses as the ``npu_fusion`` backend does:
-the min-cut partitioner sees the fused ops and saves what they read. The fused ops are custom
+``torch._inductor.config.joint_custom_pre_pass`` with the joint forward-and-backward graph;
+Inductor runs the same passes on an inference graph (AOTAutograd's graph under
+``torch.no_grad()`` or when no input needs a gradient, which is never partitioned) before it
+compiles it. :func:`install_inductor` puts the pass there, so ``backend="inductor"`` (and
+Hugging Face's Trainer with ``torch_compile_backend="inductor"``) fuses as the ``npu_fusion``
+backend does: on a joint graph, the min-cut partitioner sees the fused ops and saves what they
+read; on an inference graph, the forward rules fuse each norm and rotation. The fused ops are custom
 ops with fake kernels, so Inductor runs them as fallback kernels (their reference kernel on a
 CPU, torch_npu's on an NPU)::
 
@@ -16,8 +19,9 @@ A pass already in the slot keeps running, first; installing again replaces the e
 npu-fusion pass rather than stacking it. The pass is a ``CustomGraphPass`` whose ``uuid()``
 hashes the package's sources and the options, so the FX graph cache stays valid; a chained
 pass without a uuid of its own makes it None (Inductor then bypasses the cache, as it would
-for that pass alone). Graphs that are not joint ones reach the pass too (inference graphs,
-and a compiled-autograd graph, which is only a backward: fused with ``fuse_backward``).
+for that pass alone). Graphs that are not joint ones reach the pass too: inference graphs
+(fused with ``fuse_inference``), and a compiled-autograd graph, which is only a backward
+(fused with ``fuse_backward``).
 """
 from __future__ import annotations
 
@@ -38,7 +42,8 @@ def _sources() -> tuple:
 
 def _make_pass_class():
     class NpuFusionJointPass(custom_graph_pass_base()):
-        """Inductor's ``joint_custom_pre_pass``: ``previous`` first, then npu-fusion."""
+        """Inductor's ``joint_custom_pre_pass`` (joint and inference graphs): ``previous`` first,
+        then npu-fusion."""
 
         def __init__(self, options: FusionOptions, previous: Any = None):
             self.options, self.previous = options, previous
@@ -47,7 +52,7 @@ def _make_pass_class():
             for previous in _as_passes(self.previous):
                 previous(graph)
             from .joint import is_joint_graph
-            from .pass_manager import fuse_backward, fuse_joint, in_compiled_autograd
+            from .pass_manager import fuse_backward, fuse_inference, fuse_joint, in_compiled_autograd
 
             gm = graph.owning_module
             if gm is None:
@@ -56,8 +61,8 @@ def _make_pass_class():
                 result = fuse_joint(gm, self.options, copy_op=_copy_by_multiplying, partitioner="min_cut")
             elif in_compiled_autograd():  # the whole backward, compiled as an inference graph
                 result = fuse_backward(gm, self.options)
-            else:
-                return
+            else:  # Inductor runs these passes on no other graph: an inference graph (no backward)
+                result = fuse_inference(gm, self.options)
             if result.sites:
                 decompose_what_inductor_refuses(gm)
 

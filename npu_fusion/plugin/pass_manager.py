@@ -1,8 +1,10 @@
-"""The npu-fusion pass: run the pattern rewrites on a backward or a joint FX graph.
+"""The npu-fusion pass: run the pattern rewrites on a backward, a joint or an inference FX graph.
 
 :func:`fuse_joint` runs it on AOTAutograd's joint graph, before the partition (the
 ``npu_fusion`` backend, the Inductor hook); :func:`fuse_backward` on a graph that is
-only a backward (torchair's post-partition hook, compiled-autograd graphs). Both
+only a backward (torchair's post-partition hook, compiled-autograd graphs);
+:func:`fuse_inference` on a graph that is only a forward with no backward (AOTAutograd's
+inference graph: under ``torch.no_grad()``, or when no input needs a gradient). All three
 share one run: it rewrites the graph in place after taking a
 :class:`Snapshot`; if any rewrite fails, the graph is rebuilt from the snapshot,
 so an internal error leaves the graph as it was (and then raises, with
@@ -24,7 +26,7 @@ import torch.fx as fx
 
 from ..compat import current_compile_id, dynamo_counters, empty_graph_like, specialize_size
 from ..patterns import RULES
-from ..patterns.evaluator import JointProvenance, Provenance
+from ..patterns.evaluator import InferenceProvenance, JointProvenance, Provenance
 from ..patterns.context import PassContext
 from ..patterns.rewrite import Miss, RuleContext, Site
 from ..patterns.rule import FusionRule, RoundReport
@@ -46,7 +48,8 @@ class FusionResult:
     seconds: float = 0.0
     nodes_before: int = 0
     nodes_after: int = 0
-    #: which graph the pass ran on: ``"joint"`` (before the partition) or ``"backward"``
+    #: which graph the pass ran on: ``"joint"`` (before the partition), ``"backward"`` or
+    #: ``"inference"`` (a forward that has no backward)
     graph: str = "backward"
     #: on a joint graph: the caller-reachable tensors a fused op reads through a forward copy
     #: (the unfused backward read a copy of them, see :mod:`.joint`)
@@ -217,6 +220,15 @@ def is_backward_graph(gm: fx.GraphModule) -> bool:
                                          for n in gm.graph.nodes)
 
 
+def is_inference_graph(gm: fx.GraphModule) -> bool:
+    """A forward graph that no backward reads: AOTAutograd's inference graph (made instead of a
+    joint graph under ``torch.no_grad()`` or when no input needs a gradient). AOTAutograd names a
+    joint graph's inputs, and so its partition's, ``primals_*`` and ``tangents_*``; an inference
+    graph's are ``arg*_*``. A compiled-autograd graph is a backward (:func:`is_backward_graph`)."""
+    names = [n.name for n in gm.graph.find_nodes(op="placeholder")]
+    return not is_backward_graph(gm) and not any(name.startswith(("primals", "tangents")) for name in names)
+
+
 def in_compiled_autograd() -> bool:
     key = _compile_id()
     return getattr(key, "compiled_autograd_id", None) is not None
@@ -280,7 +292,20 @@ def fuse_backward(gm: fx.GraphModule, options: Union[FusionOptions, Mapping, Non
     and fuse their consumers too. Returns a :class:`FusionResult`, also added to the
     ``session``'s history (:data:`DEFAULT_SESSION`'s when none is given).
     """
-    return _fuse(gm, options, forward, joint=False, session=session)
+    return _fuse(gm, options, forward, kind="backward", session=session)
+
+
+def fuse_inference(gm: fx.GraphModule, options: Union[FusionOptions, Mapping, None] = None,
+                   session: Optional[PassSession] = None) -> FusionResult:
+    """Rewrite the forward RoPE and RMSNorm subgraphs of an inference graph ``gm`` in place.
+
+    An inference graph is a forward that no backward reads: AOTAutograd makes one instead of a
+    joint graph under ``torch.no_grad()`` or when no input needs a gradient (evaluation,
+    ``generate()``). Only the forward rules run (:data:`INFERENCE_STAGES`), each site unpaired:
+    nothing but the program reads what it computes, so a norm or a rotation fuses wherever the
+    target takes it, or is one recorded miss. Returns a :class:`FusionResult` (``graph``
+    ``"inference"``, added to the ``session``'s history)."""
+    return _fuse(gm, options, None, kind="inference", session=session)
 
 
 def fuse_joint(gm: fx.GraphModule, options: Union[FusionOptions, Mapping, None] = None,
@@ -292,25 +317,31 @@ def fuse_joint(gm: fx.GraphModule, options: Union[FusionOptions, Mapping, None] 
     tensors (:class:`~.joint.JointGraph`; each compiler keeps a different op); ``partitioner``
     is the one that will split the graph (default: the options'). Returns a :class:`FusionResult`
     (added to the ``session``'s history)."""
-    return _fuse(gm, options, None, joint=True, layout=lambda graph, options: JointGraph(
+    return _fuse(gm, options, None, kind="joint", layout=lambda graph, options: JointGraph(
         graph, copy_op, min_cut=(partitioner or options.partitioner) == "min_cut"), session=session)
 
 
-def _fuse(gm: fx.GraphModule, options, forward: Optional[fx.Graph], joint: bool, layout=None,
+#: the rule stages (:data:`~npu_fusion.patterns.rule.STAGES`) that run on an inference graph: the
+#: forward rules (a joint-stage rule reads a joint graph's forward nodes; an inference graph is all
+#: forward); a backward rule has no gradient to read there
+INFERENCE_STAGES = ("joint", "forward")
+
+
+def _fuse(gm: fx.GraphModule, options, forward: Optional[fx.Graph], kind: str, layout=None,
           session: Optional[PassSession] = None) -> FusionResult:
-    """The one run of the pass both entries share: snapshot, rounds, record."""
+    """The one run of the pass the entries share: snapshot, rounds, record. ``kind`` is the
+    graph's: ``"joint"`` (with its ``layout``), ``"backward"`` or ``"inference"``."""
     session = session or DEFAULT_SESSION
     if not isinstance(options, FusionOptions):
         options = FusionOptions.from_mapping(options)
     target = options.resolved_target()
-    kind = "joint" if joint else "backward"
     result = FusionResult(target=target, nodes_before=len(gm.graph.nodes), graph=kind)
     if options.dump_graphs:
         dump_graph(f"npu_fusion: {kind} graph before the pass ({result.nodes_before} nodes, target {target}):", gm)
     trace_graph(TRACE_BEFORE, gm)
     start = time.perf_counter()  # after the dump: result.seconds is the pass's own time
     with session.collections_paused():
-        _rewrite_or_restore(gm, options, forward, layout if joint else None, result)
+        _rewrite_or_restore(gm, options, forward, layout if kind == "joint" else None, result)
     result.seconds = time.perf_counter() - start
     result.nodes_after = len(gm.graph.nodes)
     _record(result)
@@ -326,15 +357,22 @@ def _rewrite_or_restore(gm: fx.GraphModule, options, forward: Optional[fx.Graph]
                         result: FusionResult) -> None:
     """Rewrite ``gm`` in place (sites, misses and copies into ``result``), or, on any failure,
     put the graph back as it was (``result.error``; ``strict`` raises). ``joint_layout(graph,
-    options)`` reads a joint graph's layout (None: ``gm`` is a backward graph)."""
+    options)`` reads a joint graph's layout (None: ``gm`` is a backward or, with ``result.graph``
+    ``"inference"``, an inference graph)."""
     graph, snapshot = gm.graph, None
     try:
         snapshot = Snapshot(graph)
         # before the rewrites: what the unfused backward reads
         layout = joint_layout(graph, options) if joint_layout is not None else None
-        provenance = JointProvenance(graph, layout.backward, layout.min_cut) if layout is not None else Provenance(forward, graph)
+        inference = result.graph == "inference"
+        if layout is not None:
+            provenance = JointProvenance(graph, layout.backward, layout.min_cut)
+        elif inference:
+            provenance = InferenceProvenance(graph)
+        else:
+            provenance = Provenance(forward, graph)
         context = PassContext.of(graph, provenance, result.target, options.strict)
-        result.sites, result.misses = _rewrite_in_rounds(context, options)
+        result.sites, result.misses = _rewrite_in_rounds(context, options, INFERENCE_STAGES if inference else None)
         if layout is not None and result.sites:
             result.copies = [n.args[0].name for n in layout.prepare_for_partition()]
         graph.lint()
@@ -392,18 +430,19 @@ def _record(result: FusionResult) -> None:
 MAX_ROUNDS = 4
 
 
-def _rewrite_in_rounds(context: PassContext, options: FusionOptions):
+def _rewrite_in_rounds(context: PassContext, options: FusionOptions, stages: Optional[Tuple[str, ...]] = None):
     """Run the enabled rules in rounds until a round changes nothing that another could use.
 
-    Run the enabled rules (:data:`~npu_fusion.patterns.RULES`, in that order) until a
+    Run the enabled rules (:data:`~npu_fusion.patterns.RULES`, in that order; only those of
+    ``stages`` when given) until a
     round fuses nothing new or leaves no candidate undecided (a miss, or a candidate a
     rule's :class:`~npu_fusion.patterns.RoundReport` counts as pending): a site whose dy is
     the expression of another site's dx (post- and sandwich norms) fuses once that one is
     a fused op."""
     graph = context.graph
-    context.enabled = frozenset(rule.option for rule in RULES if options.enables(rule))
-    rules: List[Tuple[FusionRule, RuleContext]] = [(rule, RuleContext(context, rule.op.name)) for rule in RULES
-                                                   if options.enables(rule)]
+    running = [rule for rule in RULES if options.enables(rule) and (stages is None or rule.stage in stages)]
+    context.enabled = frozenset(rule.option for rule in running)
+    rules: List[Tuple[FusionRule, RuleContext]] = [(rule, RuleContext(context, rule.op.name)) for rule in running]
     if isinstance(context.provenance, JointProvenance):  # compiled now: a guard still reaches Dynamo
         for rule, _ in rules:
             for size in rule.static_sizes(graph):
@@ -435,14 +474,19 @@ def _run_round(rule: FusionRule, graph: fx.Graph, ctx: RuleContext) -> RoundRepo
 
 
 def make_torchair_pass(options: Union[FusionOptions, Mapping, None] = None, session: Optional[PassSession] = None):
-    """A ``post_grad_custom_pre_pass`` for torchair: ``fn(gm, example_inputs, config)``; it
-    remembers each forward graph in ``session`` (:data:`DEFAULT_SESSION`) for its backward."""
+    """A ``post_grad_custom_pre_pass`` for torchair: ``fn(gm, example_inputs, config)``. It fuses
+    each backward graph and each inference graph (the forward rules, :func:`fuse_inference`), and
+    remembers each training forward graph in ``session`` (:data:`DEFAULT_SESSION`) for its
+    backward. A training forward stays as it is: its partition is fixed, and the backward reads
+    the forward's decomposed intermediates it saved."""
     options = options if isinstance(options, FusionOptions) else FusionOptions.from_mapping(options)
     session = session or DEFAULT_SESSION
 
     def npu_fusion_pass(gm, example_inputs=None, config=None):
         if is_backward_graph(gm):
             fuse_backward(gm, options, forward=session.forward_for(gm), session=session)
+        elif is_inference_graph(gm):
+            fuse_inference(gm, options, session=session)
         else:
             session.remember_forward(gm)
 

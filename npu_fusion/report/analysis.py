@@ -3,7 +3,9 @@
 One training step of a :class:`~.subjects.Subject`, measured: in float64 eagerly (the
 reference), eagerly (the baseline, while an independent counter counts the sites), and compiled
 with the pass through the recording backend (:mod:`npu_fusion.measure.recording`), with the
-counter active again to see the sites that ran outside every compiled graph. :func:`analyse`
+counter active again to see the sites that ran outside every compiled graph. With
+``settings["train"]`` False, one inference step instead (:func:`analyse_inference`): the same
+three runs of the forward under ``torch.no_grad()``, the outputs compared instead of gradients. :func:`analyse`
 returns the report as plain data; the command line (:mod:`.command`), :func:`npu_fusion.explain`
 and the full-size analysis (:mod:`.fullsize`) all build on it.
 
@@ -27,7 +29,7 @@ from ..compat import compiled_autograd_enabled, mark_dynamic
 from ..lowering import FUSED_OPS as LOWERED_OPS
 from ..measure.grads import compare_gradients
 from ..measure.recording import InductorRecorder, Recorder, TorchairRecorder, op_counts
-from ..measure.sites import FORWARD_OPS, account, expected_for
+from ..measure.sites import FORWARD_OPS, account, expected_for, floating_tensors
 from ..plugin.options import FusionOptions
 from ..plugin.pass_manager import FusionResult
 from .subjects import Subject
@@ -105,6 +107,8 @@ def analyse(subject: Subject, batch, options: FusionOptions, settings: Dict[str,
     """One training step of ``subject`` on ``batch`` in float64, eagerly, and compiled with the
     pass (``settings["dynamic"]``, ``settings["compiled_autograd"]``): the report as plain data.
     The command line and :func:`npu_fusion.explain` both end here."""
+    if not settings.get("train", True):
+        return analyse_inference(subject, batch, options, settings)
     exact = _float64_step(subject, batch)
     progress("eager step...")
     counting = subject.counter(subject.model) if subject.counter is not None else None
@@ -124,6 +128,54 @@ def analyse(subject: Subject, batch, options: FusionOptions, settings: Dict[str,
     if subject.counts_outside:
         report["accounting"] = accounting(counting, outside, recorder)
     return report
+
+
+def analyse_inference(subject: Subject, batch, options: FusionOptions, settings: Dict[str, Any]) -> Dict[str, Any]:
+    """One inference step of ``subject`` on ``batch`` (its forward under ``torch.no_grad()``: an
+    inference graph, the forward rules): in float64, eagerly while the counter counts each call as
+    a forward site, and compiled with the pass. The outputs (:attr:`~.subjects.Subject.outputs`)
+    are compared by the float64 criterion in the report's ``gradients`` section, one row per output
+    tensor; only the forward ops are expected."""
+    progress("eager forward in float64 (reference)...")
+    wide = subject.reference() if subject.reference else copy.deepcopy(subject.model).double()
+    with torch.no_grad():
+        exact = _outputs(subject, wide, subject.widen(batch))
+    progress("eager forward...")
+    counting = subject.counter(subject.model) if subject.counter is not None else None
+    with torch.no_grad(), counting or contextlib.nullcontext():
+        eager = _outputs(subject, subject.model, batch)
+    expected = expected_for(options, dict(counting.counts) if counting is not None else subject.expected)
+    expected = {op: n for op, n in expected.items() if op in FORWARD_OPS} if expected is not None else None
+
+    recorder = recorder_for(options, settings.get("compiler", "npu_fusion"))
+    outside = subject.counter(subject.model) if subject.counts_outside else contextlib.nullcontext()
+    with recorder.installed():
+        torch.compiler.reset()
+        step = batch.clone() if isinstance(batch, torch.Tensor) else tuple(_cloned(i) for i in batch)
+        if settings["dynamic"]:
+            mark_dynamic(step, 0)
+            mark_dynamic(step, 1)
+        compiled = torch.compile(lambda i: _outputs(subject, subject.model, i), backend=recorder)
+        progress("compiling and running the forward (no_grad)...")
+        with torch.no_grad(), outside:
+            start = time.perf_counter()
+            got = compiled(step)
+            seconds = time.perf_counter() - start
+
+    progress("comparing outputs...")
+    gradients = compare_gradients(got, eager, exact)
+    gradients["loss"] = None
+    report = assemble(settings, subject, options, recorder, expected, gradients, (seconds, 0.0))
+    if subject.counts_outside:
+        report["accounting"] = accounting(counting, outside, recorder, inference=True)
+    return report
+
+
+def _outputs(subject: Subject, model, batch) -> Dict[str, torch.Tensor]:
+    """The floating tensors an inference step compares, by name (``output``, or ``output[i]``)."""
+    value = subject.outputs(model, batch) if subject.outputs is not None else subject.loss(model, batch)
+    tensors = floating_tensors(value)
+    return {"output" if len(tensors) == 1 else f"output[{i}]": t for i, t in enumerate(tensors)}
 
 
 def _float64_step(subject: Subject, ids) -> Dict[str, torch.Tensor]:
@@ -199,12 +251,13 @@ def _compiled_step(settings, subject: Subject, model, recorder, ids):
     return forward_seconds, time.perf_counter() - start, loss
 
 
-def accounting(counted, outside, recorder) -> Dict[str, Dict[str, Any]]:
+def accounting(counted, outside, recorder, inference: bool = False) -> Dict[str, Dict[str, Any]]:
     """Per fused op: where each independently counted site ended (fused, a recorded miss, run
-    outside every compiled graph, or unexplained), with the outside sites' module paths."""
+    outside every compiled graph, or unexplained), with the outside sites' module paths (an
+    ``inference`` step: the forward ops only)."""
     return {a.op: {"expected": a.counted, "fused": a.fused, "missed": a.missed, "outside": len(a.outside),
                    "unexplained": a.unexplained, "outside_paths": a.outside}
-            for a in account(counted, outside, recorder).values()}
+            for a in account(counted, outside, recorder, inference).values()}
 
 
 def _compiled_autograd_step(subject: Subject, model, recorder, ids):

@@ -89,6 +89,9 @@ def add_arguments(parser: argparse.ArgumentParser, sources: Sequence[SubjectSour
                              "rotary_position_embedding")
     parser.add_argument("--backward-only", action="store_true",
                         help="turn the forward rules off (rms_norm_forward=False, rope_forward=False)")
+    parser.add_argument("--inference", action="store_true",
+                        help="report an inference step instead of a training step: one forward under no_grad "
+                             "(an inference graph: the forward rules), its logits checked against float64")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", action="store_true",
                         help="print everything as one JSON object on stdout (progress stays on stderr)")
@@ -138,6 +141,8 @@ def collect(args: argparse.Namespace, sources: Sequence[SubjectSource] = ()) -> 
     """Run the report and return everything it found as plain data (what ``--json`` prints)."""
     if args.layers < 1 or args.batch < 1 or args.seq < 2:
         raise UsageError("--layers and --batch must be at least 1, --seq at least 2")
+    if getattr(args, "inference", False) and (args.compiled_autograd or args.checkpointing != "none"):
+        raise UsageError("--inference runs no backward: --compiled-autograd and --checkpointing do not apply")
     if len(args.target) != 1:
         raise UsageError("one --target at a time (several only with --hf-config)")
     compiler = getattr(args, "compiler", "npu_fusion")
@@ -165,4 +170,4 @@ def _settings(args: argparse.Namespace) -> Dict[str, Any]:
             "layers": args.layers, "dtype": args.dtype, "batch": args.batch, "seq": args.seq,
             "dynamic": args.dynamic, "target": args.target, "partitioner": args.partitioner,
             "compiler": getattr(args, "compiler", "npu_fusion"), "checkpointing": args.checkpointing, "compiled_autograd": args.compiled_autograd,
-            "seed": args.seed, "forward": forward_fused(args)}
+            "seed": args.seed, "forward": forward_fused(args), "train": not getattr(args, "inference", False)}

@@ -65,9 +65,14 @@ class Explanation:
 
 def explain(model_or_fn: Callable, *example_inputs, loss: Optional[Callable[[Any], torch.Tensor]] = None,
             counter: Optional[Callable[[torch.nn.Module], SiteCounter]] = None, name: Optional[str] = None,
-            compiled_autograd: bool = False, **options) -> Explanation:
+            compiled_autograd: bool = False, train: bool = True, **options) -> Explanation:
     """Compile ``model_or_fn`` with the pass, run one forward and backward on ``example_inputs``
     and report it (see the module docstring).
+
+    ``train=False`` reports an inference step instead: one forward under ``torch.no_grad()`` (an
+    inference graph, the forward rules), its outputs (every floating tensor of ``model_or_fn``'s
+    output) checked by the float64 criterion where a training step checks gradients; ``loss`` is
+    not used.
 
     ``loss(output)`` makes the step's scalar (default: the output itself when it is a scalar, its
     ``.loss`` when it has one, else the sum of the mean squares of its floating tensors). A module's
@@ -77,12 +82,14 @@ def explain(model_or_fn: Callable, *example_inputs, loss: Optional[Callable[[Any
     Runs ``torch._dynamo.reset()`` before compiling; dropout makes eager and compiled differ, so
     pass a module in ``eval()`` mode or without dropout."""
     fusion_options = FusionOptions.from_mapping(options)
+    if not train and compiled_autograd:
+        raise ValueError("explain: compiled_autograd compiles a backward; an inference step (train=False) has none")
     subject, batch = _subject(model_or_fn, example_inputs, loss or default_loss, counter, name)
     settings = {"model": subject.name, "source": "explain", "inputs": [_describe(a) for a in example_inputs],
                 "layers": None, "dtype": _dtype_name(subject.model), "batch": None, "seq": None,
                 "dynamic": False, "target": fusion_options.target, "partitioner": fusion_options.partitioner,
                 "compiler": "npu_fusion", "checkpointing": "none", "compiled_autograd": compiled_autograd, "seed": None,
-                "forward": fusion_options.rms_norm_forward and fusion_options.rope_forward}
+                "forward": fusion_options.rms_norm_forward and fusion_options.rope_forward, "train": train}
     return Explanation(analyse(subject, batch, fusion_options, settings))
 
 
@@ -119,7 +126,7 @@ def _subject(model_or_fn, inputs, loss, counter, name) -> tuple:
         label = name or f"{getattr(model_or_fn, '__qualname__', repr(model_or_fn))} (explain)"
     return Subject(name=label, model=model, loss=lambda m, b: loss(m(*b)), vocab_size=0,
                    counter=counter or conventional_counter, counts_outside=True,
-                   widen=_widened), batch
+                   widen=_widened, outputs=lambda m, b: m(*b)), batch
 
 
 def _widened(batch):

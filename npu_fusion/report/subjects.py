@@ -43,6 +43,8 @@ class Subject:
     reference: Optional[Callable[[], torch.nn.Module]] = None
     #: the step's inputs for the float64 copy (floating inputs widened; token ids stay as they are)
     widen: Callable[[Any], Any] = lambda batch: batch
+    #: what an inference step compares, ``outputs(model, batch)`` (its floating tensors); None: the loss
+    outputs: Optional[Callable[[torch.nn.Module, Any], Any]] = None
 
 
 class SubjectSource:
@@ -126,7 +128,8 @@ def hf_subject(args) -> Subject:
         return m(input_ids=ids, labels=ids, use_cache=False).loss
 
     return Subject(name=f"{args.hf} (transformers {transformers.__version__}, {type(model).__name__})",
-                   model=model, loss=loss, vocab_size=config.vocab_size, counter=conventional_counter)
+                   model=model, loss=loss, vocab_size=config.vocab_size, counter=conventional_counter,
+                   outputs=lambda m, ids: m(input_ids=ids, use_cache=False).logits)
 
 
 class FunctionModule(torch.nn.Module):

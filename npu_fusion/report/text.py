@@ -70,7 +70,8 @@ def _format_header(report: Dict[str, Any]) -> str:
            f"partitioner {s['partitioner']}, {report['backward_graphs']} graph(s) through the pass\n"]
     sec = report["seconds"]
     total = sec["forward_first_call"] + sec["backward_first_call"]
-    out.append(f"first forward + backward (compile and run) {total:.2f} s; the pass itself "
+    step = "forward + backward" if s.get("train", True) else "forward (inference step, no_grad)"
+    out.append(f"first {step} (compile and run) {total:.2f} s; the pass itself "
                f"{sec['pass'] * 1000:.1f} ms ({100 * sec['pass'] / total if total else 0:.1f}%)\n")
     out += [f"PASS ERROR (graph left unchanged): {err}\n" for err in report["pass_errors"]]
     out += [f"ACCOUNTING ERROR (this report contradicts the pass's results): {err}\n"
@@ -108,7 +109,8 @@ def _format_op_counts(report: Dict[str, Any]) -> str:
             if counts["before"].get(n, 0) != counts["after"].get(n, 0)]
     rows.sort(key=lambda r: (-(r[1] - r[2]), r[0]))
     rows.append(["all nodes (placeholders and output too)", counts["nodes_before"], counts["nodes_after"]])
-    return ("\n## Backward graph ops, before and after the pass (changed ones)\n\n"
+    graph = "Backward graph" if report["settings"].get("train", True) else "Inference graph"
+    return (f"\n## {graph} ops, before and after the pass (changed ones)\n\n"
             + table(["op", "before", "after"], rows))
 
 
@@ -127,6 +129,8 @@ def format_traffic(report: Dict[str, Any]) -> str:
 
 def format_saved(report: Dict[str, Any]) -> str:
     saved = report.get("saved_activations")
+    if not report["settings"].get("train", True):
+        return ""  # an inference step saves nothing for a backward
     if not saved or not saved["graphs"]:
         return "\n## Saved for the backward\n\nunchanged: no site was fused\n"
     return (f"\n## Saved for the backward\n\n{_bytes(saved['bytes_before'])} in {saved['tensors_before']} tensors "
@@ -136,6 +140,8 @@ def format_saved(report: Dict[str, Any]) -> str:
 
 def _format_gradients(report: Dict[str, Any]) -> str:
     g = report["gradients"]
+    if not report["settings"].get("train", True):
+        return _format_outputs(g)
     out = ["\n## Parameter gradients: compiled with the pass vs eager, both vs float64\n\n"]
     rows = [[dt, r["params"], f"{r['max_abs_diff_vs_eager']:.3g}", f"{r['max_err_compiled_vs_fp64']:.3g}",
              f"{r['max_err_eager_vs_fp64']:.3g}", "yes" if r["as_close_to_fp64_as_eager"] else "NO"]
@@ -147,6 +153,19 @@ def _format_gradients(report: Dict[str, Any]) -> str:
     if g["params_without_grad_in_one_run"]:
         out.append(f"parameters with a gradient in only one run: {g['params_without_grad_in_one_run']}\n")
     out.append(f"\ngradient check: {'PASSED' if g['passed'] else 'FAILED'}\n")
+    return "".join(out)
+
+
+def _format_outputs(g: Dict[str, Any]) -> str:
+    """An inference step's check: its outputs, as the gradients are checked in a training step."""
+    out = ["\n## Outputs (inference step): compiled with the pass vs eager, both vs float64\n\n"]
+    rows = [[dt, r["params"], f"{r['max_abs_diff_vs_eager']:.3g}", f"{r['max_err_compiled_vs_fp64']:.3g}",
+             f"{r['max_err_eager_vs_fp64']:.3g}", "yes" if r["as_close_to_fp64_as_eager"] else "NO"]
+            for dt, r in g["per_dtype"].items()]
+    out.append(table(["dtype", "outputs", "max abs diff compiled vs eager", "max err compiled vs fp64",
+                      "max err eager vs fp64", f"compiled <= {FP64_FACTOR:g} x eager + floor"], rows))
+    out += [f"output check failed for {f['param']}: {f}\n" for f in g["failures"]]
+    out.append(f"\noutput check: {'PASSED' if g['passed'] else 'FAILED'}\n")
     return "".join(out)
 
 
