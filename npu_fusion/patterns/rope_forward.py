@@ -263,8 +263,9 @@ def _uncovered(ctx: RuleContext, ev: LaneEvaluator, looks) -> list:
 
 
 def _unshaped_rotations(ev: LaneEvaluator, seeds, gradient, looks) -> list:
-    """Sums of rotation terms near a move of elements along the last axis (:func:`.rope.rotation_sums`)
-    that the evaluator read and that are no rotation-shaped node nor inside one: where x is a
+    """Sums of rotation terms the evaluator read that are no rotation-shaped node nor inside one.
+
+    They lie near a move of elements along the last axis (:func:`.rope.rotation_sums`): where x is a
     product (a decomposed norm's ``normed * weight``, the norm left unfused), the evaluator cuts it
     into a different leaf at each term's reader, and the rotation reads no leaf twice."""
     inside = {n for y in looks for n in region_of([y], lambda r: r in ev.interpreted)}
@@ -713,8 +714,9 @@ LEFT_ROTATION_REASON = ("elements moved along the last axis and summed with prod
 
 
 def _left_rotations(graph: fx.Graph, misses: List[Miss]) -> List[Miss]:
-    """No silent misses where no backward pairs a rotation (an inference graph): each sum of
-    rotation terms (:func:`_sums_rotation_terms`) near a move of elements along the last axis, left
+    """Rotations left after the pass on a graph with no backward to pair them, each a miss.
+
+    Where no backward pairs a rotation (an inference graph), each sum of rotation terms (:func:`_sums_rotation_terms`) near a move of elements along the last axis, left
     after the pass, that no recorded miss at it or after it accounts for, is a miss."""
     missed = {m.node for m in misses}
     seeds = [n for n in graph.nodes if _moves_elements(n)]
