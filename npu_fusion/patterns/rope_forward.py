@@ -570,7 +570,42 @@ def _operands(site: ForwardRopeMatch):
                and shape(a) is not None and not _empty(a) and not _picks_of_one_leaf(ev, a, leaves)]
     if foreign:
         return f"the rotation also reads {foreign[0].name}, which is none of x, cos and sin"
+    mixed = _read_at_another_precision(ev, region, roles, (site.x, site.cos, site.sin))
+    if mixed is not None:
+        return _precision_problem(site, *mixed)
     return (*roles, region)
+
+
+def _read_at_another_precision(ev: LaneEvaluator, region: List[fx.Node], operands, roles):
+    """(a node the rotation reads, the operand node it stands beside) where the rotation reads
+    elements of a role's leaf rounded otherwise than the node the fused op reads for that role;
+    None when every read agrees. Casts are identities of the domain, so a rounded copy of a table
+    equals the table: the issue's cache read through a bf16 round trip in half of its lanes and
+    exactly in the other half holds cos whole in the rounded copy, which alone the fused op would
+    read (the other half's rounding added). The nodes inside the region are judged by
+    :func:`~.evaluator.rounding_problem`; these are the region's inputs, kept for other users (a
+    slice the decomposed backward reads) or the leaf itself."""
+    bases = {}
+    for operand, role in zip(operands, roles):
+        bases.setdefault(role[0], []).append(operand.base)
+    inside = set(region)
+    reads = {a: None for n in region for a in n.all_input_nodes if a not in inside}
+    for read in reads:
+        for lid, nodes in bases.items():
+            if read not in nodes and _picks_of_one_leaf(ev, read, {lid}) and all(
+                    ev.rounded.get(read, frozenset()) != ev.rounded.get(b, frozenset()) for b in nodes):
+                return read, nodes[0]
+    return None
+
+
+def _precision_problem(site: ForwardRopeMatch, read: fx.Node, operand: fx.Node) -> str:
+    """Why the site cannot fuse when it reads a role at two precisions: the rounding the program
+    does inside the site, judged by :func:`~.evaluator.rounding_problem` against the role leaves as
+    the backward rule judges its site's (the same reason), else the two reads named."""
+    leaves = [site.ev.leaves[role[0]] for role in (site.x, site.cos, site.sin)]
+    return rounding_problem(site.ev, {"y": site.y}, leaves) or (
+        f"the site reads one of its inputs rounded in some lanes and not in others ({read.name} and "
+        f"{operand.name} hold the same elements at different precisions), where the fused op reads one")
 
 
 def _replaced(ev: LaneEvaluator, region: List[fx.Node], y: fx.Node) -> List[fx.Node]:
