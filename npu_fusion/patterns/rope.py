@@ -44,6 +44,7 @@ from .nodes import (CAST_TARGETS, VIEWS, aten, axis_order, downstream, dtype, gr
                     is_float_cast, last_of, outermost, region_of, shape)
 from .rewrite import (Edit, Insertion, Miss, RuleContext, add_back_accumulated, commit, emit_fused_op,
                       exact_common_dtype, gradient_accumulation)
+from .pairing import ROTATION_SITE, site_key
 from .rule import Form, FusionRule, RoundReport, SiteProbe
 
 #: the widest last axis the lane evaluator tracks: no target accepts a RoPE head dim D above it
@@ -760,8 +761,12 @@ def emit(rewrites: RuleContext, site: RopeMatch, outputs, region):
         except TableLayoutError as exc:
             return Miss(OP.name, site.dx.name, str(exc))
         dy, cos, sin, x = operands
+        rounding = rounding_problem(ev, outputs, leaves)
+        # the rotation's precision verdict binds its forward (the target's does not: the forward op
+        # computes no table gradients, whose limits A2/A3 add)
+        rewrites.context.judgements.record(site_key(ROTATION_SITE, cos_leaf, sin_leaf), rounding)
         problem = rope_target_problem(target, site.mode, shape(dy), shape(cos), x is not None, dtype(dy)) \
-            or rounding_problem(ev, outputs, leaves)
+            or rounding
         if problem is None and x is not None and not same_shape(shape(x), shape(dy)):
             problem = f"x {list(shape(x))} and dy {list(shape(dy))} have different shapes"
         if problem is not None:

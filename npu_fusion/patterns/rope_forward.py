@@ -41,7 +41,7 @@ from .nodes import (CAST_TARGETS, VIEWS, aten, downstream, dtype, gradient_depen
                     outermost, outside_users, region_of, shape, val)
 from .rewrite import (Insertion, Miss, RuleContext, commit, exact_common_dtype, in_layout_of, input_problem,
                       replacement_of)
-from .pairing import calls, forward_is_complex, source, unpaired
+from .pairing import ROTATION_SITE, calls, forward_is_complex, site_key, source, unpaired
 from .rms_norm_forward import _as_forward_work
 from .layout import memory_order, permuted, restored, same_layout
 from .rope import (DX_DEPTH, MAX_LANES, TABLE_SIGNS, _moves_elements, lane_evaluator, symbolic_rotation_sums,
@@ -598,12 +598,16 @@ def _read_at_another_precision(ev: LaneEvaluator, region: List[fx.Node], operand
     return None
 
 
+def _leaves(site: ForwardRopeMatch) -> List[fx.Node]:
+    """The leaves whose elements play x, cos and sin (in that order)."""
+    return [site.ev.leaves[role[0]] for role in (site.x, site.cos, site.sin)]
+
+
 def _precision_problem(site: ForwardRopeMatch, read: fx.Node, operand: fx.Node) -> str:
     """Why the site cannot fuse when it reads a role at two precisions: the rounding the program
     does inside the site, judged by :func:`~.evaluator.rounding_problem` against the role leaves as
     the backward rule judges its site's (the same reason), else the two reads named."""
-    leaves = [site.ev.leaves[role[0]] for role in (site.x, site.cos, site.sin)]
-    return rounding_problem(site.ev, {"y": site.y}, leaves) or (
+    return rounding_problem(site.ev, {"y": site.y}, _leaves(site)) or (
         f"the site reads one of its inputs rounded in some lanes and not in others ({read.name} and "
         f"{operand.name} hold the same elements at different precisions), where the fused op reads one")
 
@@ -633,6 +637,9 @@ def emit(ctx: RuleContext, site: ForwardRopeMatch):
     The op's output is contiguous: it is called on x, cos and sin with their axes in the memory
     order of the output it replaces (a transposed q: BSND with 1S1D tables), and its result is
     permuted back, so the program's views of that output keep their strides."""
+    bound = ctx.context.judgements.binding(site_key(ROTATION_SITE, *_leaves(site)[1:]))
+    if bound is not None:  # every backward of this rotation's tables was refused for its roundings
+        return Miss(OP.name, site.y.name, bound)
     operands = _operands(site)
     if isinstance(operands, str):
         return Miss(OP.name, site.y.name, operands)
