@@ -28,26 +28,44 @@ def fake_mode_of(graph: fx.Graph):
 
 class SiteJudgements:
     """The verdicts on a site that bind both of its rules: a norm or a rotation is one site with a
-    forward and a backward, and where the backward rule refused it for a reason that is the site's
-    (the program rounds inside it more coarsely than it keeps a value, :func:`~.evaluator.rounding_problem`;
-    the target runs no such op), the forward rule refuses it too, with the same reason, rather than
-    judge it again in another domain. Keyed by the forward values both rules name (a norm's statistic,
-    a rotation's tables, each :func:`~.pairing.source`); every verdict recorded under a key counts,
-    a fused site as None, so a key whose sites were judged differently (q's rotation refused, k's
-    fused, one pair of tables) binds nothing and each forward is judged by its own checks."""
+    forward and a backward, and where one rule refused it for a reason that is the site's (the
+    program rounds inside it more coarsely than it keeps a value, :func:`~.evaluator.rounding_problem`;
+    the target runs no such op), the other rule gives the same verdict with the same reason rather
+    than judge it again in another domain. Keyed by the forward values both rules name (a norm's
+    statistic, a rotation's tables, each :func:`~.pairing.source`).
+
+    The backward rules run first in each round: their verdicts bind the forward rule
+    (:meth:`binding`). A backward that no form read (a rotation whose table halves its evaluator
+    sees as two leaves) has no verdict of its own; its miss defers (:meth:`defer`) to the forward's
+    verdict on the same tables, which replaces its reason once the last round is done
+    (:meth:`settle`). Every verdict recorded under a key counts, a site with no such problem as
+    None, so a key whose sites were judged differently (q's rotation refused, k's fused: one pair of
+    tables) binds nothing, and each site is judged by its own checks (the same code in both rules)."""
 
     def __init__(self):
         self._verdicts: Dict[Hashable, List[Optional[str]]] = {}
+        self._deferred: List[tuple] = []
 
-    def record(self, key: Hashable, refusal: Optional[str]) -> None:
-        """One site under ``key`` judged: refused for ``refusal``, or fused (None)."""
-        self._verdicts.setdefault(key, []).append(refusal)
+    def record(self, key: Hashable, refusal: Optional[str], by: str = "backward") -> None:
+        """One site under ``key`` judged by the ``by`` rule: refused for ``refusal``, or not (None)."""
+        self._verdicts.setdefault((by, key), []).append(refusal)
 
-    def binding(self, key: Hashable) -> Optional[str]:
-        """The refusal every site recorded under ``key`` was given, or None (none recorded, one fused,
-        or sites refused for different reasons)."""
-        verdicts = set(self._verdicts.get(key, ()))
+    def binding(self, key: Hashable, by: str = "backward") -> Optional[str]:
+        """The refusal every site the ``by`` rule judged under ``key`` was given, or None (none
+        judged, one without a problem, or sites refused for different reasons)."""
+        verdicts = set(self._verdicts.get((by, key), ()))
         return next(iter(verdicts)) if len(verdicts) == 1 else None
+
+    def defer(self, miss, keys) -> None:
+        """``miss`` (a backward no form read) takes the forward rule's refusal under one of ``keys``."""
+        self._deferred.append((miss, tuple(keys)))
+
+    def settle(self) -> None:
+        """Each deferred miss with the reason the forward rule refused its site for, if it did."""
+        for miss, keys in self._deferred:
+            bound = next((b for b in (self.binding(k, by="forward") for k in keys) if b is not None), None)
+            if bound is not None:
+                miss.reason = bound
 
 
 @dataclasses.dataclass

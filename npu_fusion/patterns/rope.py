@@ -44,7 +44,7 @@ from .nodes import (CAST_TARGETS, VIEWS, aten, axis_order, downstream, dtype, gr
                     is_float_cast, last_of, outermost, region_of, shape)
 from .rewrite import (Edit, Insertion, Miss, RuleContext, add_back_accumulated, commit, emit_fused_op,
                       exact_common_dtype, gradient_accumulation)
-from .pairing import ROTATION_SITE, site_key
+from .pairing import ROTATION_SITE, site_key, source
 from .rule import Form, FusionRule, RoundReport, SiteProbe
 
 #: the widest last axis the lane evaluator tracks: no target accepts a RoPE head dim D above it
@@ -562,9 +562,21 @@ def _near_misses(rewrites: RuleContext, ev: LaneEvaluator, looks, matches, insid
     verdicts = {n: rewrites.examine(n, built_on_match, n) for n in looks if n not in matched}
     built_on = [n for n, built in verdicts.items() if built is True]
     unmatched = [n for n, built in verdicts.items() if built is False]
-    return [Miss(OP.name, n.name, "two products per element like a RoPE dx, but no mode's formula "
-                                  "(signs, split points or tables differ)")
-            for n in outermost(unmatched)], len(built_on)
+    misses = []
+    for n in outermost(unmatched):
+        misses.append(Miss(OP.name, n.name, "two products per element like a RoPE dx, but no mode's formula "
+                                            "(signs, split points or tables differ)"))
+        rewrites.context.judgements.defer(misses[-1], _table_keys(ev, n))
+    return misses, len(built_on)
+
+
+def _table_keys(ev: LaneEvaluator, node: fx.Node) -> List[tuple]:
+    """The site keys of the rotations ``node`` may be the backward of: each pair of the forward values
+    (no gradient) its products read, as :func:`~.pairing.site_key` names a rotation's cos and sin."""
+    v = ev.memo.get(node)
+    tables = {source(ev.leaves[lid]) for poly in (v.polys if v is not None else ()) for mono in poly
+              for lid, _ in mono if not ev.depends_on_gradient(ev.leaves[lid])}
+    return [(ROTATION_SITE, a, b) for a in tables for b in tables]
 
 
 def find_again(rewrites: RuleContext, site: RopeMatch, leaves: List[fx.Node]) -> Optional[RopeMatch]:

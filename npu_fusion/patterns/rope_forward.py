@@ -243,12 +243,18 @@ def _hashable(value):
 
 
 def _uncovered(ctx: RuleContext, ev: LaneEvaluator, looks) -> list:
-    """The rotation-shaped nodes no matched rotation over one axis computes: a value over two
+    """The rotation-shaped nodes no matched rotation over one axis computes, nor reads: a value over two
     axes inside one (torchtune's ``stack`` of the pairs, before its ``flatten``) needs no view
     read as a leaf, and reading x's ``view(..., D/2, 2)`` as one would hide the rotation."""
     matched = [y for y in looks if len(ev.memo[y].inner) == 1 and ctx.examine(y, match_y, ev, y) is not None]
     covered = {n for y in matched for n in region_of([y], lambda r: r in ev.interpreted)}
-    return [y for y in looks if y not in covered]
+    outputs = set(matched)
+
+    def built_on_match(y):  # a matched rotation scaled (``rope(q) * 2``) is no rotation left unmatched
+        region = region_of([y], lambda r: r is y or (r in ev.interpreted and r not in outputs))
+        return any(a in outputs for r in region for a in r.all_input_nodes)
+
+    return [y for y in looks if y not in covered and not built_on_match(y)]
 
 
 #: ops that pass elements on unchanged (casts, views, slices, concatenations, negation)
@@ -547,7 +553,7 @@ def _empty(node: fx.Node) -> bool:
     return any(static_int(s) == 0 for s in shape(node) or ())
 
 
-def _operands(site: ForwardRopeMatch):
+def _operands(ctx: RuleContext, site: ForwardRopeMatch):
     """(x, cos, sin as :class:`Operand`, the replaced region), or the reason the site cannot fuse."""
     ev, wide = site.ev, _region(site)
     y_shape = shape(site.y)
@@ -572,7 +578,7 @@ def _operands(site: ForwardRopeMatch):
         return f"the rotation also reads {foreign[0].name}, which is none of x, cos and sin"
     mixed = _read_at_another_precision(ev, region, roles, (site.x, site.cos, site.sin))
     if mixed is not None:
-        return _precision_problem(site, *mixed)
+        return _judged(ctx, site, _precision_problem(site, *mixed))
     return (*roles, region)
 
 
@@ -596,6 +602,12 @@ def _read_at_another_precision(ev: LaneEvaluator, region: List[fx.Node], operand
                     ev.rounded.get(read, frozenset()) != ev.rounded.get(b, frozenset()) for b in nodes):
                 return read, nodes[0]
     return None
+
+
+def _judged(ctx: RuleContext, site: ForwardRopeMatch, rounding: Optional[str]) -> Optional[str]:
+    """``rounding``, the site's precision verdict, recorded for a backward no form read to take."""
+    ctx.context.judgements.record(site_key(ROTATION_SITE, *_leaves(site)[1:]), rounding, by="forward")
+    return rounding
 
 
 def _leaves(site: ForwardRopeMatch) -> List[fx.Node]:
@@ -640,7 +652,7 @@ def emit(ctx: RuleContext, site: ForwardRopeMatch):
     bound = ctx.context.judgements.binding(site_key(ROTATION_SITE, *_leaves(site)[1:]))
     if bound is not None:  # every backward of this rotation's tables was refused for its roundings
         return Miss(OP.name, site.y.name, bound)
-    operands = _operands(site)
+    operands = _operands(ctx, site)
     if isinstance(operands, str):
         return Miss(OP.name, site.y.name, operands)
     x, cos, sin, region = operands
@@ -651,7 +663,7 @@ def emit(ctx: RuleContext, site: ForwardRopeMatch):
     laid = [tuple(x.shape()[d] for d in order), tuple(([1] * (len(order) - len(cos.shape())) + list(cos.shape()))[d]
                                                       for d in order)]
     bases = [x.base, cos.base, sin.base]
-    problem = rounding_problem(site.ev, {"y": site.y}, bases) or rope_target_problem(
+    problem = _judged(ctx, site, rounding_problem(site.ev, {"y": site.y}, bases)) or rope_target_problem(
         ctx.target, site.mode, laid[0], laid[1], False, compute)
     if problem is not None:
         return Miss(OP.name, site.y.name, problem)
