@@ -77,6 +77,18 @@ def test_rotation_is_judged_once(name, partitioner):
         assert forward == backward, result.misses
 
 
+@pytest.mark.parametrize("partitioner", PARTITIONERS)
+def test_issue_30_program_is_refused_both_ways_for_its_rounding(partitioner):
+    """Issue 30's program as written (its output returned, the cache and sin inputs): the forward rule
+    fused it, reading the cache's rounded copy in every lane, and the output was off by the bf16
+    rounding of the half the program reads exactly."""
+    q = _seeded(5, 2, 4, 6, 16).requires_grad_()
+    result, fw, bw = check(issue_30, [q, CACHE, SIN], partitioner=partitioner, **BOTH)
+    assert not calls(fw, ROPE) and not calls(bw, ROPE_GRAD), (result.sites, result.misses)
+    forward, backward = _misses(result, ROPE), _misses(result, ROPE_GRAD)
+    assert len(forward) == len(backward) == 1 and ROUNDING in forward[0] and forward == backward, result.misses
+
+
 W16 = _seeded(4, 16)
 
 
