@@ -120,3 +120,37 @@ def test_norm_is_judged_once(name, partitioner):
         forward, backward = _misses(result, NORM), _misses(result, NORM_GRAD)
         assert len(forward) == len(backward) == 1 and ROUNDING in backward[0], result.misses
         assert forward == backward, result.misses
+
+
+def gptj_rotate(q):
+    return torch.stack((-q[..., 1::2], q[..., ::2]), -1).flatten(-2)
+
+
+TARGET_SITES = {  # name: (q's shape, the rotation of q, the target, the reason both rules refuse it for; None: fuses)
+    # a [S, D] table is 11SD to both rules (the forward rule unsqueezed it, the backward called A2 on a 2-D cos)
+    "table_of_two_axes_on_a2": ((2, 4, 6, 16), lambda q: q * COS + rotate_half(q) * SIN, "a2", None),
+    "transposed_q_on_a2": ((2, 6, 4, 16), lambda q: (lambda t: t * COS + rotate_half(t) * SIN)(q.transpose(1, 2)),
+                           "a2", None),
+    "thousand_heads_on_a2": ((2, 1000, 6, 16), lambda q: q * COS + rotate_half(q) * SIN, "a2",
+                             "A2/A3 half mode needs B < 1000, N < 1000"),
+    "interleave_over_1200_heads_on_a2": ((2, 600, 6, 16), lambda q: q * COS + gptj_rotate(q) * SIN, "a2",
+                                         "A2/A3 interleave mode needs B*N < 1000"),
+    "three_axes_on_a2": ((6, 4, 16), lambda q: q * COS[:, None] + rotate_half(q) * SIN[:, None], "a2",
+                         "A2/A3 need 4-D dy and cos/sin"),
+    "three_axes_on_950": ((6, 4, 16), lambda q: q * COS[:, None] + rotate_half(q) * SIN[:, None], "950", None),
+}
+
+
+@pytest.mark.parametrize("name", TARGET_SITES)
+def test_rotation_is_judged_once_by_the_target(name):
+    """The target's verdict on a rotation is made on the shapes both rules call their op with (tables
+    right-aligned to the rotated tensor's rank, in the output's memory order): one verdict, one reason."""
+    size, rotate, target, refused = TARGET_SITES[name]
+    q = _seeded(5, *size).requires_grad_()
+    result, fw, bw = check(rotate, [q], target=target, **BOTH)
+    fuses = int(refused is None)
+    assert len(calls(fw, ROPE)) == result.fused(ROPE) == fuses, (result.sites, result.misses)
+    assert len(calls(bw, ROPE_GRAD)) == result.fused(ROPE_GRAD) == fuses, (result.sites, result.misses)
+    if refused is not None:
+        forward, backward = _misses(result, ROPE), _misses(result, ROPE_GRAD)
+        assert len(forward) == len(backward) == 1 and refused in forward[0] and forward == backward, result.misses

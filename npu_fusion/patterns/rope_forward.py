@@ -32,7 +32,7 @@ from typing import List, Optional, Tuple
 import torch.fx as fx
 
 from ..lowering import ROPE as OP, ROPE_GRAD
-from ..lowering.constraints import ROPE_MODES, rope_divisor, rope_target_problem
+from ..lowering.constraints import ROPE_MODES, rope_divisor
 from ..lowering.sizes import same_shape, static_int
 from .evaluator import JointProvenance, kept_precision, rounding_problem
 from .lanes import LaneEvaluator, Lanes
@@ -44,8 +44,8 @@ from .rewrite import (Insertion, Miss, RuleContext, commit, exact_common_dtype, 
 from .pairing import ROTATION_SITE, calls, forward_is_complex, site_key, source, unpaired
 from .rms_norm_forward import _as_forward_work
 from .layout import memory_order, permuted, restored, same_layout
-from .rope import (DX_DEPTH, MAX_LANES, TABLE_SIGNS, _moves_elements, lane_evaluator, symbolic_rotation_sums,
-                   table_terms, unscaled, varying_product)
+from .rope import (DX_DEPTH, MAX_LANES, TABLE_SIGNS, _moves_elements, lane_evaluator, rope_layout_problem,
+                   symbolic_rotation_sums, table_terms, unscaled, varying_product)
 from .rule import Form, FusionRule, RoundReport, SiteProbe
 
 #: (leaf id, the leaf position that plays each position of the fused op's operand)
@@ -650,7 +650,7 @@ def emit(ctx: RuleContext, site: ForwardRopeMatch):
     order of the output it replaces (a transposed q: BSND with 1S1D tables), and its result is
     permuted back, so the program's views of that output keep their strides."""
     bound = ctx.context.judgements.binding(site_key(ROTATION_SITE, *_leaves(site)[1:]))
-    if bound is not None:  # every backward of this rotation's tables was refused for its roundings
+    if bound is not None:  # every backward of these tables was refused for its roundings or by the target
         return Miss(OP.name, site.y.name, bound)
     operands = _operands(ctx, site)
     if isinstance(operands, str):
@@ -660,11 +660,9 @@ def emit(ctx: RuleContext, site: ForwardRopeMatch):
     # memory), in the shape's order, the result then copied into y's layout
     order = memory_order(site.y) or list(range(len(shape(site.y))))
     compute = exact_common_dtype((x.dtype(), cos.dtype(), sin.dtype(), kept_precision(site.y)))
-    laid = [tuple(x.shape()[d] for d in order), tuple(([1] * (len(order) - len(cos.shape())) + list(cos.shape()))[d]
-                                                      for d in order)]
     bases = [x.base, cos.base, sin.base]
-    problem = _judged(ctx, site, rounding_problem(site.ev, {"y": site.y}, bases)) or rope_target_problem(
-        ctx.target, site.mode, laid[0], laid[1], False, compute)
+    problem = _judged(ctx, site, rounding_problem(site.ev, {"y": site.y}, bases)) or rope_layout_problem(
+        ctx.target, site.mode, x.shape(), cos.shape(), False, compute, order)
     if problem is not None:
         return Miss(OP.name, site.y.name, problem)
     with Insertion(ctx.graph, last_of(ctx.graph, bases)) as inserted:
