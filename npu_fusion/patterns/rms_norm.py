@@ -912,7 +912,9 @@ def _emit(rewrites: RuleContext, site: NormMatch, outputs, region):
         compute = exact_common_dtype((compute, kept_precision(site.dx)))  # dx is returned in this dtype
     gamma_dtype = _gamma_dtype(compute, dtype(site.gamma) if site.gamma is not None else compute)
     problem = rms_norm_target_problem(target, compute, gamma_dtype) or rounding_problem(site.ev, outputs, [*site.roles, *site.rest])
-    if site.rstd is not None:  # the norm's verdict binds its forward (the same chips, dtypes and roundings)
+    if site.rstd is not None and "dx" in outputs:
+        # the norm's verdict binds its forward (the same chips, dtypes and roundings); a dgamma-only
+        # site's is its dgamma's, which the forward leaves to the program where it cannot fuse
         rewrites.context.judgements.record(site_key(NORM_SITE, site.rstd), problem)
     if problem is not None:
         return Miss(OP.name, site.dx.name, problem)

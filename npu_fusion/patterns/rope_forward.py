@@ -19,7 +19,11 @@ exists only in pieces (a half-width table read twice, x read as its even and odd
 parts of a complex ``freqs_cis``, a cache's ``select``) is rebuilt from the node that holds its
 elements with slices and ``cat`` (or ``stack``), and the rebuilt node is evaluated and must equal
 the role position by position before the site fuses. Casts are identities of the domain and the rounding rules of
-:func:`~.evaluator.rounding_problem` judge the output. Only on a joint graph, after the backward
+:func:`~.evaluator.rounding_problem` judge the output; since a rounded copy of a role equals the role in the
+domain, every node the site reads of a role's elements must carry the rounding of the operand the fused op
+reads (a table read rounded in some lanes and exactly in others is refused). A rotation is one site with its
+backward: the backward rule's verdict on its tables' roundings and on what the target runs binds this rule,
+and this rule's precision verdict gives a backward no form read its reason (:class:`~.context.SiteJudgements`). Only on a joint graph, after the backward
 rules in each round: an intermediate a decomposed backward still reads (``rotate_half(q)`` for
 a table's gradient) keeps the forward as it is until that backward is fused.
 """
