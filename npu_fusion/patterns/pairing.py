@@ -32,6 +32,16 @@ def source(node) -> object:
     return node
 
 
+#: the kinds of site whose forward and backward rules share verdicts (:class:`~.context.SiteJudgements`)
+NORM_SITE, ROTATION_SITE = "rms_norm", "rope"
+
+
+def site_key(kind: str, *values: fx.Node) -> tuple:
+    """The key both rules of one site record and read its verdicts under: the forward values they
+    both name (a norm's statistic; a rotation's cos and sin), each its :func:`source`."""
+    return (kind, *(source(v) for v in values))
+
+
 def calls(graph: fx.Graph, op: FusedOp) -> List[fx.Node]:
     return [n for n in graph.nodes if n.op == "call_function" and n.target == op.overload]
 

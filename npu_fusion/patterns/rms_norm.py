@@ -80,6 +80,7 @@ from .nodes import (CAST_TARGETS, VIEWS, aten, downstream, dtype, gradient_depen
                     is_value_preserving_cast, last_of, normalize_dim, outermost, region_of, shape, val)
 from .rewrite import (Edit, Insertion, Miss, RuleContext, Site, add_back_accumulated, commit, emit_fused_op,
                       exact_common_dtype, gradient_accumulation)
+from .pairing import NORM_SITE, site_key
 from .rule import Form, FusionRule, RoundReport, SiteProbe
 #: RMSNorm's backward involves dy, x, gamma, rstd and one sum, where x may be a chain of
 #: earlier norms' outputs (two symbols each): anything with many more leaves is some other
@@ -922,8 +923,15 @@ def _emit(rewrites: RuleContext, site: NormMatch, outputs, region):
     if "dx" in outputs:
         compute = exact_common_dtype((compute, kept_precision(site.dx)))  # dx is returned in this dtype
     gamma_dtype = _gamma_dtype(compute, dtype(site.gamma) if site.gamma is not None else compute)
-    problem = rms_norm_target_problem(target, compute, gamma_dtype, shape(site.x), site.ev.k) \
-        or rounding_problem(site.ev, outputs, [*site.roles, *site.rest])
+    rounding = rounding_problem(site.ev, outputs, [*site.roles, *site.rest])
+    problem = rms_norm_target_problem(target, compute, gamma_dtype, shape(site.x), site.ev.k) or rounding
+    if site.rstd is not None and "dx" in outputs:
+        # the norm's verdict binds its forward (the same chips, dtypes and roundings; the shape
+        # limits the forward op's own, not RmsNormGrad's); a dgamma-only site's is its dgamma's,
+        # which the forward leaves to the program where it cannot fuse
+        forward_problem = rms_norm_target_problem(target, compute, gamma_dtype, shape(site.x), site.ev.k,
+                                                  ge_op="RmsNorm")
+        rewrites.context.judgements.record(site_key(NORM_SITE, site.rstd), forward_problem or rounding)
     if problem is not None:
         return Miss(OP.name, site.dx.name, problem)
     anchor = last_of(graph, [n for n in (site.dy, site.x, site.rstd, site.gamma) if n is not None])

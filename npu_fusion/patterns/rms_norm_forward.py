@@ -54,7 +54,7 @@ from .nodes import (CAST_TARGETS, VIEWS, aten, downstream, dtype, gradient_depen
 from .rewrite import Insertion, Miss, RuleContext, commit, emit_fused_op, exact_common_dtype
 from .layout import memory_order, permuted, same_layout
 from .norm_algebra import NormEvaluator, size_key
-from .pairing import calls, source
+from .pairing import NORM_SITE, calls, site_key, source
 from .rms_norm import (norm_evaluator, rms_statistic_operand, spelled_root, unmatched_spelling,
                        whole_forward_misses)
 from .rule import Form, FusionRule, RoundReport, SiteProbe
@@ -469,7 +469,10 @@ def emit(ctx: RuleContext, site: ForwardNormMatch):
     graph = ctx.graph
     site.x, site.gamma = ctx.current(site.x), ctx.current(site.gamma)
     region = _region(site)
-    problem = _pairing_problem(site, region, graph) or _rounds_inside(site)
+    # the site's own verdicts first (the one its backward was given, then its roundings), then
+    # whether it fuses this round (paired with a fused backward)
+    problem = ctx.context.judgements.binding(site_key(NORM_SITE, site.rstd)) or _rounds_inside(site) \
+        or _pairing_problem(site, region, graph)
     compute, gamma_dtype = _dtypes(site)
     problem = problem or rms_norm_target_problem(ctx.target, compute, gamma_dtype, shape(site.x), site.ev.k,
                                                   ge_op=OP.ge_op)

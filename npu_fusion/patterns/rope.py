@@ -44,6 +44,8 @@ from .nodes import (CAST_TARGETS, VIEWS, aten, axis_order, downstream, dtype, gr
                     is_float_cast, last_of, outermost, region_of, shape)
 from .rewrite import (Edit, Insertion, Miss, RuleContext, add_back_accumulated, commit, emit_fused_op,
                       exact_common_dtype, gradient_accumulation)
+from .layout import permuted
+from .pairing import ROTATION_SITE, site_key, source
 from .rule import Form, FusionRule, RoundReport, SiteProbe
 
 #: the widest last axis the lane evaluator tracks: no target accepts a RoPE head dim D above it
@@ -132,6 +134,19 @@ def _polys_equal(a, b) -> bool:
 
 
 # -- per-target constraints (docs/fused-ops.md#rotary_position_embedding_grad) --
+
+def rope_layout_problem(target: str, mode: int, rotated_shape, table_shape, with_x: bool, compute,
+                        order=None) -> Optional[str]:
+    """:func:`rope_target_problem` on the shapes the fused op is called with, forward or backward (one
+    verdict for both rules of a rotation): the tables right-aligned to the rotated tensor's rank, as
+    broadcasting reads them and as both rules unsqueeze them (:func:`~.layout.permuted`), both with
+    their axes in ``order`` (the output's memory order; None: as they are)."""
+    rank = len(rotated_shape)
+    table = (1,) * (rank - len(table_shape)) + tuple(table_shape)
+    order = list(order) if order is not None else list(range(rank))
+    return rope_target_problem(target, mode, tuple(rotated_shape[d] for d in order), tuple(table[d] for d in order),
+                               with_x, compute)
+
 
 # -- matching -----------------------------------------------------------------
 
@@ -584,9 +599,21 @@ def _near_misses(rewrites: RuleContext, ev: LaneEvaluator, looks, matches, insid
     verdicts = {n: rewrites.examine(n, built_on_match, n) for n in looks if n not in matched}
     built_on = [n for n, built in verdicts.items() if built is True]
     unmatched = [n for n, built in verdicts.items() if built is False]
-    return [Miss(OP.name, n.name, "two products per element like a RoPE dx, but no mode's formula "
-                                  "(signs, split points or tables differ)")
-            for n in outermost(unmatched)], len(built_on)
+    misses = []
+    for n in outermost(unmatched):
+        misses.append(Miss(OP.name, n.name, "two products per element like a RoPE dx, but no mode's formula "
+                                            "(signs, split points or tables differ)"))
+        rewrites.context.judgements.defer(misses[-1], _table_keys(ev, n))
+    return misses, len(built_on)
+
+
+def _table_keys(ev: LaneEvaluator, node: fx.Node) -> List[tuple]:
+    """The site keys of the rotations ``node`` may be the backward of: each pair of the forward values
+    (no gradient) its products read, as :func:`~.pairing.site_key` names a rotation's cos and sin."""
+    v = ev.memo.get(node)
+    tables = {source(ev.leaves[lid]) for poly in (v.polys if v is not None else ()) for mono in poly
+              for lid, _ in mono if not ev.depends_on_gradient(ev.leaves[lid])}
+    return [(ROTATION_SITE, a, b) for a in tables for b in tables]
 
 
 def find_again(rewrites: RuleContext, site: RopeMatch, leaves: List[fx.Node]) -> Optional[RopeMatch]:
@@ -785,8 +812,14 @@ def emit(rewrites: RuleContext, site: RopeMatch, outputs, region):
         except TableLayoutError as exc:
             return Miss(OP.name, site.dx.name, str(exc))
         dy, cos, sin, x = operands
-        problem = rope_target_problem(target, site.mode, shape(dy), shape(cos), x is not None, dtype(dy)) \
-            or rounding_problem(ev, outputs, leaves)
+        rounding = rounding_problem(ev, outputs, leaves)
+        layout = rope_layout_problem(target, site.mode, shape(dy), shape(cos), x is not None, dtype(dy))
+        # the rotation's verdict binds its forward: its roundings, and what the target refuses of the
+        # rotation itself (not the limits A2/A3 add for the table gradients, which no forward computes)
+        rotation = layout if x is None or layout is None else rope_layout_problem(
+            target, site.mode, shape(dy), shape(cos), False, dtype(dy))
+        rewrites.context.judgements.record(site_key(ROTATION_SITE, cos_leaf, sin_leaf), rounding or rotation)
+        problem = rounding or layout  # in the forward rule's order: one reason for the rotation
         if problem is None and x is not None and not same_shape(shape(x), shape(dy)):
             problem = f"x {list(shape(x))} and dy {list(shape(dy))} have different shapes"
         if problem is not None:
@@ -817,6 +850,10 @@ def _operands(edit: Edit, site: RopeMatch, leaves, outputs) -> list:
             operands[i] = edit.call(aten.neg.default, (operands[i],))
     compute = exact_common_dtype([*(dtype(n) for n in operands if n is not None),
                                   *(kept_precision(o) for o in outputs.values())])
+    # the tables right-aligned to dy's rank, as the forward rule calls its op (A2/A3 take 4-D tables
+    # only: a [S, D] table is 11SD to both rules); dcos and dsin come back in the program's shapes
+    rank = len(shape(operands[0]))
+    operands[1:3] = [permuted(edit, n, list(range(rank))) for n in operands[1:3]]
     return [edit.cast(n, compute) if n is not None else None for n in operands]
 
 

@@ -20,7 +20,11 @@ exists only in pieces (a half-width table read twice, x read as its even and odd
 parts of a complex ``freqs_cis``, a cache's ``select``) is rebuilt from the node that holds its
 elements with slices and ``cat`` (or ``stack``), and the rebuilt node is evaluated and must equal
 the role position by position before the site fuses. Casts are identities of the domain and the rounding rules of
-:func:`~.evaluator.rounding_problem` judge the output. Only on a joint graph, after the backward
+:func:`~.evaluator.rounding_problem` judge the output; since a rounded copy of a role equals the role in the
+domain, every node the site reads of a role's elements must carry the rounding of the operand the fused op
+reads (a table read rounded in some lanes and exactly in others is refused). A rotation is one site with its
+backward: the backward rule's verdict on its tables' roundings and on what the target runs binds this rule,
+and this rule's precision verdict gives a backward no form read its reason (:class:`~.context.SiteJudgements`). Only on a joint graph, after the backward
 rules in each round: an intermediate a decomposed backward still reads (``rotate_half(q)`` for
 a table's gradient) keeps the forward as it is until that backward is fused; and on an inference
 graph (:class:`~.evaluator.InferenceProvenance`), where no backward pairs a rotation and what no
@@ -35,7 +39,7 @@ from typing import List, Optional, Tuple
 import torch.fx as fx
 
 from ..lowering import ROPE as OP, ROPE_GRAD
-from ..lowering.constraints import ROPE_MODES, rope_divisor, rope_target_problem
+from ..lowering.constraints import ROPE_MODES, rope_divisor
 from ..lowering.sizes import same_shape, static_int
 from .evaluator import InferenceProvenance, JointProvenance, kept_precision, rounding_problem
 from .lanes import LaneEvaluator, Lanes
@@ -44,11 +48,11 @@ from .nodes import (CAST_TARGETS, VIEWS, aten, downstream, dtype, gradient_depen
                     outermost, outside_users, region_of, shape, val)
 from .rewrite import (Insertion, Miss, RuleContext, commit, exact_common_dtype, in_layout_of, input_problem,
                       replacement_of)
-from .pairing import calls, forward_is_complex, source, unpaired
+from .pairing import ROTATION_SITE, calls, forward_is_complex, site_key, source, unpaired
 from .rms_norm_forward import _as_forward_work
 from .layout import memory_order, permuted, restored, same_layout
-from .rope import (DX_DEPTH, MAX_LANES, TABLE_SIGNS, _moves_elements, lane_evaluator, rotation_sums,
-                   symbolic_head_dims, table_terms, unscaled, varying_product)
+from .rope import (DX_DEPTH, MAX_LANES, TABLE_SIGNS, _moves_elements, lane_evaluator, rope_layout_problem,
+                   rotation_sums, symbolic_head_dims, table_terms, unscaled, varying_product)
 from .rule import Form, FusionRule, RoundReport, SiteProbe
 
 #: (leaf id, the leaf position that plays each position of the fused op's operand)
@@ -252,14 +256,20 @@ def _hashable(value):
 
 
 def _uncovered(ctx: RuleContext, ev: LaneEvaluator, looks) -> list:
-    """The rotation-shaped nodes that no matched rotation over one axis computes.
+    """The rotation-shaped nodes that no matched rotation over one axis computes, nor reads.
 
-    The rotation-shaped nodes no matched rotation over one axis computes: a value over two
+    A value over two
     axes inside one (torchtune's ``stack`` of the pairs, before its ``flatten``) needs no view
     read as a leaf, and reading x's ``view(..., D/2, 2)`` as one would hide the rotation."""
     matched = [y for y in looks if len(ev.memo[y].inner) == 1 and ctx.examine(y, match_y, ev, y) is not None]
     covered = {n for y in matched for n in region_of([y], lambda r: r in ev.interpreted)}
-    return [y for y in looks if y not in covered]
+    outputs = set(matched)
+
+    def built_on_match(y):  # a matched rotation scaled (``rope(q) * 2``) is no rotation left unmatched
+        region = region_of([y], lambda r: r is y or (r in ev.interpreted and r not in outputs))
+        return any(a in outputs for r in region for a in r.all_input_nodes)
+
+    return [y for y in looks if y not in covered and not built_on_match(y)]
 
 
 def _unshaped_rotations(ev: LaneEvaluator, seeds, gradient, looks) -> list:
@@ -582,7 +592,7 @@ def _empty(node: fx.Node) -> bool:
     return any(static_int(s) == 0 for s in shape(node) or ())
 
 
-def _operands(site: ForwardRopeMatch):
+def _operands(ctx: RuleContext, site: ForwardRopeMatch):
     """(x, cos, sin as :class:`Operand`, the replaced region), or the reason the site cannot fuse."""
     ev, wide = site.ev, _region(site)
     y_shape = shape(site.y)
@@ -605,7 +615,52 @@ def _operands(site: ForwardRopeMatch):
                and shape(a) is not None and not _empty(a) and not _picks_of_one_leaf(ev, a, leaves)]
     if foreign:
         return f"the rotation also reads {foreign[0].name}, which is none of x, cos and sin"
+    mixed = _read_at_another_precision(ev, region, roles, (site.x, site.cos, site.sin))
+    if mixed is not None:
+        return _judged(ctx, site, _precision_problem(site, *mixed))
     return (*roles, region)
+
+
+def _read_at_another_precision(ev: LaneEvaluator, region: List[fx.Node], operands, roles):
+    """(a node the rotation reads, the operand node it stands beside) where the rotation reads
+    elements of a role's leaf rounded otherwise than the node the fused op reads for that role;
+    None when every read agrees. Casts are identities of the domain, so a rounded copy of a table
+    equals the table: the issue's cache read through a bf16 round trip in half of its lanes and
+    exactly in the other half holds cos whole in the rounded copy, which alone the fused op would
+    read (the other half's rounding added). The nodes inside the region are judged by
+    :func:`~.evaluator.rounding_problem`; these are the region's inputs, kept for other users (a
+    slice the decomposed backward reads) or the leaf itself."""
+    bases = {}
+    for operand, role in zip(operands, roles):
+        bases.setdefault(role[0], []).append(operand.base)
+    inside = set(region)
+    reads = {a: None for n in region for a in n.all_input_nodes if a not in inside}
+    for read in reads:
+        for lid, nodes in bases.items():
+            if read not in nodes and _picks_of_one_leaf(ev, read, {lid}) and all(
+                    ev.rounded.get(read, frozenset()) != ev.rounded.get(b, frozenset()) for b in nodes):
+                return read, nodes[0]
+    return None
+
+
+def _judged(ctx: RuleContext, site: ForwardRopeMatch, rounding: Optional[str]) -> Optional[str]:
+    """``rounding``, the site's precision verdict, recorded for a backward no form read to take."""
+    ctx.context.judgements.record(site_key(ROTATION_SITE, *_leaves(site)[1:]), rounding, by="forward")
+    return rounding
+
+
+def _leaves(site: ForwardRopeMatch) -> List[fx.Node]:
+    """The leaves whose elements play x, cos and sin (in that order)."""
+    return [site.ev.leaves[role[0]] for role in (site.x, site.cos, site.sin)]
+
+
+def _precision_problem(site: ForwardRopeMatch, read: fx.Node, operand: fx.Node) -> str:
+    """Why the site cannot fuse when it reads a role at two precisions: the rounding the program
+    does inside the site, judged by :func:`~.evaluator.rounding_problem` against the role leaves as
+    the backward rule judges its site's (the same reason), else the two reads named."""
+    return rounding_problem(site.ev, {"y": site.y}, _leaves(site)) or (
+        f"the site reads one of its inputs rounded in some lanes and not in others ({read.name} and "
+        f"{operand.name} hold the same elements at different precisions), where the fused op reads one")
 
 
 def _replaced(ev: LaneEvaluator, region: List[fx.Node], y: fx.Node) -> List[fx.Node]:
@@ -633,7 +688,10 @@ def emit(ctx: RuleContext, site: ForwardRopeMatch):
     The op's output is contiguous: it is called on x, cos and sin with their axes in the memory
     order of the output it replaces (a transposed q: BSND with 1S1D tables), and its result is
     permuted back, so the program's views of that output keep their strides."""
-    operands = _operands(site)
+    bound = ctx.context.judgements.binding(site_key(ROTATION_SITE, *_leaves(site)[1:]))
+    if bound is not None:  # every backward of these tables was refused for its roundings or by the target
+        return Miss(OP.name, site.y.name, bound)
+    operands = _operands(ctx, site)
     if isinstance(operands, str):
         return Miss(OP.name, site.y.name, operands)
     x, cos, sin, region = operands
@@ -641,11 +699,9 @@ def emit(ctx: RuleContext, site: ForwardRopeMatch):
     # memory), in the shape's order, the result then copied into y's layout
     order = memory_order(site.y) or list(range(len(shape(site.y))))
     compute = exact_common_dtype((x.dtype(), cos.dtype(), sin.dtype(), kept_precision(site.y)))
-    laid = [tuple(x.shape()[d] for d in order), tuple(([1] * (len(order) - len(cos.shape())) + list(cos.shape()))[d]
-                                                      for d in order)]
     bases = [x.base, cos.base, sin.base]
-    problem = rounding_problem(site.ev, {"y": site.y}, bases) or rope_target_problem(
-        ctx.target, site.mode, laid[0], laid[1], False, compute)
+    problem = _judged(ctx, site, rounding_problem(site.ev, {"y": site.y}, bases)) or rope_layout_problem(
+        ctx.target, site.mode, x.shape(), cos.shape(), False, compute, order)
     if problem is not None:
         return Miss(OP.name, site.y.name, problem)
     with Insertion(ctx.graph, last_of(ctx.graph, bases)) as inserted:

@@ -459,6 +459,7 @@ def _rewrite_in_rounds(context: PassContext, options: FusionOptions, stages: Opt
             break
     for rule, ctx in rules:  # what no form matched is a miss too, never silence
         ctx.round_misses += rule.unexplained(graph, ctx, ctx.misses)
+    context.judgements.settle()  # one reason per site: a backward no form read takes its forward's
     return ([s for _, ctx in rules for s in ctx.sites], [m for _, ctx in rules for m in ctx.misses])
 
 
