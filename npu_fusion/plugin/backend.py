@@ -115,6 +115,7 @@ def aot_backend(options: FusionOptions, around_pass: Optional[Callable] = None, 
     def backend(gm, example_inputs):
         specialize_model_constants(gm, example_inputs)
         return aot(gm, example_inputs)
+    backend.kwargs = aot.kwargs  # AOTAutograd's compilers, partitioner and decompositions, as on ``aot``
     return backend
 
 
