@@ -57,7 +57,7 @@ def rotate_half(x):
 
 
 def rope_q_k(q, k, cos, sin):
-    """HF's ``apply_rotary_pos_emb`` on q and k [B, H, S, D] with the tables [S, D]."""
+    """HF's ``apply_rotary_pos_emb`` on q and k [B, H, S, D] with the tables [1, 1, S, D]."""
     return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
 
 
@@ -68,7 +68,7 @@ def rope_returning_tables(q, k, inv_freq):
     freqs = positions[:, None] * inv_freq[None, :]
     emb = torch.cat((freqs, freqs), -1)
     cos, sin = emb.cos(), emb.sin()
-    return (*rope_q_k(q, k, cos.to(q.dtype), sin.to(q.dtype)), cos, sin)
+    return (*rope_q_k(q, k, cos.to(q.dtype)[None, None], sin.to(q.dtype)[None, None]), cos, sin)
 
 
 def rope_returning_q_k(q, k, cos, sin):
@@ -157,7 +157,7 @@ ROPE = {"rotary_position_embedding_grad": 2, "rotary_position_embedding": 2}
 #: the frozen input's norm: its forward is not fused (its backward, dgamma only, is)
 DGAMMA = {"rms_norm_grad": 1, "rms_norm": 0}
 _RESIDUAL = ((B, S, D), (B, S, D), (D,))
-_ROPE = ((B, H, S, D), (B, H, S, D), (S, D), (S, D))
+_ROPE = ((B, H, S, D), (B, H, S, D), (1, 1, S, D), (1, 1, S, D))
 
 #: the programs (the unfused float32 program saves the returned sum, the input, the float32 tables)
 UPDATED_PROGRAMS = (
