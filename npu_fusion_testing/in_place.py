@@ -62,13 +62,14 @@ def rope_q_k(q, k, cos, sin):
 
 
 def rope_returning_tables(q, k, inv_freq):
-    """HF's rotary embedding and its application: the tables computed in float32 from the
-    positions and returned, q and k rotated with them cast to q's dtype."""
+    """HF's rotary embedding and its application: the tables [1, 1, S, D] computed in float32 from
+    the positions and returned, q and k rotated with them cast to q's dtype (a copy the unfused
+    backward reads; the fused op may read the float32 table the caller holds)."""
     positions = torch.arange(q.shape[-2], dtype=torch.float32)
     freqs = positions[:, None] * inv_freq[None, :]
     emb = torch.cat((freqs, freqs), -1)
-    cos, sin = emb.cos(), emb.sin()
-    return (*rope_q_k(q, k, cos.to(q.dtype)[None, None], sin.to(q.dtype)[None, None]), cos, sin)
+    cos, sin = emb.cos()[None, None], emb.sin()[None, None]
+    return (*rope_q_k(q, k, cos.to(q.dtype), sin.to(q.dtype)), cos, sin)
 
 
 def rope_returning_q_k(q, k, cos, sin):
