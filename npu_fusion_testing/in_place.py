@@ -44,6 +44,13 @@ def residual_norm_view(x, r, w, eps=1e-6):
     return y, h[..., : h.shape[-1] // 2]
 
 
+def stacked_norms(x, w1, w2, eps=1e-6):
+    """Two HF-style norms, the first one's output normalized again and returned: the second
+    norm's fused backward reads the first fused forward op's output, which the caller holds."""
+    y1 = hf_rms_norm(x, w1, eps)
+    return hf_rms_norm(y1, w2, eps), y1
+
+
 def frozen_input_norm(x, w, eps=1e-6):
     """A norm whose input takes no gradient (frozen embeddings, norm-only tuning), the input
     returned as a view: its fused backward (dgamma only) reads x, the unfused read the
@@ -166,6 +173,8 @@ UPDATED_PROGRAMS = (
                    lambda i, o: o[1].mul_(2.0), HALF, NORM),
     UpdatedProgram("returned_residual_view", residual_norm_view, _RESIDUAL, (True, True, True),
                    lambda i, o: o[1].mul_(2.0), HALF, NORM),
+    UpdatedProgram("stacked_norms_returned_between", stacked_norms, ((B, S, D), (D,), (D,)), (True, True, True),
+                   lambda i, o: o[1].mul_(2.0), HALF, {"rms_norm_grad": 2, "rms_norm": 2}),
     UpdatedProgram("returned_norm_output", residual_norm, _RESIDUAL, (True, True, True),
                    lambda i, o: o[0].mul_(2.0), FULL, NORM),
     UpdatedProgram("residual_input", residual_norm, _RESIDUAL, (True, True, True),
