@@ -44,6 +44,13 @@ def residual_norm_view(x, r, w, eps=1e-6):
     return y, h[..., : h.shape[-1] // 2]
 
 
+def split_residual_norm(x, r, w, eps=1e-6):
+    """:func:`residual_norm` of the first half of the sum (a ``split``'s view of it), the whole
+    sum returned: the fused backward reads a view of the tensor the caller holds."""
+    h = x + r
+    return hf_rms_norm(h.chunk(2, -1)[0], w, eps), h
+
+
 def stacked_norms(x, w1, w2, eps=1e-6):
     """Two HF-style norms, the first one's output normalized again and returned: the second
     norm's fused backward reads the first fused forward op's output, which the caller holds."""
@@ -173,6 +180,8 @@ UPDATED_PROGRAMS = (
                    lambda i, o: o[1].mul_(2.0), HALF, NORM),
     UpdatedProgram("returned_residual_view", residual_norm_view, _RESIDUAL, (True, True, True),
                    lambda i, o: o[1].mul_(2.0), HALF, NORM),
+    UpdatedProgram("returned_split_residual", split_residual_norm, ((B, S, 2 * D), (B, S, 2 * D), (D,)),
+                   (True, True, True), lambda i, o: o[1].mul_(2.0), HALF, NORM),
     UpdatedProgram("stacked_norms_returned_between", stacked_norms, ((B, S, D), (D,), (D,)), (True, True, True),
                    lambda i, o: o[1].mul_(2.0), HALF, {"rms_norm_grad": 2, "rms_norm": 2}),
     UpdatedProgram("returned_norm_output", residual_norm, _RESIDUAL, (True, True, True),

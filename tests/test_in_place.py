@@ -40,7 +40,7 @@ def test_caller_update_legal_in_eager_is_legal_compiled(program, dtype, partitio
 def test_the_dtypes_left_out_are_those_eager_refuses(program, dtype):
     """Where the unfused program saved the tensor the caller updates, eager raises: those dtypes
     are no claim of the test above (the program is not legal to begin with)."""
-    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+    with pytest.raises(RuntimeError, match="modified (by an )?inplace"):
         program.run(program.fn, dtype)
 
 
