@@ -21,13 +21,19 @@ Two things the partitioners need from the graph the pass leaves them:
   the forward node they replace, and stay where they are.
 * **Legality.** A tensor the caller can reach (a graph input, a returned tensor, a view of
   either) may be updated in place by the caller between forward and backward; that is legal
-  when the program saved a copy and raises when it saved the tensor itself. Where a fused op
-  reads such a tensor and the unfused backward did not (it read a float32 upcast, a copy), the
-  fused op reads a copy made in the forward (``_to_copy``, tagged ``MUST_SAVE`` so no partitioner
-  recomputes it from the original). "Read by the unfused backward" counts reads through
-  forward values that activation checkpointing recomputes (their inputs are saved); the
-  min-cut partitioner's own recomputation is not predicted, so under it a copy may be made
-  where the unfused program would have saved the tensor itself (the safe side).
+  when the program saved a copy and raises when it saved the tensor itself, or any view of its
+  storage (views share one version counter). So a caller-reachable storage is read by the
+  backward after the pass only where the unfused backward read it too. Every backward read of
+  a forward value is checked, whichever rule made the reader or the value: a backward rule's
+  fused op, a forward rule's fused op whose outputs the backward now reads (a fused pair), an
+  unfused backward node a rule rewired. A read that breaks the rule reads a copy made in the
+  forward instead (``_to_copy``, tagged ``MUST_SAVE`` so no partitioner recomputes it from the
+  original). Returned tensors are told apart by their place among the forward's outputs, so a
+  returned value a forward rule replaced is still the tensor the caller holds; the graph's
+  output node is no reader (returning a tensor does not save it). "Read by the backward"
+  counts reads through forward values that activation checkpointing recomputes (their inputs
+  are saved); the min-cut partitioner's own recomputation is not predicted, so under it a copy
+  may be made where the unfused program would have saved the tensor itself (the safe side).
 * **Recomputation** (min-cut only). Min-cut never recomputes a value that a backward op it
   cannot fuse with (a fused op, a custom op to it) reads: that value must be materialized in the
   backward anyway, so it saves it. The unfused backward read RoPE's tables through pointwise
@@ -40,14 +46,14 @@ Two things the partitioners need from the graph the pass leaves them:
 """
 from __future__ import annotations
 
-from typing import Callable, Dict, List, Optional, Set
+import operator
+from typing import Callable, Dict, Hashable, List, Optional, Set
 
 import torch
 import torch.fx as fx
 
 from ..patterns.nodes import aten, gradient_dependent
 from ..patterns.rewrite import call, fake_mode_of
-from ..patterns.traffic import storage_of
 
 TAG = "partitioner_tag"
 
@@ -90,6 +96,30 @@ def forward_boundary(graph: fx.Graph, gradient: Set[fx.Node]) -> Optional[fx.Nod
     return last
 
 
+def aliased_input(node) -> Optional[fx.Node]:
+    """The input whose storage ``node``'s value shares, or None: the argument a view op's schema
+    marks as aliased by its result (``Tensor(a) self``: views, splits, ``view_as_real``), and
+    for a ``getitem`` of a split, the split's."""
+    if not isinstance(node, fx.Node) or node.op != "call_function":
+        return None
+    if node.target is operator.getitem:
+        return aliased_input(node.args[0])
+    schema = getattr(node.target, "_schema", None)
+    if schema is None or schema.is_mutable or not any(r.alias_info is not None for r in schema.returns):
+        return None
+    for argument, value in zip(schema.arguments, node.args):
+        if argument.alias_info is not None and isinstance(value, fx.Node):
+            return value
+    return None
+
+
+def base_of(node):
+    """The node whose storage ``node``'s value lives in: through every aliasing op to its base."""
+    while (source := aliased_input(node)) is not None:
+        node = source
+    return node
+
+
 def copy_by_to_copy(graph: fx.Graph, fake_mode, value: fx.Node) -> fx.Node:
     """A copy as AOTAutograd graphs write one (``_to_copy``, not ``clone``, which compilers
     drop as a no-op when nothing else marks it needed)."""
@@ -110,7 +140,13 @@ class JointGraph:
         gradient = gradient_dependent(graph) or set()
         self.boundary = forward_boundary(graph, gradient)
         self.backward = self._backward_nodes(gradient)
-        self.read_by_backward = self._read_by_backward()
+        #: the places of the forward's outputs (the tensors the graph returns to the caller)
+        self.returned_places = [i for i, o in enumerate(self._outputs())
+                                if isinstance(o, fx.Node) and o not in self.backward]
+        self.read_by_backward = set(self._backward_reads(self.backward))
+        #: the caller-reachable storages the unfused backward reads, by :meth:`_reachable_keys`'s key
+        reachable = self._reachable_keys()
+        self.reachable_read = {reachable[base_of(v)] for v in self.read_by_backward if base_of(v) in reachable}
 
     def _backward_nodes(self, gradient: Set[fx.Node]) -> Set[fx.Node]:
         if self.boundary is None:
@@ -119,23 +155,44 @@ class JointGraph:
         after = {n for n in nodes[nodes.index(self.boundary) + 1:] if n.op != "output"}
         return after | {n for n in gradient if n.op != "placeholder"}
 
-    def _read_by_backward(self) -> Set[fx.Node]:
-        """Forward values the unfused backward reads: inputs of backward nodes, and the inputs
-        of forward values activation checkpointing recomputes for it."""
-        read: Set[fx.Node] = set()
-        stack = [a for n in self.backward for a in n.all_input_nodes if a not in self.backward]
+    def _outputs(self) -> list:
+        return list(next(iter(self.graph.find_nodes(op="output"))).args[0])
+
+    def _backward_reads(self, backward: Set[fx.Node]) -> Dict[fx.Node, List[fx.Node]]:
+        """The forward values ``backward`` reads, each with its readers: the inputs of backward
+        nodes, and the inputs of forward values activation checkpointing recomputes for it (read
+        by the recomputed value). The output node reads nothing: returning a tensor saves none."""
+        readers: Dict[fx.Node, List[fx.Node]] = {}
+        stack = [(a, n) for n in backward if n.op != "output" for a in n.all_input_nodes if a not in backward]
         while stack:
-            node = stack.pop()
-            if node in read:
+            node, reader = stack.pop()
+            if node.op == "placeholder" and node.name.startswith("tangents"):
                 continue
-            read.add(node)
-            if _must_recompute(node):
-                stack.extend(node.all_input_nodes)
-        return read
+            first = node not in readers
+            readers.setdefault(node, [])
+            if reader not in readers[node]:
+                readers[node].append(reader)
+            if first and _must_recompute(node):
+                stack.extend((a, node) for a in node.all_input_nodes if a not in backward)
+        return readers
+
+    def _reachable_keys(self) -> Dict[fx.Node, Hashable]:
+        """The storages the caller can reach, each with a key that names it before and after the
+        pass: a graph input by its name, a returned tensor by its first place among the outputs
+        (a forward rule may have replaced the node that computes it)."""
+        keys: Dict[fx.Node, Hashable] = {}
+        for p in self.graph.find_nodes(op="placeholder"):
+            if not p.name.startswith("tangents"):
+                keys[p] = ("input", p.name)
+        outputs = self._outputs()
+        for place in self.returned_places:
+            if place < len(outputs) and isinstance(outputs[place], fx.Node):
+                keys.setdefault(base_of(outputs[place]), ("returned", place))
+        return keys
 
     def prepare_for_partition(self) -> List[fx.Node]:
-        """Tag and place the inserted nodes; give fused ops copies of caller-reachable tensors the
-        unfused backward did not read. Returns the copies made."""
+        """Tag and place the inserted nodes; give the backward copies of caller-reachable tensors
+        the unfused backward did not read. Returns the copies made."""
         # a forward rule's nodes come tagged is_forward: forward work, left where it is
         added = [n for n in self.graph.nodes if n not in self.original and n.meta.get(TAG) != "is_forward"]
         if self.boundary is not None and self.boundary._erased:  # a forward rule replaced the last forward node
@@ -179,22 +236,15 @@ class JointGraph:
         return (isinstance(value, fx.Node) and value in self.original and value not in self.backward
                 and value.op == "call_function" and isinstance(value.meta.get("val"), torch.Tensor))
 
-    def _reachable_storages(self) -> Set[fx.Node]:
-        outputs = next(iter(self.graph.find_nodes(op="output"))).args[0]
-        returned = [o for o in outputs if isinstance(o, fx.Node) and o not in self.backward]
-        inputs = [p for p in self.graph.find_nodes(op="placeholder") if not p.name.startswith("tangents")]
-        return {storage_of(n) for n in returned + inputs}
-
     def _copy_reachable_reads(self, added: List[fx.Node]) -> List[fx.Node]:
-        reachable = self._reachable_storages()
-        reads: Dict[fx.Node, List[fx.Node]] = {}
-        for node in added:
-            for arg in node.all_input_nodes:
-                if arg in self.original and arg not in self.backward and isinstance(arg.meta.get("val"), torch.Tensor):
-                    reads.setdefault(arg, []).append(node)
+        """Every forward value the backward reads after the pass whose storage the caller can reach
+        and the unfused backward did not read: its readers read a forward copy instead."""
+        backward = (self.backward & set(self.graph.nodes)) | set(added)
+        reachable = self._reachable_keys()
         copies = []
-        for value, readers in reads.items():
-            if storage_of(value) not in reachable or value in self.read_by_backward:
+        for value, readers in self._backward_reads(backward).items():
+            key = reachable.get(base_of(value))
+            if key is None or key in self.reachable_read or not isinstance(value.meta.get("val"), torch.Tensor):
                 continue
             copy = self._forward_copy(value)
             for reader in readers:

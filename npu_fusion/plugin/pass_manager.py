@@ -51,8 +51,8 @@ class FusionResult:
     #: which graph the pass ran on: ``"joint"`` (before the partition), ``"backward"`` or
     #: ``"inference"`` (a forward that has no backward)
     graph: str = "backward"
-    #: on a joint graph: the caller-reachable tensors a fused op reads through a forward copy
-    #: (the unfused backward read a copy of them, see :mod:`.joint`)
+    #: on a joint graph: the caller-reachable tensors the backward reads through a forward copy
+    #: after the pass (the unfused backward read a copy of them, see :mod:`.joint`)
     copies: List[str] = dataclasses.field(default_factory=list)
     #: what the backend's partition saves for the backward after the pass
     #: (:class:`~npu_fusion.plugin.saved_activations.SavedSet`), when the backend partitioned

@@ -11,6 +11,7 @@ import torch
 
 from npu_fusion.plugin import pass_manager
 from npu_fusion.plugin.backend import get_backend
+from npu_fusion_testing.in_place import UPDATED_PROGRAMS
 
 pytest.importorskip("transformers")
 
@@ -126,3 +127,23 @@ def test_transformers_llama_bf16_on_an_ascend_host(ge, partitioner):
         param_grads(model, torch.compile(model, backend=plain))
         (without,) = [r for r in pass_manager.HISTORY.since(unfused) if r.saved is not None]
         assert result.saved.bytes <= without.saved.bytes, (result.saved.kinds, without.saved.kinds)
+
+
+_UPDATED = [pytest.param(p, d, id=f"{p.name}-{str(d)[6:]}") for p in UPDATED_PROGRAMS for d in p.legal]
+
+
+@pytest.mark.parametrize("partitioner", ["default", "min_cut"])
+@pytest.mark.parametrize("program, dtype", _UPDATED)
+def test_caller_updates_in_place_what_it_holds(ge, program, dtype, partitioner):
+    """Every program of ``tests/test_in_place.py`` through the backend as on an Ascend host (the
+    joint graph fused, forward and backward paired, torchair's compilers): no raise where eager
+    allows the update, outputs and gradients by the float64 criterion, every site fused."""
+    from npu_fusion.measure.grads import MODEL_FACTOR
+    from npu_fusion_testing.in_place import assert_updated_as_eager
+
+    mark = pass_manager.HISTORY.mark()
+    backend = get_backend({"target": "a2", "partitioner": partitioner}, torchair_config=ge.config(), ascend_host=True)
+    assert_updated_as_eager(torch.compile(program.fn, backend=backend, fullgraph=True), program, dtype,
+                            factor=MODEL_FACTOR)
+    results = pass_manager.HISTORY.since(mark)
+    assert {op: sum(r.fused(op) for r in results) for op in program.fused} == program.fused, results

@@ -10,6 +10,7 @@ import torch
 import npu_fusion
 from npu_fusion.plugin import torchair as plugin
 from npu_fusion.plugin.options import FusionOptions
+from npu_fusion_testing.in_place import UPDATED_PROGRAMS
 
 pytestmark = pytest.mark.smoke  # in the version matrix's smoke set: torchair
 
@@ -153,3 +154,24 @@ def test_caller_updating_the_input_in_place_before_backward(ge):
     assert sum(r.fused("rms_norm_grad") for r in pass_manager.HISTORY.since(mark)) == 1
     assert ge.backward().types()["RmsNormGrad"] == 1
     assert_grads_close(got, expected, exact)
+
+
+_UPDATED = [pytest.param(p, d, id=f"{p.name}-{str(d)[6:]}") for p in UPDATED_PROGRAMS for d in p.legal]
+
+
+@pytest.mark.parametrize("program, dtype", _UPDATED)
+def test_caller_updates_in_place_what_it_holds(ge, program, dtype):
+    """Every program of ``tests/test_in_place.py`` through torchair's backend after ``install``
+    (GE graphs built, run eagerly): the pass runs after the partition, on the backward alone, so
+    the saved set is the unfused program's and every update eager allows stays legal; outputs and
+    gradients by the float64 criterion, each backward site fused."""
+    from npu_fusion.measure.grads import MODEL_FACTOR
+    from npu_fusion.plugin import pass_manager
+    from npu_fusion_testing.in_place import assert_updated_as_eager
+
+    mark = pass_manager.HISTORY.mark()
+    compiled = ge.compile(program.fn, config=npu_fusion.install(ge.config(), target="a2"))
+    assert_updated_as_eager(compiled, program, dtype, factor=MODEL_FACTOR)
+    results = pass_manager.HISTORY.since(mark)
+    fused = {op: sum(r.fused(op) for r in results) for op in program.fused if op.endswith("_grad")}
+    assert fused == {op: n for op, n in program.fused.items() if op.endswith("_grad")}, results
