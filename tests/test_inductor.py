@@ -278,12 +278,7 @@ def test_compile_caches_keep_the_fused_code_and_key_on_the_options():
         torch._dynamo.reset()
 
 
-#: Inductor cannot compile a dgamma-only norm yet ("both a fallback and a decomp for same op:
-#: aten.full_like.default"; issue 30, "Everything the pass emits lowers in Inductor")
-_DGAMMA_ONLY = pytest.mark.xfail(raises=InductorError, strict=True,
-                                 reason="Inductor cannot lower the dgamma-only norm the pass emits yet")
-_UPDATED = [pytest.param(p, d, marks=[_DGAMMA_ONLY] if p.name.startswith("frozen") else [],
-                         id=f"{p.name}-{str(d)[6:]}") for p in UPDATED_PROGRAMS for d in p.legal]
+_UPDATED = [pytest.param(p, d, id=f"{p.name}-{str(d)[6:]}") for p in UPDATED_PROGRAMS for d in p.legal]
 
 
 @pytest.mark.parametrize("program, dtype", _UPDATED)
@@ -293,4 +288,5 @@ def test_caller_updates_in_place_what_it_holds(installed, program, dtype):
     float64 criterion, every site fused as on the backend."""
     assert_updated_as_eager(torch.compile(program.fn), program, dtype, factor=MODEL_FACTOR)
     counters = dict(torch._dynamo.utils.counters[COUNTER])
-    assert counters == {op: n for op, n in program.fused.items() if n}, counters
+    fused = {op: n for op, n in counters.items() if not op.endswith("_missed")}
+    assert fused == {op: n for op, n in program.fused.items() if n}, counters
