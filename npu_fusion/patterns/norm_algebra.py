@@ -28,7 +28,7 @@ from ..compat import symbolic_expr
 from ..lowering.sizes import same_shape, static_int
 from .algebra import Expr, accumulate, graph_constant
 from .evaluator import MemoEvaluator, Provenance, Unsupported
-from .nodes import aten, is_float_cast, normalize_dim, shape, val
+from .nodes import CAST_TARGETS, VIEWS, aten, is_float_cast, normalize_dim, shape, val
 
 
 @dataclasses.dataclass
@@ -174,12 +174,42 @@ class NormEvaluator(MemoEvaluator):
         self.symbol_of[node], self.node_of[sym] = sym, node
         if self.spans(v.shape):
             self.varying.add(sym)
-        definition = node
-        if node.op == "placeholder" and self.provenance is not None:
-            definition = self.provenance.forward_definition(node) or node
-        if definition.op == "call_function" and definition.target in self.NONNEGATIVE:
+        if self.is_nonnegative(node):
             self.nonnegative.add(sym)
         return NormValue(Expr.symbol(sym))
+
+    def is_nonnegative(self, node, depth: int = 8) -> bool:
+        """Whether every element of ``node`` is >= 0 (or NaN), by its definition (through saved
+        tensors' forward definitions): a root or an exponential, a square, an even power, a power of
+        such a value, and sums, means, products, quotients, casts and views of such values with
+        numbers >= 0 (a mean square plus eps, ``mean(x*x) + eps``: the statistic under the root of
+        an RMSNorm written ``(mean(x*x) + eps) ** -0.5``). Rounding keeps a sign, so a proof in real
+        arithmetic holds in floating point."""
+        if not isinstance(node, fx.Node):
+            value = graph_constant(node)
+            return value is not None and value >= 0
+        if depth == 0:
+            return False
+        if node.op == "placeholder" and self.provenance is not None:
+            node = self.provenance.forward_definition(node) or node
+        if node.op != "call_function" or not node.args:
+            return False
+        t, args = node.target, node.args
+        if t in self.NONNEGATIVE:
+            return True
+        if t is aten.pow.Tensor_Scalar:
+            exponent = graph_constant(args[1])
+            return exponent is not None and (
+                (exponent == int(exponent) and int(exponent) % 2 == 0) or self.is_nonnegative(args[0], depth - 1))
+        if t is aten.mul.Tensor and args[0] is args[1]:
+            return True
+        if t in (aten.add.Tensor, aten.add.Scalar, aten.mul.Tensor, aten.mul.Scalar, aten.div.Tensor,
+                 aten.div.Scalar):
+            return self.is_nonnegative(node.kwargs.get("alpha", 1), depth) and all(
+                self.is_nonnegative(a, depth - 1) for a in args[:2])
+        if t in (aten.mean.dim, aten.sum.dim_IntList) or t in CAST_TARGETS or t in VIEWS:
+            return self.is_nonnegative(args[0], depth - 1)
+        return False
 
     def _arg(self, arg) -> Expr:
         s = graph_constant(arg)
@@ -332,13 +362,18 @@ class NormEvaluator(MemoEvaluator):
             return NormValue(body, lead_sum=(src, dims))
         raise Unsupported("reduction axes")
 
+    def _forward_power(self, node, forward: bool) -> NormValue:
+        """A power by a number, also of a saved tensor's forward definition: pointwise, so a saved
+        ``(mean(x*x) + eps) ** -0.5`` is the saved mean square's power, the value its backward's
+        ``** -1.5`` is the cube of."""
+        return self._power(node)
+
     #: aten op -> the name of its interpreter, looked up on the instance (so a subclass or a
     #: test can replace one). FORWARD_SAFE interpreters take (node, forward) and may read
     #: forward nodes; BACKWARD_ONLY ones take (node). Ops in neither are leaves.
-    FORWARD_SAFE = dict.fromkeys(BINARY_OPS, "_binary")
+    FORWARD_SAFE = {**dict.fromkeys(BINARY_OPS, "_binary"), aten.pow.Tensor_Scalar: "_forward_power"}
     BACKWARD_ONLY = {
         aten.neg.default: "_negate",
-        aten.pow.Tensor_Scalar: "_power",
         aten.sqrt.default: "_sqrt",
         aten.reciprocal.default: "_reciprocal",
         aten.expand.default: "_expand",

@@ -110,6 +110,9 @@ class NormMatch:
     dgamma: Optional[fx.Node] = None
     #: a dgamma-only site: the statistics it was matched against (to match it again)
     candidates: list = dataclasses.field(default_factory=list)
+    #: the fused op's rstd is ``rstd ** rstd_power``: 1 where the program holds rstd itself, else the
+    #: power of the statistic it holds (-1 of a root ``x / sqrt(...)`` divides by)
+    rstd_power: object = 1
 
     @property
     def roles(self):
@@ -148,14 +151,34 @@ def match_dx(ev: NormEvaluator, node: fx.Node, expr: Expr) -> Optional[NormMatch
                 and (rank is None or len(shape(n)) == rank)]
 
     full = shape(node)
-    stats, gammas = leaves(plain[0], False), leaves(plain[0], True, rank=ev.k) + [None]
+    stats, gammas = statistic_powers(ev, plain[0]), leaves(plain[0], True, rank=ev.k) + [None]
     candidates = itertools.product(stats, leaves(plain[0], True, full_shape=full), gammas,
                                    leaves(summed[0], True, full_shape=full))
-    for r, dy, g, x in candidates:
-        if len({r, dy, g, x}) == 4 and expr == expected_dx(ev, ev.symbol(dy), ev.symbol(x), ev.symbol(r),
+    for (r, power), dy, g, x in candidates:
+        if len({r, dy, g, x}) == 4 and expr == expected_dx(ev, ev.symbol(dy), ev.symbol(x), ev.value_of(r) ** power,
                                                            ev.value_of(g)):
-            return NormMatch(node, dy, x, r, g, ev)
+            return NormMatch(node, dy, x, r, g, ev, rstd_power=power)
     return _match_expression_roles(ev, node, expr, stats, gammas, sums)
+
+
+def statistic_powers(ev: NormEvaluator, term) -> List[tuple]:
+    """``(node, power)`` for each factor ``s**e`` of ``term`` constant along the normalized axes,
+    ``s`` a leaf: the candidate rstd is ``s**e``, the node whose value that is where the program
+    computed it (``power`` 1: an ``rsqrt``, a saved ``(mean(x*x) + eps) ** -0.5``), else ``s``'s
+    node with ``power`` e (a root the program divides by: ``e`` -1)."""
+    found = []
+    for s, e in term:
+        node = ev.node_of.get(s)
+        if node is None or s in ev.varying:
+            continue
+        computed = ev.node_with_value(Expr({((s, e),): 1}), shape(node))
+        found.append((computed, 1) if computed is not None else (node, e))
+    return found
+
+
+def rstd_value(ev: NormEvaluator, site: "NormMatch") -> Expr:
+    """The value of the fused op's rstd: the rstd role's to the site's :attr:`NormMatch.rstd_power`."""
+    return ev.value_of(site.rstd) ** site.rstd_power if site.rstd is not None else Expr.number(1)
 
 
 def _match_expression_roles(ev: NormEvaluator, node, expr: Expr, stats, gammas, sums) -> Optional[NormMatch]:
@@ -166,17 +189,16 @@ def _match_expression_roles(ev: NormEvaluator, node, expr: Expr, stats, gammas, 
     (total,) = sums
     (plain, plain_coef), = [(m, c) for m, c in expr.split_terms() if total not in _symbols(m)]
     full = shape(node)
-    for r, g in itertools.product(stats, gammas):
-        gs = ev.value_of(g)
-        dy = ev.node_with_value(Expr({plain: plain_coef}) / (ev.symbol(r) * gs), full)
+    for (r, power), g in itertools.product(stats, gammas):
+        gs, rs = ev.value_of(g), ev.value_of(r) ** power
+        dy = ev.node_with_value(Expr({plain: plain_coef}) / (rs * gs), full)
         if dy is None or len(ev.value_of(dy).terms) != 1:
             continue
         known = Expr({ev.varying_part(next(iter((ev.value_of(dy) * gs).terms))): 1})
         x_body = Expr({ev.sum_body[total]: 1}) / known
         for x in ev.nodes_varying_as(next(iter(x_body.terms)), full):
-            if len({r, dy, g, x}) == 4 and expr == expected_dx(ev, ev.value_of(dy), ev.value_of(x),
-                                                               ev.symbol(r), gs):
-                return NormMatch(node, dy, x, r, g, ev)
+            if len({r, dy, g, x}) == 4 and expr == expected_dx(ev, ev.value_of(dy), ev.value_of(x), rs, gs):
+                return NormMatch(node, dy, x, r, g, ev, rstd_power=power)
     return None
 
 
@@ -213,7 +235,7 @@ def _match_root(ev: NormEvaluator, root: fx.Node, stop) -> Optional[NormMatch]:
 
 
 def _dgamma_summand(ev: NormEvaluator, site: NormMatch) -> Expr:
-    return ev.value_of(site.dy) * ev.value_of(site.x) * ev.value_of(site.rstd)
+    return ev.value_of(site.dy) * ev.value_of(site.x) * rstd_value(ev, site)
 
 
 def match_dgamma(ev: NormEvaluator, node: fx.Node, site: NormMatch) -> bool:
@@ -917,6 +939,8 @@ def _emit(rewrites: RuleContext, site: NormMatch, outputs, region):
     with Insertion(graph, anchor) as inserted:
         dy, x = edit.cast(site.dy, compute), edit.cast(site.x, compute)
         rstd = edit.cast(site.rstd, torch.float32) if site.rstd is not None else None
+        if site.rstd_power != 1:  # the statistic the program holds, raised to rstd
+            rstd = edit.call(aten.pow.Tensor_Scalar, (rstd, float(site.rstd_power)))
         gamma = edit.cast(site.gamma, gamma_dtype) if site.gamma is not None else None
         if gamma is None and site.dgamma_only:  # dx unused: any gamma; ones need no static size
             gamma = _ones_of_part(edit, x, site.ev.k, compute, gamma_part=True)

