@@ -60,3 +60,40 @@ def test_rms_norm_spelling_near_miss_stays_unfused(near_miss):
     norm = _hf(RMS_NEAR_MISSES[near_miss])
     result, fw, bw = check(lambda x: norm(x, w), [_input(torch.float32)], [w], **ON)
     assert not result.sites and not calls(fw, FORWARD) and not calls(bw, BACKWARD)
+
+
+# -- a norm whose output several readers take: dy is the sum of their gradients ---------------
+
+HEAD = torch.randn(4, 16, generator=torch.Generator().manual_seed(5))
+
+
+def _head_and_auxiliary_loss(x, w):
+    """A final norm feeding an extra head and squared in an auxiliary loss."""
+    y = F.rms_norm(x, (16,), w, EPS)
+    return F.linear(y, HEAD.to(x.dtype)).float().sum(-1) + y.float().pow(2).sum(-1)
+
+
+def _head_and_loss_of_the_statistic(x, w):
+    """Near miss: the auxiliary loss reads the statistic itself, whose gradient reaches x outside
+    anything the fused op's dy can carry."""
+    xf = x.float()
+    rstd = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + EPS)
+    y = w * (xf * rstd).to(x.dtype)
+    return F.linear(y, HEAD.to(x.dtype)).float().sum(-1) + rstd.squeeze(-1)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+def test_norm_read_by_a_head_and_a_loss_fuses(dtype):
+    w = _weight(dtype)
+    result, fw, bw = check(lambda x: _head_and_auxiliary_loss(x, w), [_input(dtype)], [w], **ON)
+    assert not result.misses, result.misses
+    assert result.fused(FORWARD) == 1 and result.fused(BACKWARD) == 1
+    [site] = [s for s in result.sites if s.op == BACKWARD]
+    assert set(site.outputs) == {"dx", "dgamma"}
+    assert_paired(fw, bw, 1)
+
+
+def test_norm_whose_statistic_a_loss_reads_stays_unfused():
+    w = _weight(torch.float32)
+    result, fw, bw = check(lambda x: _head_and_loss_of_the_statistic(x, w), [_input(torch.float32)], [w], **ON)
+    assert not calls(bw, BACKWARD) and not calls(fw, FORWARD), result.sites

@@ -136,13 +136,11 @@ def _symbols(mono) -> set:
 def match_dx(ev: NormEvaluator, node: fx.Node, expr: Expr) -> Optional[NormMatch]:
     """Read the roles off the two terms of ``r*dy*g - r**3*x*S[dy*g*x]/N``, then check equality."""
     sums = {s for s in expr.free_symbols if s in ev.sum_body}
-    if len(sums) != 1:
-        return None
     terms = [mono for mono, _ in expr.split_terms()]
     plain = [m for m in terms if not (_symbols(m) & sums)]
     summed = [m for m in terms if _symbols(m) & sums]
-    if len(plain) != 1 or len(summed) != 1:
-        return None
+    if len(sums) != 1 or len(plain) != 1 or len(summed) != 1:
+        return _match_gradient_sum(ev, node, expr, sums) if sums and plain and summed else None
 
     def leaves(term, varying, full_shape=None, rank=None):
         nodes = [ev.node_of[s] for s in _symbols(term) if s in ev.node_of]
@@ -200,6 +198,40 @@ def _match_expression_roles(ev: NormEvaluator, node, expr: Expr, stats, gammas, 
             if len({r, dy, g, x}) == 4 and expr == expected_dx(ev, ev.value_of(dy), ev.value_of(x), rs, gs):
                 return NormMatch(node, dy, x, r, g, ev, rstd_power=power)
     return None
+
+
+def _match_gradient_sum(ev: NormEvaluator, node, expr: Expr, sums) -> Optional[NormMatch]:
+    """dy a node whose value has several terms: the sum of the gradients of several readers of the
+    norm's output (a final norm feeding a head and squared in an auxiliary loss: ``dy`` holds
+    ``2 * y * c``, with y itself ``rstd * x * g``). Its value is the terms of dx free of the sum over
+    the normalized axes, divided by ``rstd * g``; the sum over the normalized axes of ``dy * g * x``
+    then expands into several sums, and the whole formula is checked."""
+    plain = Expr({m: c for m, c in expr.split_terms() if not (_symbols(m) & sums)})
+    first = next(iter(plain.terms))
+    full = shape(node)
+    varying = lambda term, **kw: [ev.node_of[s] for s in _symbols(term) if s in ev.node_of  # noqa: E731
+                                  and s in ev.varying and _shape_fits(ev.node_of[s], **kw)]
+    gammas = varying(first, rank=ev.k) + [None]
+    xs = list(dict.fromkeys(n for m, _ in expr.split_terms() if _symbols(m) & sums
+                            for n in varying(m, full_shape=full)))
+    # rstd * g divides every term of dy's: rstd is one of the statistic's powers there
+    stats = list(dict.fromkeys(p for m in plain.terms for p in statistic_powers(ev, m)))
+    for (r, power), g in itertools.product(stats, gammas):
+        gs, rs = ev.value_of(g), ev.value_of(r) ** power
+        try:
+            dy = ev.node_with_value(plain / (rs * gs), full)
+        except Unsupported:
+            continue
+        if dy is None or not ev.depends_on_gradient(dy):
+            continue
+        for x in xs:
+            if len({r, dy, g, x}) == 4 and expr == expected_dx(ev, ev.value_of(dy), ev.value_of(x), rs, gs):
+                return NormMatch(node, dy, x, r, g, ev, rstd_power=power)
+    return None
+
+
+def _shape_fits(node: fx.Node, full_shape=None, rank=None) -> bool:
+    return (full_shape is None or same_shape(shape(node), full_shape)) and (rank is None or len(shape(node)) == rank)
 
 
 def _stat_leaves(ev: NormEvaluator, expr) -> frozenset:
