@@ -6,11 +6,36 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from test_forward_fusion import assert_paired, calls, check
+from test_forward_fusion import calls, check
 
 FORWARD, BACKWARD = "rms_norm", "rms_norm_grad"
 ON = {"rms_norm_forward": True}
 EPS = 1e-6
+
+
+def _source(node):
+    """``node`` through casts, views and the unsqueezes and squeezes that add or drop axes of size 1."""
+    while node.op == "call_function" and node.target in (
+            torch.ops.aten._to_copy.default, torch.ops.aten.view.default, torch.ops.prims.convert_element_type.default,
+            torch.ops.aten.unsqueeze.default, torch.ops.aten.squeeze.dim, torch.ops.aten.squeeze.dims):
+        node = node.args[0]
+    return node
+
+
+def assert_paired(fw, bw, sites):
+    """``sites`` fused forward ops and no decomposed statistic left in the forward; each fused backward
+    reads a fused forward op's rstd, saved by the partition (not recomputed), in the shape the program
+    keeps it in (a statistic taken with ``keepdim=False`` is read where the program unsqueezes it)."""
+    forward_ops = calls(fw, FORWARD)
+    assert len(forward_ops) == sites and not calls(fw, "rsqrt") and not calls(fw, "mean")
+    by_name = {n.name: n for n in fw.nodes}
+    backward_ops = calls(bw, BACKWARD)
+    assert len(backward_ops) == sites and not calls(bw, "rsqrt")
+    for op in backward_ops:
+        rstd = _source(op.args[2])
+        assert rstd.op == "placeholder", rstd
+        source = _source(by_name[rstd.name])
+        assert source.target.__name__ == "getitem" and source.args[0] in forward_ops and source.args[1] == 1
 
 
 def _weight(dtype, d=16):
@@ -32,12 +57,16 @@ def _hf(statistic):
 RMS_SPELLINGS = {  # name: the normalized value of a float32 x, spelled as the program does
     "power_minus_half": lambda xf: xf * (xf.pow(2).mean(-1, keepdim=True) + EPS) ** -0.5,
     # "division_by_sqrt": lambda xf: xf / torch.sqrt(xf.pow(2).mean(-1, keepdim=True) + EPS),
+    "statistic_without_keepdim": lambda xf: xf * torch.rsqrt(xf.pow(2).mean(-1) + EPS).unsqueeze(-1),
 }
 
 RMS_NEAR_MISSES = {  # name: a normalized value one step away from an RMSNorm's
     "power_minus_0.4": lambda xf: xf * (xf.pow(2).mean(-1, keepdim=True) + EPS) ** -0.4,
     "division_by_sqrt_of_a_sum": lambda xf: xf / torch.sqrt(xf.pow(2).sum(-1, keepdim=True) + EPS),
     "division_by_sqrt_eps_outside": lambda xf: xf / (torch.sqrt(xf.pow(2).mean(-1, keepdim=True)) + EPS),
+    # [B, S] unsqueezed before S: each row scaled by the statistics of other rows (S == D here)
+    "statistic_without_keepdim_unsqueezed_elsewhere":
+        lambda xf: xf * torch.rsqrt(xf.pow(2).mean(-1) + EPS).unsqueeze(-2),
 }
 
 
@@ -58,7 +87,7 @@ def test_rms_norm_spelling_fuses_forward_and_backward(spelling, dtype):
 def test_rms_norm_spelling_near_miss_stays_unfused(near_miss):
     w = _weight(torch.float32)
     norm = _hf(RMS_NEAR_MISSES[near_miss])
-    result, fw, bw = check(lambda x: norm(x, w), [_input(torch.float32)], [w], **ON)
+    result, fw, bw = check(lambda x: norm(x, w), [_input(torch.float32, 2, 16, 16)], [w], **ON)
     assert not result.sites and not calls(fw, FORWARD) and not calls(bw, BACKWARD)
 
 

@@ -163,14 +163,17 @@ def statistic_powers(ev: NormEvaluator, term) -> List[tuple]:
     """``(node, power)`` for each factor ``s**e`` of ``term`` constant along the normalized axes,
     ``s`` a leaf: the candidate rstd is ``s**e``, the node whose value that is where the program
     computed it (``power`` 1: an ``rsqrt``, a saved ``(mean(x*x) + eps) ** -0.5``), else ``s``'s
-    node with ``power`` e (a root the program divides by: ``e`` -1)."""
+    node with ``power`` e (a root the program divides by: ``e`` -1); each of a keep-dim shape,
+    as the fused op reads rstd (a statistic taken with ``keepdim=False`` is read where the program
+    unsqueezes it)."""
     found = []
     for s, e in term:
-        node = ev.node_of.get(s)
-        if node is None or s in ev.varying:
+        if s not in ev.node_of or s in ev.varying:
             continue
-        computed = ev.node_with_value(Expr({((s, e),): 1}), shape(node))
-        found.append((computed, 1) if computed is not None else (node, e))
+        computed = ev.keep_dim_node_with_value(Expr({((s, e),): 1}))
+        node = ev.keep_dim_node_with_value(Expr.symbol(s))  # not a copy that drops the normalized axes
+        if computed is not None or node is not None:
+            found.append((computed, 1) if computed is not None else (node, e))
     return found
 
 

@@ -107,14 +107,15 @@ def _is_root(node: fx.Node) -> bool:
 
 
 def _reductions_below(node: fx.Node, depth: int = 4) -> List[fx.Node]:
-    """Keep-dim means and sums among ``node`` and its inputs up to ``depth`` steps above it."""
+    """Means and sums among ``node`` and its inputs up to ``depth`` steps above it (keeping their
+    axes or not: the algebra reads a statistic that drops them, :attr:`NormValue.dropped`)."""
     found, frontier = [], [node]
     for _ in range(depth):
         nxt = []
         for n in frontier:
             if n.op != "call_function":
                 continue
-            if n.target in (aten.mean.dim, aten.sum.dim_IntList) and len(n.args) > 2 and n.args[2] and n.args[1]:
+            if n.target in (aten.mean.dim, aten.sum.dim_IntList) and len(n.args) > 1 and n.args[1]:
                 found.append(n)
             nxt.extend(n.all_input_nodes)
         frontier = nxt
@@ -138,7 +139,8 @@ def _statistic_inputs(ev: NormEvaluator, rstd: fx.Node, argument: Expr, eps) -> 
     if any(e % 2 for _, e in body):
         return []
     half = tuple((s, e // 2) for s, e in body)
-    x_shape = tuple(shape(rstd)[:len(shape(rstd)) - ev.k]) + tuple(ev.norm_shape)
+    kept = ev.k - ev.memo[rstd].dropped  # the normalized axes rstd keeps (of size 1)
+    x_shape = tuple(shape(rstd)[:len(shape(rstd)) - kept]) + tuple(ev.norm_shape)
     squared = [n for n in _squared_operands(rstd) if ev.memo.get(n) is not None and same_shape(shape(n), x_shape)]
     return [x for x in dict.fromkeys(squared + ev.nodes_varying_as(half, x_shape))
             if len(shape(x)) > ev.k and rest == ev.sum_over_normalized(ev.value_of(x) ** 2) / ev.n]
@@ -347,14 +349,16 @@ def _region(site: ForwardNormMatch) -> List[fx.Node]:
 
 def _readers(node: fx.Node, region) -> List[fx.Node]:
     """The nodes outside the site that read ``node``, seen through casts, views and detaches (the
-    decomposed backward reads rstd through ``detach``)."""
-    found, stack, seen = [], [u for u in node.users if u not in region], set()
+    decomposed backward reads rstd through ``detach``; a statistic taken with ``keepdim=False``
+    through the site's own ``unsqueeze(-1)``)."""
+    copies = CAST_TARGETS | VIEWS
+    found, stack, seen = [], [u for u in node.users if u not in region or u.target in copies], set()
     while stack:
         user = stack.pop()
         if user in seen:
             continue
         seen.add(user)
-        if user.op == "call_function" and user.target in CAST_TARGETS | VIEWS:
+        if user.op == "call_function" and user.target in copies:
             stack.extend(user.users)
         else:
             found.append(user)
