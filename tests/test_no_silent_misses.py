@@ -29,7 +29,7 @@ def _reasons(result, op):
 
 NORMS = {  # name: (the norm of x with weight w, the reason a miss must give, whether its forward fuses)
     "division_by_the_root": (lambda x, w: x / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + EPS) * w,
-                             DIVISION_REASON, False),
+                             DIVISION_REASON, True),
     "statistic_without_keepdim": (lambda x, w: x * torch.rsqrt(x.pow(2).mean(-1) + EPS).unsqueeze(-1) * w,
                                   KEEPDIM_REASON, True),
 }
@@ -39,7 +39,7 @@ NORMS = {  # name: (the norm of x with weight w, the reason a miss must give, wh
 @pytest.mark.parametrize("name", NORMS)
 def test_norm_spelling_of_a_trained_input_fuses_its_backward(name, options):
     """Its dx and dgamma are read by value (the statistic's power, the axes put back by the
-    unsqueeze); a forward no form reads is a miss saying how to fuse it."""
+    unsqueeze), and so is its forward."""
     norm, reason, forward_fuses = NORMS[name]
     w = torch.nn.Parameter(_seeded(3, 16))
     x = _seeded(1, 2, 3, 16).requires_grad_()

@@ -56,7 +56,7 @@ def _hf(statistic):
 
 RMS_SPELLINGS = {  # name: the normalized value of a float32 x, spelled as the program does
     "power_minus_half": lambda xf: xf * (xf.pow(2).mean(-1, keepdim=True) + EPS) ** -0.5,
-    # "division_by_sqrt": lambda xf: xf / torch.sqrt(xf.pow(2).mean(-1, keepdim=True) + EPS),
+    "division_by_sqrt": lambda xf: xf / torch.sqrt(xf.pow(2).mean(-1, keepdim=True) + EPS),
     "statistic_without_keepdim": lambda xf: xf * torch.rsqrt(xf.pow(2).mean(-1) + EPS).unsqueeze(-1),
 }
 

@@ -49,7 +49,7 @@ from .algebra import Expr
 from .evaluator import JointProvenance, Provenance, Unsupported, kept_precision, rounding_problem
 from .nodes import (CAST_TARGETS, VIEWS, aten, downstream, dtype, gradient_dependent,
                     is_value_preserving_cast, last_of, normalize_dim, outermost, outside_users, region_of, shape, val)
-from .rewrite import Insertion, Miss, RuleContext, commit, emit_fused_op, exact_common_dtype
+from .rewrite import Insertion, Miss, RuleContext, commit, emit_fused_op, exact_common_dtype, replacement_of
 from .layout import memory_order, permuted, same_layout
 from .norm_algebra import NormEvaluator, size_key
 from .pairing import calls, source
@@ -103,7 +103,13 @@ def _statistic_nodes(graph: fx.Graph, forward) -> Dict[tuple, tuple]:
 
 def _is_root(node: fx.Node) -> bool:
     return node.op == "call_function" and isinstance(node.args[0], fx.Node) and (
-        node.target is aten.rsqrt.default or (node.target is aten.pow.Tensor_Scalar and node.args[1] == -0.5))
+        node.target in (aten.rsqrt.default, aten.sqrt.default)
+        or (node.target is aten.pow.Tensor_Scalar and node.args[1] == -0.5))
+
+
+def _root_power(root: fx.Node) -> int:
+    """rstd as a power of the program's root: 1, or -1 for the ``sqrt`` the program divides by."""
+    return -1 if root.target is aten.sqrt.default else 1
 
 
 def _reductions_below(node: fx.Node, depth: int = 4) -> List[fx.Node]:
@@ -173,7 +179,7 @@ def _gamma_candidates(ev: NormEvaluator, expr: Expr) -> List[Optional[fx.Node]]:
 
 def _outputs(ev: NormEvaluator, graph: fx.Graph, rstd: fx.Node, x: fx.Node, forward) -> List[tuple]:
     """(node, gamma) of the forward nodes near ``rstd`` whose value is ``rstd * x * gamma``."""
-    normalized = ev.symbol(rstd) * ev.value_of(x)
+    normalized = ev.symbol(rstd) ** _root_power(rstd) * ev.value_of(x)
     found = []
     for node in downstream(graph, [rstd], Y_DEPTH):
         value = val(node)  # a tuple (a MoE router's topk) or nothing: no output of a norm
@@ -469,7 +475,9 @@ def emit(ctx: RuleContext, site: ForwardNormMatch):
         emitted = _emit_call(ctx, site, compute, gamma_dtype, outputs, order)
         if isinstance(emitted, Miss):
             return emitted
-    fused, replacements = emitted
+        fused, replacements = emitted
+        if _root_power(site.rstd) != 1:
+            _replace_root(ctx.edit, site.rstd, replacements)
     moved = [old for old, new in replacements.items() if not same_layout(new, old)]
     if moved:  # the program's views of its outputs rely on their strides
         return Miss(OP.name, site.y.name, f"{moved[0].name} has strides {list(val(moved[0]).stride())}, the fused "
@@ -483,6 +491,17 @@ def emit(ctx: RuleContext, site: ForwardNormMatch):
     if fused_y is not None:  # the forward reads the fused y, the backward the program's, recomputable
         site.y.replace_all_uses_with(fused_y, delete_user_cb=lambda user: user not in readers)
     return done
+
+
+def _replace_root(edit, root: fx.Node, replacements) -> None:
+    """The program's root (``x / sqrt(...)``) is the reciprocal of the fused op's rstd, which
+    ``replacements`` holds for it: the root's readers read that reciprocal, and the ``root ** -1``
+    the fused backward reads as its rstd reads the fused rstd itself."""
+    rstd = replacements[root]
+    for user in list(root.users):
+        if user.target is aten.pow.Tensor_Scalar and user.args[1] == -1:
+            replacements[user] = replacement_of(edit, rstd, user)
+    replacements[root] = edit.call(aten.reciprocal.default, (rstd,))
 
 
 def _emit_call(ctx: RuleContext, site: ForwardNormMatch, compute: torch.dtype, gamma_dtype: torch.dtype, outputs,
