@@ -126,3 +126,43 @@ def test_norm_whose_statistic_a_loss_reads_stays_unfused():
     w = _weight(torch.float32)
     result, fw, bw = check(lambda x: _head_and_loss_of_the_statistic(x, w), [_input(torch.float32)], [w], **ON)
     assert not calls(bw, BACKWARD) and not calls(fw, FORWARD), result.sites
+
+
+# -- RoPE ----------------------------------------------------------------------------------------------
+
+ROPE_ON = {"rms_norm_forward": True, "rope_forward": True}
+ROPE, ROPE_GRAD = "rotary_position_embedding", "rotary_position_embedding_grad"
+
+
+def _stack_interleaved(q, cos, sin):
+    """Pairs rotated as even and odd lanes, stacked back and flattened, with half-width tables."""
+    even, odd = q[..., 0::2], q[..., 1::2]
+    return torch.stack((even * cos - odd * sin, even * sin + odd * cos), -1).flatten(-2)
+
+
+def _stack_interleaved_sign_flipped(q, cos, sin):
+    """Near miss: the odd lanes' own term negated."""
+    even, odd = q[..., 0::2], q[..., 1::2]
+    return torch.stack((even * cos - odd * sin, even * sin - odd * cos), -1).flatten(-2)
+
+
+@pytest.mark.parametrize("target", ["generic", "a2"])
+def test_rope_interleaved_with_half_width_tables_fuses_both_ways(target):
+    """On A2 the fused ops take 4-D tables: the backward widens the [S, D/2] tables as the forward
+    does (leading axes of size 1), so both fuse."""
+    q = torch.randn(2, 4, 6, 16, generator=torch.Generator().manual_seed(1)).requires_grad_()
+    angles = torch.randn(6, 8, generator=torch.Generator().manual_seed(2))
+    cos, sin = angles.cos(), angles.sin()
+    result, fw, bw = check(lambda q: _stack_interleaved(q, cos, sin) * 2, [q], target=target, **ROPE_ON)
+    assert not result.misses, result.misses
+    assert result.fused(ROPE) == result.fused(ROPE_GRAD) == 1
+    assert len(calls(fw, ROPE)) == len(calls(bw, ROPE_GRAD)) == 1 and calls(fw, ROPE)[0].args[3] == 1
+
+
+def test_rope_interleaved_with_a_sign_flipped_stays_unfused():
+    q = torch.randn(2, 4, 6, 16, generator=torch.Generator().manual_seed(1)).requires_grad_()
+    angles = torch.randn(6, 8, generator=torch.Generator().manual_seed(2))
+    cos, sin = angles.cos(), angles.sin()
+    result, fw, bw = check(lambda q: _stack_interleaved_sign_flipped(q, cos, sin) * 2, [q], target="a2", **ROPE_ON)
+    assert not result.fused(ROPE) and not result.fused(ROPE_GRAD)
+    assert not calls(fw, ROPE) and not calls(bw, ROPE_GRAD)

@@ -779,7 +779,7 @@ def emit(rewrites: RuleContext, site: RopeMatch, outputs, region):
 
 def _operands(edit: Edit, site: RopeMatch, leaves, outputs) -> list:
     """dy, cos, sin and x for the fused op, built from the role leaves, negated where the
-    site's table is the leaf negated, in the narrowest dtype that holds them all exactly and
+    site's table is the leaf negated, with dy's number of axes (as the forward rule widens them), in the narrowest dtype that holds them all exactly and
     every output's :func:`kept_precision` (the op returns its outputs in dy's dtype, which must
     not round them more coarsely than the program does before its own next rounding)."""
     roles = (site.dy, site.cos, site.sin, site.x)
@@ -788,6 +788,9 @@ def _operands(edit: Edit, site: RopeMatch, leaves, outputs) -> list:
     for i, sign in ((1, site.signs[0]), (2, site.signs[1])):
         if sign < 0:
             operands[i] = edit.call(aten.neg.default, (operands[i],))
+    for i in (1, 2):  # tables of fewer axes than dy ([S, D]) broadcast as with leading axes of size 1
+        while len(shape(operands[i])) < len(shape(operands[0])):
+            operands[i] = edit.call(aten.unsqueeze.default, (operands[i], 0))
     compute = exact_common_dtype([*(dtype(n) for n in operands if n is not None),
                                   *(kept_precision(o) for o in outputs.values())])
     return [edit.cast(n, compute) if n is not None else None for n in operands]
