@@ -166,3 +166,31 @@ def test_rope_interleaved_with_a_sign_flipped_stays_unfused():
     result, fw, bw = check(lambda q: _stack_interleaved_sign_flipped(q, cos, sin) * 2, [q], target="a2", **ROPE_ON)
     assert not result.fused(ROPE) and not result.fused(ROPE_GRAD)
     assert not calls(fw, ROPE) and not calls(bw, ROPE_GRAD)
+
+
+def _rotate_half(x):
+    first, second = x.chunk(2, dim=-1)
+    return torch.cat((-second, first), dim=-1)
+
+
+def _rotation(x, cos, sin):
+    return x * cos + _rotate_half(x) * sin
+
+
+def _rotation_sign_flipped(x, cos, sin):  # near miss: rotate_half's halves not negated
+    first, second = x.chunk(2, dim=-1)
+    return x * cos + torch.cat((second, first), dim=-1) * sin
+
+
+@pytest.mark.parametrize("outer", [_rotation, _rotation_sign_flipped], ids=["rotation", "near_miss"])
+def test_rope_applied_twice_fuses_both_forwards(outer):
+    """The outer rotation reads the inner one's output: it is read once the inner is a fused op
+    (pending until then), so both forwards fuse with both backwards; an outer near miss stays."""
+    q = torch.randn(2, 4, 6, 16, generator=torch.Generator().manual_seed(1)).requires_grad_()
+    angles = torch.randn(6, 16, generator=torch.Generator().manual_seed(2))
+    cos, sin = angles.cos(), angles.sin()
+    result, fw, bw = check(lambda q: outer(_rotation(q, cos, sin), cos, sin) * 2, [q], **ROPE_ON)
+    rotations = 2 if outer is _rotation else 1
+    assert result.fused(ROPE) == len(calls(fw, ROPE)) == rotations, result.misses
+    assert result.fused(ROPE_GRAD) == len(calls(bw, ROPE_GRAD)) == rotations, result.misses
+    assert (not result.misses) == (outer is _rotation), result.misses
