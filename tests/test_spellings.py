@@ -6,6 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from npu_fusion.models import rotate_half
 from test_forward_fusion import calls, check
 
 FORWARD, BACKWARD = "rms_norm", "rms_norm_grad"
@@ -168,13 +169,8 @@ def test_rope_interleaved_with_a_sign_flipped_stays_unfused():
     assert not calls(fw, ROPE) and not calls(bw, ROPE_GRAD)
 
 
-def _rotate_half(x):
-    first, second = x.chunk(2, dim=-1)
-    return torch.cat((-second, first), dim=-1)
-
-
 def _rotation(x, cos, sin):
-    return x * cos + _rotate_half(x) * sin
+    return x * cos + rotate_half(x) * sin
 
 
 def _rotation_sign_flipped(x, cos, sin):  # near miss: rotate_half's halves not negated
