@@ -28,7 +28,7 @@ from ..compat import symbolic_expr
 from ..lowering.sizes import same_shape, static_int
 from .algebra import Expr, accumulate, graph_constant
 from .evaluator import MemoEvaluator, Provenance, Unsupported
-from .nodes import aten, is_float_cast, normalize_dim, shape, val
+from .nodes import CAST_TARGETS, VIEWS, aten, is_float_cast, is_value_preserving_cast, normalize_dim, shape, val
 
 
 @dataclasses.dataclass
@@ -36,6 +36,10 @@ class NormValue:
     expr: Expr
     #: for a sum over leading axes: (summand node, reduced dims), else None
     lead_sum: Optional[tuple] = None
+    #: how many of the normalized axes the value's shape drops (a statistic taken with
+    #: ``keepdim=False``): constant along them, read only by pointwise ops among such values and by
+    #: the ``unsqueeze(-1)`` that puts the axes back (broadcast against x, its trailing axes are leading ones)
+    dropped: int = 0
 
 
 def size_key(x):
@@ -50,9 +54,27 @@ BINARY_OPS = {aten.add.Tensor: operator.add, aten.add.Scalar: operator.add,
               aten.sub.Tensor: operator.sub, aten.sub.Scalar: operator.sub,
               aten.mul.Tensor: operator.mul, aten.mul.Scalar: operator.mul,
               aten.div.Tensor: operator.truediv, aten.div.Scalar: operator.truediv}
+#: ops that only add or drop axes of size 1, keeping every element where it was along the others
+ALIGNED_VIEWS = {aten.unsqueeze.default, aten.squeeze.dim, aten.squeeze.dims}
+#: pointwise ops, read among values that drop the normalized axes (:attr:`NormValue.dropped`) too
+POINTWISE = {*BINARY_OPS, aten.pow.Tensor_Scalar, aten.neg.default, aten.sqrt.default, aten.reciprocal.default}
 #: ops read even where their shape neither spans the normalized axes nor is 1 along them:
 #: their interpreters check shapes themselves
-SHAPE_CHECK_EXEMPT = {aten.sum.dim_IntList, aten.view.default, aten.reshape.default, aten._unsafe_view.default}
+SHAPE_CHECK_EXEMPT = {aten.sum.dim_IntList, aten.mean.dim, aten.view.default, aten.reshape.default,
+                      aten._unsafe_view.default, *ALIGNED_VIEWS, *POINTWISE}
+
+
+def _is_trailing_unit_view(node: fx.Node) -> bool:
+    """An unsqueeze at the last axis, or a squeeze of trailing axes of size 1: every element stays
+    where it was along the leading axes, counted from the right as broadcasting counts them."""
+    if node.target not in ALIGNED_VIEWS or not isinstance(node.args[0], fx.Node):
+        return False
+    rank_in, rank_out = len(shape(node.args[0])), len(shape(node))
+    if node.target is aten.unsqueeze.default:
+        return normalize_dim(node.args[1], rank_out) == rank_out - 1
+    dims = node.args[1] if node.target is aten.squeeze.dims else [node.args[1]]
+    dims = {normalize_dim(d, rank_in) for d in dims if static_int(shape(node.args[0])[normalize_dim(d, rank_in)]) == 1}
+    return bool(dims) and dims == set(range(rank_in - len(dims), rank_in))
 
 
 class NormEvaluator(MemoEvaluator):
@@ -83,6 +105,7 @@ class NormEvaluator(MemoEvaluator):
         self._by_body: Dict[tuple, List[fx.Node]] = {}
         self._indexed = -1
         self._size_symbols: Dict[object, int] = {}
+        self._origin_symbol: Dict[fx.Node, int] = {}
         #: N, the number of normalized elements: a number, or a product of size symbols
         self.n = functools.reduce(operator.mul, (self.size(x) for x in norm_shape), Expr.number(1))
 
@@ -128,6 +151,18 @@ class NormEvaluator(MemoEvaluator):
         # of equal values, the one rounded least (a cast to bf16 of the value is not the value)
         return min(found, key=lambda n: (len(self.rounded.get(n, ())), n)) if found else None
 
+    def keep_dim_node_with_value(self, expr: Expr) -> Optional[fx.Node]:
+        """The backward-graph node whose value is ``expr`` with a shape of size 1 along the
+        normalized axes (a statistic the fused op can read: not a copy that drops them), the least
+        rounded first; None if there is none."""
+        sym = expr.as_symbol()
+        found = [n for n in self._values()[0].get(expr, ()) if self.spans(shape(n)) is False
+                 and not self.memo[n].dropped]
+        leaf = self.node_of.get(sym) if sym is not None else None
+        if leaf is not None and leaf in found:
+            return leaf
+        return min(found, key=lambda n: (len(self.rounded.get(n, ())), n)) if found else None
+
     def nodes_varying_as(self, body: tuple, node_shape) -> List[fx.Node]:
         """Backward-graph nodes of shape ``node_shape`` whose value is one term whose factors
         that vary along the normalized axes are ``body`` (times anything constant there)."""
@@ -170,18 +205,71 @@ class NormEvaluator(MemoEvaluator):
         if self.provenance is not None and self.provenance.is_forward(node):
             raise Unsupported("forward node not saved for backward")
         v = val(node)
-        if v is None or not v.dtype.is_floating_point or self.spans(v.shape) is None:
+        if v is None or not v.dtype.is_floating_point:
             return None
-        sym = self._new_symbol()
-        self.symbol_of[node], self.node_of[sym] = sym, node
-        if self.spans(v.shape):
+        spans = self.spans(v.shape)
+        # copies of one constant along the normalized axes are one leaf, whatever axes of size 1 they keep
+        origin = (self._origin(node) or node) if spans is not True else None
+        sym = self._origin_symbol.get(origin) if origin is not None else None
+        if sym is None:
+            sym = self._new_symbol()
+            self.node_of[sym] = node
+            if origin is not None:
+                self._origin_symbol[origin] = sym
+        self.symbol_of[node] = sym
+        if spans:
             self.varying.add(sym)
-        definition = node
-        if node.op == "placeholder" and self.provenance is not None:
-            definition = self.provenance.forward_definition(node) or node
-        if definition.op == "call_function" and definition.target in self.NONNEGATIVE:
+        if self.is_nonnegative(node):
             self.nonnegative.add(sym)
-        return NormValue(Expr.symbol(sym))
+        return NormValue(Expr.symbol(sym), dropped=self.k if spans is None else 0)
+
+    def _origin(self, node) -> Optional[fx.Node]:
+        """The value a leaf holds, seen through saved tensors' forward definitions, exact copies and
+        the unsqueezes and squeezes of trailing axes of size 1 (a statistic saved both as ``rstd`` and
+        as ``rstd.unsqueeze(-1)``): copies of one value are one leaf. None where the leaf is its own
+        value."""
+        seen = node
+        for _ in range(8):
+            if node.op == "placeholder" and self.provenance is not None:
+                node = self.provenance.forward_definition(node) or node
+            if node.op != "call_function" or not node.args or not isinstance(node.args[0], fx.Node) or not (
+                    _is_trailing_unit_view(node) or is_float_cast(node) and is_value_preserving_cast(node)):
+                break
+            node = node.args[0]
+        return node if node is not seen else None
+
+    def is_nonnegative(self, node, depth: int = 8) -> bool:
+        """Whether every element of ``node`` is >= 0 (or NaN), by its definition (through saved
+        tensors' forward definitions): a root or an exponential, a square, an even power, a power of
+        such a value, and sums, means, products, quotients, casts and views of such values with
+        numbers >= 0 (a mean square plus eps, ``mean(x*x) + eps``: the statistic under the root of
+        an RMSNorm written ``(mean(x*x) + eps) ** -0.5``). Rounding keeps a sign, so a proof in real
+        arithmetic holds in floating point."""
+        if not isinstance(node, fx.Node):
+            value = graph_constant(node)
+            return value is not None and value >= 0
+        if depth == 0:
+            return False
+        if node.op == "placeholder" and self.provenance is not None:
+            node = self.provenance.forward_definition(node) or node
+        if node.op != "call_function" or not node.args:
+            return False
+        t, args = node.target, node.args
+        if t in self.NONNEGATIVE:
+            return True
+        if t is aten.pow.Tensor_Scalar:
+            exponent = graph_constant(args[1])
+            return exponent is not None and (
+                (exponent == int(exponent) and int(exponent) % 2 == 0) or self.is_nonnegative(args[0], depth - 1))
+        if t is aten.mul.Tensor and args[0] is args[1]:
+            return True
+        if t in (aten.add.Tensor, aten.add.Scalar, aten.mul.Tensor, aten.mul.Scalar, aten.div.Tensor,
+                 aten.div.Scalar):
+            return self.is_nonnegative(node.kwargs.get("alpha", 1), depth) and all(
+                self.is_nonnegative(a, depth - 1) for a in args[:2])
+        if t in (aten.mean.dim, aten.sum.dim_IntList) or t in CAST_TARGETS or t in VIEWS:
+            return self.is_nonnegative(args[0], depth - 1)
+        return False
 
     def _arg(self, arg) -> Expr:
         s = graph_constant(arg)
@@ -192,9 +280,34 @@ class NormEvaluator(MemoEvaluator):
         if not isinstance(arg, fx.Node) or val(arg) is None or self.spans(val(arg).shape) is None:
             raise Unsupported("operand")
         v = self.value(arg)
-        if v is None or v.lead_sum is not None:
+        if v is None or v.lead_sum is not None or v.dropped:
             raise Unsupported("operand")
         return v.expr
+
+    def _pointwise(self, node) -> tuple:
+        """The tensor operands' values of a pointwise ``node`` and how many normalized axes they drop
+        (:attr:`NormValue.dropped`): all the same, else the op broadcasts leading axes against
+        normalized ones, which no value here describes. A zero-dimensional operand fits any."""
+        counts = set()
+        for arg in node.args[:2]:
+            if isinstance(arg, fx.Node) and val(arg) is not None and len(shape(arg)) > 0:
+                v = self.value(arg)
+                counts.add(v.dropped if v is not None and v.lead_sum is None else 0)
+        if len(counts) > 1:
+            raise Unsupported("the normalized axes dropped from one operand only")
+        dropped = counts.pop() if counts else 0
+        if not dropped and self.spans(shape(node)) is None:
+            raise Unsupported("shape")
+        return dropped
+
+    def _operand(self, arg) -> Expr:
+        """``_arg`` of a pointwise op's operand, which may drop the normalized axes (checked by
+        :meth:`_pointwise`)."""
+        if isinstance(arg, fx.Node) and isinstance(val(arg), torch.Tensor):
+            v = self.value(arg)
+            if v is not None and v.dropped and v.lead_sum is None:
+                return v.expr
+        return self._arg(arg)
 
     def sum_over_normalized(self, expr: Expr) -> Expr:
         """Sum of ``expr`` over the normalized index: each term's factors that vary along
@@ -241,11 +354,12 @@ class NormEvaluator(MemoEvaluator):
     # -- interpreters, one per op (see FORWARD_SAFE and BACKWARD_ONLY) --------
     def _binary(self, node, forward: bool) -> NormValue:
         t, args = node.target, node.args
-        if all(len(shape(a)) <= self.k for a in args[:2] if isinstance(a, fx.Node)):
+        dropped = self._pointwise(node)
+        if not dropped and all(len(shape(a)) <= self.k for a in args[:2] if isinstance(a, fx.Node)):
             # parameter arithmetic such as Gemma's (1 + weight): the result is gamma, an input
             raise Unsupported("gamma arithmetic")
         alpha = node.kwargs.get("alpha", 1)
-        a, b = self._arg(args[0]), self._arg(args[1])
+        a, b = self._operand(args[0]), self._operand(args[1])
         if t in (aten.add.Tensor, aten.sub.Tensor) and (forward or not self.depends_on_gradient(node)):
             # a saved or recomputed residual sum is x itself, not something to see through
             raise Unsupported("forward sum: an input")
@@ -255,22 +369,47 @@ class NormEvaluator(MemoEvaluator):
             raise Unsupported("gradient accumulation: the sum is an input of the pattern")
         if t in (aten.add.Tensor, aten.sub.Tensor):
             b = b * graph_constant(alpha)
-        return self._bounded(BINARY_OPS[t](a, b))
+        return self._bounded(BINARY_OPS[t](a, b), dropped)
 
     def _negate(self, node) -> NormValue:
-        return NormValue(-self._arg(node.args[0]))
+        dropped = self._pointwise(node)
+        return NormValue(-self._operand(node.args[0]), dropped=dropped)
 
     def _power(self, node) -> NormValue:
         exponent = graph_constant(node.args[1])
         if exponent is None:
             raise Unsupported(f"op {node.target}")  # a tensor exponent is no Laurent polynomial
-        return self._bounded(self._arg(node.args[0]).power(exponent, self.nonnegative))
+        dropped = self._pointwise(node)
+        return self._bounded(self._operand(node.args[0]).power(exponent, self.nonnegative), dropped)
 
     def _sqrt(self, node) -> NormValue:
-        return self._bounded(self._arg(node.args[0]).sqrt(self.nonnegative))
+        dropped = self._pointwise(node)
+        return self._bounded(self._operand(node.args[0]).sqrt(self.nonnegative), dropped)
 
     def _reciprocal(self, node) -> NormValue:
-        return self._bounded(1 / self._arg(node.args[0]))
+        dropped = self._pointwise(node)
+        return self._bounded(1 / self._operand(node.args[0]), dropped)
+
+    def _aligned_view(self, node) -> NormValue:
+        """An unsqueeze or squeeze of trailing axes: ``unsqueeze(-1)`` puts back a normalized axis a
+        value drops, a squeeze of a trailing axis of size 1 drops one (within the normalized axes,
+        keeping the leading ones where they were)."""
+        src = node.args[0]
+        v = self.value(src) if isinstance(src, fx.Node) else None
+        if v is None or v.lead_sum is not None:
+            raise Unsupported("view")
+        rank_in, rank_out = len(shape(src)), len(shape(node))
+        if node.target is aten.unsqueeze.default:
+            if v.dropped and normalize_dim(node.args[1], rank_out) == rank_out - 1:
+                return NormValue(v.expr, dropped=v.dropped - 1)
+            raise Unsupported("unsqueeze")
+        dims = node.args[1] if node.target is aten.squeeze.dims else [node.args[1]]
+        dims = {normalize_dim(d, rank_in) for d in dims if static_int(shape(src)[normalize_dim(d, rank_in)]) == 1}
+        tail = set(range(rank_in - (self.k - v.dropped), rank_in))
+        if v.dropped < self.k and dims and dims == set(range(rank_in - len(dims), rank_in)) and dims <= tail \
+                and self.spans(shape(src)) is not True:
+            return NormValue(v.expr, dropped=v.dropped + len(dims))
+        raise Unsupported("squeeze")
 
     def _expand(self, node) -> NormValue:
         return NormValue(self._arg(node.args[0]))
@@ -309,12 +448,12 @@ class NormEvaluator(MemoEvaluator):
         stats = lambda e: any(s not in self.varying for s in e.free_symbols)  # noqa: E731
         return not a.is_number() and not b.is_number() and not (stats(a) or stats(b))
 
-    def _bounded(self, expr) -> NormValue:
+    def _bounded(self, expr, dropped: int = 0) -> NormValue:
         # a value with many more leaves than the op's backward has is some other computation,
         # and expanding it would only cost time
         if self.max_symbols is not None and len(expr.free_symbols) > self.max_symbols:
             raise Unsupported("expression too large")
-        return NormValue(expr)
+        return NormValue(expr, dropped=dropped)
 
     def _reduce(self, node) -> NormValue:
         src = node.args[0]
@@ -325,25 +464,33 @@ class NormEvaluator(MemoEvaluator):
             raise Unsupported("reduction")
         dims = tuple(sorted(normalize_dim(d, rank) for d in dims))
         body = self._arg(src)
-        if dims == tuple(range(rank - self.k, rank)) and keepdim and self.spans(shape(src)):
+        if dims == tuple(range(rank - self.k, rank)) and self.spans(shape(src)):
             total = self.sum_over_normalized(body)
             if node.target is aten.mean.dim:
                 total = total / self.n
-            return self._bounded(total)
+            return self._bounded(total, 0 if keepdim else self.k)
+        if node.target is aten.mean.dim:
+            raise Unsupported("reduction axes")
         if node.target is aten.sum.dim_IntList and all(d < rank - self.k for d in dims):
             return NormValue(body, lead_sum=(src, dims))
         raise Unsupported("reduction axes")
 
+    def _forward_power(self, node, forward: bool) -> NormValue:
+        """A power by a number, also of a saved tensor's forward definition: pointwise, so a saved
+        ``(mean(x*x) + eps) ** -0.5`` is the saved mean square's power, the value its backward's
+        ``** -1.5`` is the cube of."""
+        return self._power(node)
+
     #: aten op -> the name of its interpreter, looked up on the instance (so a subclass or a
     #: test can replace one). FORWARD_SAFE interpreters take (node, forward) and may read
     #: forward nodes; BACKWARD_ONLY ones take (node). Ops in neither are leaves.
-    FORWARD_SAFE = dict.fromkeys(BINARY_OPS, "_binary")
+    FORWARD_SAFE = {**dict.fromkeys(BINARY_OPS, "_binary"), aten.pow.Tensor_Scalar: "_forward_power"}
     BACKWARD_ONLY = {
         aten.neg.default: "_negate",
-        aten.pow.Tensor_Scalar: "_power",
         aten.sqrt.default: "_sqrt",
         aten.reciprocal.default: "_reciprocal",
         aten.expand.default: "_expand",
         aten.sum.dim_IntList: "_reduce", aten.mean.dim: "_reduce",
         aten.view.default: "_view", aten.reshape.default: "_view", aten._unsafe_view.default: "_view",
+        **dict.fromkeys(ALIGNED_VIEWS, "_aligned_view"),
     }

@@ -111,6 +111,9 @@ class NormMatch:
     dgamma: Optional[fx.Node] = None
     #: a dgamma-only site: the statistics it was matched against (to match it again)
     candidates: list = dataclasses.field(default_factory=list)
+    #: the fused op's rstd is ``rstd ** rstd_power``: 1 where the program holds rstd itself, else the
+    #: power of the statistic it holds (-1 of a root ``x / sqrt(...)`` divides by)
+    rstd_power: object = 1
 
     @property
     def roles(self):
@@ -134,13 +137,11 @@ def _symbols(mono) -> set:
 def match_dx(ev: NormEvaluator, node: fx.Node, expr: Expr) -> Optional[NormMatch]:
     """Read the roles off the two terms of ``r*dy*g - r**3*x*S[dy*g*x]/N``, then check equality."""
     sums = {s for s in expr.free_symbols if s in ev.sum_body}
-    if len(sums) != 1:
-        return None
     terms = [mono for mono, _ in expr.split_terms()]
     plain = [m for m in terms if not (_symbols(m) & sums)]
     summed = [m for m in terms if _symbols(m) & sums]
-    if len(plain) != 1 or len(summed) != 1:
-        return None
+    if len(sums) != 1 or len(plain) != 1 or len(summed) != 1:
+        return _match_gradient_sum(ev, node, expr, sums) if sums and plain and summed else None
 
     def leaves(term, varying, full_shape=None, rank=None):
         nodes = [ev.node_of[s] for s in _symbols(term) if s in ev.node_of]
@@ -149,14 +150,37 @@ def match_dx(ev: NormEvaluator, node: fx.Node, expr: Expr) -> Optional[NormMatch
                 and (rank is None or len(shape(n)) == rank)]
 
     full = shape(node)
-    stats, gammas = leaves(plain[0], False), leaves(plain[0], True, rank=ev.k) + [None]
+    stats, gammas = statistic_powers(ev, plain[0]), leaves(plain[0], True, rank=ev.k) + [None]
     candidates = itertools.product(stats, leaves(plain[0], True, full_shape=full), gammas,
                                    leaves(summed[0], True, full_shape=full))
-    for r, dy, g, x in candidates:
-        if len({r, dy, g, x}) == 4 and expr == expected_dx(ev, ev.symbol(dy), ev.symbol(x), ev.symbol(r),
+    for (r, power), dy, g, x in candidates:
+        if len({r, dy, g, x}) == 4 and expr == expected_dx(ev, ev.symbol(dy), ev.symbol(x), ev.value_of(r) ** power,
                                                            ev.value_of(g)):
-            return NormMatch(node, dy, x, r, g, ev)
+            return NormMatch(node, dy, x, r, g, ev, rstd_power=power)
     return _match_expression_roles(ev, node, expr, stats, gammas, sums)
+
+
+def statistic_powers(ev: NormEvaluator, term) -> List[tuple]:
+    """``(node, power)`` for each factor ``s**e`` of ``term`` constant along the normalized axes,
+    ``s`` a leaf: the candidate rstd is ``s**e``, the node whose value that is where the program
+    computed it (``power`` 1: an ``rsqrt``, a saved ``(mean(x*x) + eps) ** -0.5``), else ``s``'s
+    node with ``power`` e (a root the program divides by: ``e`` -1); each of a keep-dim shape,
+    as the fused op reads rstd (a statistic taken with ``keepdim=False`` is read where the program
+    unsqueezes it)."""
+    found = []
+    for s, e in term:
+        if s not in ev.node_of or s in ev.varying:
+            continue
+        computed = ev.keep_dim_node_with_value(Expr({((s, e),): 1}))
+        node = ev.keep_dim_node_with_value(Expr.symbol(s))  # not a copy that drops the normalized axes
+        if computed is not None or node is not None:
+            found.append((computed, 1) if computed is not None else (node, e))
+    return found
+
+
+def rstd_value(ev: NormEvaluator, site: "NormMatch") -> Expr:
+    """The value of the fused op's rstd: the rstd role's to the site's :attr:`NormMatch.rstd_power`."""
+    return ev.value_of(site.rstd) ** site.rstd_power if site.rstd is not None else Expr.number(1)
 
 
 def _match_expression_roles(ev: NormEvaluator, node, expr: Expr, stats, gammas, sums) -> Optional[NormMatch]:
@@ -167,18 +191,51 @@ def _match_expression_roles(ev: NormEvaluator, node, expr: Expr, stats, gammas, 
     (total,) = sums
     (plain, plain_coef), = [(m, c) for m, c in expr.split_terms() if total not in _symbols(m)]
     full = shape(node)
-    for r, g in itertools.product(stats, gammas):
-        gs = ev.value_of(g)
-        dy = ev.node_with_value(Expr({plain: plain_coef}) / (ev.symbol(r) * gs), full)
+    for (r, power), g in itertools.product(stats, gammas):
+        gs, rs = ev.value_of(g), ev.value_of(r) ** power
+        dy = ev.node_with_value(Expr({plain: plain_coef}) / (rs * gs), full)
         if dy is None or len(ev.value_of(dy).terms) != 1:
             continue
         known = Expr({ev.varying_part(next(iter((ev.value_of(dy) * gs).terms))): 1})
         x_body = Expr({ev.sum_body[total]: 1}) / known
         for x in ev.nodes_varying_as(next(iter(x_body.terms)), full):
-            if len({r, dy, g, x}) == 4 and expr == expected_dx(ev, ev.value_of(dy), ev.value_of(x),
-                                                               ev.symbol(r), gs):
-                return NormMatch(node, dy, x, r, g, ev)
+            if len({r, dy, g, x}) == 4 and expr == expected_dx(ev, ev.value_of(dy), ev.value_of(x), rs, gs):
+                return NormMatch(node, dy, x, r, g, ev, rstd_power=power)
     return None
+
+
+def _match_gradient_sum(ev: NormEvaluator, node, expr: Expr, sums) -> Optional[NormMatch]:
+    """dy a node whose value has several terms: the sum of the gradients of several readers of the
+    norm's output (a final norm feeding a head and squared in an auxiliary loss: ``dy`` holds
+    ``2 * y * c``, with y itself ``rstd * x * g``). Its value is the terms of dx free of the sum over
+    the normalized axes, divided by ``rstd * g``; the sum over the normalized axes of ``dy * g * x``
+    then expands into several sums, and the whole formula is checked."""
+    plain = Expr({m: c for m, c in expr.split_terms() if not (_symbols(m) & sums)})
+    first = next(iter(plain.terms))
+    full = shape(node)
+    varying = lambda term, **kw: [ev.node_of[s] for s in _symbols(term) if s in ev.node_of  # noqa: E731
+                                  and s in ev.varying and _shape_fits(ev.node_of[s], **kw)]
+    gammas = varying(first, rank=ev.k) + [None]
+    xs = list(dict.fromkeys(n for m, _ in expr.split_terms() if _symbols(m) & sums
+                            for n in varying(m, full_shape=full)))
+    # rstd * g divides every term of dy's: rstd is one of the statistic's powers there
+    stats = list(dict.fromkeys(p for m in plain.terms for p in statistic_powers(ev, m)))
+    for (r, power), g in itertools.product(stats, gammas):
+        gs, rs = ev.value_of(g), ev.value_of(r) ** power
+        try:
+            dy = ev.node_with_value(plain / (rs * gs), full)
+        except Unsupported:
+            continue
+        if dy is None or not ev.depends_on_gradient(dy):
+            continue
+        for x in xs:
+            if len({r, dy, g, x}) == 4 and expr == expected_dx(ev, ev.value_of(dy), ev.value_of(x), rs, gs):
+                return NormMatch(node, dy, x, r, g, ev, rstd_power=power)
+    return None
+
+
+def _shape_fits(node: fx.Node, full_shape=None, rank=None) -> bool:
+    return (full_shape is None or same_shape(shape(node), full_shape)) and (rank is None or len(shape(node)) == rank)
 
 
 def _stat_leaves(ev: NormEvaluator, expr) -> frozenset:
@@ -214,7 +271,7 @@ def _match_root(ev: NormEvaluator, root: fx.Node, stop) -> Optional[NormMatch]:
 
 
 def _dgamma_summand(ev: NormEvaluator, site: NormMatch) -> Expr:
-    return ev.value_of(site.dy) * ev.value_of(site.x) * ev.value_of(site.rstd)
+    return ev.value_of(site.dy) * ev.value_of(site.x) * rstd_value(ev, site)
 
 
 def match_dgamma(ev: NormEvaluator, node: fx.Node, site: NormMatch) -> bool:
@@ -938,6 +995,8 @@ def _emit(rewrites: RuleContext, site: NormMatch, outputs, region):
     with Insertion(graph, anchor) as inserted:
         dy, x = edit.cast(site.dy, compute), edit.cast(site.x, compute)
         rstd = edit.cast(site.rstd, torch.float32) if site.rstd is not None else None
+        if site.rstd_power != 1:  # the statistic the program holds, raised to rstd
+            rstd = edit.call(aten.pow.Tensor_Scalar, (rstd, float(site.rstd_power)))
         gamma = edit.cast(site.gamma, gamma_dtype) if site.gamma is not None else None
         if gamma is None and site.dgamma_only:  # dx unused: any gamma; ones need no static size
             gamma = _ones_of_part(edit, x, site.ev.k, compute, gamma_part=True)

@@ -51,7 +51,7 @@ from .algebra import Expr
 from .evaluator import JointProvenance, Provenance, Unsupported, kept_precision, rounding_problem
 from .nodes import (CAST_TARGETS, VIEWS, aten, downstream, dtype, gradient_dependent,
                     is_value_preserving_cast, last_of, normalize_dim, outermost, outside_users, region_of, shape, val)
-from .rewrite import Insertion, Miss, RuleContext, commit, emit_fused_op, exact_common_dtype
+from .rewrite import Insertion, Miss, RuleContext, commit, emit_fused_op, exact_common_dtype, replacement_of
 from .layout import memory_order, permuted, same_layout
 from .norm_algebra import NormEvaluator, size_key
 from .pairing import NORM_SITE, calls, site_key, source
@@ -107,18 +107,25 @@ def _statistic_nodes(graph: fx.Graph, forward) -> Dict[tuple, tuple]:
 
 def _is_root(node: fx.Node) -> bool:
     return node.op == "call_function" and isinstance(node.args[0], fx.Node) and (
-        node.target is aten.rsqrt.default or (node.target is aten.pow.Tensor_Scalar and node.args[1] == -0.5))
+        node.target in (aten.rsqrt.default, aten.sqrt.default)
+        or (node.target is aten.pow.Tensor_Scalar and node.args[1] == -0.5))
+
+
+def _root_power(root: fx.Node) -> int:
+    """rstd as a power of the program's root: 1, or -1 for the ``sqrt`` the program divides by."""
+    return -1 if root.target is aten.sqrt.default else 1
 
 
 def _reductions_below(node: fx.Node, depth: int = 4) -> List[fx.Node]:
-    """Keep-dim means and sums among ``node`` and its inputs up to ``depth`` steps above it."""
+    """Means and sums among ``node`` and its inputs up to ``depth`` steps above it (keeping their
+    axes or not: the algebra reads a statistic that drops them, :attr:`NormValue.dropped`)."""
     found, frontier = [], [node]
     for _ in range(depth):
         nxt = []
         for n in frontier:
             if n.op != "call_function":
                 continue
-            if n.target in (aten.mean.dim, aten.sum.dim_IntList) and len(n.args) > 2 and n.args[2] and n.args[1]:
+            if n.target in (aten.mean.dim, aten.sum.dim_IntList) and len(n.args) > 1 and n.args[1]:
                 found.append(n)
             nxt.extend(n.all_input_nodes)
         frontier = nxt
@@ -142,7 +149,8 @@ def _statistic_inputs(ev: NormEvaluator, rstd: fx.Node, argument: Expr, eps) -> 
     if any(e % 2 for _, e in body):
         return []
     half = tuple((s, e // 2) for s, e in body)
-    x_shape = tuple(shape(rstd)[:len(shape(rstd)) - ev.k]) + tuple(ev.norm_shape)
+    kept = ev.k - ev.memo[rstd].dropped  # the normalized axes rstd keeps (of size 1)
+    x_shape = tuple(shape(rstd)[:len(shape(rstd)) - kept]) + tuple(ev.norm_shape)
     squared = [n for n in _squared_operands(rstd) if ev.memo.get(n) is not None and same_shape(shape(n), x_shape)]
     return [x for x in dict.fromkeys(squared + ev.nodes_varying_as(half, x_shape))
             if len(shape(x)) > ev.k and rest == ev.sum_over_normalized(ev.value_of(x) ** 2) / ev.n]
@@ -177,7 +185,7 @@ def _gamma_candidates(ev: NormEvaluator, expr: Expr) -> List[Optional[fx.Node]]:
 
 def _outputs(ev: NormEvaluator, graph: fx.Graph, rstd: fx.Node, x: fx.Node, forward) -> List[tuple]:
     """(node, gamma) of the forward nodes near ``rstd`` whose value is ``rstd * x * gamma``."""
-    normalized = ev.symbol(rstd) * ev.value_of(x)
+    normalized = ev.symbol(rstd) ** _root_power(rstd) * ev.value_of(x)
     found = []
     for node in downstream(graph, [rstd], Y_DEPTH):
         value = val(node)  # a tuple (a MoE router's topk) or nothing: no output of a norm
@@ -364,14 +372,16 @@ def _region(site: ForwardNormMatch) -> List[fx.Node]:
 
 def _readers(node: fx.Node, region) -> List[fx.Node]:
     """The nodes outside the site that read ``node``, seen through casts, views and detaches (the
-    decomposed backward reads rstd through ``detach``)."""
-    found, stack, seen = [], [u for u in node.users if u not in region], set()
+    decomposed backward reads rstd through ``detach``; a statistic taken with ``keepdim=False``
+    through the site's own ``unsqueeze(-1)``)."""
+    copies = CAST_TARGETS | VIEWS
+    found, stack, seen = [], [u for u in node.users if u not in region or u.target in copies], set()
     while stack:
         user = stack.pop()
         if user in seen:
             continue
         seen.add(user)
-        if user.op == "call_function" and user.target in CAST_TARGETS | VIEWS:
+        if user.op == "call_function" and user.target in copies:
             stack.extend(user.users)
         else:
             found.append(user)
@@ -494,7 +504,9 @@ def emit(ctx: RuleContext, site: ForwardNormMatch):
         emitted = _emit_call(ctx, site, compute, gamma_dtype, outputs, order)
         if isinstance(emitted, Miss):
             return emitted
-    fused, replacements = emitted
+        fused, replacements = emitted
+        if _root_power(site.rstd) != 1:
+            _replace_root(ctx.edit, site.rstd, replacements)
     moved = [old for old, new in replacements.items() if not same_layout(new, old)]
     if moved:  # the program's views of its outputs rely on their strides
         return Miss(OP.name, site.y.name, f"{moved[0].name} has strides {list(val(moved[0]).stride())}, the fused "
@@ -508,6 +520,17 @@ def emit(ctx: RuleContext, site: ForwardNormMatch):
     if fused_y is not None:  # the forward reads the fused y, the backward the program's, recomputable
         site.y.replace_all_uses_with(fused_y, delete_user_cb=lambda user: user not in readers)
     return done
+
+
+def _replace_root(edit, root: fx.Node, replacements) -> None:
+    """The program's root (``x / sqrt(...)``) is the reciprocal of the fused op's rstd, which
+    ``replacements`` holds for it: the root's readers read that reciprocal, and the ``root ** -1``
+    the fused backward reads as its rstd reads the fused rstd itself."""
+    rstd = replacements[root]
+    for user in list(root.users):
+        if user.target is aten.pow.Tensor_Scalar and user.args[1] == -1:
+            replacements[user] = replacement_of(edit, rstd, user)
+    replacements[root] = edit.call(aten.reciprocal.default, (rstd,))
 
 
 def _emit_call(ctx: RuleContext, site: ForwardNormMatch, compute: torch.dtype, gamma_dtype: torch.dtype, outputs,

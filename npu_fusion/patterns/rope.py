@@ -838,9 +838,9 @@ def emit(rewrites: RuleContext, site: RopeMatch, outputs, region):
 def _operands(edit: Edit, site: RopeMatch, leaves, outputs) -> list:
     """Build dy, cos, sin and x for the fused op from the site's role leaves.
 
-    dy, cos, sin and x for the fused op, built from the role leaves, negated where the
-    site's table is the leaf negated, in the narrowest dtype that holds them all exactly and
-    every output's :func:`kept_precision` (the op returns its outputs in dy's dtype, which must
+    Tables are negated where the site's table is the leaf negated and widened to dy's number of
+    axes (as the forward rule widens them); all four are cast to the narrowest dtype that holds
+    them exactly and every output's :func:`kept_precision` (the op returns its outputs in dy's dtype, which must
     not round them more coarsely than the program does before its own next rounding)."""
     roles = (site.dy, site.cos, site.sin, site.x)
     operands = [_role_node(edit, leaf, role[1]) if role is not None else None
