@@ -19,7 +19,7 @@ import dataclasses
 import os
 from typing import Any, Dict, Mapping, Optional, Tuple
 
-from ..lowering.constraints import TARGETS
+from ..lowering.checks import TARGETS
 from ..patterns import RULES
 
 
