@@ -9,9 +9,9 @@ graph, sites left unexplained (inside a compiled graph, neither fused nor a reco
 every parameter gradient meets the float64 criterion, then every recorded miss with its reason and
 every site that ran outside the compiled graphs.
 
-    python benchmarks/framework_coverage.py
-    python benchmarks/framework_coverage.py --frameworks torchtune:gemma2,megatron:gpt --dtypes bfloat16
-    python benchmarks/framework_coverage.py --forward     # the forward rules too, their sites beside
+    python -m benchmarks.framework_coverage
+    python -m benchmarks.framework_coverage --frameworks torchtune:gemma2,megatron:gpt --dtypes bfloat16
+    python -m benchmarks.framework_coverage --forward     # the forward rules too, their sites beside
 """
 from __future__ import annotations
 
@@ -19,14 +19,10 @@ import argparse
 import dataclasses
 import json
 import logging
-import os
 import sys
 import time
 import warnings
 from typing import Dict, List, Optional
-
-# the repository root, where the test harness (npu_fusion_testing) lives: it is not installed
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch
 

@@ -29,7 +29,7 @@ its nodes and whole traffic before and after, and per forward fused op (``rms_no
 node and the casts next to it) against the fused op's minimum. Compare the saved bytes with a
 run without ``--forward`` (the backward fused alone).
 
-    python benchmarks/graph_effect.py [--layers 1] [--path npu_fusion|torchair|inductor] [--partitioner default]
+    python -m benchmarks.graph_effect [--layers 1] [--path npu_fusion|torchair|inductor] [--partitioner default]
                                       [--forward]
 """
 from __future__ import annotations
@@ -37,7 +37,6 @@ from __future__ import annotations
 import argparse
 import collections
 import copy
-import os
 import sys
 import time
 
@@ -54,9 +53,7 @@ from npu_fusion.plugin.backend import aot_backend
 from npu_fusion.plugin.saved_activations import saved_set
 from npu_fusion.plugin.options import FusionOptions
 
-# the repository root, where the test harness (npu_fusion_testing) lives: it is not installed
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from npu_fusion_testing.generated import publishing, script_command  # noqa: E402
+from npu_fusion_testing.generated import publishing, script_command
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 LLAMA_7B = dict(vocab_size=32000, hidden_size=4096, intermediate_size=11008, num_heads=32, num_kv_heads=32,

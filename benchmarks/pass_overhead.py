@@ -47,9 +47,9 @@ therefore decomposed into matmul/softmax in the graphs, which have more nodes th
 in the default mode (where it stays one op, as ``npu_fusion_attention`` would on an
 NPU).
 
-    python benchmarks/pass_overhead.py [--layers 1 2 4 8 16 32] [--repeat 1] [--profile 32]
-    python benchmarks/pass_overhead.py --torchair [--target a2] [--layers 1 2 4 8 16 32]
-    python benchmarks/pass_overhead.py --forward [--inductor] [--layers 1 8 32]
+    python -m benchmarks.pass_overhead [--layers 1 2 4 8 16 32] [--repeat 1] [--profile 32]
+    python -m benchmarks.pass_overhead --torchair [--target a2] [--layers 1 2 4 8 16 32]
+    python -m benchmarks.pass_overhead --forward [--inductor] [--layers 1 8 32]
 
 ``--forward`` measures each size twice in the same process, side by side: the backward rules
 alone (the default options), then with the forward rules too (``rms_norm_forward`` and
@@ -69,9 +69,6 @@ import statistics
 import sys
 import time
 import warnings
-
-# the repository root, where the test harness (npu_fusion_testing) lives: it is not installed
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch
 

@@ -22,10 +22,10 @@ verdict, decomposed RoPE/RMSNorm nodes left), then per model the counted sites l
 unfused (by module), the pass's ``FusionResult.misses`` reasons (with the module of
 the node) and notes; then the overall coverage and the wall time.
 
-    python benchmarks/zoo_coverage.py                       # every RoPE/RMSNorm model
-    python benchmarks/zoo_coverage.py --models llama,gptj   # some
-    python benchmarks/zoo_coverage.py --dtype bfloat16 --json out.json --limit 20
-    python benchmarks/zoo_coverage.py --forward             # the forward rules too, their columns beside
+    python -m benchmarks.zoo_coverage                       # every RoPE/RMSNorm model
+    python -m benchmarks.zoo_coverage --models llama,gptj   # some
+    python -m benchmarks.zoo_coverage --dtype bfloat16 --json out.json --limit 20
+    python -m benchmarks.zoo_coverage --forward             # the forward rules too, their columns beside
 
 The sweep itself is :mod:`npu_fusion_testing.zoo`; this is its command line.
 """
@@ -37,9 +37,6 @@ import json
 import os
 import sys
 import time
-
-# the repository root, where the test harness (npu_fusion_testing) lives: it is not installed
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch
 

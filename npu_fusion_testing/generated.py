@@ -85,7 +85,7 @@ class _Tee(io.TextIOBase):
 def publishing(name: Optional[str], command: Sequence[str], fenced: bool = True) -> Iterator[None]:
     """Print as usual and, when ``name`` is given, write what was printed into block ``name``.
 
-    ``command`` is the command line to show (the script's path from the repository root and its
+    ``command`` is the command line to show (the script's module from the repository root and its
     arguments); ``fenced`` puts the text in a code block (plain text tables), else it is markdown.
     Nothing is written when the body raises."""
     if name is None:
@@ -111,7 +111,7 @@ def pop_write_docs(argv: Sequence[str]):
 
 
 def script_command(script: str, argv: Optional[Sequence[str]]) -> list:
-    """``python <script relative to the root> <argv>`` without ``--write-docs NAME``."""
+    """``python -m <the script's module> <argv>`` without ``--write-docs NAME``."""
     args = list(sys.argv[1:] if argv is None else argv)
     kept, skip = [], False
     for arg in args:
@@ -121,5 +121,5 @@ def script_command(script: str, argv: Optional[Sequence[str]]) -> list:
             skip = True
         elif not arg.startswith("--write-docs="):
             kept.append(arg)
-    relative = os.path.relpath(os.path.abspath(script), ROOT)
-    return ["python", relative, *kept]
+    relative = pathlib.Path(os.path.relpath(os.path.abspath(script), ROOT)).with_suffix("")
+    return ["python", "-m", ".".join(relative.parts), *kept]

@@ -10,9 +10,9 @@ the cache of ``npu_fusion_testing.torchair.harness`` (``~/.cache/npu_fusion``). 
 of ``npu_fusion.lowering.FUSED_OPS`` (of the checkout the checks run in) is checked, from its own
 declaration.
 
-    python scripts/check_npu_contracts.py            # every line below
-    python scripts/check_npu_contracts.py 2.13.0     # some lines
-    python scripts/check_npu_contracts.py --write-docs contracts   # and into docs/compatibility.md
+    python -m scripts.check_npu_contracts            # every line below
+    python -m scripts.check_npu_contracts 2.13.0     # some lines
+    python -m scripts.check_npu_contracts --write-docs contracts   # and into docs/compatibility.md
 Exit status 1 when any check found a problem.
 """
 from __future__ import annotations
@@ -24,9 +24,7 @@ import sys
 
 import torch
 
-# the repository root, where the test harness (npu_fusion_testing) lives: it is not installed
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from npu_fusion_testing.generated import pop_write_docs, publishing, script_command  # noqa: E402
+from npu_fusion_testing.generated import pop_write_docs, publishing, script_command
 
 #: the newest release of each torch_npu line 2.6 to 2.14 on the package index (checked 2026-11-30;
 #: 2.9 has two: 2.9.0.post9 and 2.9.1).

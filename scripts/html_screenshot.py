@@ -1,6 +1,6 @@
 """Render an ``npu-fusion report --html`` page in headless Chromium and check the screenshot.
 
-    python scripts/html_screenshot.py report.html report.png [--width 1200] [--height 1500]
+    python -m scripts.html_screenshot report.html report.png [--width 1200] [--height 1500]
 
 Writes the PNG, prints what is on it (size, colours, share of non-white pixels, which of the
 report's marks appear) and exits 1 when it looks blank (a page that did not render). Needs

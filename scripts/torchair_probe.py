@@ -9,14 +9,9 @@ RotaryPositionEmbeddingGrad expected). Prints one JSON object.
 from __future__ import annotations
 
 import json
-import os
-import sys
 import tempfile
 import traceback
 from pathlib import Path
-
-# the repository root, where the test harness (npu_fusion_testing) lives: it is not installed
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch
 

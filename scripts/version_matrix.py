@@ -1,8 +1,8 @@
 """Build a venv per torch release, run the tests and the report in each, print the table.
 
-    python scripts/version_matrix.py                       # the whole matrix (hours; GBs per venv)
-    python scripts/version_matrix.py --torch 2.7.1 --no-torchair
-    python scripts/version_matrix.py --table-from matrix.json --write-docs matrix   # into docs/compatibility.md
+    python -m scripts.version_matrix                       # the whole matrix (hours; GBs per venv)
+    python -m scripts.version_matrix --torch 2.7.1 --no-torchair
+    python -m scripts.version_matrix --table-from matrix.json --write-docs matrix   # into docs/compatibility.md
 
 Per torch release: the full suite on the default torch (the one CI runs), the smoke set
 (``pytest -m smoke``: the fused ops, the pass, a sample of forms, torchair with the
@@ -31,9 +31,7 @@ import sys
 import time
 from pathlib import Path
 
-# the repository root, where the test harness (npu_fusion_testing) lives: it is not installed
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from npu_fusion_testing.generated import publishing, script_command  # noqa: E402
+from npu_fusion_testing.generated import publishing, script_command
 
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_TORCH = "2.13.0"
@@ -120,7 +118,7 @@ def run_probe(python: Path, exact_torch_npu, log) -> dict:
     env = dict(os.environ)
     if exact_torch_npu:
         env["NPU_FUSION_TORCH_NPU_VERSION"] = exact_torch_npu
-    done = subprocess.run([str(python), str(ROOT / "scripts" / "torchair_probe.py")], cwd=ROOT,
+    done = subprocess.run([str(python), "-m", "scripts.torchair_probe"], cwd=ROOT,
                           capture_output=True, text=True, env=env)
     lines = done.stdout.strip().splitlines()
     try:

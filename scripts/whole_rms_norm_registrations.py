@@ -3,24 +3,19 @@
 ``npu_fusion_testing.torchair.whole_ops`` (never installed; downloaded once into
 ``~/.cache/npu_fusion/wheels``), printed as the table of docs/compatibility.md.
 
-    python scripts/whole_rms_norm_registrations.py            # every line of check_npu_contracts.LINES
-    python scripts/whole_rms_norm_registrations.py 2.13.0     # some lines
-    python scripts/whole_rms_norm_registrations.py --write-docs whole-ops   # and into docs/compatibility.md
+    python -m scripts.whole_rms_norm_registrations            # every line of check_npu_contracts.LINES
+    python -m scripts.whole_rms_norm_registrations 2.13.0     # some lines
+    python -m scripts.whole_rms_norm_registrations --write-docs whole-ops   # and into docs/compatibility.md
 Exit status 1 when a wheel's control registration (``native_layer_norm``) was not seen.
 """
 from __future__ import annotations
 
-import os
 import sys
-
-# the repository root, where the test harness (npu_fusion_testing) lives: it is not installed
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from check_npu_contracts import LINES
 
 from npu_fusion_testing.generated import pop_write_docs, publishing, script_command
 from npu_fusion_testing.torchair.harness import wheel_file
 from npu_fusion_testing.torchair.whole_ops import OPS, read_wheel
+from scripts.check_npu_contracts import LINES
 
 
 def readable(text: str) -> str:

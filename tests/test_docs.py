@@ -155,18 +155,18 @@ def test_generated_blocks_are_closed_and_named_once():
 
 
 def test_write_block_replaces_one_block_and_says_how_it_was_made(tmp_path):
-    from npu_fusion_testing.generated import publishing, render, write_block
+    from npu_fusion_testing.generated import publishing, render, script_command, write_block
 
     page = tmp_path / "page.md"
     page.write_text("# Page\n\nprose\n\n<!-- generated:a -->\nold a\n<!-- /generated -->\n\nmiddle\n\n"
                     "<!-- generated:b -->\nold b\n<!-- /generated -->\n")
-    write_block("b", render("| x |\n|---|\n| 1 |\n", ["python", "benchmarks/x.py", "--fast"], fenced=False),
-                docs=tmp_path)
+    command = script_command(str(ROOT / "benchmarks" / "x.py"), ["--fast", "--write-docs", "b"])
+    write_block("b", render("| x |\n|---|\n| 1 |\n", command, fenced=False), docs=tmp_path)
     text = page.read_text()
     assert "old a" in text and "old b" not in text and "prose" in text and "middle" in text
     written = text.split("<!-- generated:b -->\n")[1].split("<!-- /generated -->")[0]
     first, _, body = written.partition("\n\n")
-    assert first.startswith("Last run: `python benchmarks/x.py --fast` on ") and "torch " in first
+    assert first.startswith("Last run: `python -m benchmarks.x --fast` on ") and "torch " in first
     assert "CPU cores" in first and body == "| x |\n|---|\n| 1 |\n"
     with pytest.raises(LookupError):
         with publishing("no-such-block", ["python", "x.py"]):

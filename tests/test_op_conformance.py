@@ -85,6 +85,8 @@ def test_declaration_matches_the_schema(op):
     assert set(op.npu.bound_names()) <= set(op.argument_names())
     assert {i.name for i in op.ge.inputs if not i.optional} <= set(op.argument_names())
     assert len(op.ge.outputs) == len(op.outputs)
+    # the partitioner's hand-off reads what the op recomputes by its schema's argument names
+    assert set(op.recomputable) <= set(op.argument_names())
 
 
 def _or_skip(load):

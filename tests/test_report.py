@@ -289,13 +289,15 @@ def test_report_through_inductor(capsys):
 def test_settings_say_whether_the_forward_is_fused():
     """The report's settings say whether the forward was fused from the options in force (their
     defaults included): --forward turns the forward rules on, --backward-only off."""
-    from npu_fusion.plugin.options import FusionOptions
+    from npu_fusion.plugin.options import FusionOptions, forward_options
     from npu_fusion.report import command
 
     parser = argparse.ArgumentParser()
     command.add_arguments(parser)
-    default = bool(FusionOptions().rms_norm_forward)
+    assert forward_options(), "no rule fuses the forward"
+    default = bool(getattr(FusionOptions(), forward_options()[0]))
     for argv, fused in (([], default), (["--forward"], True), (["--backward-only"], False)):
         args = parser.parse_args(argv)
         options = FusionOptions.from_mapping(command.forward_switches(args))
-        assert command.forward_fused(args) is fused == options.rms_norm_forward == options.rope_forward
+        assert command.forward_fused(args) is fused
+        assert [getattr(options, option) for option in forward_options()] == [fused] * len(forward_options())

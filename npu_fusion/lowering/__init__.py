@@ -22,8 +22,7 @@ ROPE_GRAD, RMS_NORM_GRAD = _rope_grad.OP, _rms_norm_grad.OP
 ROPE, RMS_NORM = _rope.OP, _rms_norm.OP
 
 # The backward ops' custom ops under their old names. The forward ops are reached as
-# ``torch.ops.npu_fusion.*`` or by their description: ``lowering.rms_norm`` is the module the
-# pattern rules import, which an attribute of that name here would shadow, or be shadowed by.
+# ``torch.ops.npu_fusion.*`` or by their description (``RMS_NORM``, ``ROPE``).
 rotary_position_embedding_grad = registrar.CUSTOM_OPS[ROPE_GRAD.name]
 rms_norm_grad = registrar.CUSTOM_OPS[RMS_NORM_GRAD.name]
 

@@ -141,6 +141,11 @@ class FusedOp:
     #: a converter written by hand, ``convert(builders, arguments, meta_outputs)``, where the
     #: IR cannot say what the op does (else the registrar's generic one)
     ge_converter: Optional[Callable] = None
+    #: the label of its sites' boxes in the HTML report's map, a word or two; its name where empty
+    short_label: str = ""
+    #: the arguments min-cut may recompute rather than save, each read in the backward through a
+    #: hand-off (``plugin.joint``): values cheap to recompute from small inputs, never an activation
+    recomputable: Tuple[str, ...] = ()
 
     def check_inputs(self, *inputs) -> None:
         """Raise ``FusedOpInputError`` naming the constraint the inputs break, if any."""

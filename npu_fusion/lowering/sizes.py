@@ -2,7 +2,7 @@
 
 The pass and the per-target limits decide with these: a size that a guard could
 still decide either way counts as "not known", so nothing is fused on a hope. (The
-fused ops' own input checks, in :mod:`.constraints`, decide the other way round:
+fused ops' own input checks, in :mod:`.ops` and :mod:`.checks`, decide the other way round:
 they refuse only what is provably wrong.)
 """
 from __future__ import annotations

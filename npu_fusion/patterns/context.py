@@ -74,7 +74,7 @@ class PassContext:
     graph: fx.Graph
     #: the graph's saved tensors' forward definitions (None: the backward alone)
     provenance: Optional[Any] = None
-    #: the chip the fused ops are checked against (:data:`~npu_fusion.lowering.constraints.TARGETS`)
+    #: the chip the fused ops are checked against (:data:`~npu_fusion.lowering.checks.TARGETS`)
     target: str = "generic"
     #: raise an internal error instead of recording it as the candidate's miss
     strict: bool = False

@@ -22,7 +22,7 @@ import torch
 import torch.fx as fx
 
 from ..compat import fake_tensor_type, is_erased, outside_fake_mode, set_value_meta
-from ..lowering.constraints import FusedOpInputError
+from ..lowering.checks import FusedOpInputError
 from ..lowering.fused_op import FusedOp
 from ..lowering.sizes import same_shape
 from .context import PassContext, fake_mode_of

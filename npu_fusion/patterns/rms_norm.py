@@ -69,9 +69,8 @@ import torch
 import torch.fx as fx
 
 from ..compat import FUSED_RMS_NORM, FUSED_RMS_NORM_BACKWARD
-from ..lowering.constraints import RMS_NORM_DTYPES, rms_norm_target_problem
-from ..lowering import RMS_NORM as FORWARD_OP
-from ..lowering.rms_norm import OP
+from ..lowering import RMS_NORM as FORWARD_OP, RMS_NORM_GRAD as OP
+from ..lowering.ops.rms_norm_grad import RMS_NORM_DTYPES, rms_norm_target_problem
 from ..lowering.sizes import same_shape, static_int
 from .algebra import Expr, graph_constant
 from .evaluator import JointProvenance, Provenance, Unsupported, kept_precision, rounding_problem

@@ -45,7 +45,7 @@ import torch
 import torch.fx as fx
 
 from ..lowering import FUSED_OPS, RMS_NORM as OP, RMS_NORM_GRAD
-from ..lowering.constraints import RMS_NORM_DTYPES, rms_norm_target_problem
+from ..lowering.ops.rms_norm_grad import RMS_NORM_DTYPES, rms_norm_target_problem
 from ..lowering.sizes import same_shape, static_int
 from .algebra import Expr
 from .evaluator import JointProvenance, Provenance, Unsupported, kept_precision, rounding_problem

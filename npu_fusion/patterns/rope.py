@@ -35,8 +35,8 @@ from typing import Dict, List, Optional, Tuple
 
 import torch.fx as fx
 
-from ..lowering.constraints import ROPE_MAX_D, ROPE_MODES, rope_divisor, rope_target_problem
-from ..lowering.rope import OP
+from ..lowering import ROPE_GRAD as OP
+from ..lowering.ops.rope_grad import ROPE_MAX_D, ROPE_MODES, rope_divisor, rope_target_problem
 from ..lowering.sizes import same_shape, static_int
 from .evaluator import Provenance, Unsupported, kept_precision, rounding_problem
 from .lanes import Lanes, LaneEvaluator, add_polys

@@ -39,7 +39,7 @@ from typing import List, Optional, Tuple
 import torch.fx as fx
 
 from ..lowering import ROPE as OP, ROPE_GRAD
-from ..lowering.constraints import ROPE_MODES, rope_divisor
+from ..lowering.ops.rope_grad import ROPE_MODES, rope_divisor
 from ..lowering.sizes import same_shape, static_int
 from .evaluator import InferenceProvenance, JointProvenance, kept_precision, rounding_problem
 from .lanes import LaneEvaluator, Lanes

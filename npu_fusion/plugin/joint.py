@@ -40,7 +40,7 @@ Two things the partitioners need from the graph the pass leaves them:
   ops, and min-cut recomputed them from the positions and the inverse frequencies instead of
   saving them. A fused op reads each table it shares with the forward through a hand-off, one
   pointwise node in the backward (``table * 1``, tagged ``must_be_in_backward``), so min-cut
-  keeps that choice (``RECOMPUTABLE_ARGUMENTS``). The hand-off writes the table once per
+  keeps that choice (each fused op declares them: ``FusedOp.recomputable``). The hand-off writes the table once per
   backward; the fused op reads it as before. Larger operands (x, dy) get none: recomputing
   them costs a full activation's traffic.
 """
@@ -52,14 +52,15 @@ from typing import Callable, Dict, Hashable, List, Optional, Set
 import torch
 import torch.fx as fx
 
+from ..lowering import FUSED_OPS
 from ..patterns.nodes import aten, gradient_dependent
 from ..patterns.rewrite import call, fake_mode_of
 
 TAG = "partitioner_tag"
 
-#: fused-op arguments min-cut may recompute rather than save (see Recomputation above): RoPE's
-#: tables, functions of the positions only
-RECOMPUTABLE_ARGUMENTS = ("cos", "sin")
+#: per fused op's schema name, the arguments min-cut may recompute rather than save (see
+#: Recomputation above), from each op's declaration
+RECOMPUTABLE_ARGUMENTS = {f"npu_fusion::{op.name}": op.recomputable for op in FUSED_OPS}
 
 
 def _must_recompute(node: fx.Node) -> bool:
@@ -218,15 +219,16 @@ class JointGraph:
             anchor = node
 
     def _hand_off_recomputable_reads(self, added: List[fx.Node]) -> None:
-        """Each fused op's ``RECOMPUTABLE_ARGUMENTS`` that are forward values computed in the
-        graph: read through a hand-off in the backward, so min-cut may recompute them."""
+        """Each fused op's recomputable arguments that are forward values computed in the graph:
+        read through a hand-off in the backward, so min-cut may recompute them."""
         for node in added:
             schema = getattr(node.target, "_schema", None)
-            if schema is None or not schema.name.startswith("npu_fusion::"):
+            recomputable = RECOMPUTABLE_ARGUMENTS.get(schema.name, ()) if schema is not None else ()
+            if not recomputable:
                 continue
             for index, argument in enumerate(schema.arguments[:len(node.args)]):
                 value = node.args[index]
-                if argument.name in RECOMPUTABLE_ARGUMENTS and self._computed_forward_value(value):
+                if argument.name in recomputable and self._computed_forward_value(value):
                     with self.graph.inserting_before(node):
                         hand_off = call(self.graph, fake_mode_of(self.graph), aten.mul.Tensor, (value, 1))
                     hand_off.meta[TAG] = "must_be_in_backward"

@@ -17,9 +17,9 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from typing import Any, Dict, Mapping, Optional
+from typing import Any, Dict, Mapping, Optional, Tuple
 
-from ..lowering.constraints import TARGETS
+from ..lowering.checks import TARGETS
 from ..patterns import RULES
 
 
@@ -75,3 +75,13 @@ FusionOptions = dataclasses.make_dataclass(
     bases=(PassOptions,), frozen=True, namespace={"__module__": __name__, "__doc__": (
         "The pass's options: :class:`PassOptions` and, per rule of :data:`~npu_fusion.patterns.RULES`, "
         "its switch (a bool, on unless the rule says otherwise).")})
+
+
+def forward_options() -> Tuple[str, ...]:
+    """The switches of the rules that fuse the forward (stage ``joint`` or ``forward``), in rule order."""
+    return tuple(rule.option for rule in RULES if rule.stage != "backward")
+
+
+def forward_ops() -> Tuple[str, ...]:
+    """The fused ops the forward rules emit, in rule order."""
+    return tuple(rule.op.name for rule in RULES if rule.stage != "backward")

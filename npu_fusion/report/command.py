@@ -25,7 +25,7 @@ from typing import Any, Dict, Sequence
 
 import torch
 
-from ..plugin.options import TARGETS, FusionOptions
+from ..plugin.options import TARGETS, FusionOptions, forward_ops, forward_options
 from .analysis import analyse, progress
 from .subjects import DTYPES, SubjectSource, UsageError, bundled_subject, hf_subject
 from .text import write_report
@@ -38,15 +38,15 @@ def forward_switches(args) -> dict:
     """The forward rules' options: off with ``--backward-only``, on with ``--forward``, else their
     defaults."""
     if getattr(args, "backward_only", False):
-        return {"rms_norm_forward": False, "rope_forward": False}
-    return {"rms_norm_forward": True, "rope_forward": True} if getattr(args, "forward", False) else {}
+        return dict.fromkeys(forward_options(), False)
+    return dict.fromkeys(forward_options(), True) if getattr(args, "forward", False) else {}
 
 
 def forward_fused(args) -> bool:
     """Whether the run fuses the forward (what the report's settings say): the options'
     values, the defaults included."""
     options = FusionOptions.from_mapping(forward_switches(args))
-    return bool(options.rms_norm_forward or options.rope_forward)
+    return any(getattr(options, option) for option in forward_options())
 
 
 def add_arguments(parser: argparse.ArgumentParser, sources: Sequence[SubjectSource] = ()) -> None:
@@ -84,11 +84,11 @@ def add_arguments(parser: argparse.ArgumentParser, sources: Sequence[SubjectSour
     parser.add_argument("--compiled-autograd", action="store_true",
                         help="compile forward and backward as one step with compiled autograd on")
     parser.add_argument("--forward", action="store_true",
-                        help="fuse the forward too (options rms_norm_forward and rope_forward, on by default): each "
-                             "counted site is then a forward site as well, in the rows of rms_norm and "
-                             "rotary_position_embedding")
+                        help=f"fuse the forward too (options {' and '.join(forward_options())}, on by default): "
+                             "each counted site is then a forward site as well, in the rows of "
+                             f"{' and '.join(forward_ops())}")
     parser.add_argument("--backward-only", action="store_true",
-                        help="turn the forward rules off (rms_norm_forward=False, rope_forward=False)")
+                        help=f"turn the forward rules off ({', '.join(f'{o}=False' for o in forward_options())})")
     parser.add_argument("--inference", action="store_true",
                         help="report an inference step instead of a training step: one forward under no_grad "
                              "(an inference graph: the forward rules), its logits checked against float64")

@@ -26,7 +26,7 @@ from typing import Any, Callable, Dict, Optional
 import torch
 
 from ..measure.sites import SiteCounter
-from ..plugin.options import FusionOptions
+from ..plugin.options import FusionOptions, forward_options
 from .analysis import analyse
 from .subjects import FunctionModule, Subject, conventional_counter
 from .text import finite, format_text
@@ -89,7 +89,7 @@ def explain(model_or_fn: Callable, *example_inputs, loss: Optional[Callable[[Any
                 "layers": None, "dtype": _dtype_name(subject.model), "batch": None, "seq": None,
                 "dynamic": False, "target": fusion_options.target, "partitioner": fusion_options.partitioner,
                 "compiler": "npu_fusion", "checkpointing": "none", "compiled_autograd": compiled_autograd, "seed": None,
-                "forward": fusion_options.rms_norm_forward and fusion_options.rope_forward, "train": train}
+                "forward": all(getattr(fusion_options, option) for option in forward_options()), "train": train}
     return Explanation(analyse(subject, batch, fusion_options, settings))
 
 

@@ -21,9 +21,12 @@ import html
 import re
 from typing import Any, Dict, List, Tuple
 
+from ..lowering import FUSED_OPS
+
 FUSED, MISSED = "#2e7d32", "#c62828"
 BEFORE, AFTER, MINIMUM = "#9e9e9e", "#1565c0", "#2e7d32"
-SHORT = {"rotary_position_embedding_grad": "RoPE", "rms_norm_grad": "RMSNorm"}
+#: a site's op as its box in the map says it, from each fused op's declaration (else its name)
+SHORT = {op.name: op.short_label for op in FUSED_OPS if op.short_label}
 CSS = """
 body { font-family: -apple-system, 'Segoe UI', Helvetica, Arial, sans-serif; margin: 24px; color: #212121; }
 h1 { font-size: 22px; margin: 0 0 4px 0; } h2 { font-size: 18px; margin: 28px 0 6px 0;

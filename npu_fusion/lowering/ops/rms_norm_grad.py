@@ -226,4 +226,5 @@ OP = FusedOp(
             inputs=(GeInput("dy", NORM_KINDS), GeInput("x", NORM_KINDS), GeInput("rstd", "DT_FLOAT"),
                     GeInput("gamma", NORM_KINDS)),
             attrs=(), outputs=(("dx", NORM_KINDS), ("dgamma", "DT_FLOAT"))),
+    short_label="RMSNorm",
 )

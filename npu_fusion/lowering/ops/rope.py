@@ -101,4 +101,6 @@ OP = FusedOp(
             inputs=(GeInput("x", ROPE_KINDS), GeInput("cos", ROPE_KINDS), GeInput("sin", ROPE_KINDS),
                     GeInput("rotate", ROPE_KINDS, optional=True)),
             attrs=(GeAttr("mode", "Int", 0, "mode"),), outputs=(("y", ROPE_KINDS),)),
+    # the tables are functions of the positions only: min-cut may recompute them rather than save
+    recomputable=("cos", "sin"),
 )

@@ -336,4 +336,6 @@ OP = FusedOp(
             attrs=(GeAttr("mode", "Int", 0, "mode"),),
             outputs=(("dx", ROPE_KINDS), ("dcos", ROPE_KINDS), ("dsin", ROPE_KINDS))),
     ge_converter=convert_without_x,
+    # the tables are functions of the positions only: min-cut may recompute them rather than save
+    short_label="RoPE", recomputable=("cos", "sin"),
 )
