@@ -1142,6 +1142,8 @@ class RmsNormGradRule(FusionRule):
         ("float32 statistics with a bf16 weight (gamma widened exactly, dgamma narrowed back)", "torchtitan Qwen3 qk-norms in bf16"),
         ("autocast with fp32 weights; a bf16 input's normalized value rounded to bf16 before an fp32 weight (dx fused, dgamma left to the program)", "Trainer `bf16=True`; Qwen3 q/k norms under autocast"),
         ("symbolic hidden size (`dynamic=True` with the size from an input)", "dynamic shapes"),
+        ("`(mean(x*x) + eps) ** -0.5`, `x / sqrt(mean(x*x) + eps)`, a statistic taken with `keepdim=False` then `unsqueeze(-1)`", "hand-written norms"),
+        ("the norm's output read by several readers (dy the sum of their gradients)", "a final norm feeding an extra head and an auxiliary loss"),
         ("inside training graphs: activation checkpointing (full, selective), compiled autograd, DDP, FSDP2", "torchtitan, transformers' `gradient_checkpointing_enable`"),
         ("`aten._fused_rms_norm_backward` kept whole (the outputs its `output_mask` asks for; with or without weight)", "`F.rms_norm` on a device with its own RMSNorm kernel (CUDA, XPU; none on torch_npu yet)"),
     ))

@@ -881,6 +881,8 @@ class RopeGradRule(FusionRule):
         ("a dy that is itself computed: output used elementwise, scaled per position, also when the rotation's backward reads it in pieces (halves, pair lanes)", "`q_rot . k_rot`, `q.square()`, Llama 4's L2 qk-norm, Ministral 3's q scaling, torchtune RoPE then `exp`"),
         ("dx summed in one accumulation with other gradients of x (x read again after the rotation, `rope(q) * q`, `rope(q) + q`; two rotations of one x), those added back", "adversarial programs (`tests/test_no_silent_misses.py`)"),
         ("a table negated as a whole (`cat(x2, -x1)`: mode 0 with sin negated)", "nanochat"),
+        ("`[S, D]` and `[S, D/2]` tables on A2/A3, widened to 11SD as the forward widens them", "GPT-J-style interleave with half-width tables"),
+        ("RoPE applied twice (the outer rotation built on the inner fused one)", "adversarial programs (`tests/test_spellings.py`)"),
         ("mode 1 interleave: `stack` of `x[..., 0]`/`x[..., 1]` products with a `[S, D/2, 2]` cache (`select_backward`)", "torchtune `RotaryPositionalEmbeddings`, `Llama3ScaledRoPE`"),
         ("`[S, B, H, D]` with tables computed from `freqs` in the graph, half or interleaved (`stack((-x2, x1), -1)`)", "Megatron-core `_apply_rotary_pos_emb_bshd`"),
         ("one rotated head expanded over the heads, or GQA's k expanded after RoPE (dy a sum over the copies)", "torchtitan DeepSeek-V3 MLA `k_pe`, torchtune GQA, DeepSeek-V2"),
