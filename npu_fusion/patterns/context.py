@@ -27,7 +27,9 @@ def fake_mode_of(graph: fx.Graph):
 
 
 class SiteJudgements:
-    """The verdicts on a site that bind both of its rules: a norm or a rotation is one site with a
+    """The verdicts on a site that bind both of its rules.
+
+    A norm or a rotation is one site with a
     forward and a backward, and where one rule refused it for a reason that is the site's (the
     program rounds inside it more coarsely than it keeps a value, :func:`~.evaluator.rounding_problem`;
     the target runs no such op), the other rule gives the same verdict with the same reason rather

@@ -224,7 +224,9 @@ class NormEvaluator(MemoEvaluator):
         return NormValue(Expr.symbol(sym), dropped=self.k if spans is None else 0)
 
     def _origin(self, node) -> Optional[fx.Node]:
-        """The value a leaf holds, seen through saved tensors' forward definitions, exact copies and
+        """The value a leaf holds, seen through the copies that hold it too.
+
+        Seen through saved tensors' forward definitions, exact copies and
         the unsqueezes and squeezes of trailing axes of size 1 (a statistic saved both as ``rstd`` and
         as ``rstd.unsqueeze(-1)``): copies of one value are one leaf. None where the leaf is its own
         value."""
@@ -239,7 +241,9 @@ class NormEvaluator(MemoEvaluator):
         return node if node is not seen else None
 
     def is_nonnegative(self, node, depth: int = 8) -> bool:
-        """Whether every element of ``node`` is >= 0 (or NaN), by its definition (through saved
+        """Whether every element of ``node`` is >= 0 (or NaN), by its definition.
+
+        Read through saved
         tensors' forward definitions): a root or an exponential, a square, an even power, a power of
         such a value, and sums, means, products, quotients, casts and views of such values with
         numbers >= 0 (a mean square plus eps, ``mean(x*x) + eps``: the statistic under the root of

@@ -160,7 +160,9 @@ def match_dx(ev: NormEvaluator, node: fx.Node, expr: Expr) -> Optional[NormMatch
 
 
 def statistic_powers(ev: NormEvaluator, term) -> List[tuple]:
-    """``(node, power)`` for each factor ``s**e`` of ``term`` constant along the normalized axes,
+    """The candidate rstds of ``term``: its factors that are powers of a leaf.
+
+    ``(node, power)`` for each factor ``s**e`` of ``term`` constant along the normalized axes,
     ``s`` a leaf: the candidate rstd is ``s**e``, the node whose value that is where the program
     computed it (``power`` 1: an ``rsqrt``, a saved ``(mean(x*x) + eps) ** -0.5``), else ``s``'s
     node with ``power`` e (a root the program divides by: ``e`` -1); each of a keep-dim shape,

@@ -523,7 +523,9 @@ def emit(ctx: RuleContext, site: ForwardNormMatch):
 
 
 def _replace_root(edit, root: fx.Node, replacements) -> None:
-    """The program's root (``x / sqrt(...)``) is the reciprocal of the fused op's rstd, which
+    """Rewire the readers of the program's root to the fused op's rstd.
+
+    The program's root (``x / sqrt(...)``) is the reciprocal of the fused op's rstd, which
     ``replacements`` holds for it: the root's readers read that reciprocal, and the ``root ** -1``
     the fused backward reads as its rstd reads the fused rstd itself."""
     rstd = replacements[root]

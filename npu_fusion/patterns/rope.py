@@ -137,7 +137,9 @@ def _polys_equal(a, b) -> bool:
 
 def rope_layout_problem(target: str, mode: int, rotated_shape, table_shape, with_x: bool, compute,
                         order=None) -> Optional[str]:
-    """:func:`rope_target_problem` on the shapes the fused op is called with, forward or backward (one
+    """Why the target cannot run the rotation on the shapes the fused op is called with, or None.
+
+    :func:`rope_target_problem` on those shapes, forward or backward (one
     verdict for both rules of a rotation): the tables right-aligned to the rotated tensor's rank, as
     broadcasting reads them and as both rules unsqueeze them (:func:`~.layout.permuted`), both with
     their axes in ``order`` (the output's memory order; None: as they are)."""

@@ -660,7 +660,9 @@ def _leaves(site: ForwardRopeMatch) -> List[fx.Node]:
 
 
 def _precision_problem(site: ForwardRopeMatch, read: fx.Node, operand: fx.Node) -> str:
-    """Why the site cannot fuse when it reads a role at two precisions: the rounding the program
+    """Why the site cannot fuse when it reads a role at two precisions.
+
+    The rounding the program
     does inside the site, judged by :func:`~.evaluator.rounding_problem` against the role leaves as
     the backward rule judges its site's (the same reason), else the two reads named."""
     return rounding_problem(site.ev, {"y": site.y}, _leaves(site)) or (
