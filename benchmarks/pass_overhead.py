@@ -51,6 +51,15 @@ NPU).
     python benchmarks/pass_overhead.py --torchair [--target a2] [--layers 1 2 4 8 16 32]
     python benchmarks/pass_overhead.py --forward [--inductor] [--layers 1 8 32]
 
+``--widths 16 128`` measures the backend's joint-graph pass at each head dim (4 heads, 2 key/value
+heads, hidden 4 x head dim, MLP twice the hidden size; ``--heads``, ``--kv-heads``) and each of
+``--layers``: per configuration the pass's CPU time, the joint graph's nodes, CPU time per node and
+the share of the first compiled step's CPU time, and per head dim a power fit of the pass's CPU time
+against the nodes. With ``--profile LAYERS`` it then prints a cProfile of ``fuse_joint`` alone (the
+call the backend makes in the first step) at each head dim.
+
+    python benchmarks/pass_overhead.py --widths 16 128 [--layers 2 8] [--profile 8]
+
 ``--forward`` measures each size twice in the same process, side by side: the backward rules
 alone (the default options), then with the forward rules too (``rms_norm_forward`` and
 ``rope_forward``; joint-graph paths only), and prints the ratio of the pass's CPU times.
