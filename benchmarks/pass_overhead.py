@@ -51,6 +51,15 @@ NPU).
     python -m benchmarks.pass_overhead --torchair [--target a2] [--layers 1 2 4 8 16 32]
     python -m benchmarks.pass_overhead --forward [--inductor] [--layers 1 8 32]
 
+``--widths 16 128`` measures the backend's joint-graph pass at each head dim (4 heads, 2 key/value
+heads, hidden 4 x head dim, MLP twice the hidden size; ``--heads``, ``--kv-heads``) and each of
+``--layers``: per configuration the pass's CPU time, the joint graph's nodes, CPU time per node and
+the share of the first compiled step's CPU time, and per head dim a power fit of the pass's CPU time
+against the nodes. With ``--profile LAYERS`` it then prints a cProfile of ``fuse_joint`` alone (the
+call the backend makes in the first step) at each head dim.
+
+    python benchmarks/pass_overhead.py --widths 16 128 [--layers 2 8] [--profile 8]
+
 ``--forward`` measures each size twice in the same process, side by side: the backward rules
 alone (the default options), then with the forward rules too (``rms_norm_forward`` and
 ``rope_forward``; joint-graph paths only), and prints the ratio of the pass's CPU times.
@@ -107,8 +116,9 @@ class Clocked:
     """The ``npu_fusion`` backend's off-NPU path (AOTAutograd, the pass on the joint
     graph), with the pass call timed on the wall clock and on this process's CPU clock."""
 
-    def __init__(self, options):
+    def __init__(self, options, profiler=None):
         self.options = FusionOptions.from_mapping(options)
+        self.profiler = profiler
         self.results, self.wall, self.cpu, self.gc, self.gc_full = [], 0.0, 0.0, 0.0, 0
 
     def __call__(self, gm, example_inputs):
@@ -117,7 +127,13 @@ class Clocked:
     def _around_pass(self, bw_gm, run):
         with GcTimer() as gc_time:
             wall, cpu = time.perf_counter(), time.process_time()
-            self.results.append(run())
+            if self.profiler is not None:
+                self.profiler.enable()
+            try:
+                self.results.append(run())
+            finally:
+                if self.profiler is not None:
+                    self.profiler.disable()
             self.wall += time.perf_counter() - wall
             self.cpu += time.process_time() - cpu
         self.gc += gc_time.seconds
@@ -137,13 +153,22 @@ def expected_sites(model, forward: bool) -> dict:
     return sites
 
 
+def widths(head_dim: int, heads: int = 4, kv_heads: int = 2) -> dict:
+    """The bundled model's width overrides for ``heads`` heads of ``head_dim`` (``kv_heads`` key/value
+    heads), the MLP twice the hidden size as in the default (head_dim 16: hidden 64, MLP 128)."""
+    hidden = head_dim * heads
+    return {"hidden_size": hidden, "num_heads": heads, "num_kv_heads": kv_heads, "intermediate_size": 2 * hidden}
+
+
 def measure(layers: int, dtype=torch.float32, seq: int = 16, batch: int = 2, target: str = "generic",
-            forward: bool = False) -> dict:
-    model = bundled("llama", num_layers=layers, dtype=dtype)
+            forward: bool = False, width: dict = None, profiler=None) -> dict:
+    """The first compiled step of a bundled Llama on the backend, with the pass timed (and, given a
+    ``cProfile.Profile``, profiled: only the ``fuse_joint`` call runs under it)."""
+    model = bundled("llama", num_layers=layers, dtype=dtype, **(width or {}))
     ids = torch.randint(0, model.config.vocab_size, (batch, seq), generator=torch.Generator().manual_seed(0))
     torch._dynamo.reset()
     gc.collect()
-    backend = Clocked(fusion_options(target, forward))
+    backend = Clocked(fusion_options(target, forward), profiler)
     step = torch.compile(lambda i: model.loss(i), backend=backend)
     wall, cpu = time.perf_counter(), time.process_time()
     step(ids).backward()
@@ -159,7 +184,8 @@ def measure(layers: int, dtype=torch.float32, seq: int = 16, batch: int = 2, tar
     return {"layers": layers, "first_call": first, "first_call_cpu": first_cpu, "second_call": second,
             "pass": r.seconds, "pass_cpu": backend.cpu, "pass_gc": backend.gc, "gc_full": backend.gc_full,
             "objects": len(gc.get_objects()), "nodes_before": r.nodes_before,
-            "nodes_after": r.nodes_after, "sites": len(r.sites)}
+            "nodes_after": r.nodes_after, "sites": len(r.sites), "head_dim": model.config.head_dim,
+            "hidden": model.config.hidden_size}
 
 
 def measure_inductor(layers: int, target: str = "generic", dtype=torch.float32, seq: int = 16,
@@ -362,6 +388,58 @@ def profile_pass(layers: int, top: int = 25) -> str:
     return out.getvalue()
 
 
+def profile_joint(layers: int, width: dict, target: str = "generic", top: int = 25) -> str:
+    """cProfile of ``fuse_joint`` alone, in the backend's first compiled step of a ``layers``-layer model
+    of the given widths (GC off under the profiler: its pauses would land on whichever function allocates)."""
+    profiler = cProfile.Profile()
+    gc.collect()
+    gc.disable()
+    try:
+        row = measure(layers, target=target, width=width, profiler=profiler)
+    finally:
+        gc.enable()
+    out = io.StringIO()
+    out.write(f"fuse_joint on {row['nodes_before']} nodes, {layers} layers, head_dim {row['head_dim']}, hidden "
+              f"{row['hidden']}: {row['pass_cpu'] * 1e3:.0f} ms CPU (under cProfile, GC off)\n")
+    pstats.Stats(profiler, stream=out).sort_stats("tottime").print_stats(top)
+    pstats.Stats(profiler, stream=out).sort_stats("cumulative").print_stats(top)
+    return out.getvalue()
+
+
+def measure_widths(args: argparse.Namespace) -> list:
+    """One row per (head_dim, layers) on the backend: ``--repeat`` runs each, medians of the times."""
+    target = args.target or "generic"
+    rows = []
+    for head_dim in args.widths:
+        width = widths(head_dim, args.heads, args.kv_heads)
+        for layers in args.layers:
+            runs = [measure(layers, target=target, width=width) for _ in range(args.repeat)]
+            row = dict(runs[0])
+            for key in ("first_call", "first_call_cpu", "pass", "pass_cpu", "pass_gc"):
+                row[key] = statistics.median(r[key] for r in runs)
+            rows.append(row)
+            print(f"head_dim {head_dim}, {layers} layers: pass {row['pass_cpu'] * 1e3:.0f} ms CPU",
+                  file=sys.stderr, flush=True)
+    return rows
+
+
+def print_widths_table(rows) -> None:
+    """Per configuration: the pass's CPU time, the joint graph's nodes, CPU time per node and the share."""
+    print("| head_dim (hidden) | layers | joint nodes before -> after | sites fused | first step CPU | "
+          "pass CPU | pass CPU per node | pass / first step, CPU |")
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for r in rows:
+        print(f"| {r['head_dim']} ({r['hidden']}) | {r['layers']} | {r['nodes_before']} -> {r['nodes_after']} | "
+              f"{r['sites']} | {r['first_call_cpu']:.2f} s | {r['pass_cpu'] * 1e3:.0f} ms | "
+              f"{1e6 * r['pass_cpu'] / r['nodes_before']:.0f} us | "
+              f"{100 * r['pass_cpu'] / r['first_call_cpu']:.1f}% |")
+    for head_dim in dict.fromkeys(r["head_dim"] for r in rows):
+        same = [r for r in rows if r["head_dim"] == head_dim]
+        if len(same) >= 2:
+            _, b, r2 = fit([math.log(r["nodes_before"]) for r in same], [math.log(r["pass_cpu"]) for r in same])
+            print(f"\nhead_dim {head_dim}: power fit pass CPU time ~ nodes^{b:.2f} (R^2 = {r2:.4f}; 1.00 = linear)")
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--layers", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32])
@@ -379,9 +457,16 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="npu-fusion target (default: generic, or a2 with --torchair)")
     parser.add_argument("--forward", action="store_true",
                         help="each size twice, side by side: the backward rules alone, then the forward rules too")
+    parser.add_argument("--widths", type=int, nargs="+", metavar="HEAD_DIM",
+                        help="measure these head dims (hidden = heads x head_dim, MLP twice that) at each of "
+                             "--layers on the backend, and with --profile profile the pass at each of them")
+    parser.add_argument("--heads", type=int, default=4, help="attention heads with --widths (default 4)")
+    parser.add_argument("--kv-heads", type=int, default=2, help="key/value heads with --widths (default 2)")
     parser.add_argument("--write-docs", metavar="NAME",
                         help="also write what this prints into block NAME of its docs/ page")
     args = parser.parse_args(argv)
+    if args.widths and (args.forward or args.torchair or args.inductor):
+        parser.error("--widths measures the npu_fusion backend's joint graph alone")
     if args.forward and args.torchair:
         parser.error("--forward needs a joint graph; through torchair the pass sees the backward graph")
     return args
@@ -488,6 +573,13 @@ def main(argv=None) -> int:
 
 
 def measure_and_print(run, args) -> int:
+    if args.widths:
+        print_widths_table(measure_widths(args))
+        if args.profile:
+            for head_dim in args.widths:
+                text = profile_joint(args.profile, widths(head_dim, args.heads, args.kv_heads), args.target or "generic")
+                print(f"\n```\n{text}```")
+        return 0
     if args.forward:  # each size alone and too, one after the other, so a busy machine disturbs both alike
         pairs = [(measure_sizes(run, sized, False)[0], measure_sizes(run, sized, True)[0])
                  for sized in (argparse.Namespace(**{**vars(args), "layers": [n]}) for n in args.layers)]

@@ -191,12 +191,18 @@ class GradientNodes(set):
 
 
 def _gradient_nodes(graph: fx.Graph) -> Optional[GradientNodes]:
-    found = {n for n in graph.nodes if _is_tangent(n)}
-    if not found:
+    """The tangents and every node that reads one, directly or not: a walk over users from the
+    tangents, which visits only those nodes (the same set as a pass over the whole graph in
+    order asking each node whether an input is in it, and a placeholder reads nothing)."""
+    tangents = [n for n in graph.find_nodes(op="placeholder") if _is_tangent(n)]
+    if not tangents:
         return None
-    for node in graph.nodes:
-        if node.op != "placeholder" and any(a in found for a in node.all_input_nodes):
-            found.add(node)
+    found, stack = set(tangents), list(tangents)
+    while stack:
+        for user in stack.pop().users:
+            if user not in found:
+                found.add(user)
+                stack.append(user)
     return GradientNodes(found, graph.nodes)
 
 

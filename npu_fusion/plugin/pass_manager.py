@@ -457,8 +457,9 @@ def _rewrite_in_rounds(context: PassContext, options: FusionOptions, stages: Opt
         undecided = pending or any(ctx.round_misses for _, ctx in rules)
         if sum(len(ctx.sites) for _, ctx in rules) == fused or not undecided:
             break
-    for rule, ctx in rules:  # what no form matched is a miss too, never silence
-        ctx.round_misses += rule.unexplained(graph, ctx, ctx.misses)
+    with one_round(graph):  # the rules' reports rewrite nothing: one gradient_dependent for all
+        for rule, ctx in rules:  # what no form matched is a miss too, never silence
+            ctx.round_misses += rule.unexplained(graph, ctx, ctx.misses)
     context.judgements.settle()  # one reason per site: a backward no form read takes its forward's
     return ([s for _, ctx in rules for s in ctx.sites], [m for _, ctx in rules for m in ctx.misses])
 
