@@ -133,12 +133,11 @@ def _symbols(mono) -> set:
 def match_dx(ev: NormEvaluator, node: fx.Node, expr: Expr) -> Optional[NormMatch]:
     """Read the roles off the two terms of ``r*dy*g - r**3*x*S[dy*g*x]/N``, then check equality."""
     sums = {s for s in expr.free_symbols if s in ev.sum_body}
-    if len(sums) != 1:
-        return None
     terms = [mono for mono, _ in expr.split_terms()]
     plain = [m for m in terms if not (_symbols(m) & sums)]
     summed = [m for m in terms if _symbols(m) & sums]
-    if len(plain) != 1 or len(summed) != 1:
+    # a dy of several terms (gradients summed) spreads the sum over them: one sum per term
+    if not plain or not summed or len(sums) != len(summed) or (len(sums) > 1 and len(plain) != len(summed)):
         return None
 
     def leaves(term, varying, full_shape=None, rank=None):
@@ -149,31 +148,41 @@ def match_dx(ev: NormEvaluator, node: fx.Node, expr: Expr) -> Optional[NormMatch
 
     full = shape(node)
     stats, gammas = leaves(plain[0], False), leaves(plain[0], True, rank=ev.k) + [None]
+    # dy a leaf: one plain term (a dy of several terms, a sum of gradients, is read by value below)
     candidates = itertools.product(stats, leaves(plain[0], True, full_shape=full), gammas,
-                                   leaves(summed[0], True, full_shape=full))
+                                   leaves(summed[0], True, full_shape=full)) if len(terms) == 2 else ()
     for r, dy, g, x in candidates:
         if len({r, dy, g, x}) == 4 and expr == expected_dx(ev, ev.symbol(dy), ev.symbol(x), ev.symbol(r),
                                                            ev.value_of(g)):
             return NormMatch(node, dy, x, r, g, ev)
-    return _match_expression_roles(ev, node, expr, stats, gammas, sums)
+    x_leaves = set.intersection(*(set(leaves(m, True, full_shape=full)) for m in summed))
+    return _match_expression_roles(ev, node, expr, stats, gammas, sums, sorted(x_leaves, key=lambda n: n.name))
 
 
-def _match_expression_roles(ev: NormEvaluator, node, expr: Expr, stats, gammas, sums) -> Optional[NormMatch]:
+def _match_expression_roles(ev: NormEvaluator, node, expr: Expr, stats, gammas, sums,
+                            x_leaves=()) -> Optional[NormMatch]:
     """dy or x that are not leaves but any node of the right value: a gated norm's dy is
-    ``grad * gate``, a post-norm's x the previous norm's output. The plain term gives dy's
-    value, the summed body (what varies along the normalized axes of dy*g*x) x's varying
-    part; each candidate is then checked against the whole formula."""
-    (total,) = sums
-    (plain, plain_coef), = [(m, c) for m, c in expr.split_terms() if total not in _symbols(m)]
+    ``grad * gate``, a post-norm's x the previous norm's output, and a norm whose output feeds
+    both the loss and the next layer in one graph has a dy of several terms (the gradients
+    summed). The plain terms give dy's value; for a one-term dy the summed body (what varies
+    along the normalized axes of dy*g*x) gives x's varying part, for a dy of several terms
+    ``x_leaves`` (the summed term's leaves of dx's shape) are x's candidates; each candidate is
+    then checked against the whole formula."""
+    plain = Expr({m: c for m, c in expr.split_terms() if not (_symbols(m) & sums)})
     full = shape(node)
     for r, g in itertools.product(stats, gammas):
         gs = ev.value_of(g)
-        dy = ev.node_with_value(Expr({plain: plain_coef}) / (ev.symbol(r) * gs), full)
-        if dy is None or len(ev.value_of(dy).terms) != 1:
+        dy = ev.node_with_value(plain / (ev.symbol(r) * gs), full)
+        if dy is None:
             continue
-        known = Expr({ev.varying_part(next(iter((ev.value_of(dy) * gs).terms))): 1})
-        x_body = Expr({ev.sum_body[total]: 1}) / known
-        for x in ev.nodes_varying_as(next(iter(x_body.terms)), full):
+        if len(ev.value_of(dy).terms) == 1 and len(sums) == 1:
+            (total,) = sums
+            known = Expr({ev.varying_part(next(iter((ev.value_of(dy) * gs).terms))): 1})
+            x_body = Expr({ev.sum_body[total]: 1}) / known
+            xs = ev.nodes_varying_as(next(iter(x_body.terms)), full)
+        else:
+            xs = x_leaves
+        for x in xs:
             if len({r, dy, g, x}) == 4 and expr == expected_dx(ev, ev.value_of(dy), ev.value_of(x),
                                                                ev.symbol(r), gs):
                 return NormMatch(node, dy, x, r, g, ev)
