@@ -431,29 +431,47 @@ def unexplained(graph: fx.Graph, provenance: Optional[Provenance], misses: List[
     """No silent misses: a gradient multiplied by an RMS statistic (``rsqrt(mean(x*x) + eps)``,
     saved or recomputed), or by a normalized value and summed as a weight's gradient (a norm
     whose input takes no gradient), that is left in the graph after the pass, and that no
-    recorded miss accounts for, is an RMSNorm no form matched; each becomes a miss."""
+    recorded miss accounts for, is an RMSNorm no form matched. One norm is one miss: its dx's
+    product (by the statistic) and its weight gradient's (by the normalized value) are grouped
+    by the value the norm normalizes, and a recorded miss any of them reaches accounts for all."""
     gradient = gradient_dependent(graph)
     if gradient is None:
         return []
     missed = {m.node for m in misses}
-    found, reached = [], set()
+    norms: Dict[object, list] = {}  # the normalized value (or the product itself) -> [node, reason, reach]
+    reached = set()
     weight_gradient = _unfused_weight_gradient(graph, provenance, missed)
     for node in graph.nodes:
         operand = _forward_operand(node, gradient) if node not in reached else None
-        reason = unmatched_spelling(node if node.target is aten.div.Tensor else operand, provenance) \
-            if operand is not None else None
+        spelled = node if node.target is aten.div.Tensor else operand
+        reason = unmatched_spelling(spelled, provenance) if operand is not None else None
         if operand is None or not (reason or _is_rms_statistic(operand, provenance)
                                    or fused_statistic_operand(operand, provenance) is not None
                                    or weight_gradient(node, operand)):
             continue
         reach = set(downstream(graph, [node], 2 * DX_DEPTH))
         reached |= reach
-        if not any(n.name in missed for n in reach):
-            found.append((node, reason))
+        entry = norms.setdefault(_normalized_value(operand, spelled, provenance) or node, [node, reason, set()])
+        entry[1] = entry[1] or reason
+        entry[2] |= reach
     return [Miss(OP.name, n.name, reason or (
         "a gradient scaled by an RMS statistic rsqrt(mean(x*x) + eps), or by the normalized value "
         "x*rsqrt(mean(x*x) + eps) and summed as a weight's gradient, that no RMSNorm form matched (run with "
-        "TORCH_LOGS=npu_fusion and dump_graphs to see it)")) for n, reason in found]
+        "TORCH_LOGS=npu_fusion and dump_graphs to see it)")) for n, reason, reach in norms.values()
+        if not any(r.name in missed for r in reach)]
+
+
+def _normalized_value(operand: fx.Node, spelled: fx.Node, provenance: Optional[Provenance]) -> Optional[fx.Node]:
+    """The value (its exact source) the norm normalizes whose statistic or normalized value
+    ``operand`` is, decomposed, fused or spelled as no form reads (``spelled``: the product's
+    node where it divides, else ``operand``); None where it is none of them."""
+    stat = (rms_statistic_operand(operand, provenance) or fused_statistic_operand(operand, provenance)
+            or normalized_operand(operand, provenance) or fused_normalized_operand(operand, provenance))
+    if stat is None:
+        root = spelled_root(spelled, provenance)
+        stat = _rms_root(root, provenance, lambda n: _is_reciprocal_root(n) or n.target is aten.sqrt.default) \
+            if root is not None else None
+    return _source(stat[0], provenance) if stat is not None else None
 
 
 def _forward_operand(node: fx.Node, gradient: set) -> Optional[fx.Node]:
