@@ -36,7 +36,8 @@ from npu_fusion_testing.capture import Capture
 from npu_fusion.patterns.rope_forward import SYMBOLIC_REASON
 from npu_fusion_testing.forward_programs import NORM_OP, ROPE_OP, ForwardProgram, RopeForward, norm_forward_programs, \
     rope_forward_program, rope_forward_programs
-from npu_fusion_testing.programs import F16, Program, RopeForm, rms_norm_programs, rope_program, rope_programs
+from npu_fusion_testing.programs import F16, Program, RopeForm, precision_programs, rms_norm_programs, rope_program, \
+    rope_programs
 from test_properties import (FAILURE_LOG, FAILURES, KEEP_GOING, STATS, ULPS, BeyondEagerRounding, CompiledRunError,
                              Config,
                              PassError, UndefinedMadeDefined, WrongGradient, WrongOutput, assert_safe_compute_dtypes,
@@ -174,7 +175,7 @@ def check_sites(compiled: Compiled, program: Program):
     fused, missed = compiled.fused(program.op), len(compiled.misses(program.op))
     if program.breaking and fused:
         raise NearMissFused(f"{fused} {program.op} fused although {', '.join(program.breaking)} leaves no formula")
-    if not program.perturbations and fused + missed < program.sites:
+    if program.exact and fused + missed < program.sites:
         raise SilentMiss(f"{program.sites} {program.op} sites: {fused} fused, {missed} recorded misses")
 
 
@@ -186,7 +187,7 @@ def record(program: Program, config: Config, compiled: Compiled, failure):
     for op, count in fused.items():
         STATS[f"forward: sites fused: {op}"] += count
     if isinstance(program, ForwardProgram):
-        kind = "near misses" if program.breaking else ("other perturbations" if program.perturbations else "exact")
+        kind = "near misses" if program.breaking else ("exact" if program.exact else "other perturbations")
         STATS[f"forward: {program.family}: {kind}"] += 1
         STATS[f"forward: {program.family}: {kind} with the forward fused"] += bool(fused[program.op])
         STATS[f"forward: {program.family}: {kind}, recorded misses"] += len(compiled.misses(program.op))
@@ -250,6 +251,31 @@ def test_rms_norm_programs_with_the_forward_rules(program, config):
 @EXAMPLES
 @given(program=rope_programs(), config=configs())
 def test_rope_programs_with_the_forward_rules(program, config):
+    check_forward_program(program, config)
+
+
+@EXAMPLES
+@given(program=norm_forward_programs(wrappers=True), config=configs())
+def test_rms_norm_forward_programs_with_wrappers(program, config):
+    """Norms with what the backward's generators draw around a site (forward_programs.NORM_WRAPPERS):
+    roundings per lane and per copy, the statistic returned, in-place updates, strided inputs and
+    views of the output returned."""
+    check_forward_program(program, config)
+
+
+@EXAMPLES
+@given(program=rope_forward_programs(wrappers=True), config=configs())
+def test_rope_forward_programs_with_wrappers(program, config):
+    """Rotations with forward_programs.ROPE_WRAPPERS: the table rounded on half of its lanes or in
+    one copy, the rotated half returned, in-place updates, a view of the output returned."""
+    check_forward_program(program, config)
+
+
+@EXAMPLES
+@given(program=st.sampled_from(["rope", "rms_norm"]).flatmap(precision_programs), config=configs())
+def test_precision_programs_with_the_forward_rules(program, config):
+    """The backward's precision generator (autocast regions, mixed dtypes, bf16/fp16/fp8 round trips
+    around exact sites) with the forward rules on."""
     check_forward_program(program, config)
 
 
