@@ -447,3 +447,24 @@ def test_fp16_rope_at_table_scale_3e4_is_the_correctly_rounded_program():
         assert_close_to_float64(f"grad of {name}", got, eager, exact)
     margin = fp16_scaled_margin(range(32))
     assert margin["o's gradient as rounded once"] == margin["seeds"] == 32, margin
+
+
+@pytest.mark.parametrize("wrapper", ["lane_rounded_table", "rounded_table_copy"])
+def test_rotation_reading_its_table_rounded_on_half_of_its_lanes_keeps_the_roundings(wrapper):
+    """Found by the wrappers' generator at once (issue 30's wrong forward output): a float32 rotation
+    whose ``x * cos`` reads cos exactly on its first half of lanes and ``cos.to(bf16)`` on the second
+    fused with the rounded copy as its table, 1390 ulps from the program's math. The rounding check
+    now also sees a site reading a role's value rounded otherwise than the copy bound to the role:
+    a recorded miss. A table read rounded in one copy only fuses with that copy, as it may."""
+    form = RopeForward(mode=0, layout="BNSD", table_layout="SD", tables="full", casts="none", head_dim=8, width=8,
+                       sizes=(2, 1, 2), dtype=torch.float32, table_dtype=torch.float32, with_k=False, q_grad=True,
+                       after="none")
+    program = rope_forward_program(form, (wrapper,))
+    config = Config(route="aot", partitioner="default", decompositions="none", dynamic="static", target="950", seed=0)
+    compiled = Compiled(program.build(), config)
+    check_outputs_and_gradients(compiled, program, program.tensors(config.seed))
+    if wrapper == "lane_rounded_table":
+        misses = compiled.misses(ROPE_OP)
+        assert not compiled.fused(ROPE_OP) and len(misses) == 1 and "rounded otherwise" in misses[0].reason, misses
+    else:
+        assert compiled.fused(ROPE_OP) + len(compiled.misses(ROPE_OP)) == 1
