@@ -312,8 +312,14 @@ def find_sites(graph: fx.Graph, rewrites: RuleContext) -> RoundReport:
             seen.add(site.rstd)
             site.dgamma = _dgamma_of(rewrites.examine, ev, site, lead_sums)
             matches.append(site)
-        near += _near_misses(rewrites, ev, nodes, [m for m in matches if m.ev is ev])
-        with_dx |= _statistics_with_dx(ev)
+        missed = _near_misses(rewrites, ev, nodes, [m for m in matches if m.ev is ev])
+        near += missed
+        # a norm whose dx is here, matched or recorded as a near miss, is no dgamma-only site: its
+        # dgamma fused alone would judge one norm twice (fused and missed; a (ms + eps) ** -0.5
+        # statistic, whose dx reads ms + eps ** -1.5, no cube of the statistic)
+        suspects = {m.node for m in missed.misses}
+        with_dx |= _statistics_with_dx(ev) | {ev.node_of[s] for n in nodes if n.name in suspects
+                                               and ev.memo.get(n) is not None for s in _stat_leaves(ev, ev.memo[n].expr)}
         rewrites.evaluated(ev)
     matches += dgamma_only_sites(graph, rewrites, matches, with_dx)
     return RoundReport(matches, near.misses, near.pending)

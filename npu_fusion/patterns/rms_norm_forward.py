@@ -53,7 +53,7 @@ from .rewrite import Insertion, Miss, RuleContext, commit, emit_fused_op, exact_
 from .layout import memory_order, permuted, same_layout
 from .norm_algebra import NormEvaluator, size_key
 from .pairing import calls, source
-from .rms_norm import (_is_centred, norm_evaluator, rms_statistic_operand, spelled_root, unmatched_spelling,
+from .rms_norm import (_is_centred, _rms_root, norm_evaluator, rms_statistic_operand, spelled_root, unmatched_spelling,
                        whole_forward_misses)
 from .rule import Form, FusionRule, RoundReport, SiteProbe
 
@@ -533,12 +533,26 @@ def unexplained(graph: fx.Graph, provenance: Optional[Provenance], misses: List[
         if root is not None and root not in spelled and not any(
                 r.name in missed for r in downstream(graph, [n], Y_DEPTH)):
             spelled[root] = (n, unmatched_spelling(n, None))
+        elif _reciprocal_root(n) and n not in gradient and not any(
+                r.name in missed for r in downstream(graph, [n], Y_DEPTH)):
+            spelled[n] = (n, RECIPROCAL_REASON)
     statistics = [Miss(OP.name, n.name, "a forward RMS statistic rsqrt(mean(x*x) + eps) that no forward RMSNorm "
                                         "form matched (run with TORCH_LOGS=npu_fusion and dump_graphs to see it)")
                   for n in found]
     spellings = [Miss(OP.name, n.name, reason) for n, reason in spelled.values()]
     whole = whole_forward_misses(graph, provenance, OP.name)
     return statistics + spellings + whole + _unpaired_backwards(graph, gradient, misses + statistics + spellings + whole)
+
+
+#: why a forward RMSNorm whose statistic is the reciprocal of the root fuses in no form
+RECIPROCAL_REASON = ("an RMS statistic spelled 1 / sqrt(mean(x*x) + eps) (the reciprocal of the root): no forward "
+                     "form reads it; write torch.rsqrt(mean(x*x) + eps), the same value, to fuse it")
+
+
+def _reciprocal_root(node: fx.Node) -> bool:
+    """``node`` is ``reciprocal(sqrt(mean(y*y) + eps))`` (``1 / torch.sqrt(...)`` traces to it)."""
+    return (node.op == "call_function" and node.target is aten.reciprocal.default and isinstance(node.args[0], fx.Node)
+            and _rms_root(node.args[0], None, lambda r: r.target is aten.sqrt.default) is not None)
 
 
 def _unpaired_backwards(graph: fx.Graph, gradient: set, misses: List[Miss]) -> List[Miss]:
