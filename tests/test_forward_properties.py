@@ -13,7 +13,7 @@ partitioner, with static or dynamic shapes. Each example must hold:
 (b) a near miss is never fused: a program whose perturbation leaves no RMSNorm or RoPE formula has
     no fused forward op;
 (c) outputs keep eager's dtypes and shapes (each site's output is a program output, maybe cast);
-(d) every site of an exact program is fused or a recorded miss.
+(d) every site of an exact program is fused or a recorded miss, and only once (issue 30).
 
 The backward generators of tests/test_properties.py are drawn here too with the forward rules on
 (their spellings, perturbations and wrappers, checked by (a) and (c)). Counts go to
@@ -57,6 +57,10 @@ class NearMissFused(AssertionError):
 
 class SilentMiss(AssertionError):
     """A site of an exact program is neither fused nor a recorded miss."""
+
+
+class CountedTwice(AssertionError):
+    """An exact program's sites are fused or recorded more times than it has sites."""
 
 
 @st.composite
@@ -177,6 +181,9 @@ def check_sites(compiled: Compiled, program: Program):
         raise NearMissFused(f"{fused} {program.op} fused although {', '.join(program.breaking)} leaves no formula")
     if program.exact and fused + missed < program.sites:
         raise SilentMiss(f"{program.sites} {program.op} sites: {fused} fused, {missed} recorded misses")
+    if program.exact and fused + missed > program.sites:
+        raise CountedTwice(f"{program.sites} {program.op} sites: {fused} fused, {missed} recorded misses "
+                           f"({', '.join(m.node for m in compiled.misses(program.op))})")
 
 
 def record(program: Program, config: Config, compiled: Compiled, failure):
