@@ -439,12 +439,12 @@ def unexplained(graph: fx.Graph, provenance: Optional[Provenance], misses: List[
     whose input takes no gradient), that is left in the graph after the pass, and that no
     recorded miss accounts for, is an RMSNorm no form matched. One norm is one miss: its dx's
     product (by the statistic) and its weight gradient's (by the normalized value) are grouped
-    by the value the norm normalizes, and a recorded miss any of them reaches accounts for all."""
+    by the norm's statistic, and a recorded miss any of them reaches accounts for all."""
     gradient = gradient_dependent(graph)
     if gradient is None:
         return []
     missed = {m.node for m in misses}
-    norms: Dict[object, list] = {}  # the normalized value (or the product itself) -> [node, reason, reach]
+    norms: Dict[object, list] = {}  # the norm's statistic (or the product itself) -> [node, reason, reach]
     reached = set()
     weight_gradient = _unfused_weight_gradient(graph, provenance, missed)
     for node in graph.nodes:
@@ -457,7 +457,7 @@ def unexplained(graph: fx.Graph, provenance: Optional[Provenance], misses: List[
             continue
         reach = set(downstream(graph, [node], 2 * DX_DEPTH))
         reached |= reach
-        entry = norms.setdefault(_normalized_value(operand, spelled, provenance) or node, [node, reason, set()])
+        entry = norms.setdefault(_statistic_key(operand, spelled, provenance) or node, [node, reason, set()])
         entry[1] = entry[1] or reason
         entry[2] |= reach
     return [Miss(OP.name, n.name, reason or (
@@ -467,17 +467,29 @@ def unexplained(graph: fx.Graph, provenance: Optional[Provenance], misses: List[
         if not any(r.name in missed for r in reach)]
 
 
-def _normalized_value(operand: fx.Node, spelled: fx.Node, provenance: Optional[Provenance]) -> Optional[fx.Node]:
-    """The value (its exact source) the norm normalizes whose statistic or normalized value
-    ``operand`` is, decomposed, fused or spelled as no form reads (``spelled``: the product's
-    node where it divides, else ``operand``); None where it is none of them."""
-    stat = (rms_statistic_operand(operand, provenance) or fused_statistic_operand(operand, provenance)
-            or normalized_operand(operand, provenance) or fused_normalized_operand(operand, provenance))
-    if stat is None:
-        root = spelled_root(spelled, provenance)
-        stat = _rms_root(root, provenance, lambda n: _is_reciprocal_root(n) or n.target is aten.sqrt.default) \
-            if root is not None else None
-    return _source(stat[0], provenance) if stat is not None else None
+def _statistic_key(operand: fx.Node, spelled: fx.Node, provenance: Optional[Provenance]):
+    """One key per norm for the products of its backward: its statistic (the exact source, one key
+    for a forward value and its saved or recomputed copy) where ``operand`` is the statistic or a
+    value normalized by it, decomposed or fused; the root of a spelling no form reads (``spelled``:
+    the product's node where it divides, else ``operand``); None where it is none of them. Two norms
+    of one input with statistics of their own are two keys."""
+    def statistic(node):
+        if rms_statistic_operand(node, provenance) is not None:
+            return _source(node, provenance)
+        fused = fused_statistic_operand(node, provenance)
+        return ("fused", _source(fused[0], provenance)) if fused is not None else None
+    key = statistic(operand)
+    if key is not None:
+        return key
+    node = _definition(operand, provenance)
+    if node.op == "call_function" and node.target is aten.mul.Tensor:
+        key = next((k for k in (statistic(a) for a in node.args[:2] if isinstance(a, fx.Node)) if k is not None), None)
+        if key is not None:
+            return key
+    fused = fused_normalized_operand(operand, provenance)  # a fused y with a weight of ones
+    if fused is not None:
+        return ("fused", _source(fused[0], provenance))
+    return spelled_root(spelled, provenance)
 
 
 def _forward_operand(node: fx.Node, gradient: set) -> Optional[fx.Node]:
