@@ -252,7 +252,9 @@ class MemoEvaluator:
         return out
 
     def roundings_inside(self, output: fx.Node, roles: Iterable[fx.Node]):
-        """What the program rounds between a site's ``output`` and its ``roles`` (the values the
+        """What the program rounds between a site's ``output`` and the values the fused op reads.
+
+        What the program rounds between a site's ``output`` and its ``roles`` (the values the
         fused op reads), not counting the output's own trailing casts (the fused op's result is
         cast the same way) nor any rounding that made a role's value (the fused op reads that
         value as it is): the dtypes of the narrowing casts the evaluation saw through, and the

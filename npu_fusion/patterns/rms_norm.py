@@ -161,7 +161,9 @@ def match_dx(ev: NormEvaluator, node: fx.Node, expr: Expr) -> Optional[NormMatch
 
 def _match_expression_roles(ev: NormEvaluator, node, expr: Expr, stats, gammas, sums,
                             x_leaves=()) -> Optional[NormMatch]:
-    """dy or x that are not leaves but any node of the right value: a gated norm's dy is
+    """Match dx with dy or x read by value, not as leaves.
+
+    dy or x that are not leaves but any node of the right value: a gated norm's dy is
     ``grad * gate``, a post-norm's x the previous norm's output, and a norm whose output feeds
     both the loss and the next layer in one graph has a dy of several terms (the gradients
     summed). The plain terms give dy's value; for a one-term dy the summed body (what varies
@@ -468,7 +470,9 @@ def unexplained(graph: fx.Graph, provenance: Optional[Provenance], misses: List[
 
 
 def _statistic_key(operand: fx.Node, spelled: fx.Node, provenance: Optional[Provenance]):
-    """One key per norm for the products of its backward: its statistic (the exact source, one key
+    """The norm a backward product belongs to, as one key per norm.
+
+    One key per norm for the products of its backward: its statistic (the exact source, one key
     for a forward value and its saved or recomputed copy) where ``operand`` is the statistic or a
     value normalized by it, decomposed or fused; the root of a spelling no form reads (``spelled``:
     the product's node where it divides, else ``operand``); None where it is none of them. Two norms
