@@ -475,3 +475,27 @@ def test_rotation_reading_its_table_rounded_on_half_of_its_lanes_keeps_the_round
         assert not compiled.fused(ROPE_OP) and len(misses) == 1 and "rounded otherwise" in misses[0].reason, misses
     else:
         assert compiled.fused(ROPE_OP) + len(compiled.misses(ROPE_OP)) == 1
+
+
+@pytest.mark.parametrize("partitioner", ["default", "min_cut"])
+def test_issue_30_rotation_reading_a_cache_rounded_on_half_of_its_lanes_stays_unfused(partitioner):
+    """Issue 30's program as filed: the table read from a flattened cache, exact on the first half of
+    the lanes and through a bf16 round trip on the second; the forward fused it with one copy
+    (4.8e-3 from float64 against eager's 1.4e-7). Now a recorded forward miss; outputs and
+    gradients by the float64 criterion."""
+    from npu_fusion.models import rotate_half
+    from test_forward_fusion import check
+
+    def rounded(t):
+        return t.to(torch.bfloat16).to(t.dtype)
+
+    def f(q, cache, sin):
+        d, h = q.shape[-1], q.shape[-1] // 2
+        c = cache.flatten(-2)[..., :d]
+        return torch.cat((q[..., :h] * c[..., :h], q[..., h:] * rounded(c)[..., h:]), -1) + rotate_half(q) * sin
+
+    generator = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 2, 4, 8, generator=generator).requires_grad_()
+    cache, sin = torch.randn(4, 4, 2, generator=generator), torch.randn(4, 8, generator=generator)
+    result, _, _ = check(f, [q, cache, sin], partitioner=partitioner, **FORWARD_OPTIONS)
+    assert result.fused(ROPE_OP) == 0 and [m.op for m in result.misses].count(ROPE_OP) == 1, result.misses
