@@ -232,7 +232,9 @@ def norm_wrapper_slots(form: NormForward, p) -> list:
             (name in ("lane_rounded", "rounded_copy", "returns_stat") and form.casts == "functional")
             or (name in ("lane_rounded", "rounded_copy") and (not form.computes_in_float32() or form.dtype == BF16
                                                               or {"rounded_normalized", "rounded_stat"} & set(p)))
-            or (name == "returns_stat" and form.around != "none"))]
+            or (name == "returns_stat" and form.around != "none")
+            # an output without gradient (the statistic or a view of a frozen input's norm) has no backward
+            or (name in ("returns_stat", "returned_view") and form.source == "frozen"))]
         if slot:
             slots.append(slot)
     return slots
@@ -472,7 +474,7 @@ def rope_wrapper_slots(form: RopeForward, p) -> list:
         slot = [name for name in (slot if isinstance(slot, list) else [slot]) if not (
             (name in ("lane_rounded_table", "rounded_table_copy")
              and (form.tables == "half_tables" or rounded or not (form.dtype == F32 or form.casts == "upcast")))
-            or (name == "returns_rotated" and (form.tables == "half_tables" or "rot_axis" in p)))]
+            or (name == "returns_rotated" and (form.tables == "half_tables" or "rot_axis" in p or not form.q_grad)))]
         if slot:
             slots.append(slot)
     return slots
