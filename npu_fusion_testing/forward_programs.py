@@ -36,6 +36,18 @@ class ForwardProgram(Program):
     #: the drawn perturbations that make every site no op's formula
     breaking: Tuple[str, ...] = ()
 
+    @property
+    def exact(self) -> bool:
+        """Every site is still the op's formula as the program reads it: nothing drawn, or only
+        wrappers around the sites (:data:`SITE_KEEPING`), so each must end fused or recorded."""
+        return not set(self.perturbations) - SITE_KEEPING
+
+
+#: wrappers that leave each site as it is: the program returns an intermediate of it or a view of
+#: its output, updates its input or output in place, or reads its input through a transpose
+SITE_KEEPING = {"returns_stat", "returns_rotated", "in_place_output", "in_place_input", "strided_input",
+                "returned_view"}
+
 
 # -- RMSNorm ------------------------------------------------------------------------------
 
@@ -60,11 +72,19 @@ NORM_AFTER = ["none", "matmul", "cast_fp32"]
 #: weightless norm followed by other math: a site as it is, so they do not break it)
 NORM_BREAKING = {
     "eps_outside_root", "eps_on_x", "wrong_axis", "wrong_n", "abs_stat", "stat_of_flip", "numerator_flip",
-    "numerator_extra", "rstd_squared", "quartic_root", "rounded_stat"}
+    "numerator_extra", "rstd_squared", "quartic_root", "rounded_stat", "rounded_copy"}
 NORM_PERTURBATIONS = [  # a list holds alternatives for one place in the norm (see some_of)
     ["wrong_axis", "wrong_n", "abs_stat", "stat_of_flip", "eps_on_x", "rounded_stat"],
     ["eps_outside_root", "quartic_root", "rstd_squared", "eps_negated"],
     ["numerator_flip", "numerator_extra", "extra_term", "rounded_normalized"]]
+
+
+#: what the backward's generators draw around a site and the forward's lacked (issue 30): roundings
+#: per lane (half the normalized value's lanes rounded to bf16 before the weight) and per copy (the
+#: numerator reads a bf16 copy of what the statistic squares: no norm), the statistic returned, in-place
+#: updates of the norm's input or output, a transposed (strided) input, a view of the output returned
+NORM_WRAPPERS = [["lane_rounded", "rounded_copy"], "returns_stat", ["in_place_output", "in_place_input"],
+                 ["strided_input", "returned_view"]]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -137,10 +157,15 @@ def norm_body(form: NormForward, p) -> List[str]:
     lines += [f"ms = {norm_statistic(form, 'h', p)}", f"r = {norm_rstd(form, p)}",
               {"numerator_flip": "n = h.flip(-1) * r", "numerator_extra": "n = (h + 0.1 * h * h) * r"}.get(
                   next((name for name in p if name.startswith("numerator")), ""), "n = h * r")]
+    if "rounded_copy" in p:  # the numerator reads a bf16 copy of what the statistic squares
+        lines[-1] = lines[-1].replace("n = h", "n = h.to(torch.bfloat16).to(torch.float32)", 1)
     if "extra_term" in p:
         lines.append("n = n + 0.1 * h")
     if "rounded_normalized" in p:
         lines.append("n = n.to(torch.bfloat16).to(torch.float32)")
+    if "lane_rounded" in p:  # half of the lanes rounded to bf16, the other half exact
+        half = form.shape[-1] // 2
+        lines.append(f"n = torch.cat((n[..., :{half}], n[..., {half}:].to(torch.bfloat16).to(torch.float32)), -1)")
     w = {"gamma": "w", "none": None, "one_plus": "(1.0 + w.to(torch.float32))"}[form.weight]
     if form.casts == "hf":
         y = "n.to(x.dtype)" if w is None else f"{w} * n.to(x.dtype)"
@@ -150,13 +175,14 @@ def norm_body(form: NormForward, p) -> List[str]:
         y = "n.to(x.dtype)" if w is None else f"(n * {w}.to(torch.float32)).to(x.dtype)"
     else:
         y = "n" if w is None else f"n * {w}"
-    return lines + [f"return {y}"]
+    return lines + [f"return {y}, r" if "returns_stat" in p else f"return {y}"]
 
 
 def norm_forward_program(form: NormForward, p) -> ForwardProgram:
     b, s, d = form.shape
     weighted = form.weight != "none"
-    inputs = [Input("x", "BSD", form.shape, form.dtype, form.source != "frozen")]
+    inputs = [Input("x", "SBD", (s, b, d), form.dtype, form.source != "frozen") if "strided_input" in p
+              else Input("x", "BSD", form.shape, form.dtype, form.source != "frozen")]
     if form.source == "residual":
         inputs.append(Input("a", "BSD", form.shape, form.dtype, True))
     if form.source == "frozen":
@@ -167,16 +193,26 @@ def norm_forward_program(form: NormForward, p) -> ForwardProgram:
         inputs.append(Input("wp", "DD", (d, d), form.dtype, True))
     args = "x, w" if weighted else "x"
     norm = lambda t: f"norm({t}, w)" if weighted else f"norm({t})"  # noqa: E731
-    lines, outs = [], []
+    lines, outs = ["x = x.transpose(0, 1)"] if "strided_input" in p else [], []
+    if "in_place_input" in p:
+        lines += ["x = x * 1.0", "x.mul_(1.5)"]
     if form.source == "residual":  # the residual stream: its sum is the norm's input and an output
         lines.append("x = x + a")
         outs.append("x")
     y = norm("x")
+    if "returns_stat" in p:  # the statistic returned too (around is "none": one norm)
+        lines.append(f"y, r = {y}")
+        outs.append("r")
+        y = "y"
     if form.around == "sandwich":
         y = norm(f"torch.tanh({y})")
     elif form.around == "post":
         y = f"x + {norm('torch.tanh(x)')}"
     lines.append(f"y = {y}")
+    if "in_place_output" in p:
+        lines.append("y.mul_(0.5)")
+    if "returned_view" in p:
+        outs.append("y.transpose(0, 1)")
     y = {"none": "y", "matmul": "y @ wp.to(y.dtype)", "cast_fp32": "y.to(torch.float32)"}[form.after]
     if form.source == "frozen":
         y = f"g * {y}"
@@ -188,11 +224,30 @@ def norm_forward_program(form: NormForward, p) -> ForwardProgram:
                           op=NORM_OP, sites=2 if form.around == "sandwich" else 1, breaking=breaking)
 
 
+def norm_wrapper_slots(form: NormForward, p) -> list:
+    """The :data:`NORM_WRAPPERS` that make sense for the form and the drawn perturbations."""
+    slots = []
+    for slot in NORM_WRAPPERS:
+        slot = [name for name in (slot if isinstance(slot, list) else [slot]) if not (
+            (name in ("lane_rounded", "rounded_copy", "returns_stat") and form.casts == "functional")
+            or (name in ("lane_rounded", "rounded_copy") and (not form.computes_in_float32() or form.dtype == BF16
+                                                              or {"rounded_normalized", "rounded_stat"} & set(p)))
+            or (name == "returns_stat" and form.around != "none")
+            # an output without gradient (the statistic or a view of a frozen input's norm) has no backward
+            or (name in ("returns_stat", "returned_view") and form.source == "frozen"))]
+        if slot:
+            slots.append(slot)
+    return slots
+
+
 @st.composite
-def norm_forward_programs(draw, near_misses: bool = True) -> ForwardProgram:
+def norm_forward_programs(draw, near_misses: bool = True, wrappers: bool = False) -> ForwardProgram:
+    """A norm forward program; with ``wrappers``, :data:`NORM_WRAPPERS` drawn around it too."""
     form = draw(norm_forward_forms())
     slots = NORM_PERTURBATIONS if form.casts != "functional" and near_misses else []
     p = draw(some_of(slots, counts=(0, 1, 1)))
+    if wrappers:
+        p = p + draw(some_of(norm_wrapper_slots(form, p), counts=(1, 1, 2, 3)))
     if not form.computes_in_float32() and ({"rounded_stat", "rounded_normalized"} & set(p)):
         p = ()  # a rounding to bf16 in a half-precision norm is no clear near miss
     if form.dtype == BF16 and "rounded_normalized" in p and form.casts == "hf":
@@ -220,6 +275,15 @@ ROPE_PERTURBATIONS = [
     ["rot_of_flip", "rot_of_rolled", "abs_x"],
     ["term_inside", "nonlinear_term", "linear_term", "term_sign", "rounded_term"],
     ["halves_differ", "tables_swapped"]]
+
+
+#: what the backward's generators draw around a rotation and the forward's lacked (issue 30): roundings
+#: per lane (``x * cos`` with the table rounded to bf16 on its second half only, an exact near miss
+#: of a float32 rotation that a forward fused once with the exact table) and per copy (the x * cos
+#: term reads a bf16 copy of cos), the rotated half returned, in-place updates of the rotation's
+#: input or output, a transposed view of the output returned
+ROPE_WRAPPERS = [["lane_rounded_table", "rounded_table_copy"], "returns_rotated",
+                 ["in_place_output", "in_place_input"], "returned_view"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -301,6 +365,12 @@ def rope_formula(form: RopeForward, p) -> List[str]:
         return function_source("rope", ["x", "cos", "sin"], [
             f"x1, x2 = x[..., :{h}], x[..., {h}:]", f"return torch.cat(({first}, x2 * {c2} + x1 * {s2}), dim=-1)"])
     first = f"{xs} * {c}"
+    if "lane_rounded_table" in p:  # the table exact on the first half of the lanes, rounded on the second
+        h = form.width // 2
+        first = f"torch.cat(({xs}[..., :{h}] * {c}[..., :{h}], {xs}[..., {h}:] * {c}.to(torch.bfloat16).to({c}.dtype)" \
+                f"[..., {h}:]), -1)"
+    if "rounded_table_copy" in p:
+        first = f"{xs} * {c}.to(torch.bfloat16).to({c}.dtype)"
     if "rounded_term" in p:
         first = f"({first}).to(torch.bfloat16).to(x.dtype)"
     if "term_inside" in p:  # a nonlinear term inside the rotated one: no node is the rotation
@@ -336,7 +406,7 @@ def rope_forward_program(form: RopeForward, p) -> ForwardProgram:
     inputs += [Input("cos", t_dims, t_shape, form.table_dtype), Input("sin", t_dims, t_shape, form.table_dtype)]
     if not form.q_grad:
         inputs.append(Input("g", q_dims, q_shape, form.dtype, True))
-    lines = []
+    lines = ["q = q * 1.0", "q.mul_(1.5)"] if "in_place_input" in p else []
     if form.tables == "rebuilt":
         rebuild = "torch.cat(({t}, {t}), dim=-1)" if form.mode == 0 else "{t}.repeat_interleave(2, dim=-1)"
         if "halves_differ" in p:  # the second half of sin from another position
@@ -366,7 +436,14 @@ def rope_forward_program(form: RopeForward, p) -> ForwardProgram:
             y = f"({y}) * 2.0"
         if name == "q" and not form.q_grad:
             y = f"g.transpose(1, 2) * {y}" if form.layout == "BSND_T" else f"g * {y}"
-        outs.append(y)
+        lines.append(f"{name}_out = {y}")
+        if "in_place_output" in p:
+            lines.append(f"{name}_out.mul_(0.5)")
+        outs.append(f"{name}_out")
+        if name == "q" and "returns_rotated" in p:  # the rotated half of the site's x returned too
+            outs.append(f"rot({x}[..., :{form.width}])")
+    if "returned_view" in p:
+        outs.append("q_out.transpose(1, 2)")
     source = rope_formula(form, p) + function_source("f", [i.name for i in inputs], lines + [
         f"return {', '.join(outs)}"])
     breaking = tuple(name for name in p if name in ROPE_BREAKING)
@@ -389,10 +466,28 @@ def rope_slots(form: RopeForward):
     return slots
 
 
+def rope_wrapper_slots(form: RopeForward, p) -> list:
+    """The :data:`ROPE_WRAPPERS` that make sense for the form and the drawn perturbations."""
+    slots = []
+    rounded = {"rounded_term", "term_inside", "abs_x", "tables_swapped"} & set(p)
+    for slot in ROPE_WRAPPERS:
+        slot = [name for name in (slot if isinstance(slot, list) else [slot]) if not (
+            (name in ("lane_rounded_table", "rounded_table_copy")
+             and (form.tables == "half_tables" or rounded or not (form.dtype == F32 or form.casts == "upcast")))
+            or (name == "returns_rotated" and (form.tables == "half_tables" or "rot_axis" in p or not form.q_grad)))]
+        if slot:
+            slots.append(slot)
+    return slots
+
+
 @st.composite
-def rope_forward_programs(draw, near_misses: bool = True) -> ForwardProgram:
+def rope_forward_programs(draw, near_misses: bool = True, wrappers: bool = False) -> ForwardProgram:
+    """A RoPE forward program; with ``wrappers``, :data:`ROPE_WRAPPERS` drawn around it too."""
     form = draw(rope_forward_forms())
-    return rope_forward_program(form, draw(some_of(rope_slots(form), counts=(0, 1, 1))) if near_misses else ())
+    p = draw(some_of(rope_slots(form), counts=(0, 1, 1))) if near_misses else ()
+    if wrappers:
+        p = p + draw(some_of(rope_wrapper_slots(form, p), counts=(1, 1, 2, 3)))
+    return rope_forward_program(form, p)
 
 
 __all__ = ["ForwardProgram", "NORM_OP", "ROPE_OP", "norm_forward_programs", "rope_forward_programs"]

@@ -164,3 +164,68 @@ def test_a_norm_on_an_input_without_gradient_is_accounted_for():
     assert r["accounting"][RMS]["fused"] == 3
     assert r["gradients"]["passed"], r["gradients"]
     assert sum(set(s["outputs"]) == {"dgamma"} for s in r["sites"] if s["op"] == RMS) == 1
+
+
+# -- accounting: each counted site recorded once, forward and backward (issue 30) ---------------
+
+class CenteredRMSNorm(torch.nn.Module):
+    """An RMSNorm of the centred value (a LayerNorm without bias spelled as an RMSNorm)."""
+
+    def __init__(self, dim):
+        super().__init__()
+        self.weight = torch.nn.Parameter(1 + 0.1 * torch.randn(dim))
+
+    def forward(self, x):
+        xf = x.float()
+        c = xf - xf.mean(-1, keepdim=True)
+        return self.weight * (c * torch.rsqrt(c.pow(2).mean(-1, keepdim=True) + 1e-6)).to(x.dtype)
+
+
+class WholeRMSNorm(torch.nn.Module):
+    """``F.rms_norm``: a whole ``aten._fused_rms_norm`` the joint graph decomposes."""
+
+    def __init__(self, dim):
+        super().__init__()
+        self.weight = torch.nn.Parameter(1 + 0.1 * torch.randn(dim))
+
+    def forward(self, x):
+        return F.rms_norm(x, (x.shape[-1],), self.weight, 1e-6)
+
+
+class ResidualNorms(torch.nn.Module):
+    """Two residual layers ``x + norm(linear(x))``; explain compiles the loss with them, so the
+    first norm's dy is the loss's gradient plus the second layer's (a dy of several terms)."""
+
+    def __init__(self, norm, dim=32, checkpointed=False):
+        super().__init__()
+        self.checkpointed = checkpointed
+        self.linears = torch.nn.ModuleList(torch.nn.Linear(dim, dim) for _ in range(2))
+        self.norms = torch.nn.ModuleList(norm(dim) for _ in range(2))
+
+    def forward(self, x):
+        for linear, norm in zip(self.linears, self.norms):
+            layer = lambda t, linear=linear, norm=norm: norm(linear(t))  # noqa: E731
+            x = x + (torch.utils.checkpoint.checkpoint(layer, x, use_reentrant=False) if self.checkpointed
+                     else layer(x))
+        return x
+
+
+@pytest.mark.parametrize("norm, dtype, checkpointed", [
+    (CenteredRMSNorm, torch.float32, False), (CenteredRMSNorm, torch.bfloat16, True),
+    (UserRMSNorm, torch.float32, False), (WholeRMSNorm, torch.bfloat16, False)],
+    ids=["centred-fp32", "centred-bf16-checkpointed", "decomposed-fp32", "whole-bf16"])
+def test_each_norm_is_fused_forward_and_backward_and_counted_once(norm, dtype, checkpointed):
+    """Once a silent forward miss and a double count: the centred norm's forward matched no form and
+    no scan saw it (its statistic is of a centred square), and the first layer's norm, whose dy sums
+    two gradients, matched no backward form and was recorded as two misses (its dx and its dgamma),
+    -1 unexplained. Each norm now fuses both ways; the accounting is exact and the gradients pass
+    the float64 check."""
+    torch.manual_seed(0)
+    model, x = ResidualNorms(norm, checkpointed=checkpointed).to(dtype), torch.randn(2, 8, 32, dtype=dtype)
+    r = npu_fusion.explain(model, x, target="generic").report
+    for op in (RMS, "rms_norm"):
+        assert r["accounting"][op] == {"expected": 2, "fused": 2, "missed": 0, "outside": 0, "unexplained": 0,
+                                       "outside_paths": []}, (op, r["accounting"][op], r["misses"])
+        assert r["ops"][op]["found"] == r["ops"][op]["fused"] == 2
+    assert r["misses"] == [] and r["pass_errors"] == []
+    assert r["gradients"]["passed"], r["gradients"]

@@ -749,3 +749,28 @@ def test_dynamic_shapes(dynamic):
     assert result.fused(ROPE) == result.fused(ROPE_GRAD) == sites[ROPE_GRAD]
     assert result.fused(BACKWARD) == sites[BACKWARD]
     assert result.fused(FORWARD) == sites[BACKWARD] and not result.misses
+
+
+def _centred_norm(x, w):
+    xf = x.float()
+    c = xf - xf.mean(-1, keepdim=True)
+    return w * (c * torch.rsqrt(c.pow(2).mean(-1, keepdim=True) + EPS)).to(x.dtype)
+
+
+@pytest.mark.parametrize("partitioner", ["default", "min_cut"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_norm_of_a_centred_value_fuses_forward_on_the_centred_value(dtype, partitioner):
+    """``c = x - mean(x)``, then an RMSNorm of c: its backward fused, its forward was neither fused
+    nor recorded where the backward stayed unfused (the statistic of a centred square is no
+    statistic the forward scan looks for). The forward rule reads c as the norm's input: the fused
+    ``rms_norm`` normalizes c, whose centring stays the program's, and the fused backward reads
+    its rstd."""
+    w = _weight(dtype)
+    x = torch.randn(2, 3, 16, generator=torch.Generator().manual_seed(1)).to(dtype).requires_grad_()
+    result, fw, bw = check(lambda x: _centred_norm(x, w), [x], [w], partitioner=partitioner, **ON)
+    assert result.fused(FORWARD) == result.fused(BACKWARD) == 1 and not result.misses, result.misses
+    (fused,) = calls(fw, FORWARD)
+    assert _through_casts(fused.args[0]).target is torch.ops.aten.sub.Tensor  # the centred value
+    assert not calls(fw, "rsqrt") and len(calls(fw, "mean")) == 1  # the centring's mean alone
+    (grad,) = calls(bw, BACKWARD)
+    assert _through_casts(grad.args[2]).op == "placeholder"  # the fused forward's rstd, saved

@@ -69,7 +69,30 @@ def test_norm_spelling_whose_weight_alone_takes_gradient_is_a_miss(name):
     h, w = _seeded(2, 2, 3, 16), torch.nn.Parameter(_seeded(3, 16))
     x = _seeded(5, 2, 3, 16).requires_grad_()
     result, _, _ = check(lambda x: x * norm(h, w), [x], [w])
-    assert result.fused(NORM_GRAD) == 0 and reason in _reasons(result, NORM_GRAD), result.misses
+    assert result.fused(NORM_GRAD) == 0 and _reasons(result, NORM_GRAD) == [reason], result.misses
+
+
+#: statistics spelled otherwise than ``rsqrt``: no form of either direction reads their dx (the
+#: backward records it where dx normalizes), and the forward records the statistic
+OTHER_ROOTS = {
+    "reciprocal_of_the_root": lambda x: torch.reciprocal(torch.sqrt(x.pow(2).mean(-1, keepdim=True) + EPS)),
+    "one_over_the_root": lambda x: 1.0 / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + EPS),
+    "power_of_minus_one_half": lambda x: (x.pow(2).mean(-1, keepdim=True) + EPS) ** -0.5,
+}
+
+
+@pytest.mark.parametrize("name", OTHER_ROOTS)
+def test_norm_with_another_root_is_one_miss_each_way(name):
+    """Once silent forward misses (the reciprocal of the root is no statistic the forward scan looked
+    for) and a norm judged twice (``** -0.5``: its dx reads ``(ms + eps) ** -1.5``, no cube of the
+    statistic, a recorded near miss, while its dgamma fused alone as a norm without dx): each is one
+    backward miss and one forward miss, nothing fused, with outputs and gradients checked."""
+    statistic = OTHER_ROOTS[name]
+    w = torch.nn.Parameter(_seeded(3, 16))
+    x = _seeded(1, 2, 3, 16).requires_grad_()
+    result, _, _ = check(lambda x: x * statistic(x) * w, [x], [w], **BOTH)
+    assert result.fused(NORM_GRAD) == result.fused(NORM) == 0, result.misses
+    assert len(_reasons(result, NORM_GRAD)) == len(_reasons(result, NORM)) == 1, result.misses
 
 
 # -- RoPE -----------------------------------------------------------------------------------------

@@ -267,20 +267,28 @@ class MemoEvaluator:
         fused op reads), not counting the output's own trailing casts (the fused op's result is
         cast the same way) nor any rounding that made a role's value (the fused op reads that
         value as it is): the dtypes of the narrowing casts the evaluation saw through, and the
-        nodes the site reads that are a role's value rounded (a rounded copy of x bound to the
-        unrounded x because the two are equal up to casts: the fused op would read another x)."""
+        nodes the site reads that are a role's value rounded otherwise than the role, each with
+        the dtypes of the roundings they differ by (a rounded copy of x bound to the unrounded x
+        because the two are equal up to casts, or the unrounded table read beside the rounded
+        copy bound to the table, as a rotation reading cos exactly on half of its lanes and
+        ``cos.to(bf16)`` on the other half: the fused op would read one copy everywhere)."""
         while is_float_cast(output):
             output = output.args[0]
         roles = list(roles)
-        role_values = [self.memo[r] for r in roles if self.memo.get(r) is not None]
+        role_values = [(self.memo[r], self.rounded.get(r, frozenset())) for r in roles if self.memo.get(r) is not None]
         stop, seen, stack, found, rounded_roles = set(roles), set(), [output], set(), []
         while stack:
             node = stack.pop()
-            if node in seen or node in stop or node not in self.rounded:  # a leaf: not interpreted
+            if node in seen or node in stop:
                 continue
             seen.add(node)
-            if self.rounded[node] and self.memo.get(node) in role_values:
-                rounded_roles.append(node)
+            value, rounded = self.memo.get(node), self.rounded.get(node, frozenset())
+            differ = next((rounded ^ r for v, r in role_values if value is not None and v == value and rounded != r),
+                          None)
+            if differ:
+                rounded_roles.append((node, differ))
+            if node not in self.rounded:  # a leaf: not interpreted
+                continue
             saved = self.provenance.saved_in_backward(node) if self._is_forward(node) else None
             if saved is not None:  # a forward value the backward reads as a saved tensor
                 stack.append(saved)
@@ -348,8 +356,9 @@ def rounding_problem(ev: "MemoEvaluator", outputs: Mapping[str, fx.Node], roles:
                     f"round it")
         # a table rounded to the gradient's own dtype (``cos.to(x.dtype)``) is the program's
         # working precision; a rounding coarser than that makes another input
-        coarser = [n for n in rounded_roles if not all(holds(d, gradient) for d in ev.rounded[n])]
+        coarser = [n for n, dtypes in rounded_roles if not all(holds(d, gradient) for d in dtypes)]
         if coarser:
-            return (f"the site reads {coarser[0].name}, a copy of one of its inputs rounded more coarsely than its "
-                    f"gradient ({gradient}), where the fused op would read the input unrounded")
+            return (f"the site reads {coarser[0].name}, a copy of one of its inputs rounded otherwise than the copy "
+                    f"the fused op would read, by a rounding coarser than its gradient ({gradient}): the fused op "
+                    f"would read one copy where the program reads both")
     return None

@@ -362,8 +362,14 @@ def find_sites(graph: fx.Graph, rewrites: RuleContext) -> RoundReport:
             seen.add(site.rstd)
             site.dgamma = _dgamma_of(rewrites.examine, ev, site, lead_sums)
             matches.append(site)
-        near += _near_misses(rewrites, ev, nodes, [m for m in matches if m.ev is ev])
-        with_dx |= _statistics_with_dx(ev)
+        missed = _near_misses(rewrites, ev, nodes, [m for m in matches if m.ev is ev])
+        near += missed
+        # a norm whose dx is here, matched or recorded as a near miss, is no dgamma-only site: its
+        # dgamma fused alone would judge one norm twice (fused and missed; a (ms + eps) ** -0.5
+        # statistic, whose dx reads ms + eps ** -1.5, no cube of the statistic)
+        suspects = {m.node for m in missed.misses}
+        with_dx |= _statistics_with_dx(ev) | {ev.node_of[s] for n in nodes if n.name in suspects
+                                               and ev.memo.get(n) is not None for s in _stat_leaves(ev, ev.memo[n].expr)}
         rewrites.evaluated(ev)
     matches += dgamma_only_sites(graph, rewrites, matches, with_dx)
     return RoundReport(matches, near.misses, near.pending)
@@ -485,29 +491,61 @@ def unexplained(graph: fx.Graph, provenance: Optional[Provenance], misses: List[
     No silent misses: a gradient multiplied by an RMS statistic (``rsqrt(mean(x*x) + eps)``,
     saved or recomputed), or by a normalized value and summed as a weight's gradient (a norm
     whose input takes no gradient), that is left in the graph after the pass, and that no
-    recorded miss accounts for, is an RMSNorm no form matched; each becomes a miss."""
+    recorded miss accounts for, is an RMSNorm no form matched. One norm is one miss: its dx's
+    product (by the statistic) and its weight gradient's (by the normalized value) are grouped
+    by the norm's statistic, and a recorded miss any of them reaches accounts for all."""
     gradient = gradient_dependent(graph)
     if gradient is None:
         return []
     missed = {m.node for m in misses}
-    found, reached = [], set()
+    norms: Dict[object, list] = {}  # the norm's statistic (or the product itself) -> [node, reason, reach]
+    reached = set()
     weight_gradient = _unfused_weight_gradient(graph, provenance, missed)
     for node in graph.nodes:
         operand = _forward_operand(node, gradient) if node not in reached else None
-        reason = unmatched_spelling(node if node.target is aten.div.Tensor else operand, provenance) \
-            if operand is not None else None
+        spelled = node if node.target is aten.div.Tensor else operand
+        reason = unmatched_spelling(spelled, provenance) if operand is not None else None
         if operand is None or not (reason or _is_rms_statistic(operand, provenance)
                                    or fused_statistic_operand(operand, provenance) is not None
                                    or weight_gradient(node, operand)):
             continue
         reach = set(downstream(graph, [node], 2 * DX_DEPTH))
         reached |= reach
-        if not any(n.name in missed for n in reach):
-            found.append((node, reason))
+        entry = norms.setdefault(_statistic_key(operand, spelled, provenance) or node, [node, reason, set()])
+        entry[1] = entry[1] or reason
+        entry[2] |= reach
     return [Miss(OP.name, n.name, reason or (
         "a gradient scaled by an RMS statistic rsqrt(mean(x*x) + eps), or by the normalized value "
         "x*rsqrt(mean(x*x) + eps) and summed as a weight's gradient, that no RMSNorm form matched (run with "
-        "TORCH_LOGS=npu_fusion and dump_graphs to see it)")) for n, reason in found]
+        "TORCH_LOGS=npu_fusion and dump_graphs to see it)")) for n, reason, reach in norms.values()
+        if not any(r.name in missed for r in reach)]
+
+
+def _statistic_key(operand: fx.Node, spelled: fx.Node, provenance: Optional[Provenance]):
+    """The norm a backward product belongs to, as one key per norm.
+
+    One key per norm for the products of its backward: its statistic (the exact source, one key
+    for a forward value and its saved or recomputed copy) where ``operand`` is the statistic or a
+    value normalized by it, decomposed or fused; the root of a spelling no form reads (``spelled``:
+    the product's node where it divides, else ``operand``); None where it is none of them. Two norms
+    of one input with statistics of their own are two keys."""
+    def statistic(node):
+        if rms_statistic_operand(node, provenance) is not None:
+            return _source(node, provenance)
+        fused = fused_statistic_operand(node, provenance)
+        return ("fused", _source(fused[0], provenance)) if fused is not None else None
+    key = statistic(operand)
+    if key is not None:
+        return key
+    node = _definition(operand, provenance)
+    if node.op == "call_function" and node.target is aten.mul.Tensor:
+        key = next((k for k in (statistic(a) for a in node.args[:2] if isinstance(a, fx.Node)) if k is not None), None)
+        if key is not None:
+            return key
+    fused = fused_normalized_operand(operand, provenance)  # a fused y with a weight of ones
+    if fused is not None:
+        return ("fused", _source(fused[0], provenance))
+    return spelled_root(spelled, provenance)
 
 
 def _forward_operand(node: fx.Node, gradient: set) -> Optional[fx.Node]:

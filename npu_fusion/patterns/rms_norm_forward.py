@@ -55,7 +55,7 @@ from .rewrite import Insertion, Miss, RuleContext, commit, emit_fused_op, exact_
 from .layout import memory_order, permuted, same_layout
 from .norm_algebra import NormEvaluator, size_key
 from .pairing import NORM_SITE, calls, site_key, source
-from .rms_norm import (norm_evaluator, rms_statistic_operand, spelled_root, unmatched_spelling,
+from .rms_norm import (_is_centred, _rms_root, norm_evaluator, rms_statistic_operand, spelled_root, unmatched_spelling,
                        whole_forward_misses)
 from .rule import Form, FusionRule, RoundReport, SiteProbe
 
@@ -344,7 +344,10 @@ def _forward_inputs(ev: NormEvaluator, graph: fx.Graph, forward) -> set:
       an earlier norm's rstd) makes ``x*x`` a sum of cross terms that no single tensor x is seen
       to square, and the residual stream's leaves would grow with depth;
     - sums over leading axes (hyper-connections collapsing their streams, DeepSeek-V4, HY-V4):
-      the algebra keeps such a sum aside as a weight's gradient, which no forward value is."""
+      the algebra keeps such a sum aside as a weight's gradient, which no forward value is;
+    - centred values ``a - mean(a)``: an RMSNorm of a centred value (``c * rsqrt(mean(c*c) + eps)``,
+      a LayerNorm without bias spelled as one) is a norm of c, which the fused op computes on c;
+      expanded, ``c*c`` is a sum of cross terms no single tensor is seen to square."""
     def spanning(arg):
         return isinstance(arg, fx.Node) and isinstance(val(arg), torch.Tensor) and len(shape(arg)) > 0 \
             and ev.spans(shape(arg)) is True
@@ -352,13 +355,16 @@ def _forward_inputs(ev: NormEvaluator, graph: fx.Graph, forward) -> set:
     def tensor_sum(n):
         return n.target in (aten.add.Tensor, aten.sub.Tensor) and spanning(n.args[0]) and spanning(n.args[1])
 
+    def centred(n):
+        return n.target is aten.sub.Tensor and spanning(n.args[0]) and _is_centred(n, None)
+
     def leading_sum(n):
         if n.target is not aten.sum.dim_IntList or not n.args[1:2] or not n.args[1] or not spanning(n.args[0]):
             return False
         rank = len(shape(n.args[0]))
         return spanning(n) and all(normalize_dim(d, rank) < rank - ev.k for d in n.args[1])
     return {n for n in graph.nodes if n in forward and n.op == "call_function" and isinstance(val(n), torch.Tensor)
-            and len(shape(n)) > ev.k and (tensor_sum(n) or leading_sum(n))}
+            and len(shape(n)) > ev.k and (tensor_sum(n) or leading_sum(n) or centred(n))}
 
 
 # -- the rewrite --------------------------------------------------------------
@@ -581,12 +587,26 @@ def unexplained(graph: fx.Graph, provenance: Optional[Provenance], misses: List[
         if root is not None and root not in spelled and not any(
                 r.name in missed for r in downstream(graph, [n], Y_DEPTH)):
             spelled[root] = (n, unmatched_spelling(n, None))
+        elif _reciprocal_root(n) and n not in gradient and not any(
+                r.name in missed for r in downstream(graph, [n], Y_DEPTH)):
+            spelled[n] = (n, RECIPROCAL_REASON)
     statistics = [Miss(OP.name, n.name, "a forward RMS statistic rsqrt(mean(x*x) + eps) that no forward RMSNorm "
                                         "form matched (run with TORCH_LOGS=npu_fusion and dump_graphs to see it)")
                   for n in found]
     spellings = [Miss(OP.name, n.name, reason) for n, reason in spelled.values()]
     whole = whole_forward_misses(graph, provenance, OP.name)
     return statistics + spellings + whole + _unpaired_backwards(graph, gradient, misses + statistics + spellings + whole)
+
+
+#: why a forward RMSNorm whose statistic is the reciprocal of the root fuses in no form
+RECIPROCAL_REASON = ("an RMS statistic spelled 1 / sqrt(mean(x*x) + eps) (the reciprocal of the root): no forward "
+                     "form reads it; write torch.rsqrt(mean(x*x) + eps), the same value, to fuse it")
+
+
+def _reciprocal_root(node: fx.Node) -> bool:
+    """``node`` is ``reciprocal(sqrt(mean(y*y) + eps))`` (``1 / torch.sqrt(...)`` traces to it)."""
+    return (node.op == "call_function" and node.target is aten.reciprocal.default and isinstance(node.args[0], fx.Node)
+            and _rms_root(node.args[0], None, lambda r: r.target is aten.sqrt.default) is not None)
 
 
 def _unpaired_backwards(graph: fx.Graph, gradient: set, misses: List[Miss]) -> List[Miss]:
