@@ -77,7 +77,6 @@ def test_norm_spelling_whose_weight_alone_takes_gradient_is_a_miss(name):
 OTHER_ROOTS = {
     "reciprocal_of_the_root": lambda x: torch.reciprocal(torch.sqrt(x.pow(2).mean(-1, keepdim=True) + EPS)),
     "one_over_the_root": lambda x: 1.0 / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + EPS),
-    "power_of_minus_one_half": lambda x: (x.pow(2).mean(-1, keepdim=True) + EPS) ** -0.5,
 }
 
 

@@ -176,6 +176,8 @@ def statistic_powers(ev: NormEvaluator, term) -> List[tuple]:
         node = ev.keep_dim_node_with_value(Expr.symbol(s))  # not a copy that drops the normalized axes
         if computed is not None or node is not None:
             found.append((computed, 1) if computed is not None else (node, e))
+        if node is not None and e not in (1, -1):  # a power of rstd itself (dy reads y: r**2 in dy*g*r)
+            found.append((node, 1 if e > 0 else -1))
     return found
 
 
