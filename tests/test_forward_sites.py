@@ -52,15 +52,15 @@ def _step(fn, inputs, params, **options):
 
 
 @pytest.mark.smoke  # in the version matrix's smoke set: a recorded forward miss
-def test_square_root_statistic_is_a_recorded_forward_miss():
-    """``x / sqrt(mean(x*x) + eps)``: no RMSNorm form of either direction; the forward is a
-    recorded miss that says how to spell it, not silence."""
+def test_reciprocal_of_the_root_is_a_recorded_forward_miss():
+    """``x * reciprocal(sqrt(mean(x*x) + eps))``: no RMSNorm form of either direction (``x / sqrt``
+    fuses, tests/test_spellings.py); forward and backward are one recorded miss each, not silence."""
     w = torch.nn.Parameter(torch.randn(16, generator=torch.Generator().manual_seed(3)))
     x = torch.randn(2, 3, 16, requires_grad=True)
-    result = _step(lambda x: x / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + EPS) * w, [x], [w])
+    result = _step(lambda x: x * torch.reciprocal(torch.sqrt(x.pow(2).mean(-1, keepdim=True) + EPS)) * w, [x], [w])
     forward = [m for m in result.misses if m.op == "rms_norm"]
-    assert not result.sites and len(forward) == 1, result.misses
-    assert "x / sqrt" in forward[0].reason and "torch.rsqrt" in forward[0].reason
+    backward = [m for m in result.misses if m.op == "rms_norm_grad"]
+    assert not result.sites and len(forward) == len(backward) == 1, result.misses
 
 
 def complex_rope(x, freqs_cis):

@@ -123,7 +123,18 @@ def norm_and_rope_in_another_memory_order():
     return [_randn(B, 5, H * D, seed=6), _randn(B, H * D * 5, seed=11)], fn
 
 
-PROGRAMS = {f.__name__: f for f in (frozen_input_norm, complex_rope_s5, complex_rope_s1,
+def norm_divided_by_its_root():
+    """``x / sqrt(mean(x*x) + eps)``: the forward's root read as the reciprocal of the fused rstd
+    (``reciprocal``), the backward's rstd as the root's power (``pow``)."""
+    x, w = _randn(B, 8, 64, seed=17), _randn(64, seed=18)
+
+    def fn(x, w):
+        xf = x.float()
+        return w * (xf / torch.sqrt(xf.pow(2).mean(-1, keepdim=True) + EPS)).to(x.dtype)
+    return [x, w], fn
+
+
+PROGRAMS = {f.__name__: f for f in (frozen_input_norm, complex_rope_s5, complex_rope_s1, norm_divided_by_its_root,
                                       norms_without_weight_or_input_gradient, rotations_of_rebuilt_tables,
                                       norm_and_rope_in_another_memory_order)}
 
