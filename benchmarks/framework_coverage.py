@@ -73,7 +73,8 @@ def _cell(row: Row, kind: str) -> str:
     return f"{a['fused']}/{a['counted']}" if a else "-"
 
 
-def print_table(rows: List[Row], file=sys.stdout) -> None:
+def print_table(rows: List[Row], file=None) -> None:
+    file = file or sys.stdout  # looked up at the call: --write-docs redirects it
     columns = [(k, h) for k, h in COLUMNS if any(k in r.sites for r in rows)]
     header = (f"{'framework:model':<32} {'dtype':<9} " + " ".join(f"{h:>{max(5, len(h))}}" for _, h in columns)
               + f" {'outside':>7} {'unexplained':>11} {'missed':>6} {'grads':>5} {'graphs':>6} {'s':>5}")
@@ -91,9 +92,10 @@ def print_table(rows: List[Row], file=sys.stdout) -> None:
               f"{r.graphs:>6} {r.seconds:5.1f}", file=file)
 
 
-def print_details(rows: List[Row], file=sys.stdout) -> None:
+def print_details(rows: List[Row], file=None) -> None:
     """Every recorded miss with its reason, every site outside the compiled graphs, every site left
     unexplained, gradient failures and pass errors."""
+    file = file or sys.stdout  # looked up at the call: --write-docs redirects it
     for r in rows:
         lines = []
         for kind, a in r.sites.items():
@@ -109,7 +111,8 @@ def print_details(rows: List[Row], file=sys.stdout) -> None:
                 print(f"    {line}", file=file)
 
 
-def print_summary(rows: List[Row], file=sys.stdout) -> None:
+def print_summary(rows: List[Row], file=None) -> None:
+    file = file or sys.stdout  # looked up at the call: --write-docs redirects it
     ran = [r for r in rows if not r.error]
     for kind, label in LABELS.items():
         if not any(kind in r.sites for r in ran):
