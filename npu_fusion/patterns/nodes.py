@@ -191,8 +191,9 @@ class GradientNodes(set):
 
 
 def _gradient_nodes(graph: fx.Graph) -> Optional[GradientNodes]:
-    """The tangents and every node that reads one, directly or not: a walk over users from the
-    tangents, which visits only those nodes (the same set as a pass over the whole graph in
+    """The tangents and every node that reads one, directly or not.
+
+    A walk over users from the tangents, which visits only those nodes (the same set as a pass over the whole graph in
     order asking each node whether an input is in it, and a placeholder reads nothing)."""
     tangents = [n for n in graph.find_nodes(op="placeholder") if _is_tangent(n)]
     if not tangents:
