@@ -77,18 +77,20 @@ def _through_casts(node):
     return node
 
 
-def assert_paired(fw, bw, sites):
+def assert_paired(fw, bw, sites, through=_through_casts):
     """``sites`` fused forward ops, no decomposed statistic left in the forward, and each fused
-    backward reads a fused forward op's rstd (saved by the partition, not recomputed)."""
+    backward reads a fused forward op's rstd (saved by the partition, not recomputed), read
+    ``through`` the nodes that keep its value (casts and views; a statistic taken with
+    ``keepdim=False`` is read through the program's unsqueeze too)."""
     forward_ops = calls(fw, FORWARD)
     assert len(forward_ops) == sites and not calls(fw, "rsqrt") and not calls(fw, "mean")
     by_name = {n.name: n for n in fw.nodes}
     backward_ops = calls(bw, BACKWARD)
     assert len(backward_ops) == sites and not calls(bw, "rsqrt")
     for op in backward_ops:
-        rstd = _through_casts(op.args[2])
+        rstd = through(op.args[2])
         assert rstd.op == "placeholder", rstd  # saved, not recomputed
-        source = _through_casts(by_name[rstd.name])
+        source = through(by_name[rstd.name])
         assert source.target.__name__ == "getitem" and source.args[0] in forward_ops and source.args[1] == 1
 
 

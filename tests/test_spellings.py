@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from npu_fusion.models import rotate_half
-from test_forward_fusion import calls, check
+from test_forward_fusion import assert_paired as assert_paired_through, calls, check
 
 FORWARD, BACKWARD = "rms_norm", "rms_norm_grad"
 ON = {"rms_norm_forward": True}
@@ -24,19 +24,8 @@ def _source(node):
 
 
 def assert_paired(fw, bw, sites):
-    """``sites`` fused forward ops and no decomposed statistic left in the forward; each fused backward
-    reads a fused forward op's rstd, saved by the partition (not recomputed), in the shape the program
-    keeps it in (a statistic taken with ``keepdim=False`` is read where the program unsqueezes it)."""
-    forward_ops = calls(fw, FORWARD)
-    assert len(forward_ops) == sites and not calls(fw, "rsqrt") and not calls(fw, "mean")
-    by_name = {n.name: n for n in fw.nodes}
-    backward_ops = calls(bw, BACKWARD)
-    assert len(backward_ops) == sites and not calls(bw, "rsqrt")
-    for op in backward_ops:
-        rstd = _source(op.args[2])
-        assert rstd.op == "placeholder", rstd
-        source = _source(by_name[rstd.name])
-        assert source.target.__name__ == "getitem" and source.args[0] in forward_ops and source.args[1] == 1
+    """test_forward_fusion's pairing check, reading rstd through the program's unsqueezes too."""
+    assert_paired_through(fw, bw, sites, through=_source)
 
 
 def _weight(dtype, d=16):

@@ -139,33 +139,23 @@ def format_saved(report: Dict[str, Any]) -> str:
 
 
 def _format_gradients(report: Dict[str, Any]) -> str:
+    """The float64 check of the step: its parameters' gradients, or an inference step's outputs."""
     g = report["gradients"]
-    if not report["settings"].get("train", True):
-        return _format_outputs(g)
-    out = ["\n## Parameter gradients: compiled with the pass vs eager, both vs float64\n\n"]
+    train = report["settings"].get("train", True)
+    title, counted, checked = (("Parameter gradients", "params", "gradient") if train else
+                               ("Outputs (inference step)", "outputs", "output"))
+    out = [f"\n## {title}: compiled with the pass vs eager, both vs float64\n\n"]
     rows = [[dt, r["params"], f"{r['max_abs_diff_vs_eager']:.3g}", f"{r['max_err_compiled_vs_fp64']:.3g}",
              f"{r['max_err_eager_vs_fp64']:.3g}", "yes" if r["as_close_to_fp64_as_eager"] else "NO"]
             for dt, r in g["per_dtype"].items()]
-    out.append(table(["dtype", "params", "max abs diff compiled vs eager", "max err compiled vs fp64",
-                       "max err eager vs fp64", f"compiled <= {FP64_FACTOR:g} x eager + floor"], rows))
-    out.append(f"loss: compiled {g['loss']['compiled']:.6g}, eager {g['loss']['eager']:.6g}\n")
-    out += [f"gradient check failed for {f['param']}: {f}\n" for f in g["failures"]]
-    if g["params_without_grad_in_one_run"]:
-        out.append(f"parameters with a gradient in only one run: {g['params_without_grad_in_one_run']}\n")
-    out.append(f"\ngradient check: {'PASSED' if g['passed'] else 'FAILED'}\n")
-    return "".join(out)
-
-
-def _format_outputs(g: Dict[str, Any]) -> str:
-    """An inference step's check: its outputs, as the gradients are checked in a training step."""
-    out = ["\n## Outputs (inference step): compiled with the pass vs eager, both vs float64\n\n"]
-    rows = [[dt, r["params"], f"{r['max_abs_diff_vs_eager']:.3g}", f"{r['max_err_compiled_vs_fp64']:.3g}",
-             f"{r['max_err_eager_vs_fp64']:.3g}", "yes" if r["as_close_to_fp64_as_eager"] else "NO"]
-            for dt, r in g["per_dtype"].items()]
-    out.append(table(["dtype", "outputs", "max abs diff compiled vs eager", "max err compiled vs fp64",
+    out.append(table(["dtype", counted, "max abs diff compiled vs eager", "max err compiled vs fp64",
                       "max err eager vs fp64", f"compiled <= {FP64_FACTOR:g} x eager + floor"], rows))
-    out += [f"output check failed for {f['param']}: {f}\n" for f in g["failures"]]
-    out.append(f"\noutput check: {'PASSED' if g['passed'] else 'FAILED'}\n")
+    if train:
+        out.append(f"loss: compiled {g['loss']['compiled']:.6g}, eager {g['loss']['eager']:.6g}\n")
+    out += [f"{checked} check failed for {f['param']}: {f}\n" for f in g["failures"]]
+    if train and g["params_without_grad_in_one_run"]:
+        out.append(f"parameters with a gradient in only one run: {g['params_without_grad_in_one_run']}\n")
+    out.append(f"\n{checked} check: {'PASSED' if g['passed'] else 'FAILED'}\n")
     return "".join(out)
 
 
