@@ -6,7 +6,6 @@ import copy
 
 import pytest
 import torch
-from torch._inductor.exc import InductorError
 
 import npu_fusion
 from npu_fusion.compat import inductor_config, no_compile_caches
