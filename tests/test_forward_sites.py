@@ -54,13 +54,17 @@ def _step(fn, inputs, params, **options):
 @pytest.mark.smoke  # in the version matrix's smoke set: a recorded forward miss
 def test_reciprocal_of_the_root_is_a_recorded_forward_miss():
     """``x * reciprocal(sqrt(mean(x*x) + eps))``: no RMSNorm form of either direction (``x / sqrt``
-    fuses, tests/test_spellings.py); forward and backward are one recorded miss each, not silence."""
+    fuses, tests/test_spellings.py); the forward is one recorded miss, and the backward fused or one
+    recorded miss, never silence."""
     w = torch.nn.Parameter(torch.randn(16, generator=torch.Generator().manual_seed(3)))
     x = torch.randn(2, 3, 16, requires_grad=True)
     result = _step(lambda x: x * torch.reciprocal(torch.sqrt(x.pow(2).mean(-1, keepdim=True) + EPS)) * w, [x], [w])
     forward = [m for m in result.misses if m.op == "rms_norm"]
     backward = [m for m in result.misses if m.op == "rms_norm_grad"]
-    assert not result.sites and len(forward) == len(backward) == 1, result.misses
+    # the backward is accounted for once: fused where this torch's decomposition of the
+    # reciprocal gives a form it reads (torch 2.6), else one recorded miss
+    assert len(forward) == 1 and not result.fused("rms_norm"), result.misses
+    assert result.fused("rms_norm_grad") + len(backward) == 1, (result.sites, result.misses)
 
 
 def complex_rope(x, freqs_cis):
