@@ -100,11 +100,9 @@ def aot_backend(options: FusionOptions, around_pass: Optional[Callable] = None, 
         return compiler(bw_gm, inputs) if compiler is not None else make_boxed_func(bw_gm.forward)
 
     def inference_compiler(gm, inputs):
-        if in_compiled_autograd():  # the whole backward, compiled as an inference graph
-            fuse(gm, None)
-        else:
+        if not in_compiled_autograd():  # fw_compiler fuses a compiled-autograd graph as a backward
             fuse(gm, None, inference=True)
-        return compiler(gm, inputs) if compiler is not None else make_boxed_func(gm.forward)
+        return fw_compiler(gm, inputs)
 
     table = decompositions if decompositions is not None else _decompositions(options.decompositions)
     aot = aot_autograd(fw_compiler=fw_compiler, bw_compiler=bw_compiler, inference_compiler=inference_compiler,
