@@ -112,8 +112,8 @@ class SiteCounter:
     RoPE module may return q and k: one site each); ``functions``: by kind, ``(namespace, name)``
     pairs of functions (apply-RoPE), replaced by a counting wrapper while the counter is active."""
 
-    def __init__(self, model: torch.nn.Module, modules: Mapping[str, Sequence[type]] = None,
-                 functions: Mapping[str, Sequence[Tuple[object, str]]] = None):
+    def __init__(self, model: torch.nn.Module, modules: Optional[Mapping[str, Sequence[type]]] = None,
+                 functions: Optional[Mapping[str, Sequence[Tuple[object, str]]]] = None):
         modules, functions = dict(modules or {}), dict(functions or {})
         unknown = sorted((set(modules) | set(functions)) - set(COUNTED_SITES))
         if unknown:
