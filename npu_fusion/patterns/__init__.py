@@ -13,10 +13,10 @@ the state of one run, and :mod:`.traffic` is the report's memory-traffic model.
 the table of supported forms (docs/supported-forms.md) is rendered from it (``render_forms``) and a test keeps
 the two equal.
 """
-from .rms_norm import RmsNormGradRule
-from .rms_norm_forward import RmsNormForwardRule
-from .rope import RopeGradRule
-from .rope_forward import RopeForwardRule
+from .rms_norm_grad import RmsNormGradRule
+from .rms_norm import RmsNormForwardRule
+from .rope_grad import RopeGradRule
+from .rope import RopeForwardRule
 from .rule import Form, FusionRule, RoundReport, SiteProbe
 
 __all__ = ["RULES", "FORMS", "render_forms", "FusionRule", "RoundReport", "Form", "SiteProbe",
