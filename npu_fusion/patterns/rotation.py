@@ -106,7 +106,7 @@ def rotation_sums(seeds, is_rotation_sum, symbolic_only: bool = True) -> List[fx
     """The outermost rotation-shaped sums near an element move along a symbolic last axis.
 
     Each is a node ``is_rotation_sum`` accepts within :data:`ROTATION_SUM_REACH` uses of a seed
-    (an element move): rotations no rule can prove, forward (:mod:`.rope_forward`) or backward.
+    (an element move): rotations no rule can prove, forward (:mod:`.rope`) or backward.
     Without ``symbolic_only``, along any last axis: what looks like a rotation in a graph with no
     backward to pair it with (an inference graph's leftovers)."""
     return outermost(list(rotation_seeds(seeds, is_rotation_sum, symbolic_only)))

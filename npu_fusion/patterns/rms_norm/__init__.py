@@ -15,13 +15,13 @@ reads the fused op's rstd instead, so nothing recomputes it and the partitioner 
 float32 keep-dim statistic.
 
 How a match is found, by value in the backward rule's exact algebra (:class:`NormEvaluator`,
-:mod:`.algebra`) run on the forward nodes: a candidate rstd is an ``rsqrt`` (or ``** -0.5``)
+:mod:`..algebra`) run on the forward nodes: a candidate rstd is an ``rsqrt`` (or ``** -0.5``)
 node, a leaf of the algebra; its argument must equal ``S[x*x]/N + eps`` for some node x of the
 graph and a number eps >= 0 (eps inside the root, the mean over exactly the normalized axes of
 the square of the very value the output multiplies); y is a node whose value is
 ``rstd * x * gamma`` for a leaf gamma over the normalized axes (Gemma's ``1 + weight`` is one
 leaf), or ``rstd * x`` when no such node exists (a norm without weight). Casts are identities
-of the algebra: the rounding rules of :func:`~.evaluator.rounding_problem` judge each output
+of the algebra: the rounding rules of :func:`~..evaluator.rounding_problem` judge each output
 (an HF bf16 norm rounds the normalized value and then the product to bf16; the fused op rounds
 once to bf16, which is allowed; a float32 program that rounds inside to bf16 is refused).
 
@@ -31,7 +31,7 @@ backward is a fused ``rms_norm_grad`` reading rstd (or the norm has no backward)
 whose statistic or intermediates a decomposed backward still reads stays as it is this round (a
 miss with that reason, decided again in the next round), so the backward rules always see the
 forward they were written for, and the backward's ``unexplained`` sees every statistic it looks
-for. Only on a joint graph and on an inference graph (:class:`~.evaluator.InferenceProvenance`:
+for. Only on a joint graph and on an inference graph (:class:`~..evaluator.InferenceProvenance`:
 no backward, so each norm fuses unpaired where the target takes it): a backward graph has no
 forward to fuse.
 """
@@ -97,7 +97,7 @@ def _unpaired_backwards(graph: fx.Graph, gradient: set, misses: List[Miss]) -> L
 
     A fused ``rms_norm_grad`` whose rstd is no fused forward op's and near which no forward miss
     was recorded: its forward ran and matched no form (``x / sqrt(...)``, a statistic built
-    otherwise), each a miss named by the backward node (:mod:`.pairing`)."""
+    otherwise), each a miss named by the backward node (:mod:`..pairing`)."""
     missed, used, out = {m.node for m in misses}, set(), []
     for grad in calls(graph, RMS_NORM_GRAD):
         rstd = source(grad.args[2])

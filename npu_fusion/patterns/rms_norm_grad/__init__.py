@@ -14,8 +14,8 @@ Fused::
     dx, dgamma = npu_fusion.rms_norm_grad(dy, x, rstd, gamma)
 
 How a match is found: nodes are evaluated symbolically in the norm domain
-(:mod:`.norm_algebra`, with RMSNorm's bounds: :func:`norm_evaluator`; exact Laurent
-polynomials, :mod:`.algebra`; one small interpreter per aten op, in the tables
+(:mod:`..norm_algebra`, with RMSNorm's bounds: :func:`norm_evaluator`; exact Laurent
+polynomials, :mod:`..algebra`; one small interpreter per aten op, in the tables
 :attr:`NormEvaluator.FORWARD_SAFE` and :attr:`NormEvaluator.BACKWARD_ONLY`, with
 any other op a leaf) with the normalized axes as an abstract index: a
 leaf is a symbol, ``x_i`` when it spans the normalized axes and ``r`` when it is
@@ -76,7 +76,7 @@ from ..rms_statistic import whole_forward_misses
 
 
 class RmsNormGradRule(FusionRule):
-    """RMSNorm's backward, matched by value in exact symbolic expressions (:mod:`.algebra`),
+    """RMSNorm's backward, matched by value in exact symbolic expressions (:mod:`..algebra`),
     rewritten into ``rms_norm_grad``; also every whole ``aten._fused_rms_norm_backward``."""
 
     stage = "backward"

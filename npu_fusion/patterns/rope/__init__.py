@@ -8,26 +8,26 @@ Fused::
 
     y = npu_fusion.rotary_position_embedding(q, cos, sin, mode=0)
 
-How a match is found, by value in the backward rule's domain (:class:`~.lanes.LaneEvaluator`,
+How a match is found, by value in the backward rule's domain (:class:`~..lanes.LaneEvaluator`,
 exact per-position polynomials of leaf elements) run on the forward nodes: a node is a RoPE
 output when, for some mode and some leaves playing x, cos and sin, position i of its value is
 ``x[a(i)] * cos[i] + s(i) * x[b(i)] * sin[i]`` with ``a``, ``b`` and the signs ``s`` of the
 mode (the transpose of the backward in docs/fused-ops.md#rotary_position_embedding_grad:
-:func:`~.rope.table_terms`), each table possibly negated as a whole. The fused op then reads the
+:func:`~..rotation.table_terms`), each table possibly negated as a whole. The fused op then reads the
 nodes the site reads that hold x, cos
 and sin exactly (a partial rotary's slice of q, a table after its ``unsqueeze``); an operand that
 exists only in pieces (a half-width table read twice, x read as its even and odd lanes, the real
 parts of a complex ``freqs_cis``, a cache's ``select``) is rebuilt from the node that holds its
 elements with slices and ``cat`` (or ``stack``), and the rebuilt node is evaluated and must equal
 the role position by position before the site fuses. Casts are identities of the domain and the rounding rules of
-:func:`~.evaluator.rounding_problem` judge the output; since a rounded copy of a role equals the role in the
+:func:`~..evaluator.rounding_problem` judge the output; since a rounded copy of a role equals the role in the
 domain, every node the site reads of a role's elements must carry the rounding of the operand the fused op
 reads (a table read rounded in some lanes and exactly in others is refused). A rotation is one site with its
 backward: the backward rule's verdict on its tables' roundings and on what the target runs binds this rule,
-and this rule's precision verdict gives a backward no form read its reason (:class:`~.context.SiteJudgements`). Only on a joint graph, after the backward
+and this rule's precision verdict gives a backward no form read its reason (:class:`~..context.SiteJudgements`). Only on a joint graph, after the backward
 rules in each round: an intermediate a decomposed backward still reads (``rotate_half(q)`` for
 a table's gradient) keeps the forward as it is until that backward is fused; and on an inference
-graph (:class:`~.evaluator.InferenceProvenance`), where no backward pairs a rotation and what no
+graph (:class:`~..evaluator.InferenceProvenance`), where no backward pairs a rotation and what no
 form matched is found by its shape (:func:`_left_rotations`).
 """
 from __future__ import annotations
@@ -53,7 +53,7 @@ def unexplained(graph: fx.Graph, provenance, misses: List[Miss]) -> List[Miss]:
 
     No silent misses: a fused ``rotary_position_embedding_grad`` that no fused forward and no
     recorded forward miss accounts for is a rotation whose forward matched no form
-    (:mod:`.pairing`); each a miss named by the backward node, saying what its forward is. An
+    (:mod:`..pairing`); each a miss named by the backward node, saying what its forward is. An
     inference graph has no backward to pair with: there, each rotation left in it (:func:`_left_rotations`)."""
     if isinstance(provenance, InferenceProvenance):
         return _left_rotations(graph, misses)
@@ -95,7 +95,7 @@ def _left_rotations(graph: fx.Graph, misses: List[Miss]) -> List[Miss]:
 
 class RopeForwardRule(FusionRule):
     """RoPE's forward on the joint graph, matched by value in per-position polynomials
-    (:mod:`.lanes`), rewritten into ``rotary_position_embedding``."""
+    (:mod:`..lanes`), rewritten into ``rotary_position_embedding``."""
 
     stage = "joint"
     domain = "lanes"

@@ -193,7 +193,7 @@ def _read_at_another_precision(ev: LaneEvaluator, region: List[fx.Node], operand
     equals the table: the issue's cache read through a bf16 round trip in half of its lanes and
     exactly in the other half holds cos whole in the rounded copy, which alone the fused op would
     read (the other half's rounding added). The nodes inside the region are judged by
-    :func:`~.evaluator.rounding_problem`; these are the region's inputs, kept for other users (a
+    :func:`~..evaluator.rounding_problem`; these are the region's inputs, kept for other users (a
     slice the decomposed backward reads) or the leaf itself."""
     bases = {}
     for operand, role in zip(operands, roles):
@@ -223,7 +223,7 @@ def _precision_problem(site: ForwardRopeMatch, read: fx.Node, operand: fx.Node) 
     """Why the site cannot fuse when it reads a role at two precisions.
 
     The rounding the program
-    does inside the site, judged by :func:`~.evaluator.rounding_problem` against the role leaves as
+    does inside the site, judged by :func:`~..evaluator.rounding_problem` against the role leaves as
     the backward rule judges its site's (the same reason), else the two reads named."""
     return rounding_problem(site.ev, {"y": site.y}, _leaves(site)) or (
         f"the site reads one of its inputs rounded in some lanes and not in others ({read.name} and "

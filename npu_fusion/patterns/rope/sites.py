@@ -145,7 +145,7 @@ def _uncovered(ctx: RuleContext, ev: LaneEvaluator, looks) -> list:
 def _unshaped_rotations(ev: LaneEvaluator, seeds, gradient, looks) -> list:
     """Sums of rotation terms the evaluator read that are no rotation-shaped node nor inside one.
 
-    They lie near a move of elements along the last axis (:func:`.rope.rotation_sums`): where x is a
+    They lie near a move of elements along the last axis (:func:`..rotation.rotation_sums`): where x is a
     product (a decomposed norm's ``normed * weight``, the norm left unfused), the evaluator cuts it
     into a different leaf at each term's reader, and the rotation reads no leaf twice."""
     inside = {n for y in looks for n in region_of([y], lambda r: r in ev.interpreted)}
@@ -266,7 +266,7 @@ def _symbolic_last_axis(seeds, gradient) -> List[Miss]:
 
     Forward elements moved along a symbolic last axis and then summed: no node of a symbolic
     head dim is evaluated, so such a rotation would be a silent miss (found by the forward
-    property tests); recorded instead, as the backward rule does (:func:`.rope._symbolic_last_axis`).
+    property tests); recorded instead, as the backward rule does (:func:`..rope_grad.sites._symbolic_last_axis`).
     Only a move along the last axis whose sum is a rotation's: two products of tensors that vary
     along that axis (``x * cos + rotate(x) * sin``), or a product of complex pairs (``freqs_cis``);
     a difference, a causal convolution's taps or a sequence shift is no RoPE."""

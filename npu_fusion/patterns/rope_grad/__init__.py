@@ -14,7 +14,7 @@ Fused::
 
     dx, dcos, dsin = npu_fusion.rotary_position_embedding_grad(dy, cos, sin, x?, mode)
 
-How a match is found: every node is evaluated by :class:`~.lanes.LaneEvaluator`
+How a match is found: every node is evaluated by :class:`~..lanes.LaneEvaluator`
 into exact per-position polynomials of its leaves. A node is a ``dx`` when its
 polynomials equal the op's formula (docs/fused-ops.md#rotary_position_embedding_grad) for some
 mode and some leaves playing dy, cos and sin; a node is a ``dcos``/``dsin`` of that site when it equals the
@@ -44,7 +44,7 @@ from .misses import unexplained
 
 
 class RopeGradRule(FusionRule):
-    """RoPE's backward, matched by value in per-position polynomials (:mod:`.lanes`), rewritten
+    """RoPE's backward, matched by value in per-position polynomials (:mod:`..lanes`), rewritten
     into ``rotary_position_embedding_grad`` with the table gradients the graph computes."""
 
     stage = "backward"

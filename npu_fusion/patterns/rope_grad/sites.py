@@ -207,7 +207,7 @@ def _near_misses(rewrites: RuleContext, ev: LaneEvaluator, looks, matches, insid
 
 def _table_keys(ev: LaneEvaluator, node: fx.Node) -> List[tuple]:
     """The site keys of the rotations ``node`` may be the backward of: each pair of the forward values
-    (no gradient) its products read, as :func:`~.pairing.site_key` names a rotation's cos and sin."""
+    (no gradient) its products read, as :func:`~..pairing.site_key` names a rotation's cos and sin."""
     v = ev.memo.get(node)
     tables = {source(ev.leaves[lid]) for poly in (v.polys if v is not None else ()) for mono in poly
               for lid, _ in mono if not ev.depends_on_gradient(ev.leaves[lid])}
