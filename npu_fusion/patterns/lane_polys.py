@@ -1,4 +1,4 @@
-"""The lanes domain's values: per-position polynomials (:class:`Lanes`), their arithmetic, and index helpers."""
+"""The lanes domain's values: per-position polynomials (:class:`Lanes`), their arithmetic, shapes and index helpers."""
 from __future__ import annotations
 
 import dataclasses
@@ -7,7 +7,15 @@ from typing import Dict, List, Optional, Tuple
 from ..lowering.sizes import static_int
 from .algebra import Number, accumulate
 from .evaluator import Unsupported
-from .nodes import VIEWS, aten
+from .nodes import VIEWS, aten, val, shape as node_shape
+
+
+def shape(node):
+    """A node's shape, complex tensors seen as their real view ``[..., n, 2]``."""
+    s = node_shape(node)
+    if s is not None and val(node).dtype.is_complex:
+        return tuple(s) + (2,)
+    return s
 
 
 Var = Tuple[int, int]            # (leaf id, flattened position in the leaf's trailing axes)

@@ -12,7 +12,7 @@ from ..lowering.sizes import static_int
 from .algebra import graph_constant
 from .evaluator import Provenance
 from .norm_algebra import NormEvaluator
-from .nodes import CAST_TARGETS, VIEWS, aten, dtype, is_value_preserving_cast, normalize_dim, shape, val
+from .nodes import CAST_TARGETS, VIEWS, aten, is_value_preserving_cast, normalize_dim, shape, val
 from .rewrite import Miss
 
 

@@ -8,7 +8,7 @@ import torch.fx as fx
 
 from ...lowering import FUSED_OPS, RMS_NORM as OP, RMS_NORM_GRAD
 from ...lowering.ops.rms_norm_grad import rms_norm_target_problem
-from ..nodes import CAST_TARGETS, VIEWS, aten, dtype, gradient_dependent, last_of, outside_users, region_of, shape, val
+from ..nodes import CAST_TARGETS, VIEWS, aten, gradient_dependent, last_of, outside_users, region_of, shape, val
 from ..rewrite import Insertion, Miss, RuleContext, commit, emit_fused_op, replacement_of, as_forward_work
 from ..layout import memory_order, permuted, same_layout
 from ..pairing import NORM_SITE, site_key
