@@ -49,7 +49,7 @@ from ..pairing import calls, source
 from ..rms_statistic import rms_root, rms_statistic_operand, spelled_root, unmatched_spelling, whole_forward_misses
 from ..rule import Form, FusionRule, RoundReport, SiteProbe
 from .sites import ForwardNormMatch, Y_DEPTH, is_root, find_sites
-from .emit import emit
+from .emit import emit as emit_site
 
 
 def unexplained(graph: fx.Graph, provenance: Optional[Provenance], misses: List[Miss]) -> List[Miss]:
@@ -147,7 +147,7 @@ class RmsNormForwardRule(FusionRule):
         return find_sites(graph, ctx)
 
     def emit(self, ctx: RuleContext, match: ForwardNormMatch):
-        return emit(ctx, match)
+        return emit_site(ctx, match)
 
     def unexplained(self, graph: fx.Graph, ctx: RuleContext, misses) -> List[Miss]:
         return unexplained(graph, ctx.provenance, misses)

@@ -69,7 +69,7 @@ from ..rewrite import Miss, RuleContext
 from ..rule import Form, FusionRule, RoundReport, SiteProbe
 from .match import NormMatch, site_region
 from .whole import WholeBackwardMatch, emit_whole_backward, whole_backward_sites
-from .emit import emit
+from .emit import emit as emit_site
 from .sites import find_again, find_sites
 from .misses import unexplained
 from ..rms_statistic import whole_forward_misses
@@ -125,7 +125,7 @@ class RmsNormGradRule(FusionRule):
     def emit(self, ctx: RuleContext, match):
         if isinstance(match, WholeBackwardMatch):
             return emit_whole_backward(ctx, match)
-        return emit(ctx, self, match)
+        return emit_site(ctx, self, match)
 
     def unexplained(self, graph: fx.Graph, ctx: RuleContext, misses) -> List[Miss]:
         # the whole forward is a forward site: the forward rule's where it runs (a joint graph);

@@ -45,7 +45,7 @@ from ..rotation import DX_DEPTH, moves_elements, rotation_sums, symbolic_head_di
 from ..rule import Form, FusionRule, RoundReport, SiteProbe
 from .match import ForwardRopeMatch
 from .sites import sums_rotation_terms, find_sites
-from .emit import emit
+from .emit import emit as emit_site
 
 
 def unexplained(graph: fx.Graph, provenance, misses: List[Miss]) -> List[Miss]:
@@ -118,7 +118,7 @@ class RopeForwardRule(FusionRule):
         return symbolic_head_dims(graph, False, sums_rotation_terms)
 
     def emit(self, ctx: RuleContext, match: ForwardRopeMatch):
-        return emit(ctx, match)
+        return emit_site(ctx, match)
 
     def unexplained(self, graph: fx.Graph, ctx: RuleContext, misses) -> List[Miss]:
         return unexplained(graph, ctx.provenance, misses)

@@ -38,7 +38,7 @@ from ..rewrite import Miss, RuleContext
 from ..rule import Form, FusionRule, RoundReport, SiteProbe
 from .match import RopeMatch, site_outputs, site_region
 from ..rotation import sums_dx_terms, symbolic_head_dims
-from .emit import emit
+from .emit import emit as emit_site
 from .sites import find_again, find_sites
 from .misses import unexplained
 
@@ -98,7 +98,7 @@ class RopeGradRule(FusionRule):
         # the shared value may be a role now (a slice of a wide dy that dcos and dsin read
         # too): the match found again may see table gradients the first could not
         resolved = self.resolve_shared(ctx, match, site_outputs(match), refreshed_outputs=True)
-        return resolved if isinstance(resolved, Miss) else emit(ctx, *resolved)
+        return resolved if isinstance(resolved, Miss) else emit_site(ctx, *resolved)
 
     def unexplained(self, graph: fx.Graph, ctx: RuleContext, misses) -> List[Miss]:
         return unexplained(graph, ctx.provenance, misses)
