@@ -207,6 +207,7 @@ def test_explain_an_inference_step():
     """``explain(train=False)``: the forward under no_grad, each counted norm and rotation fused on
     the inference graph and accounted for, the logits by the float64 criterion."""
     import npu_fusion
+    from npu_fusion.report import html
 
     model, ids, expected, _, _ = eval_model("qwen3")
     report = npu_fusion.explain(model, ids, train=False, target="generic").report
@@ -217,6 +218,10 @@ def test_explain_an_inference_step():
     assert set(report["accounting"]) == {"rms_norm", "rotary_position_embedding"}
     assert all(row["unexplained"] == 0 and row["fused"] == row["expected"] for row in report["accounting"].values())
     assert report["gradients"]["passed"] and report["gradients"]["per_dtype"]["bfloat16"]["params"] == 1
+    # the page names what was checked (outputs) and the graph the pass ran on, and no saved set
+    page = html.render(report)
+    assert "output check against eager and float64: <span class='ok'>PASSED</span>" in page
+    assert "gradient" not in page and "Inference graph ops" in page and "saved for the backward" not in page
 
 
 def test_report_command_line_inference(capsys):
