@@ -87,6 +87,20 @@ def test_overrides_and_usage_errors(capsys):
     assert report.run(parse("--target", "a2,950")) == report.EXIT_USAGE  # several targets: --hf-config only
 
 
+def test_the_pass_share_of_the_compile_is_printed_per_target(llama_two_targets):
+    """Each target's compiled step on fake tensors: the pass's CPU time is a fraction of the step's,
+    printed in the text and on the page."""
+    from test_report import share_printed
+
+    text, page = fullsize.format_text(llama_two_targets), html.render(llama_two_targets)
+    for target, r in llama_two_targets["targets"].items():
+        assert 0 < r["seconds"]["pass_share"] < 1, (target, r["seconds"])
+        section = text.split(f"# Target {r['settings']['resolved_target']}")[1]
+        assert share_printed(section) == pytest.approx(r["seconds"]["pass_share"], abs=6e-4)
+        assert share_printed(html.html.unescape(page.split(f"Target {r['settings']['resolved_target']}:")[1])) == \
+            pytest.approx(r["seconds"]["pass_share"], abs=6e-4)
+
+
 def test_html_page_is_self_contained_and_names_every_site(llama_two_targets):
     page = html.render(llama_two_targets)
     assert "http" not in page and "<script" not in page and "<link" not in page and "src=" not in page

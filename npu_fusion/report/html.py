@@ -22,6 +22,7 @@ import re
 from typing import Any, Dict, List, Tuple
 
 from ..lowering import FUSED_OPS
+from .text import pass_share_line
 
 FUSED, MISSED = "#2e7d32", "#c62828"
 BEFORE, AFTER, MINIMUM = "#9e9e9e", "#1565c0", "#2e7d32"
@@ -79,6 +80,7 @@ def _target_section(r: Dict[str, Any]) -> str:
     per_op = ", ".join(f"{SHORT.get(op, op)} {o['fused']} of {o['found']}" for op, o in r["ops"].items() if o["found"])
     head += f"<div class='sub'>fused per op: {_e(per_op or 'no site found')}</div>"
     head += _gradient_line(r["gradients"])
+    head += f"<div class='sub'>{_e(pass_share_line(r['seconds']))}</div>"
     errors = "".join(f"<p class='bad'>PASS ERROR (graph left unchanged): {_e(e)}</p>" for e in r["pass_errors"])
     return "".join([head, errors, "<h3>Sites by layer (hover for the reason)</h3>", _layer_map(sites),
                     _site_table(sites), "<div class='charts'><div><h3>Backward graph ops, before and after</h3>",
