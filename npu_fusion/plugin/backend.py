@@ -183,10 +183,10 @@ def fused_backward(gm: torch.fx.GraphModule, run) -> Callable[[], torch.fx.Graph
 def torchair_backend(options: FusionOptions, compiler_config=None):
     """The backend on an Ascend host, with torchair's compilers and decompositions.
 
-    The backend on an Ascend host: AOTAutograd with the pass on the joint graph, as
-    elsewhere, with torchair's compiler (``torchair.get_compiler(config)``) for the forward,
-    backward and inference graphs and torchair's decompositions, so GE compiles both graphs
-    and the fused ops reach it through their converters. Every option is honoured:
+    AOTAutograd runs the pass on the joint graph, as elsewhere; torchair's compiler
+    (``torchair.get_compiler(config)``) compiles the forward, backward and inference graphs,
+    with torchair's decompositions, so GE compiles both graphs and the fused ops reach it
+    through their converters. Every option is honoured:
     ``partitioner`` picks the partition, ``decompositions="core"`` adds core ATen's table
     under torchair's."""
     import torchair
