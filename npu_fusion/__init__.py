@@ -24,6 +24,15 @@ def install(config=None, **options):
     return _install(config, **options)
 
 
+def get_npu_backend(*, compiler_config, **kwargs):
+    """torchair's backend for a config :func:`install` set up, with the float constants ``dynamic=True``
+    passes as inputs (a norm's eps) specialized under a guard first (see
+    :func:`npu_fusion.plugin.torchair.get_npu_backend`)."""
+    from .plugin.torchair import get_npu_backend as _get
+
+    return _get(compiler_config=compiler_config, **kwargs)
+
+
 def explain(model_or_fn, *example_inputs, **kwargs):
     """Compile ``model_or_fn`` with the pass, run one training step on ``example_inputs`` and
     report what was fused, what was not and why, and whether the gradients are still right
