@@ -193,3 +193,27 @@ def test_transformers_llama_through_inductor_dynamic_true(inductor_installed):
     assert [counters for counters, _ in steps] == [_both_ways(norms=3, rotations=2)] * 2
     assert [failures for _, failures in steps] == [[], []]
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1, "another batch and sequence recompiled"
+
+
+def test_head_dim_through_inductor_dynamic_true(inductor_installed):
+    """q a graph input whose head dim ``dynamic=True`` makes symbolic: Inductor's joint hook guards it
+    (the pre-grad hook leaves sizes alone), the rotation fuses both ways and another batch and
+    sequence length reuse the graph."""
+    from npu_fusion.compat import no_compile_caches
+    from npu_fusion.plugin.pass_manager import COUNTER
+
+    compiled = torch.compile(rope, dynamic=True)
+    with no_compile_caches():
+        for seed, (b, s) in enumerate(((2, 6), (3, 9))):
+            g = torch.Generator().manual_seed(seed)
+            q = torch.randn(b, 4, s, 16, generator=g).requires_grad_()
+            angles = torch.randn(s, 16, generator=g)
+            inputs = [q, angles.cos(), angles.sin()]
+            got, grad_outputs = run_grads(compiled, inputs)
+            eager, _ = run_grads(rope, inputs, (), grad_outputs)
+            for f, e, exact in zip(got, eager, float64_grads(rope, inputs, (), grad_outputs)):
+                assert f.dtype == e.dtype and f.shape == e.shape
+                assert_close_as_unfused(f, e, exact, factor=MODEL_FACTOR)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1, "another batch and sequence recompiled"
+    assert dict(torch._dynamo.utils.counters[COUNTER]) == {"rotary_position_embedding": 1,
+                                                           "rotary_position_embedding_grad": 1}

@@ -121,3 +121,46 @@ def test_training_does_not_recompile_and_fuses_the_backward(ge, name):
                                                               "rotary_position_embedding_grad")}
     assert fused["rms_norm_grad"] == norms and fused["rotary_position_embedding_grad"] == rotations, fused
     assert [m for r in results for m in r.misses] == []
+
+
+def rope(q, cos, sin):
+    """HF's rotation of q ``[B, N, S, D]`` with tables ``[S, D]`` the caller passes: ``dynamic=True``
+    makes q's head dim symbolic."""
+    x1, x2 = q.chunk(2, dim=-1)
+    return q * cos + torch.cat((-x2, x1), dim=-1) * sin
+
+
+@pytest.mark.parametrize("grad", [False, True], ids=["inference", "training"])
+def test_head_dim_of_an_input(ge, grad):
+    """q a graph input, its head dim symbolic: the inference graph (compiled while Dynamo makes
+    guards) guards it and fuses, with no recompile at another batch and sequence length. torchair's
+    training backward is fused by its post-partition hook, which no Dynamo guard reaches any more:
+    the rotation stays, one recorded miss that says why (the outputs and gradients still right)."""
+    from npu_fusion.measure.grads import float64_grads, run_grads
+
+    compiled = _compile(ge, rope)
+    mark = pass_manager.HISTORY.mark()
+    for seed, (b, s) in enumerate(((2, 6), (3, 9))):
+        g = torch.Generator().manual_seed(seed)
+        q = torch.randn(b, 4, s, 16, generator=g).requires_grad_(grad)
+        angles = torch.randn(s, 16, generator=g)
+        inputs = [q, angles.cos(), angles.sin()]
+        if grad:
+            got, grad_outputs = run_grads(compiled, inputs)
+            eager, _ = run_grads(rope, inputs, (), grad_outputs)
+            exact = float64_grads(rope, inputs, (), grad_outputs)
+        else:
+            got, eager = [compiled(*inputs)], [rope(*inputs)]
+            exact = [rope(*[t.double() for t in inputs])]
+        for f, e, x in zip(got, eager, exact):
+            assert f.dtype == e.dtype and f.shape == e.shape
+            assert_close_as_unfused(f, e, x, factor=MODEL_FACTOR)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1, "another batch and sequence recompiled"
+    results = pass_manager.HISTORY.since(mark)
+    if not grad:
+        assert [(r.graph, r.fused("rotary_position_embedding")) for r in results] == [("inference", 1)]
+        assert [m for r in results for m in r.misses] == []
+    else:
+        misses = [m for r in results for m in r.misses]
+        assert len(misses) == 1 and "compiled where no guard can fix it" in misses[0].reason, misses
+        assert not any(r.fused("rotary_position_embedding_grad") for r in results)
