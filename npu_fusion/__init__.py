@@ -18,7 +18,8 @@ def install(config=None, **options):
     """Install the npu-fusion pass into a torchair ``CompilerConfig`` (see
     :func:`npu_fusion.plugin.torchair.install`); returns the config. The path without the
     saved-set change (the pass sees each backward graph after the partition):
-    ``backend="npu_fusion"`` fuses the joint graph on an Ascend host too."""
+    ``backend="npu_fusion"`` fuses the joint graph on an Ascend host too. Under ``dynamic=True``
+    compile with :func:`get_npu_backend` rather than torchair's, so a norm's eps is specialized."""
     from .plugin.torchair import install as _install
 
     return _install(config, **options)

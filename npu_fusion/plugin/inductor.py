@@ -201,8 +201,8 @@ def joint_pass(options: FusionOptions, previous: Any = None):
 
 def install_inductor(**options: Any):
     """Install the npu-fusion pass into ``torch._inductor.config.joint_custom_pre_pass``; returns
-    the pass. The specializing pass goes into ``pre_grad_custom_pass`` (chained the same way). ``options`` are :class:`~npu_fusion.plugin.options.FusionOptions` fields;
-    ``partitioner`` and ``decompositions`` are Inductor's own to decide, and naming them is an
+    the pass. The specializing pass goes into ``pre_grad_custom_pass`` (chained the same way).
+    ``options`` are :class:`~npu_fusion.plugin.options.FusionOptions` fields; ``partitioner`` and ``decompositions`` are Inductor's own to decide, and naming them is an
     error (use ``backend="npu_fusion"`` to choose them)."""
     given = sorted(set(options) & set(NOT_HONOURED))
     if given:
@@ -239,7 +239,7 @@ def _uninstall_pre_grad(config) -> None:
 
 
 def uninstall_inductor() -> None:
-    """Take the npu-fusion passes out of ``joint_custom_pre_pass`` and ``pre_grad_custom_pass``, leaving what they had chained."""
+    """Take the npu-fusion passes out of ``joint_custom_pre_pass`` and ``pre_grad_custom_pass``, leaving what they chained."""
     config = inductor_config()
     current = config.joint_custom_pre_pass
     if _PASS_CLASS and isinstance(current, _PASS_CLASS[0]):

@@ -164,3 +164,8 @@ def test_head_dim_of_an_input(ge, grad):
         misses = [m for r in results for m in r.misses]
         assert len(misses) == 1 and "compiled where no guard can fix it" in misses[0].reason, misses
         assert not any(r.fused("rotary_position_embedding_grad") for r in results)
+
+
+def test_get_npu_backend_needs_the_pass_installed(torchair):
+    with pytest.raises(ValueError, match="install"):
+        npu_fusion.get_npu_backend(compiler_config=torchair.CompilerConfig())
