@@ -83,10 +83,10 @@ import torch
 
 
 import npu_fusion  # noqa: F401  (registers the ops)
-from npu_fusion.lowering import RMS_NORM, ROPE
+from npu_fusion.measure.sites import expected_for
 from npu_fusion.models import bundled
 from npu_fusion.plugin.backend import aot_backend
-from npu_fusion.plugin.options import FusionOptions
+from npu_fusion.plugin.options import FusionOptions, forward_options
 from npu_fusion_testing.generated import publishing, script_command
 
 
@@ -141,16 +141,13 @@ class Clocked:
 
 
 def fusion_options(target: str, forward: bool) -> dict:
-    return {"target": target, "rms_norm_forward": forward, "rope_forward": forward}
+    """The run's options: the forward rules' switches all ``forward``."""
+    return {"target": target, **dict.fromkeys(forward_options(), forward)}
 
 
 def expected_sites(model, forward: bool) -> dict:
     """The model's sites by fused op: each backward site, and with ``forward`` its forward too."""
-    sites = dict(model.expected_sites)
-    if forward:
-        sites[RMS_NORM.name] = 2 * model.config.num_layers + 1
-        sites[ROPE.name] = 2 * model.config.num_layers
-    return sites
+    return expected_for(FusionOptions.from_mapping(fusion_options("generic", forward)), model.expected_sites)
 
 
 def widths(head_dim: int, heads: int = 4, kv_heads: int = 2) -> dict:
