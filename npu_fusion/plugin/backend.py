@@ -17,10 +17,9 @@ import torch
 from ..compat import aot_autograd, core_aten_decompositions, make_boxed_func, partition_function
 from ..fallback import warn_fallback
 from .options import FusionOptions
-from ..patterns import RULES
 from .pass_manager import fuse_backward, fuse_inference, fuse_joint, in_compiled_autograd
 from .saved_activations import saved_set
-from .specialize import specialize_model_constants
+from .specialize import specializing
 
 
 def _on_npu_host() -> bool:
@@ -107,14 +106,7 @@ def aot_backend(options: FusionOptions, around_pass: Optional[Callable] = None, 
     table = decompositions if decompositions is not None else _decompositions(options.decompositions)
     aot = aot_autograd(fw_compiler=fw_compiler, bw_compiler=bw_compiler, inference_compiler=inference_compiler,
                        partition_fn=partition_fn, decompositions=table, **aot_options)
-    if not any(rule.reads_constant_floats and options.enables(rule) for rule in RULES):
-        return aot
-
-    def backend(gm, example_inputs):
-        specialize_model_constants(gm, example_inputs)
-        return aot(gm, example_inputs)
-    backend.kwargs = aot.kwargs  # AOTAutograd's compilers, partitioner and decompositions, as on ``aot``
-    return backend
+    return specializing(aot, options)
 
 
 def _fuser(options: FusionOptions, stage: str, around_pass: Optional[Callable]):
