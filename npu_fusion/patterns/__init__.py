@@ -18,9 +18,12 @@ from .rms_norm_forward import RmsNormForwardRule
 from .rope import RopeGradRule
 from .rope_forward import RopeForwardRule
 from .rule import Form, FusionRule, RoundReport, SiteProbe
+from .swiglu import SwigluForwardRule
+from .swiglu_grad import SwigluGradRule
 
 __all__ = ["RULES", "FORMS", "render_forms", "FusionRule", "RoundReport", "Form", "SiteProbe",
-           "RmsNormGradRule", "RopeGradRule", "RmsNormForwardRule", "RopeForwardRule"]
+           "RmsNormGradRule", "RopeGradRule", "RmsNormForwardRule", "RopeForwardRule",
+           "SwigluGradRule", "SwigluForwardRule"]
 
 #: The rules in the order each round runs them. A site whose dy is another site's dx (a
 #: post- or sandwich norm's dy, RoPE's dy under Llama 4's L2 qk-norm, a qk-norm's dy under
@@ -32,7 +35,8 @@ __all__ = ["RULES", "FORMS", "render_forms", "FusionRule", "RoundReport", "Form"
 #: backward reads its intermediates (the backward rules match the decomposed forward they were
 #: written for, statistic and normalized value included), and the RMSNorm forward then hands
 #: the fused backward its rstd.
-RULES = (RmsNormGradRule(), RopeGradRule(), RmsNormForwardRule(), RopeForwardRule())
+RULES = (RmsNormGradRule(), RopeGradRule(), SwigluGradRule(), RmsNormForwardRule(), RopeForwardRule(),
+         SwigluForwardRule())
 
 #: (fused op, form, where it comes from), rule by rule in the order of :data:`RULES`
 FORMS = [(rule.op.name, form.form, form.seen_in) for rule in RULES for form in rule.forms]
