@@ -163,14 +163,26 @@ def order_problem(product: fx.Node, x: fx.Node) -> Optional[str]:
     return None
 
 
-def precision_problem(ev: LaneEvaluator, output: fx.Node, name: str, roles) -> Optional[str]:
-    """The rounding rules of :func:`~.evaluator.rounding_problem`, and the fused op's own: it rounds
-    its result to x's dtype, which must hold the precision the program keeps ``output`` at."""
+def precision_problem(ev: LaneEvaluator, output: fx.Node, name: str, roles, leaves=()) -> Optional[str]:
+    """Why the site's roundings keep it unfused, or None.
+
+    The rounding rules of :func:`~.evaluator.rounding_problem`, also below the site's ``leaves``
+    (silu and silu_backward are leaves of the domain: the operands of ``leaves`` are judged by
+    the narrowing casts they were read through), and the fused op's own: it rounds its result to
+    x's dtype, which must hold the precision the program keeps ``output`` at."""
     problem = rounding_problem(ev, {name: output}, roles)
     if problem is not None:
         return problem
-    x = roles[-1]
     kept = kept_precision(output)
+    for leaf in leaves:
+        for operand in leaf.all_input_nodes:
+            ev.value(operand)
+            coarse = sorted(str(d) for d in ev.rounded.get(operand, ()) if not holds(d, kept))
+            if coarse:
+                return (f"the program rounds {operand.name}, an operand of {leaf.name}, to {', '.join(coarse)} "
+                        f"inside the site, more coarsely than it keeps {name} ({output.name}, {kept}); the "
+                        f"fused op would not round it")
+    x = roles[-1]
     if not holds(dtype(x), kept):
         return (f"the program keeps {name} ({output.name}) in {kept}, finer than x's {dtype(x)} in which the fused "
                 f"op rounds it (a product of {dtype(x)} halves computed and kept in {kept})")
@@ -299,7 +311,7 @@ def emit(ctx: RuleContext, match: SwigluMatch):
     path = _region(match.y, match.x)
     ev = swiglu_evaluator()
     ev.value(match.y)
-    problem = precision_problem(ev, match.y, "y", [match.x, match.x]) or _pairing_problem(match, path, gradient)
+    problem = precision_problem(ev, match.y, "y", [match.x, match.x], [match.silu]) or _pairing_problem(match, path, gradient)
     problem = problem or swiglu_target_problem(ctx.target, OP.ge_op, tuple(shape(match.x)))
     if problem is not None:
         return Miss(OP.name, match.y.name, problem)

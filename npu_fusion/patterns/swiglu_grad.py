@@ -197,7 +197,8 @@ def emit(ctx: RuleContext, match: GradMatch):
     ev.value(dx)
     problem = _order_problem(match)
     compute = exact_common_dtype([dtype(dy), dtype(x)])
-    problem = problem or precision_problem(ev, dx, "dx", [dy, x]) or \
+    silus = [n for n in ev.leaves if is_silu(n)]
+    problem = problem or precision_problem(ev, dx, "dx", [dy, x], [match.silu_backward, *silus]) or \
         swiglu_target_problem(ctx.target, OP.ge_op, tuple(shape(x)))
     lead = list(shape(dy)[:-1])
     if problem is None and not same_shape(shape(x)[:-1], lead) and not val(x).is_contiguous():
