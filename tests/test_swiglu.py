@@ -208,3 +208,15 @@ def test_inference_graph_fuses_the_forward():
         eager, exact = chunked(x, w), _float64(chunked, [x, w])
     assert_close_as_unfused(got, eager, exact, factor=MODEL_FACTOR)
     assert capture.fused(FORWARD) == 1 and not capture.misses()
+
+
+@pytest.mark.parametrize("partitioner, decompositions", [("min_cut", "none"), ("min_cut", "core")])
+def test_partitioners_and_decompositions(partitioner, decompositions):
+    """min-cut fuses as the default partitioner; under the core ATen decompositions SiLU is
+    ``x * sigmoid(x)``, which the rules do not read: one recorded miss, never silence."""
+    capture = check(chunked, _inputs(torch.bfloat16), partitioner=partitioner, decompositions=decompositions)
+    if decompositions == "none":
+        assert (_fused(capture, FORWARD), _fused(capture, BACKWARD)) == (1, 1), _joint(capture).misses
+    else:
+        (miss,) = _joint(capture).misses
+        assert "sigmoid" in miss.reason and _fused(capture, BACKWARD) == 0

@@ -330,6 +330,25 @@ def emit(ctx: RuleContext, match: SwigluMatch):
                   {"x": match.x}, added, fused)
 
 
+def decomposed_silu_misses(graph: fx.Graph, op: str, misses) -> List[Miss]:
+    """No silent misses: a SiLU decomposed into ``x * sigmoid(x)`` (core ATen decompositions) of a
+    half of one projection is a site the rules do not read (they read ``silu`` and
+    ``silu_backward``); one miss per projection, unless a recorded miss is at it already."""
+    ev = swiglu_evaluator()
+    seen, out = {m.node for m in misses}, []
+    for node in graph.nodes:
+        if node.op != "call_function" or node.target is not aten.sigmoid.default:
+            continue
+        piece = piece_of(ev, node.args[0])
+        if piece is None or not (piece.is_gate or piece.is_up) or piece.x.name in seen:
+            continue
+        seen.add(piece.x.name)
+        out.append(Miss(op, piece.x.name, f"silu of half of {piece.x.name} is decomposed into sigmoid "
+                                          f"({node.name}): the rules read aten.silu and aten.silu_backward, "
+                                          f"which AOTAutograd keeps without the core ATen decompositions"))
+    return out
+
+
 class SwigluForwardRule(FusionRule):
     """SwiGLU's forward on the joint graph (or an inference graph), matched by value in the lanes
     domain, rewritten into ``swiglu`` once no decomposed backward reads its intermediates."""
@@ -350,3 +369,9 @@ class SwigluForwardRule(FusionRule):
 
     def emit(self, ctx: RuleContext, match: SwigluMatch):
         return emit(ctx, match)
+
+    def unexplained(self, graph: fx.Graph, ctx: RuleContext, misses) -> List[Miss]:
+        """On an inference graph (no backward rule to record it), a decomposed SiLU of a half."""
+        if gradient_dependent(graph) is not None:
+            return []
+        return decomposed_silu_misses(graph, OP.name, misses)

@@ -33,7 +33,7 @@ from .lanes import LaneEvaluator
 from .nodes import aten, dtype, gradient_dependent, is_float_cast, last_of, shape, val
 from .rewrite import Insertion, Miss, RuleContext, commit, emit_fused_op, exact_common_dtype
 from .rule import Form, FusionRule, RoundReport, SiteProbe
-from .swiglu import (ORDER_KEEPING, Piece, dead_region, glu_problem, is_silu, piece_of, precision_problem,
+from .swiglu import (ORDER_KEEPING, Piece, dead_region, decomposed_silu_misses, glu_problem, is_silu, piece_of, precision_problem,
                      swiglu_evaluator)
 
 #: the backward's own ops, beside those that keep element order (:data:`~.swiglu.ORDER_KEEPING`)
@@ -236,3 +236,7 @@ class SwigluGradRule(FusionRule):
 
     def emit(self, ctx: RuleContext, match: GradMatch):
         return emit(ctx, match)
+
+    def unexplained(self, graph: fx.Graph, ctx: RuleContext, misses) -> List[Miss]:
+        """A decomposed SiLU of a half of one projection (core ATen decompositions): one miss."""
+        return decomposed_silu_misses(graph, OP.name, misses)
