@@ -331,9 +331,11 @@ def emit(ctx: RuleContext, match: SwigluMatch):
 
 
 def decomposed_silu_misses(graph: fx.Graph, op: str, misses) -> List[Miss]:
-    """No silent misses: a SiLU decomposed into ``x * sigmoid(x)`` (core ATen decompositions) of a
-    half of one projection is a site the rules do not read (they read ``silu`` and
-    ``silu_backward``); one miss per projection, unless a recorded miss is at it already."""
+    """The misses for SiLUs of a half of one projection decomposed into ``x * sigmoid(x)``.
+
+    No silent misses: under the core ATen decompositions such a SiLU is a site the rules do not
+    read (they read ``silu`` and ``silu_backward``); one miss per projection, unless a recorded
+    miss is at it already."""
     ev = swiglu_evaluator()
     seen, out = {m.node for m in misses}, []
     for node in graph.nodes:
