@@ -224,7 +224,9 @@ class SwigluGradRule(FusionRule):
     domain = "lanes"
     ops = (OP,)
     enabled_by_default = False
-    site_probe = SiteProbe(kind=OP.option, source=r"gate_up_proj|\.chunk\(2|glu")
+    #: a dense MLP that calls one gate_up projection (Phi-3, GLM-4); not the MoE experts, whose calls
+    #: per expert the counters cannot see
+    site_probe = SiteProbe(kind=OP.option, source=r"self\.gate_up_proj\(")
     forms = tuple(Form(*row) for row in (
         ("`silu(gate) * up` of the two halves of one projection: `chunk(2, -1)`, `split`, slices, "
          "upcast to float32 and cast back; dx joined by `cat` or by `slice_backward` and `add`",
