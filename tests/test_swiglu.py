@@ -220,3 +220,15 @@ def test_partitioners_and_decompositions(partitioner, decompositions):
     else:
         (miss,) = _joint(capture).misses
         assert "sigmoid" in miss.reason and _fused(capture, BACKWARD) == 0
+
+
+def test_dynamic_batch_and_sequence():
+    """Batch and sequence symbolic: the halves are proven over the static last axis, x is viewed in
+    dy's symbolic leading shape, gradients by the float64 criterion (``compile_and_compare``)."""
+    from npu_fusion_testing.capture import compile_and_compare
+
+    mlp = Phi3Mlp(torch.float32)
+    x = torch.randn(2, 5, 16, requires_grad=True)
+    capture = compile_and_compare(mlp, [x], list(mlp.parameters()), dynamic_dims={0: (0, 1)}, **ON)
+    (result,) = capture.results
+    assert [s.op for s in result.sites] == [BACKWARD, FORWARD] and not result.misses
