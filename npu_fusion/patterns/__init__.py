@@ -4,7 +4,8 @@ them into fused op calls. One package per rule, named as its fused op's module u
 module per concern in it (of ``match``, ``sites`` with the near misses, ``misses`` after the last round,
 ``emit``, ``whole`` for the whole aten ops, those the rule needs) and the rule, a :class:`~.rule.FusionRule`
 subclass, in its ``__init__``; what a forward and a backward rule share is a public module beside them
-(:mod:`.rms_statistic`, :mod:`.rotation`). :data:`RULES` is what the pass manager runs, in order, and what the
+(:mod:`.rms_statistic`, :mod:`.rotation`); a rule small enough for one module is that module (SwiGLU's:
+:mod:`.swiglu_grad`, and :mod:`.swiglu` with what the two share). :data:`RULES` is what the pass manager runs, in order, and what the
 options, the table of supported forms (docs/supported-forms.md) and the independent site counters derive from.
 
 The method they share: :mod:`.nodes` reads a graph, :mod:`.evaluator` evaluates it

@@ -42,7 +42,7 @@ from ..lowering.ops.swiglu import OP, swiglu_target_problem
 from .evaluator import kept_precision, rounding_problem
 from .lanes import LaneEvaluator, Lanes
 from .nodes import aten, dtype, gradient_dependent, holds, is_float_cast, shape, val
-from .rewrite import Insertion, Miss, RuleContext, commit, emit_fused_op
+from .rewrite import Insertion, Miss, RuleContext, as_forward_work, commit, emit_fused_op
 from .rule import Form, FusionRule, RoundReport, SiteProbe
 
 #: the ops that may lie between x and the gate or up: element order kept along the leading axes
@@ -51,9 +51,6 @@ ORDER_KEEPING = {aten.view.default, aten._unsafe_view.default, aten.reshape.defa
                  aten.unflatten.int, aten.slice.Tensor, aten.split.Tensor, aten.split_with_sizes.default,
                  aten.chunk.default, aten.alias.default, aten.detach.default, aten.clone.default,
                  aten.contiguous.default}
-
-#: what a node inserted as forward work takes from the node it replaces (as the other forward rules)
-FORWARD_META = ("partitioner_tag", "recompute", "ac_graph_id", "seq_nr", "stack_trace", "nn_module_stack")
 
 
 def swiglu_evaluator() -> LaneEvaluator:
@@ -321,11 +318,7 @@ def emit(ctx: RuleContext, match: SwigluMatch):
             return emitted
         fused, replacements = emitted
     added = inserted.nodes()
-    for node in added:
-        for key in FORWARD_META:
-            if key in match.product.meta:
-                node.meta[key] = match.product.meta[key]
-        node.meta["partitioner_tag"] = "is_forward"
+    as_forward_work(added, match.product)
     return commit(ctx.edit, OP.name, None, dead_region([match.y], {match.x}), {"y": match.y}, replacements,
                   {"x": match.x}, added, fused)
 
