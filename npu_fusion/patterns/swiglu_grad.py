@@ -29,6 +29,7 @@ import torch.fx as fx
 from ..lowering.ops.swiglu_grad import OP
 from ..lowering.ops.swiglu import swiglu_target_problem
 from ..lowering.sizes import same_shape
+from .evaluator import JointProvenance
 from .lanes import LaneEvaluator
 from .nodes import aten, dtype, gradient_dependent, is_float_cast, last_of, shape, val
 from .rewrite import Insertion, Miss, RuleContext, commit, emit_fused_op, exact_common_dtype
@@ -174,6 +175,34 @@ def _order_problem(match: GradMatch) -> Optional[str]:
     return None
 
 
+def _split_source(provenance, node) -> Optional[fx.Node]:
+    """The forward node a saved ``node`` is a ``getitem`` of (a split or chunk), or None."""
+    if not (isinstance(node, fx.Node) and node.op == "placeholder") or provenance is None:
+        return None
+    definition = provenance.forward_definition(node)
+    if definition is None or getattr(definition.target, "__name__", "") != "getitem":
+        return None
+    return definition.args[0]
+
+
+def _saved_halves_miss(provenance, sb: fx.Node) -> Optional[Miss]:
+    """On a backward graph alone: a miss where the gate and the up are two saved pieces of one split.
+
+    On a backward graph with its forward graph (torchair's post-partition hook), the gate and the up
+    are two saved tensors, and x, which the fused op reads, was not saved: a miss where their
+    forward definitions are two outputs of one split or chunk, so the site is not silent."""
+    if isinstance(provenance, JointProvenance):
+        return None
+    grad, inp = sb.args[:2]
+    source = _split_source(provenance, inp)
+    factors = grad.args[:2] if isinstance(grad, fx.Node) and grad.target is aten.mul.Tensor else ()
+    if source is None or not any(_split_source(provenance, f) is source for f in factors if f is not inp):
+        return None
+    return Miss(OP.name, sb.name, f"the gate and the up are two saved outputs of {source.name} and x is not "
+                                  f"saved: on a backward graph alone swiglu_grad cannot read x (the npu_fusion "
+                                  f"backend and install_inductor fuse it on the joint graph)")
+
+
 def find_sites(graph: fx.Graph, ctx: RuleContext) -> RoundReport:
     """This round's backward sites and near misses (nothing rewritten)."""
     gradient = gradient_dependent(graph)
@@ -181,7 +210,7 @@ def find_sites(graph: fx.Graph, ctx: RuleContext) -> RoundReport:
     report = RoundReport()
     for sb in [n for n in graph.nodes if n.op == "call_function" and n.target is aten.silu_backward.default
                and (gradient is None or n in gradient)]:
-        found = ctx.examine(sb, _examine, ev, sb)
+        found = ctx.examine(sb, _examine, ev, sb) or ctx.examine(sb, _saved_halves_miss, ctx.provenance, sb)
         if isinstance(found, Miss):
             report.misses.append(found)
         elif found is not None:
