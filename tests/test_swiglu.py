@@ -248,3 +248,15 @@ def test_backward_graph_alone_is_one_recorded_miss():
     assert result.graph == "backward" and not result.sites
     (miss,) = result.misses
     assert miss.op == BACKWARD and "joint graph" in miss.reason
+
+
+def test_leading_axes_moved_inside_is_a_near_miss():
+    """A transpose of the leading axes between the projection and its halves: the lanes domain sees
+    the same values position by position, but the fused op would keep the projection's order."""
+    def transposed(x, w):
+        gate, up = (x @ w).transpose(0, 1).chunk(2, dim=-1)
+        return F.silu(gate) * up
+
+    capture = check(transposed, _inputs(torch.float32))
+    fused = (_fused(capture, FORWARD), _fused(capture, BACKWARD))
+    assert fused == (0, 0) or not [m for m in _joint(capture).misses if "leading axes" not in m.reason], fused

@@ -41,16 +41,18 @@ from ..lowering import FUSED_OPS
 from ..lowering.ops.swiglu import OP, swiglu_target_problem
 from .evaluator import kept_precision, rounding_problem
 from .lanes import LaneEvaluator, Lanes
+from ..lowering.checks import numel as product_of, size_equal
 from .nodes import aten, dtype, gradient_dependent, holds, is_float_cast, shape, val
 from .rewrite import Insertion, Miss, RuleContext, as_forward_work, commit, emit_fused_op
 from .rule import Form, FusionRule, RoundReport, SiteProbe
 
-#: the ops that may lie between x and the gate or up: element order kept along the leading axes
-ORDER_KEEPING = {aten.view.default, aten._unsafe_view.default, aten.reshape.default, aten.unsqueeze.default,
-                 aten.squeeze.dim, aten.squeeze.dims, aten.squeeze.default, aten.flatten.using_ints,
-                 aten.unflatten.int, aten.slice.Tensor, aten.split.Tensor, aten.split_with_sizes.default,
-                 aten.chunk.default, aten.alias.default, aten.detach.default, aten.clone.default,
-                 aten.contiguous.default}
+#: the ops that may move elements across the leading axes (the lanes domain tracks the last axis
+#: only): none may lie inside a site, so the fused op's output is the site's elements in its order
+REORDERING = {aten.permute.default, aten.transpose.int, aten.t.default, aten.expand.default, aten.select.int,
+              aten.unbind.int, aten.as_strided.default, aten.flip.default, aten.roll.default, aten.repeat.default,
+              aten.index.Tensor, aten.gather.default, aten.select_backward.default}
+#: the ops that join along an axis: only along the last one (the halves)
+JOINING = {aten.cat.default, aten.stack.default}
 
 
 def swiglu_evaluator() -> LaneEvaluator:
@@ -102,6 +104,11 @@ def piece_of(ev: LaneEvaluator, node) -> Optional[Piece]:
     return Piece(leaf, lid, start, len(vars_), width)
 
 
+def numel(node: fx.Node):
+    """The number of elements of ``node``'s value (symbolic where its sizes are)."""
+    return product_of(shape(node))
+
+
 def is_silu(node) -> bool:
     return isinstance(node, fx.Node) and node.op == "call_function" and node.target is aten.silu.default
 
@@ -141,21 +148,29 @@ def glu_problem(gate: Piece, up: Piece) -> Optional[str]:
     return None
 
 
-def order_problem(product: fx.Node, x: fx.Node) -> Optional[str]:
-    """Why the nodes from ``x`` to the gate and up of ``product`` may reorder elements along the
-    leading axes, or None."""
-    stack, seen = list(product.all_input_nodes), set()
+def order_problem(outputs, stops, numels) -> Optional[str]:
+    """Why the nodes between ``stops`` and ``outputs`` may move elements across the leading axes, or None.
+
+    Why the nodes from ``stops`` (exclusive) to ``outputs`` (their inputs, recursively) may move
+    elements across the leading axes, which the lanes domain does not track, or None: a permutation,
+    broadcast or selection among them, a join along another axis than the last, or, with ``numels``
+    (pairs of sizes that must be equal), a site whose outputs are not as large as the fused op's."""
+    for a, b in numels:
+        if not size_equal(a, b):
+            return f"the site's sizes ({a} and {b} elements) are not the fused op's: a broadcast inside"
+    stack, seen = [a for o in outputs for a in o.all_input_nodes], set()
     while stack:
         node = stack.pop()
-        if node in seen or node is x:
+        if node in seen or node in stops or node.op != "call_function":
             continue
         seen.add(node)
-        if node.op != "call_function":
-            return f"{node.name} lies between {x.name} and the product"
-        if not (node.target in ORDER_KEEPING or is_silu(node) or is_float_cast(node)
-                or getattr(node.target, "__name__", "") == "getitem"):
-            return (f"{node.name} ({getattr(node.target, '__name__', node.target)}) lies between {x.name} and the "
-                    f"product: only views, splits, slices and casts keep the fused op's element order")
+        name = getattr(node.target, "__name__", str(node.target))
+        rank = len(shape(node)) if shape(node) is not None else 0
+        joins_last = node.target in JOINING and rank and \
+            (node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0)) % rank == rank - 1
+        if node.target in REORDERING or (node.target in JOINING and not joins_last):
+            return (f"{node.name} ({name}) lies inside the site: it may move elements across the leading axes, "
+                    f"which the fused op keeps in place")
         stack.extend(node.all_input_nodes)
     return None
 
@@ -248,7 +263,7 @@ def _examine(ev: LaneEvaluator, silu: fx.Node, gradient) -> Tuple[List[SwigluMat
             expected = product_value(ev, (ev.leaf_id(silu), 0), gate.lid, gate.size, gate.size)
             if v is None or v.polys != expected:
                 problem = f"{product.name} is not silu(gate) * up position by position"
-        problem = problem or order_problem(product, gate.x)
+        problem = problem or order_problem([product], {gate.x}, [(numel(product), numel(gate.x) // 2)])
         if problem is not None:
             misses.append(Miss(OP.name, y.name, problem))
         else:

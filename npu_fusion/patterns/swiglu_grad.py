@@ -34,13 +34,9 @@ from .lanes import LaneEvaluator
 from .nodes import aten, dtype, gradient_dependent, is_float_cast, last_of, shape, val
 from .rewrite import Insertion, Miss, RuleContext, commit, emit_fused_op, exact_common_dtype
 from .rule import Form, FusionRule, RoundReport, SiteProbe
-from .swiglu import (ORDER_KEEPING, Piece, dead_region, decomposed_silu_misses, glu_problem, is_silu, piece_of, precision_problem,
-                     swiglu_evaluator)
+from .swiglu import (Piece, dead_region, decomposed_silu_misses, glu_problem, is_silu, numel, order_problem,
+                     piece_of, precision_problem, swiglu_evaluator)
 
-#: the backward's own ops, beside those that keep element order (:data:`~.swiglu.ORDER_KEEPING`)
-BACKWARD_OPS = ORDER_KEEPING | {aten.mul.Tensor, aten.silu.default, aten.silu_backward.default, aten.cat.default,
-                                aten.slice_backward.default, aten.add.Tensor, aten.zeros.default,
-                                aten.new_zeros.default, aten.full.default}
 
 #: how far below the silu_backward node dx may lie (cat, slice_backward and add, casts, a view)
 DX_DEPTH = 6
@@ -160,19 +156,9 @@ def _examine(ev: LaneEvaluator, sb: fx.Node):
 
 
 def _order_problem(match: GradMatch) -> Optional[str]:
-    """Why the backward's nodes may reorder elements along the leading axes, or None."""
-    stack, seen = [match.dx_node], set()
-    while stack:
-        node = stack.pop()
-        if node in seen or node is match.x or node is match.dy:
-            continue
-        seen.add(node)
-        if node.op != "call_function" or not (node.target in BACKWARD_OPS or is_float_cast(node)
-                                              or getattr(node.target, "__name__", "") == "getitem"):
-            return (f"{node.name} ({getattr(node.target, '__name__', node.target)}) lies inside the backward: only "
-                    f"views, splits, slices, casts and its own products keep the fused op's element order")
-        stack.extend(node.all_input_nodes)
-    return None
+    """Why the backward's nodes may move elements across the leading axes, or None."""
+    return order_problem([match.dx_node], {match.x, match.dy},
+                         [(numel(match.dx_node), numel(match.x)), (2 * numel(match.dy), numel(match.x))])
 
 
 def _split_source(provenance, node) -> Optional[fx.Node]:
