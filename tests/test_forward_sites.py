@@ -13,11 +13,11 @@ from npu_fusion.measure.grads import MODEL_FACTOR, assert_close_as_unfused, floa
 from npu_fusion.measure.sites import FORWARD_OPS, KINDS, PROBES, kinds_enabled
 from npu_fusion.patterns import RULES
 from npu_fusion.plugin.backend import aot_backend
-from npu_fusion.plugin.options import FusionOptions
+from npu_fusion.plugin.options import FusionOptions, forward_options
 from npu_fusion_testing.capture import compile_and_compare
 from npu_fusion.report import command as report
 
-FORWARD = {"rms_norm_forward": True, "rope_forward": True}
+FORWARD = dict.fromkeys(forward_options(), True)  # the forward rules' switches
 EPS = 1e-6
 
 

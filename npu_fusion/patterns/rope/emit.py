@@ -10,7 +10,7 @@ import torch.fx as fx
 from ...lowering import ROPE as OP
 from ...lowering.ops.rope_grad import ROPE_MODES
 from ...lowering.sizes import same_shape, static_int
-from ..evaluator import kept_precision, rounding_problem
+from ..evaluator import kept_precision, rounding_problem, saved_by_the_forward
 from ..lanes import LaneEvaluator, shape as lane_shape
 from ..nodes import aten, dtype, last_of, outside_users, region_of, shape, val
 from ..rewrite import (Insertion, Miss, RuleContext, commit, exact_common_dtype, in_layout_of, input_problem,
@@ -174,6 +174,10 @@ def _operands(ctx: RuleContext, site: ForwardRopeMatch):
     shared = outside_users(region, [site.y])
     if shared:
         user = next(u for u in shared[0].users if u not in region)
+        if saved_by_the_forward(ctx.provenance, user):
+            return (f"the backward reads {shared[0].name}, an intermediate of the rotation this training forward saves "
+                    f"for it (a table's gradient reads the rotated half of x), which the fused op does not compute: "
+                    f"the partition is fixed here, so the forward stays (backend='npu_fusion' fuses the joint graph)")
         return f"intermediate {shared[0].name} has a user outside the rotation ({user.name})"
     leaves = {site.x[0], site.cos[0], site.sin[0]}
     foreign = [a for n in region for a in n.all_input_nodes if a not in region and a not in bases
