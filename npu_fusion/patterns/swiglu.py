@@ -39,7 +39,7 @@ import torch.fx as fx
 
 from ..lowering import FUSED_OPS
 from ..lowering.ops.swiglu import OP, swiglu_target_problem
-from .evaluator import kept_precision, rounding_problem
+from .evaluator import kept_precision, rounding_problem, saved_by_the_forward
 from .lanes import LaneEvaluator, Lanes
 from ..lowering.checks import numel as product_of, size_equal
 from .nodes import aten, dtype, gradient_dependent, holds, is_float_cast, shape, val
@@ -289,13 +289,16 @@ def find_sites(graph: fx.Graph, ctx: RuleContext) -> RoundReport:
     return report
 
 
-def _pairing_problem(match: SwigluMatch, path, gradient) -> Optional[str]:
+def _pairing_problem(match: SwigluMatch, path, gradient, provenance=None) -> Optional[str]:
     """Why the forward waits: a decomposed backward still reads one of its intermediates."""
     fused = {op.overload for op in FUSED_OPS}
     for node in path:
         if through_casts(node) is match.product:  # y: the program's later readers read the fused y
             continue
         for user in node.users:
+            if saved_by_the_forward(provenance, user):
+                return (f"the forward saves {node.name} for its backward (a training forward after the partition): "
+                        f"the fused op would compute it again beside it; SwiGLU fuses on the joint graph")
             if user not in path and gradient is not None and user in gradient and user.target not in fused:
                 return (f"{user.name}, a decomposed backward, reads {node.name}: the forward fuses once its backward "
                         f"is a fused swiglu_grad (option swiglu)")
@@ -323,7 +326,7 @@ def emit(ctx: RuleContext, match: SwigluMatch):
     path = _region(match.y, match.x)
     ev = swiglu_evaluator()
     ev.value(match.y)
-    problem = precision_problem(ev, match.y, "y", [match.x, match.x], [match.silu]) or _pairing_problem(match, path, gradient)
+    problem = precision_problem(ev, match.y, "y", [match.x, match.x], [match.silu]) or _pairing_problem(match, path, gradient, ctx.provenance)
     problem = problem or swiglu_target_problem(ctx.target, OP.ge_op, tuple(shape(match.x)))
     if problem is not None:
         return Miss(OP.name, match.y.name, problem)
