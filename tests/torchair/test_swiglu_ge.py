@@ -83,3 +83,24 @@ def test_mlp_forward_and_backward_ge_graphs_hold_swiglu(ge, dtype):
     for graph in (forward, backward):
         assert not {"Swish", "SwishGrad", "Sigmoid", "SiluGrad", "Silu"} & set(graph.types()), graph
     assert backward.input_shape(backward.one("SwiGluGrad"), "x")[-1] == 128  # the whole projection, saved
+
+
+def test_mlp_through_install_is_one_miss_per_graph(ge):
+    """torchair's post-partition hook (``npu_fusion.install``): the training forward saves the halves
+    and silu for its backward, and the backward graph holds no x; each is one recorded miss saying
+    the site fuses on the joint graph, nothing rewritten. torchair (2.13's wheel) then has no GE
+    converter for the unfused ``aten.silu_backward`` at all, with or without the pass: the backward
+    of a SwiGLU MLP lowers to GE only fused (``SwiGluGrad``, the backend's joint graph above)."""
+    import npu_fusion
+
+    mlp = Phi3Mlp(torch.bfloat16)
+    x = torch.randn(2, 8, 32, dtype=torch.bfloat16)
+    mark = pass_manager.HISTORY.mark()
+    config = npu_fusion.install(ge.config(), target="a2", strict=True, swiglu=True, swiglu_forward=True)
+    with pytest.raises(Exception, match="silu_backward"):
+        _outputs_and_grads(ge.compile(mlp, config=config), x, mlp)
+    results = pass_manager.HISTORY.since(mark)
+    assert [r.graph for r in results] == ["forward", "backward"] and not any(r.sites for r in results), results
+    (forward_miss,), (backward_miss,) = (r.misses for r in results)
+    assert forward_miss.op == "swiglu" and "joint graph" in forward_miss.reason
+    assert backward_miss.op == "swiglu_grad" and "joint graph" in backward_miss.reason
