@@ -29,8 +29,14 @@ two tables: its nodes and whole traffic before and after, and per forward fused 
 node and the casts next to it) against the fused op's minimum. Compare the saved bytes with a
 run without ``--forward`` (the backward fused alone).
 
+``--compare-partitioners`` traces the ``npu_fusion`` path once per partitioner (default and min-cut)
+and prints one table: the bytes saved for the backward without and with the pass, and the modelled
+traffic of the backward graph after the pass, min-cut's against default's (the table of
+docs/usage.md, written there with ``--write-docs partitioners``).
+
     python -m benchmarks.graph_effect [--layers 1] [--path npu_fusion|torchair|inductor] [--partitioner default]
                                       [--forward]
+    python -m benchmarks.graph_effect --compare-partitioners --forward
 """
 from __future__ import annotations
 
@@ -107,11 +113,16 @@ def _parse(argv):
                              "decompositions and min-cut partitioner (npu_fusion.install_inductor; no codegen)")
     parser.add_argument("--forward", action="store_true",
                         help=f"fuse the forward too ({', '.join(forward_options())}; joint-graph paths only)")
+    parser.add_argument("--compare-partitioners", action="store_true",
+                        help="trace the npu_fusion path under each partitioner and print their saved bytes "
+                             "and backward traffic side by side (instead of --partitioner's tables)")
     parser.add_argument("--write-docs", metavar="NAME",
                         help="also write what this prints into block NAME of its docs/ page")
     args = parser.parse_args(argv)
     if args.forward and PATHS[args.path][0] != "joint":
         parser.error(f"--forward needs a joint-graph path; {args.path} runs the pass on the backward graph")
+    if args.compare_partitioners and args.path != "npu_fusion":
+        parser.error("--compare-partitioners compares the npu_fusion path's partitioners")
     return args
 
 
@@ -167,21 +178,61 @@ def _backend(args, captured):
     return backend
 
 
-def main(argv=None) -> int:
-    args = _parse(argv)
+def _trace(args):
+    """One training step traced on fake tensors with the pass: (config, what the backend captured,
+    the sites it holds by construction, seconds)."""
     config, fake_mode, model, ids = _build(args)
     # the sites of one forward by construction, a forward op's those of its backward
     expected = expected_for(_options(args), model.expected_sites)
     captured = {}
     print(f"tracing {args.layers} layer(s) on fake tensors...", file=sys.stderr)
+    torch._dynamo.reset()
     start = time.perf_counter()
     with fake_mode:  # the compiled step, forward and backward, runs on fake tensors too
         step = torch.compile(lambda i: model.loss(i), backend=_backend(args, captured), fullgraph=True)
         step(ids).backward()
     traced = time.perf_counter() - start
     assert not captured["result"].error, captured["result"].error
+    return config, captured, expected, traced
+
+
+def main(argv=None) -> int:
+    args = _parse(argv)
+    if args.compare_partitioners:
+        runs = {p: _trace(argparse.Namespace(**dict(vars(args), partitioner=p))) for p in ("default", "min_cut")}
+        with publishing(args.write_docs, script_command(__file__, argv), fenced=False):
+            return _print_partitioners(args, runs)
+    config, captured, expected, traced = _trace(args)
     with publishing(args.write_docs, script_command(__file__, argv), fenced=False):
         return _print_effect(args, config, captured, expected, traced)
+
+
+def _print_partitioners(args, runs) -> int:
+    """The partitioners side by side: saved bytes without and with the pass, backward traffic after it."""
+    config = runs["default"][0]
+    print(f"Llama-7B-shaped decoder: {args.layers} layer(s), hidden {config.hidden_size}, {config.num_heads} heads "
+          f"x {config.head_dim}, MLP {config.intermediate_size}, batch {args.batch} x seq {args.seq}, {args.dtype}, "
+          f"target {args.target}, the npu_fusion backend, forward fusion {'on' if args.forward else 'off'}\n")
+    rows = {}
+    for partitioner, (_, captured, _, _) in runs.items():
+        result = captured["result"]
+        rows[partitioner] = (captured["unfused_saved"].bytes, result.saved.bytes,
+                             sum(node_traffic(n) for n in captured["after"]().nodes), len(result.sites))
+    base = rows["default"]
+
+    def against(value, reference):
+        return "" if value == reference else f" ({100 * (value - reference) / reference:+.1f}%)"
+
+    print("| partitioner | sites fused | saved for the backward without the pass | with the pass | "
+          "modelled traffic of the backward graph after the pass |")
+    print("|---|---:|---:|---:|---:|")
+    for partitioner, (unfused, saved, traffic, sites) in rows.items():
+        print(f"| {partitioner} | {sites} | {gib(unfused)} | {gib(saved)}{against(saved, base[1])} | "
+              f"{gib(traffic)}{against(traffic, base[2])} |")
+    saved_less, traffic_more = base[1] - rows["min_cut"][1], rows["min_cut"][2] - base[2]
+    print(f"\nmin_cut saves {saved_less / 2**20:.0f} MiB less than default for the backward, with "
+          f"{traffic_more / 2**20:+.0f} MiB of backward traffic ({args.layers} layer(s))")
+    return 0
 
 
 def _print_effect(args, config, captured, expected, traced) -> int:

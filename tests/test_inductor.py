@@ -202,7 +202,40 @@ def test_reinstall_replaces_and_chains_an_existing_pass():
         assert generic is not None and npu_fusion.install_inductor(target="generic").uuid() == generic
         assert npu_fusion.install_inductor(target="a2").uuid() != npu_fusion.install_inductor(target="generic").uuid()
     finally:
+        uninstall_inductor()  # the pre-grad pass too
         config.joint_custom_pre_pass = before
+
+
+def test_pre_grad_pass_chains_an_existing_one_and_uninstalls_to_it():
+    """The specializing pass in ``pre_grad_custom_pass``: a pass already there runs first, installing
+    again does not stack ours, and uninstalling leaves the user's (and the timing as it was)."""
+    from npu_fusion.plugin.inductor import NpuFusionPreGradPass
+
+    calls = []
+
+    def previous(graph):
+        calls.append(graph)
+
+    config = inductor_config()
+    before = config.pre_grad_custom_pass, config.pre_grad_pass_timing
+    try:
+        config.pre_grad_custom_pass = previous
+        npu_fusion.install_inductor(target="generic")
+        npu_fusion.install_inductor(target="a2")
+        ours = config.pre_grad_custom_pass
+        assert isinstance(ours, NpuFusionPreGradPass) and ours.previous is previous
+        assert not hasattr(ours, "uuid")  # run before the caches' lookups, so a hit still guards eps
+        assert config.pre_grad_pass_timing == "early"
+        gm = torch.fx.symbolic_trace(lambda x: x + 1)  # not Dynamo's graph: left as it is
+        ours(gm.graph)
+        assert calls == [gm.graph]
+        npu_fusion.install_inductor(target="generic", rms_norm_forward=False)  # no fused op reads eps
+        assert config.pre_grad_custom_pass is previous
+        uninstall_inductor()
+        assert (config.pre_grad_custom_pass, config.pre_grad_pass_timing) == (previous, before[1])
+    finally:
+        uninstall_inductor()
+        config.pre_grad_custom_pass, config.pre_grad_pass_timing = before
 
 
 def test_hugging_face_trainer_with_the_inductor_backend(installed, tmp_path):

@@ -4,6 +4,7 @@ import argparse
 import collections
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -87,6 +88,23 @@ def test_text_output_shows_the_tables(llama_one_layer):
     assert f"{ROPE}: all 2 sites fused" in text
     assert "gradient check: PASSED" in text
     assert "| npu_fusion.rms_norm_grad.default" in text
+
+
+def share_printed(text: str) -> float:
+    """The pass's share of the compile as the text prints it, as a fraction."""
+    match = re.search(r"the pass's share of the compile: ([0-9.]+)% of the CPU time", text)
+    assert match, text[:600]
+    return float(match.group(1)) / 100
+
+
+def test_the_pass_share_of_the_compile_is_printed(llama_one_layer):
+    """The pass's own CPU time over the compiled step's (the recorder's copies left out): a fraction
+    of it, in the report's data and in its text, and the pass's CPU time is its results' own."""
+    seconds = llama_one_layer["seconds"]
+    assert 0 < seconds["pass_share"] < 1, seconds
+    assert 0 < seconds["pass_cpu"] < seconds["step_cpu"], seconds
+    assert seconds["pass_share"] == pytest.approx(seconds["pass_cpu"] / seconds["step_cpu"])
+    assert share_printed(format_text(llama_one_layer)) == pytest.approx(seconds["pass_share"], abs=6e-4)
 
 
 def test_deepseek_on_a2_leaves_rope_unfused_with_the_reason(capsys):

@@ -26,6 +26,7 @@ from ..plugin.backend import aot_backend, fused_backward, run_keeping_unfused
 from ..plugin.options import FusionOptions
 from ..plugin.pass_manager import FusionResult
 from .runs import count_calls, count_graph_runs, runs_of
+from .timing import Clock
 
 
 def _target_name(target, qualified: bool) -> str:
@@ -71,6 +72,9 @@ class Recorder:
         self.paths: List[Dict[str, str]] = []
         #: per graph through the pass: what the partition saves without the pass (a joint graph's)
         self.saved_before: List[Optional[Any]] = []
+        #: CPU seconds this recorder spent around the pass (copies, the unfused partition): no
+        #: part of a compile, taken out of the step's time (:func:`~.timing.pass_share`)
+        self.recording_cpu = 0.0
 
     def backend(self):
         """The AOTAutograd backend (``.kwargs`` are its compilers, partitioner and decompositions)."""
@@ -95,15 +99,17 @@ class Recorder:
             self.partition_forwards.append(run.forward)
         if not self.fuse:
             return
-        if self.on_graph is not None:
-            self.on_graph(gm, run)
-        self.paths.append({n.name: nearest_module_path(n) for n in gm.graph.nodes} if self.module_paths else {})
-        result, before, saved_before = run_keeping_unfused(gm, run)
-        self.results.append(result)
-        self.before.append(before)
-        self.saved_before.append(saved_before)
-        self._after.append(fused_backward(gm, run))
-        count_graph_runs(gm, run, self.run_keys)
+        with Clock() as around:
+            if self.on_graph is not None:
+                self.on_graph(gm, run)
+            self.paths.append({n.name: nearest_module_path(n) for n in gm.graph.nodes} if self.module_paths else {})
+            result, before, saved_before = run_keeping_unfused(gm, run)
+            self.results.append(result)
+            self.before.append(before)
+            self.saved_before.append(saved_before)
+            self._after.append(fused_backward(gm, run))
+            count_graph_runs(gm, run, self.run_keys)
+        self.recording_cpu += around.cpu - result.cpu_seconds
 
     def installed(self):
         """What must surround the compiled step (nothing for this backend)."""

@@ -93,3 +93,23 @@ def install(compiler_config=None, **options: Any):
 def installed_options(compiler_config) -> Optional[FusionOptions]:
     """The options of the npu-fusion pass installed in ``compiler_config``, or None."""
     return getattr(torchair_pass(compiler_config), _MARK, None)
+
+
+def get_npu_backend(*, compiler_config, **kwargs):
+    """torchair's ``get_npu_backend`` for a config :func:`install` set up, specializing the model's constants first.
+
+    Under ``torch.compile(dynamic=True)`` Dynamo passes a norm's float ``eps`` as a 0-d tensor
+    input, and torchair's hook sees graphs only after AOTAutograd traced them with it. This
+    backend runs :func:`~npu_fusion.plugin.specialize.specialize_model_constants` on Dynamo's
+    graph first (eps read as its value under a guard, as the ``npu_fusion`` backend does), then
+    torchair's backend; ``kwargs`` go to ``torchair.get_npu_backend`` (``custom_decompositions``).
+    """
+    import torchair
+
+    from .specialize import specializing
+
+    options = installed_options(compiler_config)
+    if options is None:
+        raise ValueError("npu_fusion.get_npu_backend: the config has no npu-fusion pass; call "
+                         "npu_fusion.install(config) first")
+    return specializing(torchair.get_npu_backend(compiler_config=compiler_config, **kwargs), options)

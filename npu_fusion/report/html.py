@@ -24,6 +24,7 @@ import re
 from typing import Any, Dict, List, Tuple
 
 from ..lowering import FUSED_OPS
+from .text import pass_share_line
 
 FUSED, MISSED = "#2e7d32", "#c62828"
 BEFORE, AFTER, MINIMUM = "#9e9e9e", "#1565c0", "#2e7d32"
@@ -82,6 +83,7 @@ def _target_section(r: Dict[str, Any]) -> str:
     head += f"<div class='sub'>fused per op: {_e(per_op or 'no site found')}</div>"
     train = s.get("train", True)
     head += _check_line(r["gradients"], train)
+    head += f"<div class='sub'>{_e(pass_share_line(r['seconds']))}</div>"
     errors = "".join(f"<p class='bad'>PASS ERROR (graph left unchanged): {_e(e)}</p>" for e in r["pass_errors"])
     graph, traffic = (("Backward graph", "Modelled traffic of the replaced subgraphs, and bytes saved for the backward")
                       if train else ("Inference graph", "Modelled traffic of the replaced subgraphs"))

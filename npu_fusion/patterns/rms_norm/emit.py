@@ -12,7 +12,7 @@ from ..nodes import CAST_TARGETS, VIEWS, aten, gradient_dependent, last_of, outs
 from ..rewrite import Insertion, Miss, RuleContext, commit, emit_fused_op, replacement_of, as_forward_work
 from ..evaluator import saved_by_the_forward
 from ..layout import memory_order, permuted, same_layout
-from ..pairing import NORM_SITE, site_key
+from ..pairing import site_key
 from .sites import ForwardNormMatch, site_dtypes, site_region, root_power, rounds_inside
 
 
@@ -117,7 +117,7 @@ def emit(ctx: RuleContext, site: ForwardNormMatch):
     region = site_region(site)
     # the site's own verdicts first (the one its backward was given, then its roundings), then
     # whether it fuses this round (paired with a fused backward)
-    problem = ctx.context.judgements.binding(site_key(NORM_SITE, site.rstd)) or rounds_inside(site) \
+    problem = ctx.context.judgements.binding(site_key(RMS_NORM_GRAD.option, site.rstd)) or rounds_inside(site) \
         or _pairing_problem(site, region, graph, ctx.provenance)
     compute, gamma_dtype = site_dtypes(site)
     problem = problem or rms_norm_target_problem(ctx.target, compute, gamma_dtype, shape(site.x), site.ev.k,
