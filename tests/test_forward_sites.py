@@ -26,10 +26,10 @@ def test_forward_probes_count_the_backward_sites():
     assert probes["rms_norm_forward"].counted_kind == "rms_norm"
     assert probes["rope_forward"].counted_kind == "rope"
     assert KINDS["rms_norm_forward"] == "rms_norm" and KINDS["rope_forward"] == "rotary_position_embedding"
-    assert FORWARD_OPS == {"rms_norm", "rotary_position_embedding"}
-    assert set(kinds_enabled(FusionOptions())) == {k for k, p in PROBES.items() if not p.same_sites_as} | {
-        r.option for r in RULES if r.site_probe.same_sites_as and r.enabled_by_default}
-    assert set(kinds_enabled(FusionOptions(**FORWARD))) == set(KINDS)
+    assert FORWARD_OPS == {"rms_norm", "rotary_position_embedding", "swiglu"}
+    assert set(kinds_enabled(FusionOptions())) == {r.option for r in RULES if r.enabled_by_default}
+    assert set(kinds_enabled(FusionOptions(**FORWARD))) == {r.option for r in RULES
+                                                            if r.enabled_by_default or r.option in FORWARD}
 
 
 def _step(fn, inputs, params, **options):

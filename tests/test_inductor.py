@@ -145,7 +145,7 @@ def test_bundled_llama_forward_fused_through_inductor():
     assert counters == {"rms_norm_grad": norms, "rotary_position_embedding_grad": rotations,
                         "rms_norm": norms, "rotary_position_embedding": rotations}, counters
     assert alone_counters == {"rms_norm_grad": norms, "rotary_position_embedding_grad": rotations}, alone_counters
-    for op in (op.name for op in FUSED_OPS):
+    for op in (op.name for op in FUSED_OPS if op.name in counters):  # the model has no SwiGLU site
         assert f"torch.ops.npu_fusion.{op}.default" in code, op
     assert "torch.ops.npu_fusion.rms_norm.default" not in alone_code
     # the loss against the same Inductor program without the forward rules: Inductor's own bf16

@@ -17,7 +17,11 @@ from npu_fusion.report.subjects import conventional_counter
 
 def test_every_op_of_a_kind_counted_on_its_own_declares_how_its_sites_are_seen():
     on_their_own = {kind for kind, probe in PROBES.items() if not probe.same_sites_as}
-    assert set(COUNTED_SITES) == on_their_own
+    # an op whose sites no naming convention tells apart (SwiGLU: a Phi-3 MLP and a Llama MLP are
+    # both "...MLP", only the first a site) declares none; its rule's probe says how sweeps see them
+    unconventional = {kind for kind in on_their_own if kind not in COUNTED_SITES}
+    assert all(PROBES[kind].source for kind in unconventional), unconventional
+    assert set(COUNTED_SITES) == on_their_own - unconventional
     for kind, site in COUNTED_SITES.items():
         assert site.class_suffix or site.function_prefix, kind  # the report's counter can find it
 
