@@ -1,5 +1,8 @@
+import collections
 import os
 import sys
+
+import pytest
 
 from hypothesis import HealthCheck, settings
 
@@ -14,18 +17,46 @@ settings.register_profile("long", max_examples=int(os.environ.get("NPU_FUSION_PR
 settings.load_profile(os.environ.get("NPU_FUSION_PROPERTY_PROFILE", "ci"))
 
 
+#: what the property tests counted in the xdist workers (``-n 2``), summed on the controller
+WORKER_STATS: collections.Counter = collections.Counter()
+WORKER_FAILURES: list = []
+
+
+def pytest_configure(config):
+    if config.pluginmanager.hasplugin("xdist"):  # its hooks exist only with the plugin installed
+        config.pluginmanager.register(PropertyStatsFromWorkers())
+
+
+class PropertyStatsFromWorkers:
+    """Carries each xdist worker's property-test counts to the controller, which prints them."""
+
+    @pytest.hookimpl
+    def pytest_sessionfinish(self, session):
+        module = sys.modules.get("test_properties")
+        if hasattr(session.config, "workeroutput") and module is not None:
+            session.config.workeroutput["property_stats"] = dict(module.STATS)
+            session.config.workeroutput["property_failures"] = list(module.FAILURES)
+
+    @pytest.hookimpl
+    def pytest_testnodedown(self, node, error):
+        output = getattr(node, "workeroutput", {})
+        WORKER_STATS.update(output.get("property_stats", {}))
+        WORKER_FAILURES.extend(tuple(f) for f in output.get("property_failures", ()))
+
+
 def pytest_terminal_summary(terminalreporter):
     """The property tests' counts: examples, rewrites, false rewrites, pass exceptions."""
     module = sys.modules.get("test_properties")
-    if module is None or not module.STATS:
+    stats = WORKER_STATS if WORKER_STATS else (module.STATS if module is not None else None)
+    if not stats:
         return
+    failures = WORKER_FAILURES if WORKER_STATS else module.FAILURES
     terminalreporter.section("npu_fusion property tests")
-    stats = module.STATS
     for key in ("examples", "rewrites (sites fused)", "false rewrites", "pass exceptions"):
         terminalreporter.write_line(f"{key}: {stats[key]}")
     for key in sorted(k for k in stats if k not in ("examples", "rewrites (sites fused)", "false rewrites",
                                                       "pass exceptions")):
         terminalreporter.write_line(f"{key}: {stats[key]}")
-    if module.KEEP_GOING:
-        for kind, text in module.FAILURES:
+    if os.environ.get("NPU_FUSION_PROPERTY_KEEP_GOING", "") not in ("", "0"):  # test_properties.KEEP_GOING
+        for kind, text in failures:
             terminalreporter.write_line(f"\n--- {kind}\n{text}")
