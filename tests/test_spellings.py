@@ -179,3 +179,61 @@ def test_rope_applied_twice_fuses_both_forwards(outer):
     assert result.fused(ROPE) == len(calls(fw, ROPE)) == rotations, result.misses
     assert result.fused(ROPE_GRAD) == len(calls(bw, ROPE_GRAD)) == rotations, result.misses
     assert (not result.misses) == (outer is _rotation), result.misses
+
+
+# -- a rotation before the heads' transpose, its output flattened (dy a view spanning two axes) --
+
+HEADS_OUTPUTS = {  # name: how the program lays out the rotated [B, S, N, D] for what follows
+    "transpose": lambda y: y.transpose(1, 2),
+    "reshape": lambda y: y.reshape(y.shape[0], y.shape[1], -1),
+    "flatten_heads_and_sequence": lambda y: y.flatten(1),
+}
+
+
+def _tables_per_batch(dtype=torch.float32):
+    """[B, S, D] tables passed in (no cos/sin in the graph), read as [B, S, 1, D]."""
+    angles = torch.randn(2, 6, 16, generator=torch.Generator().manual_seed(2))
+    return angles.cos().to(dtype), angles.sin().to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+@pytest.mark.parametrize("output", HEADS_OUTPUTS)
+def test_rope_before_the_heads_transpose_fuses_both_ways(output, dtype):
+    """dy is ``grad.view(B, S, N, D)`` of the flattened output's gradient: read as the fused op's
+    4-D dy, the backward fuses with the forward."""
+    q = torch.randn(2, 6, 4, 16, generator=torch.Generator().manual_seed(1)).to(dtype).requires_grad_()
+    cos, sin = _tables_per_batch(dtype)
+    layout = HEADS_OUTPUTS[output]
+    result, fw, bw = check(lambda q: layout(_rotation(q, cos[:, :, None], sin[:, :, None])), [q], **ROPE_ON)
+    assert not result.misses, result.misses
+    assert result.fused(ROPE) == result.fused(ROPE_GRAD) == 1
+    assert len(calls(fw, ROPE)) == len(calls(bw, ROPE_GRAD)) == 1
+
+
+@pytest.mark.parametrize("output", HEADS_OUTPUTS)
+def test_rope_before_the_heads_transpose_sign_flipped_is_one_miss_each_way(output):
+    q = torch.randn(2, 6, 4, 16, generator=torch.Generator().manual_seed(1)).requires_grad_()
+    cos, sin = _tables_per_batch()
+    layout = HEADS_OUTPUTS[output]
+    result, fw, bw = check(lambda q: layout(_rotation_sign_flipped(q, cos[:, :, None], sin[:, :, None])), [q],
+                           **ROPE_ON)
+    assert not calls(fw, ROPE) and not calls(bw, ROPE_GRAD)
+    assert sorted(m.op for m in result.misses) == [ROPE, ROPE_GRAD], result.misses
+
+
+def _rotation_read_by_many(q, cos, sin):
+    """x read by the rotation and by six more ops: autograd sums dx with six other gradients of x,
+    deeper in the accumulation than the backward rule looks."""
+    return _rotation(q, cos, sin).exp() + q.tanh() + q.sigmoid() + q.exp() + q.relu() + q.square() + q.abs()
+
+
+def test_unmatched_backward_of_a_fused_forward_is_one_recorded_miss():
+    """No silent misses: the forward fuses, the backward matches no form, and with tables passed in
+    (no cos/sin in the graph to recognise them by) the products by the fused forward's cos and sin
+    are still one recorded backward miss that names the forward."""
+    q = torch.randn(2, 6, 4, 16, generator=torch.Generator().manual_seed(1)).requires_grad_()
+    cos, sin = _tables_per_batch()
+    result, fw, bw = check(lambda q: _rotation_read_by_many(q, cos[:, :, None], sin[:, :, None]), [q], **ROPE_ON)
+    assert result.fused(ROPE) == len(calls(fw, ROPE)) == 1 and not calls(bw, ROPE_GRAD)
+    [miss] = result.misses
+    assert miss.op == ROPE_GRAD and "this rotation's forward fused" in miss.reason, miss

@@ -35,7 +35,7 @@ from typing import Dict, List, Optional, Tuple
 
 import torch.fx as fx
 
-from ..lowering import ROPE_GRAD as OP
+from ..lowering import ROPE, ROPE_GRAD as OP
 from ..lowering.ops.rope_grad import ROPE_MAX_D, ROPE_MODES, rope_divisor, rope_target_problem
 from ..lowering.sizes import same_shape, static_int
 from .evaluator import Provenance, Unsupported, kept_precision, rounding_problem
@@ -45,7 +45,7 @@ from .nodes import (CAST_TARGETS, VIEWS, aten, axis_order, downstream, dtype, gr
 from .rewrite import (Edit, Insertion, Miss, RuleContext, add_back_accumulated, commit, emit_fused_op,
                       exact_common_dtype, gradient_accumulation)
 from .layout import permuted
-from .pairing import ROTATION_SITE, site_key, source
+from .pairing import ROTATION_SITE, calls, site_key, source
 from .rule import Form, FusionRule, RoundReport, SiteProbe
 
 #: the widest last axis the lane evaluator tracks: no target accepts a RoPE head dim D above it
@@ -424,12 +424,13 @@ def unscaled(node: fx.Node) -> fx.Node:
     return node
 
 
-def _looks_like_dx(v: Optional[Lanes]) -> bool:
+def _looks_like_dx(v: Optional[Lanes], spanning: bool = False) -> bool:
     """Two products of two leaf elements per position, one leaf read at two positions
-    (a rotation): the shape of a RoPE dx. Softmax's backward has two products but no
-    rotation."""
-    if not (v is not None and v.reduction is None and len(v.inner) == 1 and v.inner[0] >= 2
-            and v.inner[0] % 2 == 0 and all(len(p) == 2 and all(len(m) == 2 for m in p) for p in v.polys)):
+    (a rotation): the shape of a RoPE dx (with ``spanning``, over several tracked axes instead
+    of one). Softmax's backward has two products but no rotation."""
+    if not (v is not None and v.reduction is None and (len(v.inner) > 1 if spanning else len(v.inner) == 1)
+            and v.inner[-1] >= 2 and v.inner[-1] % 2 == 0
+            and all(len(p) == 2 and all(len(m) == 2 for m in p) for p in v.polys)):
         return False
     a, b = v.polys[0]
     return any(l1 == l2 and p1 != p2 for l1, p1 in a for l2, p2 in b)
@@ -472,13 +473,14 @@ def find_sites(graph: fx.Graph, rewrites: RuleContext) -> RoundReport:
     """This round's RoPE backward sites of the graph (each match with its evaluator), near
     misses and pending candidates; an internal error while examining one candidate is a miss
     in ``rewrites``."""
-    ev = lane_evaluator(rewrites.provenance)
-    ev.gradient_nodes = gradient_dependent(graph)
     seeds = [n for n in graph.nodes if _moves_elements(n)]
     near = set(downstream(graph, seeds, DX_DEPTH))
     nodes = [n for n in _candidates(graph) if n in near]
-    for node in nodes:
-        ev.value(node)
+    ev = _evaluated(rewrites, graph, nodes)
+    makers = _gradient_axis_makers(ev, nodes)
+    if makers:
+        rewrites.evaluated(ev)
+        ev = _evaluated(rewrites, graph, nodes, makers)
     # a forward value recomputed in the backward (checkpointing) can look like a dx: it is none
     looks = [n for n in nodes if ev.depends_on_gradient(n) and _looks_like_dx(ev.memo.get(n))]
     matches, inside = _dx_matches(rewrites, ev, looks)
@@ -487,6 +489,51 @@ def find_sites(graph: fx.Graph, rewrites: RuleContext) -> RoundReport:
     misses, pending = _near_misses(rewrites, ev, looks, matches, inside)
     rewrites.evaluated(ev)
     return RoundReport(matches, misses + _symbolic_last_axis(ev, seeds), pending)
+
+
+def _evaluated(rewrites: RuleContext, graph: fx.Graph, nodes, forced=()) -> LaneEvaluator:
+    """The evaluator that has read ``nodes``, with the ``forced`` nodes read as leaves."""
+    ev = lane_evaluator(rewrites.provenance, forced)
+    ev.gradient_nodes = gradient_dependent(graph)
+    for node in nodes:
+        ev.value(node)
+    return ev
+
+
+#: the lane evaluator's reshapes: a view that may split the tracked last axis into two
+SPLITTING_VIEWS = {aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.unflatten.int}
+
+
+def _gradient_axis_makers(ev: LaneEvaluator, nodes) -> set:
+    """The views of a gradient that give a dx-shaped value a second tracked axis, to be read as leaves.
+
+    A rotation applied before the heads' transpose and flattened after it (``y.reshape(B, S, N * D)``)
+    has a dy that is ``grad.view(B, S, N, D)`` of a gradient N*D wide: tracked as (N, D), its dx
+    spans two axes and matches no mode (three for ``y.flatten(1)``, where its product with a table
+    over (1, D) is no value at all). Read as a leaf (always sound: a leaf is its own value), that
+    view is dy over the head dim, the fused op's 4-D layout. Only views of a gradient that split one
+    tracked axis into several, that a dx-shaped value spanning several axes reads and no dx-shaped
+    value over one axis computes (DeepSeek's ``view(..., D/2, 2)`` stays read), or that a product
+    refused for its broadcast reads."""
+    spanning = [n for n in nodes if ev.depends_on_gradient(n) and _looks_like_dx(ev.memo.get(n), spanning=True)]
+    # a product whose operands' tracked axes do not line up (dy over (S, N, D) times a table over
+    # (1, D)): its operands are near too
+    refused = [a for n, why in ev.unsupported.items() if why == "broadcast" and n.target is aten.mul.Tensor
+               and ev.depends_on_gradient(n) for a in n.all_input_nodes]
+    if not spanning and not refused:
+        return set()
+    flat = [n for n in nodes if ev.depends_on_gradient(n) and _looks_like_dx(ev.memo.get(n))]
+    covered = set(region_of(flat, lambda r: r in ev.interpreted))
+    near = {n for y in spanning if y not in covered for n in region_of([y], lambda r: r in ev.interpreted)}
+    near.update(refused)
+    makers = set()
+    for n in near:
+        v = ev.memo.get(n)
+        source = ev.memo.get(n.args[0]) if n.target in SPLITTING_VIEWS and isinstance(n.args[0], fx.Node) else None
+        if source is not None and ev.depends_on_gradient(n) and v is not None and len(v.inner) >= 2 \
+                and len(source.inner) == 1 and v.inner[-2] > 1:
+            makers.add(n)
+    return makers
 
 
 def _dx_matches(rewrites: RuleContext, ev: LaneEvaluator, looks: List[fx.Node]):
@@ -663,15 +710,22 @@ def _table_inputs(node: fx.Node) -> List[fx.Node]:
     return [first] if isinstance(first, fx.Node) else []
 
 
-def _is_rotary_table(node: fx.Node, provenance: Optional[Provenance]) -> bool:
+def _rotary_table(node: fx.Node, provenance: Optional[Provenance], fused: Dict[object, fx.Node]):
+    """What makes ``node`` a rotary table, or None: the fused forward RoPE op whose cos or sin it is
+    (through the ops that shape a table, compared by :func:`~.pairing.source`), else True when it is
+    shaped from cos, sin or a complex polar."""
     frontier, seen = [node], {node}
     for _ in range(TABLE_SEARCH_DEPTH):
         above = []
         for n in frontier:
+            if source(n) in fused:
+                return fused[source(n)]
             if n.op == "placeholder":
                 n = provenance.forward_definition(n) if provenance is not None else None
                 if n is None:
                     continue
+                if source(n) in fused:
+                    return fused[source(n)]
             if n.op != "call_function":
                 continue
             if n.target in ROTARY_SOURCES:
@@ -679,21 +733,30 @@ def _is_rotary_table(node: fx.Node, provenance: Optional[Provenance]) -> bool:
             above += [a for a in _table_inputs(n) if a not in seen]
         seen.update(above)
         frontier = above
-    return False
+    return None
+
+
+def _fused_forward_tables(graph: fx.Graph) -> Dict[object, fx.Node]:
+    """The fused forward RoPE ops of a joint graph by the :func:`~.pairing.source` of their cos and sin."""
+    return {source(op.args[i]): op for op in calls(graph, ROPE) for i in (1, 2)}
 
 
 def unexplained(graph: fx.Graph, provenance: Optional[Provenance], misses: List[Miss]) -> List[Miss]:
     """Record each RoPE the pass left in the graph that no form matched and no miss explains.
 
     No silent misses: a gradient multiplied by a rotary table (a forward value shaped from
-    cos, sin or a complex polar by views, casts, repeats and concatenation) that is left in the
-    graph after the pass, and that no recorded miss accounts for, is a RoPE application no form
-    matched. Each connected group of such products becomes a miss naming where the lane
-    evaluator stopped, the nearest difference."""
+    cos, sin or a complex polar by views, casts, repeats and concatenation, or the cos or sin of
+    a fused forward RoPE op, whatever they are computed from: tables passed in as inputs too)
+    that is left in the graph after the pass, and that no recorded miss accounts for, is a RoPE
+    application no form matched. Each connected group of such products becomes a miss naming
+    the fused forward it is the backward of, if any, and where the lane evaluator stopped, the
+    nearest difference."""
     gradient = gradient_dependent(graph)
     if gradient is None:
         return []
-    anchors = [n for n in graph.nodes if _table_product(n, gradient, provenance)]
+    fused = _fused_forward_tables(graph)
+    tables = {n: _table_product(n, gradient, provenance, fused) for n in graph.nodes}
+    anchors = [n for n, table in tables.items() if table is not None]
     missed = {m.node for m in misses}
     groups: List[Tuple[fx.Node, set]] = []
     for anchor in anchors:
@@ -708,15 +771,25 @@ def unexplained(graph: fx.Graph, provenance: Optional[Provenance], misses: List[
             group[1].update(reach)
     ev = lane_evaluator(provenance)
     ev.gradient_nodes = gradient
-    return [Miss(OP.name, anchor.name, "a gradient multiplied by a rotary table (cos/sin/polar in the forward) "
-                                  "that no RoPE form matched; " + _nearest_difference(ev, graph, anchor))
+    return [Miss(OP.name, anchor.name, _unmatched_reason(tables[anchor]) + _nearest_difference(ev, graph, anchor))
             for anchor, _ in groups]
 
 
-def _table_product(node: fx.Node, gradient: set, provenance) -> bool:
+def _unmatched_reason(table) -> str:
+    """The opening of an unmatched backward's reason: the fused forward it belongs to, if any."""
+    if isinstance(table, fx.Node):
+        return (f"this rotation's forward fused ({table.name}), but its backward, a gradient multiplied by the "
+                f"same cos/sin, matched no RoPE form; ")
+    return "a gradient multiplied by a rotary table (cos/sin/polar in the forward) that no RoPE form matched; "
+
+
+def _table_product(node: fx.Node, gradient: set, provenance, fused: Dict[object, fx.Node]):
+    """The table's :func:`_rotary_table` verdict where ``node`` is a gradient times a rotary table
+    (not a fused op's dcos or dsin), else None."""
     product = gradient_product(node, gradient)
-    return product is not None and _is_rotary_table(product[1], provenance) \
-        and not _is_fused_table_gradient(product[0])
+    if product is None or _is_fused_table_gradient(product[0]):
+        return None
+    return _rotary_table(product[1], provenance, fused)
 
 
 def _is_fused_table_gradient(node: fx.Node) -> bool:
