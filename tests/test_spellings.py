@@ -8,6 +8,7 @@ import torch.nn.functional as F
 
 from npu_fusion.models import rotate_half
 from test_forward_fusion import assert_paired as assert_paired_through, calls, check
+from test_forward_sites import complex_rope
 
 FORWARD, BACKWARD = "rms_norm", "rms_norm_grad"
 ON = {"rms_norm_forward": True}
@@ -237,3 +238,42 @@ def test_unmatched_backward_of_a_fused_forward_is_one_recorded_miss():
     assert result.fused(ROPE) == len(calls(fw, ROPE)) == 1 and not calls(bw, ROPE_GRAD)
     [miss] = result.misses
     assert miss.op == ROPE_GRAD and "this rotation's forward fused" in miss.reason, miss
+
+
+# -- torchtitan's complex freqs_cis at sequence length 1 (a decode step's shapes) ------------------
+
+def _conjugated_pairs_rope(x, freqs_cis):
+    """Near miss: x's pairs conjugated before the product (a reflection, no rotation)."""
+    pairs = torch.view_as_complex(x.float().reshape(*x.shape[:-1], -1, 2)).conj()
+    return torch.view_as_real(pairs * freqs_cis).flatten(3).type_as(x)
+
+
+def _freqs_cis_one_position():
+    """torchtitan's ``freqs_cis`` for one position, [S, D/2] with S = 1."""
+    angles = torch.rand(1, 8, generator=torch.Generator().manual_seed(2)) * 3
+    return torch.polar(torch.ones_like(angles), angles)
+
+
+def _over_bsnd(freqs_cis):
+    """The table viewed in the graph as torchtitan broadcasts it over BSND: [1, S, 1, D/2]."""
+    return freqs_cis.view(1, freqs_cis.shape[0], 1, freqs_cis.shape[1])
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_complex_freqs_cis_at_sequence_length_one_fuses_both_ways(dtype):
+    """Leading axes all of size 1 on both sides of the table's view hold one element per pair: the
+    table is read over its pairs as at any other length, and the forward fuses with the backward."""
+    x = torch.randn(2, 1, 4, 16, generator=torch.Generator().manual_seed(1)).to(dtype).requires_grad_()
+    freqs_cis = _freqs_cis_one_position()
+    result, fw, bw = check(lambda x: complex_rope(x, _over_bsnd(freqs_cis)) * 2, [x], **ROPE_ON)
+    assert not result.misses, result.misses
+    assert result.fused(ROPE) == result.fused(ROPE_GRAD) == 1
+    assert len(calls(fw, ROPE)) == len(calls(bw, ROPE_GRAD)) == 1
+
+
+def test_complex_freqs_cis_at_sequence_length_one_with_conjugated_pairs_stays_unfused():
+    x = torch.randn(2, 1, 4, 16, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16).requires_grad_()
+    freqs_cis = _freqs_cis_one_position()
+    result, fw, bw = check(lambda x: _conjugated_pairs_rope(x, _over_bsnd(freqs_cis)) * 2, [x], **ROPE_ON)
+    assert not calls(fw, ROPE) and not calls(bw, ROPE_GRAD) and not result.sites, result.sites
+    assert result.misses
