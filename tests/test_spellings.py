@@ -277,3 +277,44 @@ def test_complex_freqs_cis_at_sequence_length_one_with_conjugated_pairs_stays_un
     result, fw, bw = check(lambda x: _conjugated_pairs_rope(x, _over_bsnd(freqs_cis)) * 2, [x], **ROPE_ON)
     assert not calls(fw, ROPE) and not calls(bw, ROPE_GRAD) and not result.sites, result.sites
     assert result.misses
+
+
+# -- learned tables rotating a q that takes no gradient: the backward is dcos and dsin alone --------
+
+def _learned_tables(dtype):
+    angles = torch.randn(6, 16, generator=torch.Generator().manual_seed(2))
+    return torch.nn.Parameter(angles.cos().to(dtype)), torch.nn.Parameter(angles.sin().to(dtype))
+
+
+def _learned_angles(dtype):
+    return torch.nn.Parameter(torch.randn(6, 16, generator=torch.Generator().manual_seed(2)).to(dtype))
+
+
+def _constant_q(dtype):
+    return torch.randn(2, 4, 6, 16, generator=torch.Generator().manual_seed(1)).to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+@pytest.mark.parametrize("tables", ["parameters", "computed_from_a_parameter"])
+def test_learned_tables_of_a_constant_q_fuse_both_ways(tables, dtype):
+    """dcos = sum(dy * q) and dsin = sum(dy * rotate_half(q)) are the fused backward's with q passed and
+    its dx unused; with rotate_half(q) no longer saved for them, the forward fuses too."""
+    if tables == "parameters":
+        cos, sin = _learned_tables(dtype)
+        params, fn = [cos, sin], lambda q: _rotation(q, cos, sin) * 2
+    else:
+        angles = _learned_angles(dtype)
+        params, fn = [angles], lambda q: _rotation(q, angles.cos(), angles.sin()) * 2
+    result, fw, bw = check(fn, [_constant_q(dtype)], params, **ROPE_ON)
+    assert not result.misses, result.misses
+    assert result.fused(ROPE) == result.fused(ROPE_GRAD) == 1
+    [site] = [s for s in result.sites if s.op == ROPE_GRAD]
+    assert set(site.outputs) == {"dcos", "dsin"}
+    assert len(calls(fw, ROPE)) == len(calls(bw, ROPE_GRAD)) == 1
+
+
+def test_learned_tables_of_a_constant_q_sign_flipped_stay_unfused():
+    cos, sin = _learned_tables(torch.float32)
+    result, fw, bw = check(lambda q: _rotation_sign_flipped(q, cos, sin) * 2, [_constant_q(torch.float32)],
+                           [cos, sin], **ROPE_ON)
+    assert not calls(fw, ROPE) and not calls(bw, ROPE_GRAD) and not result.sites, result.sites

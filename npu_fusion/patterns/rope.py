@@ -33,6 +33,7 @@ import dataclasses
 import operator
 from typing import Dict, List, Optional, Tuple
 
+import torch
 import torch.fx as fx
 
 from ..lowering import ROPE, ROPE_GRAD as OP
@@ -41,7 +42,7 @@ from ..lowering.sizes import same_shape, static_int
 from .evaluator import Provenance, Unsupported, kept_precision, rounding_problem
 from .lanes import Lanes, LaneEvaluator, add_polys
 from .nodes import (CAST_TARGETS, VIEWS, aten, axis_order, downstream, dtype, gradient_dependent, gradient_product,
-                    is_float_cast, last_of, outermost, region_of, shape)
+                    is_float_cast, last_of, outermost, region_of, shape, val)
 from .rewrite import (Edit, Insertion, Miss, RuleContext, add_back_accumulated, commit, emit_fused_op,
                       exact_common_dtype, gradient_accumulation)
 from .layout import permuted
@@ -169,6 +170,9 @@ class RopeMatch:
     #: other gradients of x summed with dx in ``dx``'s node (x also read outside the rotation,
     #: or rotated twice): added back to the fused dx
     rest: List[fx.Node] = dataclasses.field(default_factory=list)
+    #: x takes no gradient (learned tables of a constant q): ``dx`` is the site's dcos or dsin node,
+    #: the node it runs under, and the fused op's dx goes unused
+    table_only: bool = False
 
     @property
     def key(self):
@@ -273,7 +277,7 @@ def match_table(ev: LaneEvaluator, node: fx.Node, site: RopeMatch, which: str) -
 
 
 def site_width(ev: LaneEvaluator, site: RopeMatch) -> int:
-    return ev.memo[site.dx].inner[0]
+    return ev.memo[site.dx].inner[0] if not site.table_only else len(site.dy[1])
 
 
 def _reduces_to(node: fx.Node, v: Lanes, dy_node: fx.Node, table: fx.Node) -> bool:
@@ -486,6 +490,7 @@ def find_sites(graph: fx.Graph, rewrites: RuleContext) -> RoundReport:
     matches, inside = _dx_matches(rewrites, ev, looks)
     matches += _accumulated_matches(rewrites, ev, nodes, {m.dx for m in matches} | inside, inside)
     _match_table_gradients(rewrites.examine, ev, graph, matches)
+    matches += _table_only_matches(rewrites, ev, graph, matches)
     misses, pending = _near_misses(rewrites, ev, looks, matches, inside)
     rewrites.evaluated(ev)
     return RoundReport(matches, misses + _symbolic_last_axis(ev, seeds), pending)
@@ -634,6 +639,63 @@ def _choose_table_gradients(examine, ev: LaneEvaluator, site: RopeMatch, candida
         setattr(site, "d" + which, node)
 
 
+def _table_only_matches(rewrites: RuleContext, ev: LaneEvaluator, graph: fx.Graph, matches) -> List[RopeMatch]:
+    """The sites whose x takes no gradient: a forward rotation's dcos and dsin with no dx.
+
+    Learned tables (parameters, or computed from them) rotating a q that takes no gradient: the
+    backward is only ``dcos = sum(dy * x)`` and ``dsin = sum(dy * rotate(x))``, which the fused op
+    computes with x passed (its dx unused). Those values depend on cos and sin only through their
+    shape; the fused op reads the forward rotation's own tables (matched by value in the forward,
+    :func:`~.rope_forward.match_y`), so both fused ops of the rotation name the same tables."""
+    from . import rope_forward  # it builds on this module
+
+    if not isinstance(rewrites.provenance, rope_forward.JointProvenance):
+        return []
+    gradient = ev.gradient_nodes or set()
+    handled = {source(ev.leaves[r[0]]) for m in matches for r in (m.cos, m.sin)}
+    handled |= _tables_of_a_dx(graph, gradient)
+    found = []
+    for rotation in rope_forward.forward_rotations(graph, gradient):
+        fev = rotation.ev
+        x, cos, sin = (fev.leaves[r[0]] for r in (rotation.x, rotation.cos, rotation.sin))
+        d = len(rotation.x[1])
+        if rotation.signs != (1, 1) or source(cos) in handled or source(sin) in handled or any(
+                r[1] != tuple(range(static_int(shape(fev.leaves[r[0]])[-1]))) for r in (rotation.cos, rotation.sin)):
+            continue
+        candidates = [n for n in downstream(graph, [x], 2 * DX_DEPTH) if n in gradient and n.op == "call_function"]
+        for node in candidates:
+            ev.value(node)
+        products = [n for n in candidates if _looks_like_table(ev.memo.get(n)) and ev.memo[n].inner == (d,)]
+        for dy_lid in sorted({var[0] for n in products for var in next(iter(ev.memo[n].polys[0]))
+                              if ev.depends_on_gradient(ev.leaves[var[0]])}):
+            anchor = next(n for n in products if any(var[0] == dy_lid for var in next(iter(ev.memo[n].polys[0]))))
+            site = RopeMatch(rotation.mode, anchor, (dy_lid, tuple(range(d))), (ev.leaf_id(cos), tuple(range(d))),
+                             (ev.leaf_id(sin), tuple(range(d))), ev=ev, table_only=True)
+            _choose_table_gradients(rewrites.examine, ev, site, products)
+            if site.dcos is not None and site.dsin is not None:
+                site.dx = site.dcos
+                handled |= {source(cos), source(sin)}
+                found.append(site)
+                break
+    return found
+
+
+def _tables_of_a_dx(graph: fx.Graph, gradient: set) -> set:
+    """The forward values (by :func:`~.pairing.source`) a gradient wider than they are is multiplied by:
+    the tables of a dx's terms (``dy * cos``), whose rotation is no site of table gradients alone (a
+    reduced table gradient times the table, the chain rule into learned angles, is none of them)."""
+    tables = set()
+    for node in graph.nodes:
+        product = gradient_product(node, gradient) if node in gradient else None
+        if product is None:
+            continue
+        factor, table = (val(n) for n in product)
+        if not (isinstance(factor, torch.Tensor) and isinstance(table, torch.Tensor)) or static_int(
+                factor.numel()) is None or static_int(table.numel()) is None or factor.numel() > table.numel():
+            tables.add(source(product[1]))
+    return tables
+
+
 def _near_misses(rewrites: RuleContext, ev: LaneEvaluator, looks, matches, inside) -> Tuple[List[Miss], int]:
     """dx-shaped nodes that are neither a match, inside one, nor built on one (misses), and how
     many are built on one (pending: decided next round, once the site below is fused). A
@@ -669,6 +731,8 @@ def find_again(rewrites: RuleContext, site: RopeMatch, leaves: List[fx.Node]) ->
     """``site`` matched again with ``leaves`` as leaves, in the same mode and with every table
     gradient it had (the new evaluator and its leaf numbering belong to this site only); None
     when it no longer matches so. Reads only the site's dx and the products near its dy."""
+    if site.table_only:
+        return None  # its intermediates shared: left as they are, a recorded miss
     ev = lane_evaluator(rewrites.provenance, leaves)
     ev.gradient_nodes = gradient_dependent(rewrites.graph)
     ev.value(site.dx)
@@ -862,7 +926,8 @@ def _region(site: RopeMatch, outputs) -> List[fx.Node]:
 
 
 def _outputs(site: RopeMatch) -> Dict[str, fx.Node]:
-    return {k: n for k, n in (("dx", site.dx), ("dcos", site.dcos), ("dsin", site.dsin)) if n is not None}
+    dx = None if site.table_only else site.dx
+    return {k: n for k, n in (("dx", dx), ("dcos", site.dcos), ("dsin", site.dsin)) if n is not None}
 
 
 def _keeps_tables(first: RopeMatch, again: RopeMatch) -> bool:
@@ -876,7 +941,7 @@ def emit(rewrites: RuleContext, site: RopeMatch, outputs, region):
     dy_leaf, cos_leaf, sin_leaf = (rewrites.current(ev.leaves[r[0]]) for r in (site.dy, site.cos, site.sin))
     x_leaf = rewrites.current(ev.leaves[site.x[0]]) if site.x is not None else None
     leaves = [dy_leaf, cos_leaf, sin_leaf, x_leaf]
-    if not same_shape(shape(dy_leaf)[:-1], shape(site.dx)[:-1]):
+    if not site.table_only and not same_shape(shape(dy_leaf)[:-1], shape(site.dx)[:-1]):
         return Miss(OP.name, site.dx.name, f"dy {dy_leaf.name} is broadcast to dx's shape")
     if not same_shape(shape(cos_leaf)[:-1], shape(sin_leaf)[:-1]):
         return Miss(OP.name, site.dx.name, f"cos {list(shape(cos_leaf))} and sin {list(shape(sin_leaf))} "

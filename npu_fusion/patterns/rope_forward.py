@@ -328,6 +328,20 @@ def _evaluated(ctx: RuleContext, nodes, forced=()) -> tuple:
     return ev, [n for n in nodes if _looks_like_y(ev.memo.get(n))]
 
 
+def forward_rotations(graph: fx.Graph, gradient: set) -> List[ForwardRopeMatch]:
+    """The forward rotations of a joint graph over one tracked axis, matched by value and recording
+    nothing (the backward rule reads their tables: :func:`~.rope._table_only_matches`)."""
+    seeds = [n for n in graph.nodes if n not in gradient and _moves_elements(n)]
+    nodes = [n for n in downstream(graph, seeds, DX_DEPTH) if n not in gradient and n.op == "call_function"
+             and shape(n) and static_int(shape(n)[-1]) is not None and 2 <= static_int(shape(n)[-1]) <= MAX_LANES
+             and dtype(n) is not None and dtype(n).is_floating_point]
+    ev = lane_evaluator(_SameValues())
+    for node in nodes:
+        ev.value(node)
+    looks = [n for n in nodes if _looks_like_y(ev.memo.get(n))]
+    return [m for m in (match_y(ev, n) for n in looks) if m is not None]
+
+
 def find_sites(graph: fx.Graph, ctx: RuleContext) -> RoundReport:
     """The forward RoPE sites of a joint graph, and what looks like one but matched no mode."""
     if not isinstance(ctx.provenance, JointProvenance):
