@@ -681,9 +681,10 @@ def _table_only_matches(rewrites: RuleContext, ev: LaneEvaluator, graph: fx.Grap
 
 
 def _tables_of_a_dx(graph: fx.Graph, gradient: set) -> set:
-    """The forward values (by :func:`~.pairing.source`) a gradient wider than they are is multiplied by:
-    the tables of a dx's terms (``dy * cos``), whose rotation is no site of table gradients alone (a
-    reduced table gradient times the table, the chain rule into learned angles, is none of them)."""
+    """The forward values (by :func:`~.pairing.source`) that a gradient wider than they are multiplies.
+
+    Those are the tables of a dx's terms (``dy * cos``), whose rotation is no site of table gradients
+    alone; a reduced table gradient times the table (the chain rule into learned angles) is none of them."""
     tables = set()
     for node in graph.nodes:
         product = gradient_product(node, gradient) if node in gradient else None
@@ -1017,6 +1018,10 @@ class RopeGradRule(FusionRule):
         ("half-width or complex tables rebuilt to full width", "`x1*cos - x2*sin` spellings, `freqs_cis`"),
         ("layouts BNSD, BSND, SBND, TND; cos/sin 11SD, B1SD, BNSD, 1S1D, BS1D, BSND, S11D, SB1D, T1D, TND, [S, D]", "`unsqueeze_dim=1/2`, packed sequences"),
         ("cos/sin requiring grad: x passed, dcos/dsin wired", "learned or scaled tables; q and k sharing them"),
+        ("learned tables rotating an x that takes no gradient: dcos/dsin alone, x passed and dx unused",
+         "adversarial programs (`tests/test_spellings.py`)"),
+        ("a rotation before the heads' transpose with its output flattened (dy a view of the flattened gradient)",
+         "`proj(x).view(B, S, N, D)` rotated with `[B, S, 1, D]` tables, then `reshape(B, S, N * D)`"),
         ("output scaled by a constant before use", "`q * scale`, SDPA's math path"),
         ("a dy that is itself computed: output used elementwise, scaled per position, also when the rotation's backward reads it in pieces (halves, pair lanes)", "`q_rot . k_rot`, `q.square()`, Llama 4's L2 qk-norm, Ministral 3's q scaling, torchtune RoPE then `exp`"),
         ("dx summed in one accumulation with other gradients of x (x read again after the rotation, `rope(q) * q`, `rope(q) + q`; two rotations of one x), those added back", "adversarial programs (`tests/test_no_silent_misses.py`)"),
