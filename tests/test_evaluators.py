@@ -8,7 +8,7 @@ import torch.fx as fx
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from npu_fusion.patterns.lanes import LaneEvaluator
-from npu_fusion.patterns.rope import MAX_LANES
+from npu_fusion.patterns.rotation import MAX_LANES
 
 
 def real_view(t):
@@ -132,7 +132,7 @@ def test_random_programs_evaluate_exactly(source):
 # -- the RMSNorm evaluator: symbolic over the normalized (last) axis, sums as symbols ------
 
 from npu_fusion.patterns.norm_algebra import NormEvaluator  # noqa: E402
-from npu_fusion.patterns.rms_norm import MAX_SYMBOLS, POLICY_LEAVES  # noqa: E402
+from npu_fusion.patterns.rms_statistic import MAX_SYMBOLS, POLICY_LEAVES  # noqa: E402
 
 ROWS, N = 3, 4
 

@@ -7,7 +7,7 @@ site (a norm whose input takes a gradient fuses its forward only after its backw
 import pytest
 import torch
 
-from npu_fusion.patterns.rope_forward import SYMBOLIC_REASON
+from npu_fusion.patterns.rope.sites import SYMBOLIC_REASON
 from npu_fusion_testing.capture import compile_and_compare
 from test_forward_fusion import calls, check
 

@@ -33,7 +33,7 @@ from hypothesis import given, settings, strategies as st
 
 from npu_fusion.measure.grads import assert_close_as_unfused, grad_error, run_grads, ulps_apart
 from npu_fusion_testing.capture import Capture
-from npu_fusion.patterns.rope_forward import SYMBOLIC_REASON
+from npu_fusion.patterns.rope.sites import SYMBOLIC_REASON
 from npu_fusion_testing.forward_programs import NORM_OP, ROPE_OP, ForwardProgram, RopeForward, norm_forward_programs, \
     rope_forward_program, rope_forward_programs
 from npu_fusion_testing.programs import F16, Program, RopeForm, precision_programs, rms_norm_programs, rope_program, \

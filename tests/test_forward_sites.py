@@ -120,7 +120,7 @@ def test_report_forward_rows_expect_the_counted_sites(capsys):
 def test_whole_fused_rms_norm_forward_is_a_recorded_forward_miss():
     """Where the device keeps a whole ``aten._fused_rms_norm`` (simulated on the CPU), its backward
     fuses and its forward is a recorded forward miss saying how to fuse it."""
-    from npu_fusion.patterns.rms_norm import WHOLE_FORWARD_REASON
+    from npu_fusion.patterns.rms_statistic import WHOLE_FORWARD_REASON
 
     whole = pytest.importorskip("npu_fusion_testing.whole_rms_norm")
     if whole.unavailable():

@@ -5,8 +5,8 @@ outputs and every gradient pass the float64 criterion against eager (``check``).
 import pytest
 import torch
 
-from npu_fusion.patterns.rms_norm import DIVISION_REASON, KEEPDIM_REASON
-from npu_fusion.patterns.rope_forward import SCALED_COPY_REASON
+from npu_fusion.patterns.rms_statistic import DIVISION_REASON, KEEPDIM_REASON
+from npu_fusion.patterns.rope.sites import SCALED_COPY_REASON
 from test_forward_fusion import calls, check
 
 EPS = 1e-6

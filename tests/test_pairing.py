@@ -116,7 +116,7 @@ def test_hook_uses_a_matching_forward_and_runs_alone_on_a_mismatched_one(npu_fus
 
 @pytest.mark.xfail(strict=False, reason="torch 2.10 and 2.13: on the backward alone, the one-layer Llama's "
                                         "3 RMSNorm sites end 0 fused and 2 recorded misses, one silent "
-                                        "(patterns/rms_norm.py unexplained); torch 2.6 and 2.7.1 fuse all three")
+                                        "(patterns/rms_norm_grad/misses.py unexplained); torch 2.6 and 2.7.1 fuse all three")
 def test_backward_alone_leaves_no_silent_miss():
     (bw,), _ = llama_partitions(2)
     result = pass_manager.fuse_backward(bw, {"target": "generic", "strict": True}, forward=None)

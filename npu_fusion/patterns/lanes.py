@@ -20,28 +20,21 @@ casts to the replaced node's dtype.
 """
 from __future__ import annotations
 
-import dataclasses
 import math
 import operator
 from fractions import Fraction
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Optional
 
 import torch
 import torch.fx as fx
 
 from ..lowering.sizes import same_shape, static_int
-from .algebra import Number, accumulate, exact_number, graph_constant
+from .algebra import exact_number, graph_constant
 from .evaluator import MemoEvaluator, Provenance, Unsupported
-from .nodes import VIEWS, aten, axis_order, is_float_cast, meta_value, normalize_dim, val
-from .nodes import shape as node_shape
-
-
-def shape(node):
-    """A node's shape, complex tensors seen as their real view ``[..., n, 2]``."""
-    s = node_shape(node)
-    if s is not None and val(node).dtype.is_complex:
-        return tuple(s) + (2,)
-    return s
+from .nodes import aten, is_float_cast, meta_value, normalize_dim, val, shape as node_shape
+from .lane_polys import (DegreeExceeded, Lanes, MOVES_LANES, degree_of, position_of_index, index_of_position,
+                         index_argument, mul_polys, add_polys, shape)
+from .lane_moves import LaneMoves
 
 
 def _is_complex(node) -> bool:
@@ -54,93 +47,8 @@ COMPLEX_VIEWS = {aten.view_as_complex.default, aten.view_as_real.default, aten.r
 ADDITIVE_TARGETS = {aten.add.Tensor, aten.sub.Tensor, aten.add.Scalar, aten.sub.Scalar}
 SCALING_TARGETS = {aten.mul.Tensor, aten.mul.Scalar, aten.div.Tensor, aten.div.Scalar}
 
-Var = Tuple[int, int]            # (leaf id, flattened position in the leaf's trailing axes)
-Mono = Tuple[Var, ...]           # sorted product of vars; () is the constant monomial
-Poly = Dict[Mono, Number]
 
-MAX_DEGREE = 2
-#: one-input ops that only move (or negate) elements: a wide factor is cut above them
-MOVES_LANES = VIEWS | {aten.reshape.default, aten.neg.default}
-MAX_TERMS = 8
-
-
-@dataclasses.dataclass
-class Lanes:
-    """A tensor value: ``inner`` are its tracked trailing sizes, ``polys`` one per position."""
-    inner: Tuple[int, ...]
-    polys: List[Poly]
-    #: for a sum over leading axes: (summand node, reduced dims, keepdim), else None
-    reduction: Optional[tuple] = None
-    #: a complex tensor: the last tracked axis holds (real, imaginary)
-    complex: bool = False
-
-    def is_constant(self) -> bool:
-        return all(all(m == () for m in p) for p in self.polys)
-
-
-def _bounded(p: Poly) -> Poly:
-    if len(p) > MAX_TERMS:
-        raise Unsupported("too many terms")
-    return p
-
-
-def add_polys(a: Poly, b: Poly, scale: Number = 1) -> Poly:
-    out = dict(a)
-    for m, c in b.items():
-        accumulate(out, m, scale * c)
-    return _bounded(out)
-
-
-class DegreeExceeded(Unsupported):
-    """A product of degree above :data:`MAX_DEGREE`: no RoPE backward term is that wide."""
-
-
-def _mul(a: Poly, b: Poly) -> Poly:
-    out: Poly = {}
-    for ma, ca in a.items():
-        for mb, cb in b.items():
-            m = tuple(sorted(ma + mb))
-            if len(m) > MAX_DEGREE:
-                raise DegreeExceeded("degree")
-            accumulate(out, m, ca * cb)
-    return _bounded(out)
-
-
-def _strides(inner):
-    strides, acc = [], 1
-    for size in reversed(inner):
-        strides.append(acc)
-        acc *= size
-    return list(reversed(strides))
-
-
-def _index(inner, flat):
-    out = []
-    for stride in _strides(inner):
-        out.append(flat // stride)
-        flat %= stride
-    return out
-
-
-def _flat(inner, idx):
-    return sum(i * s for i, s in zip(idx, _strides(inner)))
-
-
-def _degree(v: Lanes) -> int:
-    return max((len(m) for p in v.polys for m in p), default=0)
-
-
-def _index_arg(x):
-    """A slice bound; a symbolic one is fine only when it is known to be a constant."""
-    if x is None or isinstance(x, int):
-        return x
-    s = static_int(x)
-    if s is None:
-        raise Unsupported("symbolic slice bound")
-    return s
-
-
-class LaneEvaluator(MemoEvaluator):
+class LaneEvaluator(LaneMoves, MemoEvaluator):
     """Memoized evaluation of nodes into :class:`Lanes`; unknown nodes become leaves."""
 
     def __init__(self, provenance: Optional[Provenance] = None, forced_leaves=(), max_lanes: Optional[int] = None):
@@ -210,9 +118,9 @@ class LaneEvaluator(MemoEvaluator):
             raise Unsupported("broadcast")
         polys = []
         for flat in range(math.prod(inner)):
-            idx = _index(inner, flat)
+            idx = index_of_position(inner, flat)
             src = [0 if sz == 1 else i for i, sz in zip(idx, src_inner)]
-            polys.append(v.polys[_flat(src_inner, src)])
+            polys.append(v.polys[position_of_index(src_inner, src)])
         return Lanes(inner, polys)
 
     def _elementwise(self, node, args, combine, cut=()) -> Lanes:
@@ -242,17 +150,17 @@ class LaneEvaluator(MemoEvaluator):
         new_inner = tuple(inner[:axis] + [len(picks)] + inner[axis + 1:])
         polys = []
         for flat in range(math.prod(new_inner)):
-            idx = _index(new_inner, flat)
+            idx = index_of_position(new_inner, flat)
             idx[axis] = picks[idx[axis]]
-            polys.append(v.polys[_flat(v.inner, idx)])
+            polys.append(v.polys[position_of_index(v.inner, idx)])
         return Lanes(new_inner, polys)
 
     def _scatter(self, base: Lanes, src: Lanes, axis: int, picks: List[int]) -> Lanes:
         polys = [dict(p) for p in base.polys]
         for flat in range(math.prod(src.inner)):
-            idx = _index(src.inner, flat)
+            idx = index_of_position(src.inner, flat)
             idx[axis] = picks[idx[axis]]
-            polys[_flat(base.inner, idx)] = src.polys[flat]
+            polys[position_of_index(base.inner, idx)] = src.polys[flat]
         return Lanes(base.inner, polys)
 
     def _reshape(self, node, v: Lanes) -> Lanes:
@@ -309,7 +217,7 @@ class LaneEvaluator(MemoEvaluator):
             # a real operand adds to the real parts only; read lane by lane it would add to both
             raise Unsupported("complex sum with a real operand")
         if t in (aten.add.Tensor, aten.sub.Tensor) and all(
-                isinstance(a, fx.Node) and _degree(self._checked(a)) <= 1 for a in args[:2]):
+                isinstance(a, fx.Node) and degree_of(self._checked(a)) <= 1 for a in args[:2]):
             raise Unsupported("gradient accumulation: the sum is an input of the pattern")
         return self._elementwise(node, args[:2], lambda a, b: add_polys(a, b, sign))
 
@@ -318,7 +226,7 @@ class LaneEvaluator(MemoEvaluator):
         if graph_constant(args[1]) is None and graph_constant(args[0]) is None:
             return
         tensor = args[0] if graph_constant(args[1]) is not None else args[1]
-        if isinstance(tensor, fx.Node) and _degree(self._checked(tensor)) <= 1:
+        if isinstance(tensor, fx.Node) and degree_of(self._checked(tensor)) <= 1:
             # a scaled gradient (q * scale after RoPE, SDPA's scaled q) is the pattern's dy
             raise Unsupported("scaled input: a leaf")
 
@@ -334,151 +242,6 @@ class LaneEvaluator(MemoEvaluator):
     def _negate(self, node, args) -> Lanes:
         return self._elementwise(node, args[:1], lambda a: add_polys({}, a, -1))
 
-    def _slice(self, node, args) -> Lanes:
-        v = self._checked(args[0])
-        axis = self._inner_dim(args[0], v, args[1] if len(args) > 1 else 0)
-        size = v.inner[axis]
-        start, end, step = (list(args[2:5]) + [None, None, 1])[:3]
-        start, end, step = (_index_arg(x) for x in (start, end, step))
-        return self._select_positions(v, axis, list(range(size))[slice(start, end, step)])
-
-    def _select(self, node, args) -> Lanes:
-        v = self._checked(args[0])
-        axis = self._inner_dim(args[0], v, args[1])
-        picked = self._select_positions(v, axis, [_index_arg(args[2]) % v.inner[axis]])
-        inner = picked.inner[:axis] + picked.inner[axis + 1:]
-        if not inner:
-            raise Unsupported("select removes the last tracked axis")
-        return Lanes(inner, picked.polys)
-
-    def _slice_backward(self, node, args) -> Lanes:
-        grad, sizes, dim, start, end, step = args
-        start, end, step = (_index_arg(x) for x in (start, end, step))
-        v = self._checked(grad)
-        axis = self._inner_dim(grad, v, dim)
-        full = static_int(sizes[normalize_dim(dim, len(sizes))])
-        if full is None or not same_shape(sizes[:len(sizes) - len(v.inner)],
-                                         shape(grad)[:len(sizes) - len(v.inner)]):
-            raise Unsupported("slice_backward sizes")
-        inner = v.inner[:axis] + (full,) + v.inner[axis + 1:]
-        zero = Lanes(inner, [{} for _ in range(math.prod(inner))])
-        return self._scatter(zero, v, axis, list(range(full))[slice(start, end, step)])
-
-    def _slice_scatter(self, node, args) -> Lanes:
-        kw = node.kwargs
-        base, src = self._checked(args[0]), self._checked(args[1])
-        dim = args[2] if len(args) > 2 else kw.get("dim", 0)
-        start = args[3] if len(args) > 3 else kw.get("start")
-        end = args[4] if len(args) > 4 else kw.get("end")
-        step = args[5] if len(args) > 5 else kw.get("step", 1)
-        start, end, step = (_index_arg(x) for x in (start, end, step))
-        axis = self._inner_dim(args[0], base, dim)
-        base = self._broadcast(base, shape(args[0]), base.inner)
-        picks = list(range(base.inner[axis]))[slice(start, end, step)]
-        if src.inner[:axis] + src.inner[axis + 1:] != base.inner[:axis] + base.inner[axis + 1:] or \
-                src.inner[axis] != len(picks):
-            raise Unsupported("slice_scatter sizes")
-        return self._scatter(base, src, axis, picks)
-
-    def _fill(self, node, args) -> Lanes:
-        fill = 0 if "zeros" in str(node.target) else graph_constant(args[1])
-        if fill is None:
-            raise Unsupported("fill")
-        d = static_int(shape(node)[-1]) if shape(node) else None
-        if d is None:
-            raise Unsupported("a 0-dim or dynamic last axis")
-        return Lanes((d,), [({(): fill} if fill else {}) for _ in range(d)])
-
-    def _cat(self, node, args) -> Lanes:
-        tensors = args[0]
-        dim = args[1] if len(args) > 1 else node.kwargs.get("dim", 0)
-        vals = [self._checked(a) for a in tensors]
-        axis = self._inner_dim(tensors[0], vals[0], dim)
-        inner = vals[0].inner
-        if any(len(v.inner) != len(inner) for v in vals):
-            raise Unsupported("cat ranks")
-        total = sum(v.inner[axis] for v in vals)
-        new_inner = inner[:axis] + (total,) + inner[axis + 1:]
-        out = Lanes(new_inner, [{} for _ in range(math.prod(new_inner))])
-        offset = 0
-        for v in vals:
-            if v.inner[:axis] + v.inner[axis + 1:] != inner[:axis] + inner[axis + 1:]:
-                raise Unsupported("cat sizes")
-            out = self._scatter(out, v, axis, list(range(offset, offset + v.inner[axis])))
-            offset += v.inner[axis]
-        return out
-
-    def _stack(self, node, args) -> Lanes:
-        tensors = args[0]
-        dim = args[1] if len(args) > 1 else node.kwargs.get("dim", 0)
-        vals = [self._checked(a) for a in tensors]
-        rank = len(shape(node))
-        dim = normalize_dim(dim, rank)
-        inner = vals[0].inner
-        if any(v.inner != inner for v in vals) or dim < rank - len(inner) - 1:
-            raise Unsupported("stack")
-        axis = dim - (rank - len(inner) - 1)
-        new_inner = inner[:axis] + (len(vals),) + inner[axis:]
-        out = Lanes(new_inner, [{} for _ in range(math.prod(new_inner))])
-        for k, v in enumerate(vals):
-            expanded = Lanes(inner[:axis] + (1,) + inner[axis:], v.polys)
-            out = self._scatter(out, expanded, axis, [k])
-        return out
-
-    def _view(self, node, args) -> Lanes:
-        """view, reshape, flatten, squeeze and their kin."""
-        v = self.value(args[0])
-        if v is None:
-            raise Unsupported("view of opaque")
-        if v.reduction is not None:
-            return self._reduced_view(node, v)
-        return self._reshape(node, v)
-
-    def _permute(self, node, args) -> Lanes:
-        v = self._checked(args[0])
-        rank = len(shape(args[0]))
-        first = rank - len(v.inner)
-        order = axis_order(node.target, args[1:], rank)
-        if order[:first] != list(range(first)):
-            raise Unsupported("permutes leading axes")
-        perm = [d - first for d in order[first:]]
-        new_inner = tuple(v.inner[p] for p in perm)
-        polys = []
-        for flat in range(math.prod(new_inner)):
-            idx = _index(new_inner, flat)
-            src = [0] * len(perm)
-            for out_axis, in_axis in enumerate(perm):
-                src[in_axis] = idx[out_axis]
-            polys.append(v.polys[_flat(v.inner, src)])
-        return Lanes(new_inner, polys)
-
-    def _expand(self, node, args) -> Lanes:
-        v = self._checked(args[0])
-        return self._broadcast(v, shape(args[0]), tuple(
-            static_int(s) for s in shape(node)[len(shape(node)) - len(v.inner):]))
-
-    def _select_backward(self, node, args) -> Lanes:
-        """Evaluate ``select_backward``: the gradient placed at one index of a new axis.
-
-        ``select_backward(grad, sizes, dim, index)``: grad placed at ``index`` of a new axis
-        ``dim``, zeros elsewhere (torchtune's ``stack([x[..., 0] * c - ..., ...], -1)``). The
-        new axis joins the tracked ones, so it must lie among them or just before them."""
-        grad, sizes, dim, index = args
-        v = self._checked(grad)
-        rank = len(sizes)
-        dim = normalize_dim(dim, rank)
-        axis = dim - (rank - len(v.inner) - 1)
-        full, index = static_int(sizes[dim]), _index_arg(index)
-        if axis < 0 or full is None or not same_shape(sizes[:rank - len(v.inner) - 1],
-                                                      shape(grad)[:rank - len(v.inner) - 1]):
-            raise Unsupported("select_backward sizes")
-        inner = v.inner[:axis] + (full,) + v.inner[axis:]
-        if self._too_wide(inner):
-            raise Unsupported("select_backward too wide")
-        zero = Lanes(inner, [{} for _ in range(math.prod(inner))])
-        return self._scatter(zero, Lanes(v.inner[:axis] + (1,) + v.inner[axis:], v.polys), axis,
-                             [index % full])
-
     def _complex(self, node, args) -> Lanes:
         """view_as_complex/real, conjugation and products of complex tensors, on (re, im) pairs."""
         t = node.target
@@ -493,7 +256,7 @@ class LaneEvaluator(MemoEvaluator):
             try:
                 return self._complex_product(node, args[:2])
             except DegreeExceeded:  # as for real products: a wide factor is dy, a leaf
-                wide = [a for a in args[:2] if _degree(self._checked(a)) >= 2]
+                wide = [a for a in args[:2] if degree_of(self._checked(a)) >= 2]
                 return self._complex_product(node, args[:2], cut=wide)
         if t in (aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.flatten.using_ints):
             v = self._checked(args[0])
@@ -506,8 +269,8 @@ class LaneEvaluator(MemoEvaluator):
         polys = []
         for j in range(0, len(a.polys), 2):
             (ar, ai), (br, bi) = a.polys[j:j + 2], b.polys[j:j + 2]
-            polys.append(add_polys(_mul(ar, br), _mul(ai, bi), -1))
-            polys.append(add_polys(_mul(ar, bi), _mul(ai, br)))
+            polys.append(add_polys(mul_polys(ar, br), mul_polys(ai, bi), -1))
+            polys.append(add_polys(mul_polys(ar, bi), mul_polys(ai, br)))
         return Lanes(inner, polys, complex=True)
 
     def _product(self, node, args) -> Lanes:
@@ -518,10 +281,10 @@ class LaneEvaluator(MemoEvaluator):
         own (``2 * grad * y`` after ``y.square()``, ``grad * k_rot`` after ``q_rot . k_rot``,
         a per-position scale). Cutting is always sound: a leaf is the node's own value."""
         try:
-            return self._elementwise(node, args, _mul)
+            return self._elementwise(node, args, mul_polys)
         except DegreeExceeded:
-            wide = [a for a in args if isinstance(a, fx.Node) and _degree(self._checked(a)) >= 2]
-            return self._elementwise(node, args, _mul, cut=wide)
+            wide = [a for a in args if isinstance(a, fx.Node) and degree_of(self._checked(a)) >= 2]
+            return self._elementwise(node, args, mul_polys, cut=wide)
 
     def _cut_value(self, node: fx.Node) -> Lanes:
         """A wide factor cut from a product: a leaf, or, when it only moves the elements of a
@@ -540,7 +303,7 @@ class LaneEvaluator(MemoEvaluator):
         while node.op == "call_function" and (node.target in MOVES_LANES or is_float_cast(node)) \
                 and isinstance(node.args[0], fx.Node):
             parent = self.memo.get(node.args[0])
-            if parent is None or parent.reduction is not None or _degree(parent) < 2:
+            if parent is None or parent.reduction is not None or degree_of(parent) < 2:
                 break
             chain.append(node)
             node = node.args[0]
@@ -601,12 +364,12 @@ class LaneEvaluator(MemoEvaluator):
             axis = self._inner_dim(pargs[0], v, dim)
             size = v.inner[axis]
             if t is aten.split_with_sizes.default:
-                sizes = [_index_arg(meta_value(x)) for x in pargs[1]]
+                sizes = [index_argument(meta_value(x)) for x in pargs[1]]
             elif t is aten.chunk.default:
                 step = -(-size // pargs[1])
                 sizes = [min(step, size - s) for s in range(0, size, step)]
             else:
-                step = _index_arg(meta_value(pargs[1]))
+                step = index_argument(meta_value(pargs[1]))
                 sizes = [min(step, size - s) for s in range(0, size, step)]
             start = sum(sizes[:index])
             return self._select_positions(v, axis, list(range(start, start + sizes[index])))
