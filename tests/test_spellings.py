@@ -318,3 +318,16 @@ def test_learned_tables_of_a_constant_q_sign_flipped_stay_unfused():
     result, fw, bw = check(lambda q: _rotation_sign_flipped(q, cos, sin) * 2, [_constant_q(torch.float32)],
                            [cos, sin], **ROPE_ON)
     assert not calls(fw, ROPE) and not calls(bw, ROPE_GRAD) and not result.sites, result.sites
+
+
+# -- a norm over a last axis of size 1 ----------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+def test_norm_over_a_unit_axis_is_one_backward_miss_naming_the_axis(dtype):
+    """hidden = 1: autograd writes the backward without the sum over the normalized axis, which the
+    algebra reads a dx by; the dx is one recorded miss that names the axis, never a wrong result."""
+    w = _weight(dtype, d=1)
+    result, fw, bw = check(lambda x: F.rms_norm(x, (1,), w, EPS), [_input(dtype, 2, 3, 1)], [w], **ON)
+    backward = [m for m in result.misses if m.op == BACKWARD]
+    assert len(backward) == 1 and "last axis of size 1" in backward[0].reason, result.misses
+    assert not any("dx" in s.outputs for s in result.sites if s.op == BACKWARD), result.sites
