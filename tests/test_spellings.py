@@ -211,6 +211,26 @@ def test_rope_before_the_heads_transpose_fuses_both_ways(output, dtype):
     assert len(calls(fw, ROPE)) == len(calls(bw, ROPE_GRAD)) == 1
 
 
+@pytest.mark.parametrize("target", ["generic", "a2"])
+@pytest.mark.parametrize("output", HEADS_OUTPUTS)
+def test_rope_of_a_projection_viewed_into_heads_and_flattened_fuses_both_ways(output, target):
+    """q = proj(x).view(B, S, N, D), rotated and flattened back: the N * D wide views on both sides
+    match no mode; read with the heads' views as leaves, the rotation fuses, forward and backward."""
+    x = torch.randn(2, 6, 32, generator=torch.Generator().manual_seed(1)).requires_grad_()
+    weight = torch.nn.Parameter(torch.randn(64, 32, generator=torch.Generator().manual_seed(4)) / 8)
+    cos, sin = _tables_per_batch()
+    layout = HEADS_OUTPUTS[output]
+
+    def attention_input(x):
+        q = F.linear(x, weight).view(2, 6, 4, 16)
+        return layout(_rotation(q, cos[:, :, None], sin[:, :, None]))
+
+    result, fw, bw = check(attention_input, [x], [weight], target=target, **ROPE_ON)
+    assert not result.misses, result.misses
+    assert result.fused(ROPE) == result.fused(ROPE_GRAD) == 1
+    assert len(calls(fw, ROPE)) == len(calls(bw, ROPE_GRAD)) == 1
+
+
 @pytest.mark.parametrize("output", HEADS_OUTPUTS)
 def test_rope_before_the_heads_transpose_sign_flipped_is_one_miss_each_way(output):
     q = torch.randn(2, 6, 4, 16, generator=torch.Generator().manual_seed(1)).requires_grad_()

@@ -111,8 +111,8 @@ def _gradient_axis_makers(ev: LaneEvaluator, nodes) -> set:
     spans two axes and matches no mode (three for ``y.flatten(1)``, where its product with a table
     over (1, D) is no value at all). Read as a leaf (always sound: a leaf is its own value), that
     view is dy over the head dim, the fused op's 4-D layout. Only views of a gradient that split one
-    tracked axis into several, that a dx-shaped value spanning several axes reads and no dx-shaped
-    value over one axis computes (DeepSeek's ``view(..., D/2, 2)`` stays read), or that a product
+    tracked axis into several, that a dx-shaped value spanning several axes reads and no matched
+    dx over one axis computes (DeepSeek's ``view(..., D/2, 2)`` stays read), or that a product
     refused for its broadcast reads."""
     spanning = [n for n in nodes if ev.depends_on_gradient(n) and _looks_like_dx(ev.memo.get(n), spanning=True)]
     # a product whose operands' tracked axes do not line up (dy over (S, N, D) times a table over
@@ -121,7 +121,9 @@ def _gradient_axis_makers(ev: LaneEvaluator, nodes) -> set:
                and ev.depends_on_gradient(n) for a in n.all_input_nodes]
     if not spanning and not refused:
         return set()
-    flat = [n for n in nodes if ev.depends_on_gradient(n) and _looks_like_dx(ev.memo.get(n))]
+    # a dx over one axis that matches covers what it reads; one that matches no mode (the N * D wide
+    # view of a rotation of N heads, flattened after it) does not
+    flat = [n for n in nodes if ev.depends_on_gradient(n) and _looks_like_dx(ev.memo.get(n)) and match_dx(ev, n)]
     covered = set(region_of(flat, lambda r: r in ev.interpreted))
     near = {n for y in spanning if y not in covered for n in region_of([y], lambda r: r in ev.interpreted)}
     near.update(refused)
