@@ -71,8 +71,16 @@ def _rotary_table(node: fx.Node, provenance: Optional[Provenance], fused: Dict[o
 
 
 def _fused_forward_tables(graph: fx.Graph) -> Dict[object, fx.Node]:
-    """The fused forward RoPE ops of a joint graph by the :func:`~.pairing.source` of their cos and sin."""
-    return {source(op.args[i]): op for op in calls(graph, ROPE) for i in (1, 2)}
+    """The fused forward RoPE ops of a joint graph by the :func:`~..pairing.source` of their cos and sin
+    and of what those are shaped from (a complex ``freqs_cis`` the forward rule rebuilt them from)."""
+    tables: Dict[object, fx.Node] = {}
+    for op in calls(graph, ROPE):
+        frontier = [a for a in op.args[1:3] if isinstance(a, fx.Node)]
+        for _ in range(TABLE_SEARCH_DEPTH):
+            for node in frontier:
+                tables.setdefault(source(node), op)
+            frontier = [a for n in frontier for a in _table_inputs(n)]
+    return tables
 
 
 def unexplained(graph: fx.Graph, provenance: Optional[Provenance], misses: List[Miss]) -> List[Miss]:

@@ -3,7 +3,8 @@ from __future__ import annotations
 
 from typing import Dict, List, Optional, Tuple
 
-import torch
+import operator
+
 import torch.fx as fx
 
 from ...lowering import ROPE_GRAD as OP
@@ -11,9 +12,10 @@ from ...lowering.sizes import static_int
 from ..evaluator import JointProvenance, Unsupported
 from ..lane_polys import Lanes, add_polys
 from ..lanes import LaneEvaluator
-from ..nodes import aten, downstream, dtype, gradient_dependent, gradient_product, outermost, region_of, shape, val
+from ..nodes import (CAST_TARGETS, VIEWS, aten, downstream, dtype, gradient_dependent, gradient_product, outermost,
+                     region_of, shape)
 from ..rewrite import Miss, RuleContext, gradient_accumulation
-from ..pairing import ROTATION_SITE, source
+from ..pairing import ROTATION_SITE, calls, source
 from ..rule import RoundReport
 from ..rope.sites import forward_rotations
 from ..rotation import DX_DEPTH, MAX_LANES, Role, moves_elements, sums_dx_terms, lane_evaluator, rotation_sums
@@ -131,8 +133,9 @@ def _gradient_axis_makers(ev: LaneEvaluator, nodes) -> set:
     for n in near:
         v = ev.memo.get(n)
         source = ev.memo.get(n.args[0]) if n.target in SPLITTING_VIEWS and isinstance(n.args[0], fx.Node) else None
+        # a split into pairs (complex numbers, interleaved lanes: ``view(..., D/2, 2)``) is the formula's
         if source is not None and ev.depends_on_gradient(n) and v is not None and len(v.inner) >= 2 \
-                and len(source.inner) == 1 and v.inner[-2] > 1:
+                and len(source.inner) == 1 and v.inner[-2] > 1 and v.inner[-1] > 2:
             makers.add(n)
     return makers
 
@@ -248,6 +251,8 @@ def _table_only_matches(rewrites: RuleContext, ev: LaneEvaluator, graph: fx.Grap
     gradient = ev.gradient_nodes or set()
     handled = {source(ev.leaves[r[0]]) for m in matches for r in (m.cos, m.sin)}
     handled |= _tables_of_a_dx(graph, gradient)
+    # a rotation whose backward fused in an earlier round (its dx, perhaps not its table gradients) is done
+    handled |= {source(op.args[i]) for op in calls(graph, OP) for i in (1, 2)}
     found = []
     for rotation in forward_rotations(graph, gradient):
         fev = rotation.ev
@@ -275,18 +280,23 @@ def _table_only_matches(rewrites: RuleContext, ev: LaneEvaluator, graph: fx.Grap
 
 
 def _tables_of_a_dx(graph: fx.Graph, gradient: set) -> set:
-    """The forward values (by :func:`~.pairing.source`) that a gradient wider than they are multiplies.
+    """The forward values (by :func:`~..pairing.source`) that an unreduced gradient multiplies.
 
-    Those are the tables of a dx's terms (``dy * cos``), whose rotation is no site of table gradients
-    alone; a reduced table gradient times the table (the chain rule into learned angles) is none of them."""
+    Those are the tables of a dx's terms (``dy * cos``, dy any gradient but a table's), whose rotation
+    is no site of table gradients alone, even while its dx waits for a site below it to fuse; a
+    reduced table gradient times the table (the chain rule into learned angles) is none of them."""
     tables = set()
     for node in graph.nodes:
         product = gradient_product(node, gradient) if node in gradient else None
         if product is None:
             continue
-        factor, table = (val(n) for n in product)
-        if not (isinstance(factor, torch.Tensor) and isinstance(table, torch.Tensor)) or static_int(
-                factor.numel()) is None or static_int(table.numel()) is None or factor.numel() > table.numel():
+        factor = product[0]
+        while factor.op == "call_function" and (factor.target in VIEWS or factor.target in CAST_TARGETS):
+            factor = factor.args[0]
+        reduced = factor.op == "call_function" and (factor.target in (aten.sum.dim_IntList, aten.sum.default) or (
+            factor.target is operator.getitem and getattr(factor.args[0], "target", None) is OP.overload
+            and factor.args[1] in (1, 2)))
+        if not reduced:
             tables.add(source(product[1]))
     return tables
 
