@@ -22,15 +22,21 @@ compiler is assumed, so "before" is what an op-by-op (eager-like) backend moves.
 
 * the activation bytes the forward saves for the backward, without and with the pass.
 
-With ``--forward`` (the options ``rms_norm_forward`` and ``rope_forward``; joint-graph paths
-only, a backward graph has no forward to fuse) the forward graph gets the same two tables:
-its nodes and whole traffic before and after, and per forward fused op (``rms_norm``,
+With ``--forward`` (the forward rules' options, ``rms_norm_forward`` and ``rope_forward``;
+joint-graph paths only, a backward graph has no forward to fuse) the forward graph gets the same
+two tables: its nodes and whole traffic before and after, and per forward fused op (``rms_norm``,
 ``rotary_position_embedding``) its sites and their modelled traffic after the pass (the fused
 node and the casts next to it) against the fused op's minimum. Compare the saved bytes with a
 run without ``--forward`` (the backward fused alone).
 
+``--compare-partitioners`` traces the ``npu_fusion`` path once per partitioner (default and min-cut)
+and prints one table: the bytes saved for the backward without and with the pass, and the modelled
+traffic of the backward graph after the pass, min-cut's against default's (the table of
+docs/usage.md, written there with ``--write-docs partitioners``).
+
     python -m benchmarks.graph_effect [--layers 1] [--path npu_fusion|torchair|inductor] [--partitioner default]
                                       [--forward]
+    python -m benchmarks.graph_effect --compare-partitioners --forward
 """
 from __future__ import annotations
 
@@ -44,14 +50,14 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 import npu_fusion  # noqa: F401  (registers the ops)
-from npu_fusion.lowering import RMS_NORM, RMS_NORM_GRAD, ROPE, ROPE_GRAD
-from npu_fusion.models import RMSNorm, TinyConfig, TinyDecoder
+from npu_fusion.measure.sites import FORWARD_OPS, KINDS, expected_for
+from npu_fusion.models import TinyConfig, TinyDecoder
 from npu_fusion.patterns.nodes import is_float_cast
 from npu_fusion.patterns.traffic import node_traffic
 from npu_fusion.compat import inductor_decompositions
 from npu_fusion.plugin.backend import aot_backend
 from npu_fusion.plugin.saved_activations import saved_set
-from npu_fusion.plugin.options import FusionOptions
+from npu_fusion.plugin.options import FusionOptions, forward_ops, forward_options
 
 from npu_fusion_testing.generated import publishing, script_command
 
@@ -106,12 +112,17 @@ def _parse(argv):
                              "the partition (npu_fusion.install); inductor: the joint graph with Inductor's "
                              "decompositions and min-cut partitioner (npu_fusion.install_inductor; no codegen)")
     parser.add_argument("--forward", action="store_true",
-                        help="fuse the forward too (rms_norm_forward, rope_forward; joint-graph paths only)")
+                        help=f"fuse the forward too ({', '.join(forward_options())}; joint-graph paths only)")
+    parser.add_argument("--compare-partitioners", action="store_true",
+                        help="trace the npu_fusion path under each partitioner and print their saved bytes "
+                             "and backward traffic side by side (instead of --partitioner's tables)")
     parser.add_argument("--write-docs", metavar="NAME",
                         help="also write what this prints into block NAME of its docs/ page")
     args = parser.parse_args(argv)
     if args.forward and PATHS[args.path][0] != "joint":
         parser.error(f"--forward needs a joint-graph path; {args.path} runs the pass on the backward graph")
+    if args.compare_partitioners and args.path != "npu_fusion":
+        parser.error("--compare-partitioners compares the npu_fusion path's partitioners")
     return args
 
 
@@ -144,10 +155,15 @@ def _keeping_unfused(gm, run) -> dict:
     return dict(result=run(), before=before, forward_before=run.forward, unfused_saved=None)
 
 
+def _options(args) -> FusionOptions:
+    partitioner = PATHS[args.path][1]
+    return FusionOptions.from_mapping({"target": args.target, "partitioner": partitioner or args.partitioner,
+                                       **dict.fromkeys(forward_options(), args.forward)})
+
+
 def _backend(args, captured):
-    stage, partitioner, decompositions = PATHS[args.path]
-    options = FusionOptions.from_mapping({"target": args.target, "partitioner": partitioner or args.partitioner,
-                                          "rms_norm_forward": args.forward, "rope_forward": args.forward})
+    stage, _, decompositions = PATHS[args.path]
+    options = _options(args)
 
     def around_pass(gm, run):
         captured.update(_keeping_unfused(gm, run))
@@ -162,23 +178,64 @@ def _backend(args, captured):
     return backend
 
 
-def main(argv=None) -> int:
-    args = _parse(argv)
+def _trace(args):
+    """One training step traced on fake tensors with the pass: (config, what the backend captured,
+    the sites it holds by construction, seconds)."""
     config, fake_mode, model, ids = _build(args)
-    norms = sum(isinstance(m, RMSNorm) for m in model.modules())
+    # the sites of one forward by construction, a forward op's those of its backward
+    expected = expected_for(_options(args), model.expected_sites)
     captured = {}
     print(f"tracing {args.layers} layer(s) on fake tensors...", file=sys.stderr)
+    torch._dynamo.reset()
     start = time.perf_counter()
     with fake_mode:  # the compiled step, forward and backward, runs on fake tensors too
         step = torch.compile(lambda i: model.loss(i), backend=_backend(args, captured), fullgraph=True)
         step(ids).backward()
     traced = time.perf_counter() - start
     assert not captured["result"].error, captured["result"].error
+    return config, captured, expected, traced
+
+
+def main(argv=None) -> int:
+    args = _parse(argv)
+    if args.compare_partitioners:
+        runs = {p: _trace(argparse.Namespace(**dict(vars(args), partitioner=p))) for p in ("default", "min_cut")}
+        with publishing(args.write_docs, script_command(__file__, argv), fenced=False):
+            return _print_partitioners(args, runs)
+    config, captured, expected, traced = _trace(args)
     with publishing(args.write_docs, script_command(__file__, argv), fenced=False):
-        return _print_effect(args, config, captured, norms, traced)
+        return _print_effect(args, config, captured, expected, traced)
 
 
-def _print_effect(args, config, captured, norms, traced) -> int:
+def _print_partitioners(args, runs) -> int:
+    """The partitioners side by side: saved bytes without and with the pass, backward traffic after it."""
+    config = runs["default"][0]
+    print(f"Llama-7B-shaped decoder: {args.layers} layer(s), hidden {config.hidden_size}, {config.num_heads} heads "
+          f"x {config.head_dim}, MLP {config.intermediate_size}, batch {args.batch} x seq {args.seq}, {args.dtype}, "
+          f"target {args.target}, the npu_fusion backend, forward fusion {'on' if args.forward else 'off'}\n")
+    rows = {}
+    for partitioner, (_, captured, _, _) in runs.items():
+        result = captured["result"]
+        rows[partitioner] = (captured["unfused_saved"].bytes, result.saved.bytes,
+                             sum(node_traffic(n) for n in captured["after"]().nodes), len(result.sites))
+    base = rows["default"]
+
+    def against(value, reference):
+        return "" if value == reference else f" ({100 * (value - reference) / reference:+.1f}%)"
+
+    print("| partitioner | sites fused | saved for the backward without the pass | with the pass | "
+          "modelled traffic of the backward graph after the pass |")
+    print("|---|---:|---:|---:|---:|")
+    for partitioner, (unfused, saved, traffic, sites) in rows.items():
+        print(f"| {partitioner} | {sites} | {gib(unfused)} | {gib(saved)}{against(saved, base[1])} | "
+              f"{gib(traffic)}{against(traffic, base[2])} |")
+    saved_less, traffic_more = base[1] - rows["min_cut"][1], rows["min_cut"][2] - base[2]
+    print(f"\nmin_cut saves {saved_less / 2**20:.0f} MiB less than default for the backward, with "
+          f"{traffic_more / 2**20:+.0f} MiB of backward traffic ({args.layers} layer(s))")
+    return 0
+
+
+def _print_effect(args, config, captured, expected, traced) -> int:
     result = captured["result"]
     partitioner = PATHS[args.path][1] or args.partitioner
     print(f"Llama-7B-shaped decoder: {args.layers} layer(s), hidden {config.hidden_size}, "
@@ -187,11 +244,10 @@ def _print_effect(args, config, captured, norms, traced) -> int:
           f"(pass on the {result.graph} graph), partitioner {partitioner}, "
           f"forward fusion {'on' if args.forward else 'off'}\n")
     print(f"traced and compiled in {traced:.1f} s; the pass took {result.seconds * 1e3:.0f} ms\n")
-    expected = {RMS_NORM_GRAD.name: norms, ROPE_GRAD.name: 2 * args.layers,
-                RMS_NORM.name: norms, ROPE.name: 2 * args.layers}
-    graphs = [("backward", captured["before"], captured["after"](), (RMS_NORM_GRAD.name, ROPE_GRAD.name))]
+    backward_ops = tuple(op for op in KINDS.values() if op not in FORWARD_OPS)
+    graphs = [("backward", captured["before"], captured["after"](), backward_ops)]
     if args.forward:
-        graphs.append(("forward", captured["forward_before"], captured["forward_after"](), (RMS_NORM.name, ROPE.name)))
+        graphs.append(("forward", captured["forward_before"], captured["forward_after"](), forward_ops()))
     for kind, before, after, ops in graphs:
         _print_graph_table(kind, before, after)
         _print_sites_table(result, after, ops, expected)

@@ -18,10 +18,20 @@ def install(config=None, **options):
     """Install the npu-fusion pass into a torchair ``CompilerConfig`` (see
     :func:`npu_fusion.plugin.torchair.install`); returns the config. The path without the
     saved-set change (the pass sees each backward graph after the partition):
-    ``backend="npu_fusion"`` fuses the joint graph on an Ascend host too."""
+    ``backend="npu_fusion"`` fuses the joint graph on an Ascend host too. Under ``dynamic=True``
+    compile with :func:`get_npu_backend` rather than torchair's, so a norm's eps is specialized."""
     from .plugin.torchair import install as _install
 
     return _install(config, **options)
+
+
+def get_npu_backend(*, compiler_config, **kwargs):
+    """torchair's backend for a config :func:`install` set up, with the float constants ``dynamic=True``
+    passes as inputs (a norm's eps) specialized under a guard first (see
+    :func:`npu_fusion.plugin.torchair.get_npu_backend`)."""
+    from .plugin.torchair import get_npu_backend as _get
+
+    return _get(compiler_config=compiler_config, **kwargs)
 
 
 def explain(model_or_fn, *example_inputs, **kwargs):

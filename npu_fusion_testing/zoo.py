@@ -751,7 +751,8 @@ def _forward_cells(o: Outcome, forward: bool, blank: bool = False) -> str:
     return f" {_frac(o.rope_forward_fused, o.rope_present):>7} {_frac(o.norm_forward_fused, o.norm_present):>10}"
 
 
-def print_table(outcomes: List[Outcome], file=sys.stdout):
+def print_table(outcomes: List[Outcome], file=None):
+    file = file or sys.stdout  # looked up at the call: --write-docs redirects it
     rows = [o for o in outcomes if o.status != "skipped"]
     forward = any(o.forward for o in rows)
     header = (f"{'model':<20} {'RoPE':>7} {'RMSNorm':>8}" + (f" {'RoPE fw':>7} {'RMSNorm fw':>10}" if forward else "")
@@ -769,9 +770,10 @@ def print_table(outcomes: List[Outcome], file=sys.stdout):
               f"{o.backward_graphs:>3} {o.seconds:5.1f}  {unfused_note(o)}", file=file)
 
 
-def print_details(outcomes: List[Outcome], file=sys.stdout):
+def print_details(outcomes: List[Outcome], file=None):
     """Per model with something to say: unfused sites by module, the pass's Miss reasons
     (node: reason), gradient failures, pass errors and compile notes."""
+    file = file or sys.stdout  # looked up at the call: --write-docs redirects it
     for o in outcomes:
         if o.status != "ok":
             continue

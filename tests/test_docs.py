@@ -173,6 +173,34 @@ def test_write_block_replaces_one_block_and_says_how_it_was_made(tmp_path):
             pass
 
 
+def test_no_printer_binds_the_terminal_when_it_is_defined():
+    """``--write-docs`` copies what is printed by redirecting ``sys.stdout``: a default argument
+    ``file=sys.stdout`` is the stream of the import, so what it prints never reaches the block."""
+    bad = []
+    files = [p for d in ("npu_fusion", "npu_fusion_testing", "benchmarks", "scripts") for p in (ROOT / d).rglob("*.py")]
+    for path in files:
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+                for default in node.args.defaults + [d for d in node.args.kw_defaults if d is not None]:
+                    if ast.unparse(default) in ("sys.stdout", "sys.stderr"):
+                        bad.append(f"{path.relative_to(ROOT)}:{default.lineno}")
+    assert not bad, "default arguments bound to the import's stream (use None, look it up at the call): " + ", ".join(bad)
+
+
+def test_the_zoo_tables_go_where_stdout_is_redirected():
+    import contextlib
+    import io
+
+    from npu_fusion_testing.zoo import Outcome, print_details, print_table
+
+    outcome = Outcome("llama", "LlamaForCausalLM", grads_ok=True, notes=["a note"])
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        print_table([outcome])
+        print_details([outcome])
+    assert "llama" in printed.getvalue() and "a note" in printed.getvalue()
+
+
 # -- citations and docstrings --------------------------------------------------------------
 
 def test_nothing_cites_a_file_outside_the_repository():

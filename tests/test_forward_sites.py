@@ -13,11 +13,11 @@ from npu_fusion.measure.grads import MODEL_FACTOR, assert_close_as_unfused, floa
 from npu_fusion.measure.sites import FORWARD_OPS, KINDS, PROBES, kinds_enabled
 from npu_fusion.patterns import RULES
 from npu_fusion.plugin.backend import aot_backend
-from npu_fusion.plugin.options import FusionOptions
+from npu_fusion.plugin.options import FusionOptions, forward_options
 from npu_fusion_testing.capture import compile_and_compare
 from npu_fusion.report import command as report
 
-FORWARD = {"rms_norm_forward": True, "rope_forward": True}
+FORWARD = dict.fromkeys(forward_options(), True)  # the forward rules' switches
 EPS = 1e-6
 
 
@@ -26,10 +26,10 @@ def test_forward_probes_count_the_backward_sites():
     assert probes["rms_norm_forward"].counted_kind == "rms_norm"
     assert probes["rope_forward"].counted_kind == "rope"
     assert KINDS["rms_norm_forward"] == "rms_norm" and KINDS["rope_forward"] == "rotary_position_embedding"
-    assert FORWARD_OPS == {"rms_norm", "rotary_position_embedding"}
-    assert set(kinds_enabled(FusionOptions())) == {k for k, p in PROBES.items() if not p.same_sites_as} | {
-        r.option for r in RULES if r.site_probe.same_sites_as and r.enabled_by_default}
-    assert set(kinds_enabled(FusionOptions(**FORWARD))) == set(KINDS)
+    assert FORWARD_OPS == {"rms_norm", "rotary_position_embedding", "swiglu"}
+    assert set(kinds_enabled(FusionOptions())) == {r.option for r in RULES if r.enabled_by_default}
+    assert set(kinds_enabled(FusionOptions(**FORWARD))) == {r.option for r in RULES
+                                                            if r.enabled_by_default or r.option in FORWARD}
 
 
 def _step(fn, inputs, params, **options):

@@ -5,8 +5,6 @@ path; their timings are in docs/report.md), so each test compiles a step in seco
 import argparse
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 
@@ -87,6 +85,20 @@ def test_overrides_and_usage_errors(capsys):
     assert report.run(parse("--target", "a2,950")) == report.EXIT_USAGE  # several targets: --hf-config only
 
 
+def test_the_pass_share_of_the_compile_is_printed_per_target(llama_two_targets):
+    """Each target's compiled step on fake tensors: the pass's CPU time is a fraction of the step's,
+    printed in the text and on the page."""
+    from test_report import share_printed
+
+    text, page = fullsize.format_text(llama_two_targets), html.render(llama_two_targets)
+    for target, r in llama_two_targets["targets"].items():
+        assert 0 < r["seconds"]["pass_share"] < 1, (target, r["seconds"])
+        section = text.split(f"# Target {r['settings']['resolved_target']}")[1]
+        assert share_printed(section) == pytest.approx(r["seconds"]["pass_share"], abs=6e-4)
+        assert share_printed(html.html.unescape(page.split(f"Target {r['settings']['resolved_target']}:")[1])) == \
+            pytest.approx(r["seconds"]["pass_share"], abs=6e-4)
+
+
 def test_html_page_is_self_contained_and_names_every_site(llama_two_targets):
     page = html.render(llama_two_targets)
     assert "http" not in page and "<script" not in page and "<link" not in page and "src=" not in page
@@ -114,13 +126,18 @@ def test_html_page_renders_in_headless_chromium(tmp_path, llama_two_targets):
     assert {"green", "red"} <= set(shot.coloured)
 
 
-def test_command_line_writes_json_and_html(tmp_path):
+def test_command_line_writes_json_and_html(tmp_path, capsys):
+    """The command line's parsing and dispatch, in this process (``tests/test_report.py``'s
+    ``test_command_line_json`` runs ``python -m npu_fusion`` itself: a second interpreter here
+    would add its imports, not a check); stdout is the JSON alone."""
+    from npu_fusion import cli
+
     page = tmp_path / "r.html"
-    proc = subprocess.run([sys.executable, "-m", "npu_fusion", "report", "--hf-config", "llama", *SMALL,
-                           "--layers", "1", "--seq", "32", "--target", "950", "--json", "--html", str(page)],
-                          cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    r = json.loads(proc.stdout)
+    status = cli.main(["report", "--hf-config", "llama", *SMALL, "--layers", "1", "--seq", "32", "--target", "950",
+                       "--json", "--html", str(page)])
+    out, err = capsys.readouterr()
+    assert status == 0, err[-3000:]
+    r = json.loads(out)
     assert r["targets"]["950"]["ops"][RMS]["fused"] == 3 and r["targets"]["950"]["ops"][RMS]["unfused"] == 0
     assert r["targets"]["950"]["ops"]["rms_norm"]["fused"] == 3 and r["peak_rss_bytes"] > 0
     assert "Target 950" in page.read_text()

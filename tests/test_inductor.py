@@ -13,6 +13,8 @@ from npu_fusion.plugin.inductor import uninstall_inductor
 from npu_fusion.plugin.pass_manager import COUNTER
 from npu_fusion.measure.grads import MODEL_FACTOR, assert_close_as_unfused, grad_failures
 from npu_fusion_testing.in_place import UPDATED_PROGRAMS, assert_updated_as_eager
+from npu_fusion.lowering import FUSED_OPS
+from npu_fusion.plugin.options import forward_options
 
 B, S = 2, 8
 
@@ -90,8 +92,8 @@ def test_bundled_llama_through_inductor(installed, dtype):
         assert not [k for k in saved if k[0] == torch.float32 and k[1] == (B, S, 64)], saved
 
 
-FORWARD = {"rms_norm_forward": True, "rope_forward": True}
-BACKWARD_ALONE = {"rms_norm_forward": False, "rope_forward": False}
+FORWARD = dict.fromkeys(forward_options(), True)  # the forward rules' switches
+BACKWARD_ALONE = dict.fromkeys(forward_options(), False)
 
 
 def _fused_step(model, ids, options):
@@ -143,7 +145,7 @@ def test_bundled_llama_forward_fused_through_inductor():
     assert counters == {"rms_norm_grad": norms, "rotary_position_embedding_grad": rotations,
                         "rms_norm": norms, "rotary_position_embedding": rotations}, counters
     assert alone_counters == {"rms_norm_grad": norms, "rotary_position_embedding_grad": rotations}, alone_counters
-    for op in ("rms_norm", "rotary_position_embedding", "rms_norm_grad", "rotary_position_embedding_grad"):
+    for op in (op.name for op in FUSED_OPS if op.name in counters):  # the model has no SwiGLU site
         assert f"torch.ops.npu_fusion.{op}.default" in code, op
     assert "torch.ops.npu_fusion.rms_norm.default" not in alone_code
     # the loss against the same Inductor program without the forward rules: Inductor's own bf16
@@ -200,7 +202,40 @@ def test_reinstall_replaces_and_chains_an_existing_pass():
         assert generic is not None and npu_fusion.install_inductor(target="generic").uuid() == generic
         assert npu_fusion.install_inductor(target="a2").uuid() != npu_fusion.install_inductor(target="generic").uuid()
     finally:
+        uninstall_inductor()  # the pre-grad pass too
         config.joint_custom_pre_pass = before
+
+
+def test_pre_grad_pass_chains_an_existing_one_and_uninstalls_to_it():
+    """The specializing pass in ``pre_grad_custom_pass``: a pass already there runs first, installing
+    again does not stack ours, and uninstalling leaves the user's (and the timing as it was)."""
+    from npu_fusion.plugin.inductor import NpuFusionPreGradPass
+
+    calls = []
+
+    def previous(graph):
+        calls.append(graph)
+
+    config = inductor_config()
+    before = config.pre_grad_custom_pass, config.pre_grad_pass_timing
+    try:
+        config.pre_grad_custom_pass = previous
+        npu_fusion.install_inductor(target="generic")
+        npu_fusion.install_inductor(target="a2")
+        ours = config.pre_grad_custom_pass
+        assert isinstance(ours, NpuFusionPreGradPass) and ours.previous is previous
+        assert not hasattr(ours, "uuid")  # run before the caches' lookups, so a hit still guards eps
+        assert config.pre_grad_pass_timing == "early"
+        gm = torch.fx.symbolic_trace(lambda x: x + 1)  # not Dynamo's graph: left as it is
+        ours(gm.graph)
+        assert calls == [gm.graph]
+        npu_fusion.install_inductor(target="generic", rms_norm_forward=False)  # no fused op reads eps
+        assert config.pre_grad_custom_pass is previous
+        uninstall_inductor()
+        assert (config.pre_grad_custom_pass, config.pre_grad_pass_timing) == (previous, before[1])
+    finally:
+        uninstall_inductor()
+        config.pre_grad_custom_pass, config.pre_grad_pass_timing = before
 
 
 def test_hugging_face_trainer_with_the_inductor_backend(installed, tmp_path):

@@ -4,6 +4,7 @@ import argparse
 import collections
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -14,7 +15,7 @@ from npu_fusion import cli
 from npu_fusion.models import bundled
 from npu_fusion.measure.grads import compare_gradients
 from npu_fusion.measure.recording import Recorder
-from npu_fusion.plugin.options import FusionOptions
+from npu_fusion.plugin.options import FusionOptions, forward_ops
 from npu_fusion.report import analysis
 from npu_fusion.report import command as report
 from npu_fusion.report.text import format_text
@@ -89,6 +90,23 @@ def test_text_output_shows_the_tables(llama_one_layer):
     assert "| npu_fusion.rms_norm_grad.default" in text
 
 
+def share_printed(text: str) -> float:
+    """The pass's share of the compile as the text prints it, as a fraction."""
+    match = re.search(r"the pass's share of the compile: ([0-9.]+)% of the CPU time", text)
+    assert match, text[:600]
+    return float(match.group(1)) / 100
+
+
+def test_the_pass_share_of_the_compile_is_printed(llama_one_layer):
+    """The pass's own CPU time over the compiled step's (the recorder's copies left out): a fraction
+    of it, in the report's data and in its text, and the pass's CPU time is its results' own."""
+    seconds = llama_one_layer["seconds"]
+    assert 0 < seconds["pass_share"] < 1, seconds
+    assert 0 < seconds["pass_cpu"] < seconds["step_cpu"], seconds
+    assert seconds["pass_share"] == pytest.approx(seconds["pass_cpu"] / seconds["step_cpu"])
+    assert share_printed(format_text(llama_one_layer)) == pytest.approx(seconds["pass_share"], abs=6e-4)
+
+
 def test_deepseek_on_a2_leaves_rope_unfused_with_the_reason(capsys):
     status, r, err = run_json(capsys, "--model", "deepseek", "--target", "a2", "--layers", "1")
     assert status == 0
@@ -116,7 +134,7 @@ def test_950_fuses_every_norm_both_ways(capsys, dtype):
     assert status == 0 and r["settings"]["resolved_target"] == "950"
     for op, count in bundled("llama", 1).expected_sites.items():
         assert (r["ops"][op]["fused"], r["ops"][op]["unfused"]) == (count, 0), (op, r["ops"][op])
-    for op in ("rms_norm", "rotary_position_embedding"):  # the forward rules, on by default
+    for op in forward_ops():  # the forward rules, on by default
         assert r["ops"][op]["fused"] == r["ops"][op]["expected"] > 0 and r["ops"][op]["unfused"] == 0
     assert r["misses"] == [] and r["pass_errors"] == [] and r["gradients"]["passed"]
     text = format_text(r)
@@ -300,4 +318,6 @@ def test_settings_say_whether_the_forward_is_fused():
         args = parser.parse_args(argv)
         options = FusionOptions.from_mapping(command.forward_switches(args))
         assert command.forward_fused(args) is fused
-        assert [getattr(options, option) for option in forward_options()] == [fused] * len(forward_options())
+        defaults = [getattr(FusionOptions(), option) for option in forward_options()]  # SwiGLU's is off
+        expected = defaults if not argv else [fused] * len(forward_options())
+        assert [getattr(options, option) for option in forward_options()] == expected

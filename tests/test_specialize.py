@@ -1,5 +1,6 @@
 """``dynamic=True`` passes Python floats as graph inputs: the backend specializes a norm's eps
 under a guard (:mod:`npu_fusion.plugin.specialize`), and nothing else."""
+import pytest
 import torch
 
 from npu_fusion.measure.grads import MODEL_FACTOR, assert_close_as_unfused, float64_grads, run_grads
@@ -103,3 +104,116 @@ def test_eps_passed_as_a_tensor_is_a_recorded_forward_miss():
     (result,) = results
     assert result.fused("rms_norm_grad") == 1 and not result.fused("rms_norm")
     assert [m.reason for m in result.misses] == [EPS_TENSOR_REASON]
+
+
+# -- the same through Inductor (install_inductor): a pre-grad hook specializes eps ------------------
+
+def _dynamic_steps_through_inductor(model, loss, shapes, vocab):
+    """Compile ``loss(ids)`` with Inductor under ``dynamic=True`` and take a step at each of ``shapes``:
+    returns, per step, the pass's counters and whether the gradients met the float64 criterion."""
+    import copy
+
+    from npu_fusion.compat import no_compile_caches
+    from npu_fusion.measure.grads import grad_failures
+    from npu_fusion.plugin.pass_manager import COUNTER
+
+    def grads(m, ids, run):
+        m.zero_grad(set_to_none=True)
+        run(m, ids).backward()
+        return {n: p.grad.clone() for n, p in m.named_parameters() if p.grad is not None}
+
+    compiled = torch.compile(lambda m, ids: loss(m, ids), dynamic=True)
+    steps = []
+    with no_compile_caches():
+        for seed, shape in enumerate(shapes):
+            ids = torch.randint(0, vocab, shape, generator=torch.Generator().manual_seed(seed))
+            eager = grads(model, ids, loss)
+            wide = copy.deepcopy(model).double()
+            exact = grads(wide, ids, loss)
+            fused = grads(model, ids, compiled)
+            failures = grad_failures(fused, eager, {n: g.to(eager[n].dtype) for n, g in exact.items()}, MODEL_FACTOR)
+            steps.append((dict(torch._dynamo.utils.counters[COUNTER]), failures))
+    return steps
+
+
+def _both_ways(norms, rotations, compiles=1):
+    return {"rms_norm": compiles * norms, "rms_norm_grad": compiles * norms,
+            "rotary_position_embedding": compiles * rotations, "rotary_position_embedding_grad": compiles * rotations}
+
+
+@pytest.fixture
+def inductor_installed():
+    import npu_fusion
+    from npu_fusion.compat import inductor_config
+    from npu_fusion.plugin.inductor import uninstall_inductor
+
+    before = inductor_config().pre_grad_custom_pass, inductor_config().pre_grad_pass_timing
+    npu_fusion.install_inductor(target="generic", strict=True)
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    yield
+    uninstall_inductor()
+    assert (inductor_config().pre_grad_custom_pass, inductor_config().pre_grad_pass_timing) == before
+    torch._dynamo.reset()
+
+
+def test_bundled_llama_through_inductor_dynamic_true(inductor_installed):
+    """Inductor under ``dynamic=True``: the pre-grad hook specializes each norm's eps, the joint hook
+    the head dim; every site fuses both ways, a second batch and sequence length reuse the graph,
+    and a changed eps recompiles with the new value."""
+    from npu_fusion.models import bundled
+
+    model = bundled("llama", num_layers=1, dtype=torch.float32)
+    norms, rotations = model.expected_sites["rms_norm_grad"], model.expected_sites["rotary_position_embedding_grad"]
+    vocab = model.config.vocab_size
+    steps = _dynamic_steps_through_inductor(model, lambda m, ids: m.loss(ids), [(2, 12), (3, 7)], vocab)
+    assert [counters for counters, _ in steps] == [_both_ways(norms, rotations)] * 2
+    assert [failures for _, failures in steps] == [[], []]
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1, "another batch and sequence recompiled"
+    for module in model.modules():
+        if hasattr(module, "eps"):
+            module.eps = 0.5
+    ((counters, failures),) = _dynamic_steps_through_inductor(model, lambda m, ids: m.loss(ids), [(2, 12)], vocab)
+    assert failures == [] and counters == _both_ways(norms, rotations, compiles=2)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 2, "a changed eps did not recompile"
+
+
+def test_transformers_llama_through_inductor_dynamic_true(inductor_installed):
+    """A transformers Llama (its eps a module attribute, ``variance_epsilon``) through Inductor under
+    ``dynamic=True``: every site fused both ways, no recompile at another batch and sequence length."""
+    transformers = pytest.importorskip("transformers")
+
+    config = transformers.LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=1,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    config._attn_implementation = "eager"
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config)
+    steps = _dynamic_steps_through_inductor(model, lambda m, ids: m(input_ids=ids, labels=ids).loss,
+                                            [(2, 12), (3, 7)], 96)
+    assert [counters for counters, _ in steps] == [_both_ways(norms=3, rotations=2)] * 2
+    assert [failures for _, failures in steps] == [[], []]
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1, "another batch and sequence recompiled"
+
+
+def test_head_dim_through_inductor_dynamic_true(inductor_installed):
+    """q a graph input whose head dim ``dynamic=True`` makes symbolic: Inductor's joint hook guards it
+    (the pre-grad hook leaves sizes alone), the rotation fuses both ways and another batch and
+    sequence length reuse the graph."""
+    from npu_fusion.compat import no_compile_caches
+    from npu_fusion.plugin.pass_manager import COUNTER
+
+    compiled = torch.compile(rope, dynamic=True)
+    with no_compile_caches():
+        for seed, (b, s) in enumerate(((2, 6), (3, 9))):
+            g = torch.Generator().manual_seed(seed)
+            q = torch.randn(b, 4, s, 16, generator=g).requires_grad_()
+            angles = torch.randn(s, 16, generator=g)
+            inputs = [q, angles.cos(), angles.sin()]
+            got, grad_outputs = run_grads(compiled, inputs)
+            eager, _ = run_grads(rope, inputs, (), grad_outputs)
+            for f, e, exact in zip(got, eager, float64_grads(rope, inputs, (), grad_outputs)):
+                assert f.dtype == e.dtype and f.shape == e.shape
+                assert_close_as_unfused(f, e, exact, factor=MODEL_FACTOR)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1, "another batch and sequence recompiled"
+    assert dict(torch._dynamo.utils.counters[COUNTER]) == {"rotary_position_embedding": 1,
+                                                           "rotary_position_embedding_grad": 1}

@@ -14,7 +14,9 @@ wheel):
   per-parameter comparison the report prints;
 - :mod:`.sites`: the independent site counter (hooks on a library's norm and RoPE modules, or a
   wrapper around its apply-RoPE function) and the accounting of every counted site: fused, a
-  recorded miss, run outside every compiled graph, or unexplained.
+  recorded miss, run outside every compiled graph, or unexplained;
+- :mod:`.timing`: the pass's share of a compile (its own CPU time over the compiled step's), what
+  the report prints and the benchmarks measure.
 
 Layering: this package imports ``plugin/`` and below; the report (``npu_fusion.report``) imports
 it; nothing in the pass imports it.

@@ -26,6 +26,7 @@ from ..plugin.backend import aot_backend, fused_backward, run_keeping_unfused
 from ..plugin.options import FusionOptions
 from ..plugin.pass_manager import FusionResult
 from .runs import count_calls, count_graph_runs, runs_of
+from .timing import Clock
 
 
 def _target_name(target, qualified: bool) -> str:
@@ -71,6 +72,9 @@ class Recorder:
         self.paths: List[Dict[str, str]] = []
         #: per graph through the pass: what the partition saves without the pass (a joint graph's)
         self.saved_before: List[Optional[Any]] = []
+        #: CPU seconds this recorder spent around the pass (copies, the unfused partition): no
+        #: part of a compile, taken out of the step's time (:func:`~.timing.pass_share`)
+        self.recording_cpu = 0.0
 
     def backend(self):
         """The AOTAutograd backend (``.kwargs`` are its compilers, partitioner and decompositions)."""
@@ -95,15 +99,17 @@ class Recorder:
             self.partition_forwards.append(run.forward)
         if not self.fuse:
             return
-        if self.on_graph is not None:
-            self.on_graph(gm, run)
-        self.paths.append({n.name: nearest_module_path(n) for n in gm.graph.nodes} if self.module_paths else {})
-        result, before, saved_before = run_keeping_unfused(gm, run)
-        self.results.append(result)
-        self.before.append(before)
-        self.saved_before.append(saved_before)
-        self._after.append(fused_backward(gm, run))
-        count_graph_runs(gm, run, self.run_keys)
+        with Clock() as around:
+            if self.on_graph is not None:
+                self.on_graph(gm, run)
+            self.paths.append({n.name: nearest_module_path(n) for n in gm.graph.nodes} if self.module_paths else {})
+            result, before, saved_before = run_keeping_unfused(gm, run)
+            self.results.append(result)
+            self.before.append(before)
+            self.saved_before.append(saved_before)
+            self._after.append(fused_backward(gm, run))
+            count_graph_runs(gm, run, self.run_keys)
+        self.recording_cpu += around.cpu - result.cpu_seconds
 
     def installed(self):
         """What must surround the compiled step (nothing for this backend)."""
@@ -179,10 +185,10 @@ class InductorRecorder(Recorder):
 
 class TorchairRecorder(InductorRecorder):
     """torchair's own backend (``torchair.get_npu_backend``) with ``npu_fusion.install``: the pass
-    in its post-grad hook, on each backward graph after torchair's partition. torchair compiles a
+    in its post-grad hook, on each graph after torchair's partition. torchair compiles a
     backward graph when it first runs, so the results are read from ``HISTORY`` when the step is
     over (the end of :meth:`installed`), and each is counted with its forward graph's runs: the
-    backward graphs compile in the reverse order of their forwards. Off an NPU, torchair builds
+    forward graphs compile in order, the backward graphs in the reverse order of their forwards. Off an NPU, torchair builds
     the GE graphs and runs the FX graphs eagerly (``debug.run_eagerly``), and two CPU ops that
     torch_npu would replace on an NPU get forms GE converts: ``aten.silu_backward`` decomposed,
     attention in PyTorch's math SDPA (the CPU's flash-attention op has no converter)."""
@@ -219,7 +225,15 @@ class TorchairRecorder(InductorRecorder):
             self.results.extend(new)
             self.paths.extend({} for _ in new)
             self.saved_before.extend(None for _ in new)
-            self.run_keys.extend(list(reversed(self._forward_keys))[:len(new)])
+            self.run_keys.extend(self._keys_of(new))
+
+    def _keys_of(self, results: List[FusionResult]) -> List[int]:
+        """Each result's graph key: a forward or inference graph's in compile order (the newest
+        forwards'), a backward's in the reverse order (backwards compile as the step unwinds)."""
+        ahead = sum(r.graph != "backward" for r in results)
+        forwards = iter(self._forward_keys[len(self._forward_keys) - ahead:])
+        backwards = iter(reversed(self._forward_keys))
+        return [next(backwards if r.graph == "backward" else forwards) for r in results]
 
 
 def torchair_config():

@@ -4,7 +4,8 @@ them into fused op calls. One package per rule, named as its fused op's module u
 module per concern in it (of ``match``, ``sites`` with the near misses, ``misses`` after the last round,
 ``emit``, ``whole`` for the whole aten ops, those the rule needs) and the rule, a :class:`~.rule.FusionRule`
 subclass, in its ``__init__``; what a forward and a backward rule share is a public module beside them
-(:mod:`.rms_statistic`, :mod:`.rotation`). :data:`RULES` is what the pass manager runs, in order, and what the
+(:mod:`.rms_statistic`, :mod:`.rotation`); a rule small enough for one module is that module (SwiGLU's:
+:mod:`.swiglu_grad`, and :mod:`.swiglu` with what the two share). :data:`RULES` is what the pass manager runs, in order, and what the
 options, the table of supported forms (docs/supported-forms.md) and the independent site counters derive from.
 
 The method they share: :mod:`.nodes` reads a graph, :mod:`.evaluator` evaluates it
@@ -22,9 +23,12 @@ from .rms_norm import RmsNormForwardRule
 from .rope_grad import RopeGradRule
 from .rope import RopeForwardRule
 from .rule import Form, FusionRule, RoundReport, SiteProbe
+from .swiglu import SwigluForwardRule
+from .swiglu_grad import SwigluGradRule
 
 __all__ = ["RULES", "FORMS", "render_forms", "FusionRule", "RoundReport", "Form", "SiteProbe",
-           "RmsNormGradRule", "RopeGradRule", "RmsNormForwardRule", "RopeForwardRule"]
+           "RmsNormGradRule", "RopeGradRule", "RmsNormForwardRule", "RopeForwardRule",
+           "SwigluGradRule", "SwigluForwardRule"]
 
 #: The rules in the order each round runs them. A site whose dy is another site's dx (a
 #: post- or sandwich norm's dy, RoPE's dy under Llama 4's L2 qk-norm, a qk-norm's dy under
@@ -36,7 +40,8 @@ __all__ = ["RULES", "FORMS", "render_forms", "FusionRule", "RoundReport", "Form"
 #: backward reads its intermediates (the backward rules match the decomposed forward they were
 #: written for, statistic and normalized value included), and the RMSNorm forward then hands
 #: the fused backward its rstd.
-RULES = (RmsNormGradRule(), RopeGradRule(), RmsNormForwardRule(), RopeForwardRule())
+RULES = (RmsNormGradRule(), RopeGradRule(), SwigluGradRule(), RmsNormForwardRule(), RopeForwardRule(),
+         SwigluForwardRule())
 
 #: (fused op, form, where it comes from), rule by rule in the order of :data:`RULES`
 FORMS = [(rule.op.name, form.form, form.seen_in) for rule in RULES for form in rule.forms]

@@ -189,12 +189,14 @@ def rms_root(node: fx.Node, provenance: Optional[Provenance], is_root) -> Option
     return y, len(dims), bool(keepdim)
 
 
-#: why an RMSNorm spelled with a division by the root fuses in no form
-DIVISION_REASON = ("an RMSNorm spelled x / sqrt(mean(x*x) + eps) (a division by the root): no form reads the "
-                   "division; write x * torch.rsqrt(mean(x*x) + eps), the same value, to fuse it")
-#: why an RMSNorm whose statistic drops the normalized axes fuses in no form
-KEEPDIM_REASON = ("an RMSNorm statistic rsqrt(mean(x*x) + eps) taken with keepdim=False and unsqueezed after: "
-                  "no form reads it; write x.pow(2).mean(-1, keepdim=True), the same value, to fuse it")
+#: why an RMSNorm spelled with a division by the root did not fuse (the dgamma-only form cannot read it)
+DIVISION_REASON = ("an RMSNorm spelled x / sqrt(mean(x*x) + eps) (a division by the root) that no form matched "
+                   "here (the weight-gradient-only backward does not read the division); write "
+                   "x * torch.rsqrt(mean(x*x) + eps), the same value, and it fuses wherever the rsqrt spelling does")
+#: why an RMSNorm whose statistic drops the normalized axes did not fuse (the dgamma-only form cannot read it)
+KEEPDIM_REASON = ("an RMSNorm statistic rsqrt(mean(x*x) + eps) taken with keepdim=False and unsqueezed after, "
+                  "that no form matched here (the weight-gradient-only backward does not read it); write "
+                  "x.pow(2).mean(-1, keepdim=True), the same value, and it fuses wherever that spelling does")
 
 
 def unmatched_spelling(node: fx.Node, provenance: Optional[Provenance]) -> Optional[str]:

@@ -17,10 +17,9 @@ import torch
 from ..compat import aot_autograd, core_aten_decompositions, make_boxed_func, partition_function
 from ..fallback import warn_fallback
 from .options import FusionOptions
-from ..patterns import RULES
 from .pass_manager import fuse_backward, fuse_inference, fuse_joint, in_compiled_autograd
 from .saved_activations import saved_set
-from .specialize import specialize_model_constants
+from .specialize import specializing
 
 
 def _on_npu_host() -> bool:
@@ -107,14 +106,7 @@ def aot_backend(options: FusionOptions, around_pass: Optional[Callable] = None, 
     table = decompositions if decompositions is not None else _decompositions(options.decompositions)
     aot = aot_autograd(fw_compiler=fw_compiler, bw_compiler=bw_compiler, inference_compiler=inference_compiler,
                        partition_fn=partition_fn, decompositions=table, **aot_options)
-    if not any(rule.reads_constant_floats and options.enables(rule) for rule in RULES):
-        return aot
-
-    def backend(gm, example_inputs):
-        specialize_model_constants(gm, example_inputs)
-        return aot(gm, example_inputs)
-    backend.kwargs = aot.kwargs  # AOTAutograd's compilers, partitioner and decompositions, as on ``aot``
-    return backend
+    return specializing(aot, options)
 
 
 def _fuser(options: FusionOptions, stage: str, around_pass: Optional[Callable]):
@@ -183,10 +175,10 @@ def fused_backward(gm: torch.fx.GraphModule, run) -> Callable[[], torch.fx.Graph
 def torchair_backend(options: FusionOptions, compiler_config=None):
     """The backend on an Ascend host, with torchair's compilers and decompositions.
 
-    The backend on an Ascend host: AOTAutograd with the pass on the joint graph, as
-    elsewhere, with torchair's compiler (``torchair.get_compiler(config)``) for the forward,
-    backward and inference graphs and torchair's decompositions, so GE compiles both graphs
-    and the fused ops reach it through their converters. Every option is honoured:
+    AOTAutograd runs the pass on the joint graph, as elsewhere; torchair's compiler
+    (``torchair.get_compiler(config)``) compiles the forward, backward and inference graphs,
+    with torchair's decompositions, so GE compiles both graphs and the fused ops reach it
+    through their converters. Every option is honoured:
     ``partitioner`` picks the partition, ``decompositions="core"`` adds core ATen's table
     under torchair's."""
     import torchair

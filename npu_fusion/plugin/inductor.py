@@ -15,6 +15,10 @@ CPU, torch_npu's on an NPU)::
     npu_fusion.install_inductor(target="auto")
     model = torch.compile(model)  # backend="inductor"
 
+Under ``dynamic=True`` Dynamo passes a norm's float ``eps`` as a 0-d tensor input; a second
+hook, ``torch._inductor.config.pre_grad_custom_pass`` (run on Dynamo's graph before AOTAutograd),
+specializes it under a guard (:mod:`.specialize`) as the ``npu_fusion`` backend does.
+
 A pass already in the slot keeps running, first; installing again replaces the earlier
 npu-fusion pass rather than stacking it. The pass is a ``CustomGraphPass`` whose ``uuid()``
 hashes the package's sources and the options, so the FX graph cache stays valid; a chained
@@ -74,6 +78,27 @@ def _make_pass_class():
             return hash_for_files(_sources(), extra)
 
     return NpuFusionJointPass
+
+
+class NpuFusionPreGradPass:
+    """Inductor's ``pre_grad_custom_pass``: ``previous`` first, then the model constants specialized.
+
+    It has no ``uuid()`` on purpose: Inductor then runs it before its caches' lookups (the
+    "early" timing), so the key hashes the graph with the constants in it and every compile,
+    a cache hit too, installs the guard; a pass run after the lookup would reuse a graph
+    specialized to another eps with no guard."""
+
+    def __init__(self, previous: Any = None):
+        self.previous = previous
+        self.timing = None  # the pre_grad_pass_timing installing it set, restored by uninstalling
+
+    def __call__(self, graph) -> None:
+        for previous in _as_passes(self.previous):
+            previous(graph)
+        from .specialize import specialize_model_constants
+
+        if graph.owning_module is not None:
+            specialize_model_constants(graph.owning_module)
 
 
 def _copy_by_multiplying(graph, fake_mode, value):
@@ -176,8 +201,8 @@ def joint_pass(options: FusionOptions, previous: Any = None):
 
 def install_inductor(**options: Any):
     """Install the npu-fusion pass into ``torch._inductor.config.joint_custom_pre_pass``; returns
-    the pass. ``options`` are :class:`~npu_fusion.plugin.options.FusionOptions` fields;
-    ``partitioner`` and ``decompositions`` are Inductor's own to decide, and naming them is an
+    the pass. The specializing pass goes into ``pre_grad_custom_pass`` (chained the same way).
+    ``options`` are :class:`~npu_fusion.plugin.options.FusionOptions` fields; ``partitioner`` and ``decompositions`` are Inductor's own to decide, and naming them is an
     error (use ``backend="npu_fusion"`` to choose them)."""
     given = sorted(set(options) & set(NOT_HONOURED))
     if given:
@@ -190,12 +215,33 @@ def install_inductor(**options: Any):
     if previous is not None and isinstance(previous, _PASS_CLASS[0] if _PASS_CLASS else ()):
         previous = previous.previous  # re-install: keep what ours had chained
     config.joint_custom_pre_pass = joint_pass(opts, previous)
+    _install_pre_grad(config, opts)
     return config.joint_custom_pre_pass
 
 
+def _install_pre_grad(config, options: FusionOptions) -> None:
+    """Put (or, where no enabled rule reads a constant float, take) the specializing pass in ``pre_grad_custom_pass``."""
+    from .specialize import reads_constant_floats
+
+    _uninstall_pre_grad(config)
+    if reads_constant_floats(options):
+        config.pre_grad_custom_pass = NpuFusionPreGradPass(config.pre_grad_custom_pass)
+        if getattr(config, "pre_grad_pass_timing", None) == "default":  # what a pass without uuid gets, said once
+            config.pre_grad_pass_timing = config.pre_grad_custom_pass.timing = "early"
+
+
+def _uninstall_pre_grad(config) -> None:
+    current = config.pre_grad_custom_pass
+    if isinstance(current, NpuFusionPreGradPass):
+        config.pre_grad_custom_pass = current.previous
+        if current.timing is not None and config.pre_grad_pass_timing == current.timing:
+            config.pre_grad_pass_timing = "default"
+
+
 def uninstall_inductor() -> None:
-    """Take the npu-fusion pass out of ``joint_custom_pre_pass``, leaving what it had chained."""
+    """Take the npu-fusion passes out of ``joint_custom_pre_pass`` and ``pre_grad_custom_pass``, leaving what they chained."""
     config = inductor_config()
     current = config.joint_custom_pre_pass
     if _PASS_CLASS and isinstance(current, _PASS_CLASS[0]):
         config.joint_custom_pre_pass = current.previous
+    _uninstall_pre_grad(config)

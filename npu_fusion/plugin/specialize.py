@@ -20,7 +20,7 @@ Batch and sequence stay symbolic: their sizes are never touched here.
 from __future__ import annotations
 
 import operator
-from typing import List, Sequence
+from typing import Callable, List, Optional, Sequence
 
 import torch
 import torch.fx as fx
@@ -56,14 +56,18 @@ def _item_readers(placeholder: fx.Node) -> List[fx.Node]:
     return []
 
 
-def specialize_model_constants(gm: fx.GraphModule, example_inputs: Sequence) -> List[str]:
+def specialize_model_constants(gm: fx.GraphModule, example_inputs: Optional[Sequence] = None) -> List[str]:
     """Turn the eps-like float module attributes of a Dynamo graph into constants under a guard, in place.
 
-    Returns the attributes specialized (their Dynamo sources). A graph not produced by Dynamo
-    (no graph arguments in its placeholders' meta), or a torch without the guard API, is left as it is.
+    Returns the attributes specialized (their Dynamo sources). ``example_inputs`` are the
+    backend's; without them (Inductor's pre-grad hook gets the graph alone) each placeholder's
+    example is Dynamo's record of it. A graph not produced by Dynamo (no graph arguments in its
+    placeholders' meta), or a torch without the guard API, is left as it is.
     """
     specialized = []
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    if example_inputs is None:
+        example_inputs = [getattr(graph_argument(n), "example", None) for n in placeholders]
     for node, example in zip(placeholders, example_inputs):
         argument = graph_argument(node)
         if argument is None or not argument.pass_arg_as_tensor:
@@ -85,3 +89,27 @@ def specialize_model_constants(gm: fx.GraphModule, example_inputs: Sequence) -> 
     if specialized:
         gm.recompile()
     return specialized
+
+
+def reads_constant_floats(options) -> bool:
+    """Whether an enabled rule's fused op takes a float as a number (the forward norm's eps), so specializing pays."""
+    from ..patterns import RULES
+
+    return any(rule.reads_constant_floats and options.enables(rule) for rule in RULES)
+
+
+def specializing(backend: Callable, options) -> Callable:
+    """``backend`` (a ``torch.compile`` backend running AOTAutograd) behind :func:`specialize_model_constants`.
+
+    Returns ``backend`` itself where no enabled rule reads a constant float
+    (:func:`reads_constant_floats`); the wrapper keeps ``backend``'s ``kwargs`` (AOTAutograd's
+    compilers, partitioner and decompositions, which tests and tools read)."""
+    if not reads_constant_floats(options):
+        return backend
+
+    def specialized_backend(gm, example_inputs):
+        specialize_model_constants(gm, example_inputs)
+        return backend(gm, example_inputs)
+    if hasattr(backend, "kwargs"):
+        specialized_backend.kwargs = backend.kwargs
+    return specialized_backend

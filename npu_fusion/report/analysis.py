@@ -30,6 +30,7 @@ from ..lowering import FUSED_OPS as LOWERED_OPS
 from ..measure.grads import compare_gradients
 from ..measure.recording import InductorRecorder, Recorder, TorchairRecorder, op_counts
 from ..measure.sites import FORWARD_OPS, account, expected_for, floating_tensors
+from ..measure.timing import Clock, pass_share
 from ..plugin.options import FusionOptions
 from ..plugin.pass_manager import FusionResult
 from .subjects import Subject
@@ -60,7 +61,7 @@ def _announce_inductor(_gm, _run) -> None:
 
 
 def _announce_torchair(_gm, _run) -> None:
-    progress("compiling with torchair (the pass runs on each backward graph after its partition)...")
+    progress("compiling with torchair (the pass runs on each forward and backward graph after the partition)...")
 
 
 def _placed(records: List[Dict[str, Any]], paths: Dict[str, str], nodes) -> List[Dict[str, Any]]:
@@ -118,13 +119,13 @@ def analyse(subject: Subject, batch, options: FusionOptions, settings: Dict[str,
     compiler = settings.get("compiler", "npu_fusion")
     recorder = recorder_for(options, compiler)
     outside = subject.counter(subject.model) if subject.counts_outside else contextlib.nullcontext()
-    with recorder.installed():
+    with recorder.installed(), Clock() as step:
         seconds, compiled_loss, fused_grads = _measured_compiled_step(settings, subject, recorder, batch, outside)
 
     progress("comparing gradients...")
     gradients = compare_gradients(fused_grads, eager, exact)
     gradients["loss"] = {"compiled": compiled_loss, "eager": eager_loss}
-    report = assemble(settings, subject, options, recorder, expected, gradients, seconds)
+    report = assemble(settings, subject, options, recorder, expected, gradients, seconds, step.cpu)
     if subject.counts_outside:
         report["accounting"] = accounting(counting, outside, recorder)
     return report
@@ -157,15 +158,13 @@ def analyse_inference(subject: Subject, batch, options: FusionOptions, settings:
             mark_dynamic(step, 1)
         compiled = torch.compile(lambda i: _outputs(subject, subject.model, i), backend=recorder)
         progress("compiling and running the forward (no_grad)...")
-        with torch.no_grad(), outside:
-            start = time.perf_counter()
+        with torch.no_grad(), outside, Clock() as clock:
             got = compiled(step)
-            seconds = time.perf_counter() - start
 
     progress("comparing outputs...")
     gradients = compare_gradients(got, eager, exact)
     gradients["loss"] = None
-    report = assemble(settings, subject, options, recorder, expected, gradients, (seconds, 0.0))
+    report = assemble(settings, subject, options, recorder, expected, gradients, (clock.wall, 0.0), clock.cpu)
     if subject.counts_outside:
         report["accounting"] = accounting(counting, outside, recorder, inference=True)
     return report
@@ -210,8 +209,12 @@ def _cloned(value):
 
 
 def assemble(settings, subject: Subject, options: FusionOptions, recorder, expected, gradients,
-              seconds) -> Dict[str, Any]:
-    """The report's plain data from the recorded pass results and the gradient comparison."""
+             seconds, step_cpu: float) -> Dict[str, Any]:
+    """The report's plain data from the recorded pass results and the gradient comparison.
+
+    ``seconds`` are the compiled step's first forward and backward calls on the wall clock,
+    ``step_cpu`` the whole step's CPU time (:class:`~npu_fusion.measure.timing.Clock`): the pass's
+    share of it is :func:`~npu_fusion.measure.timing.pass_share`."""
     results = recorder.results
     report = {
         "model": subject.name,
@@ -226,7 +229,8 @@ def assemble(settings, subject: Subject, options: FusionOptions, recorder, expec
         "saved_activations": _saved_summary(recorder),
         "gradients": gradients,
         "seconds": {"forward_first_call": seconds[0], "backward_first_call": seconds[1],
-                    "pass": sum(r.seconds for r in results)},
+                    "pass": sum(r.seconds for r in results),
+                    **pass_share(results, step_cpu, recorder.recording_cpu)},
         "pass_errors": [r.error for r in results if r.error],
     }
     report["accounting_errors"] = accounting_errors(report, recorder)

@@ -37,11 +37,12 @@ from typing import Any, Dict, List
 import torch
 
 from ..measure.sites import expected_for
+from ..measure.timing import Clock
 from ..plugin.options import FusionOptions
 from . import analysis, command
 from .analysis import progress, recorder_for
 from .subjects import DTYPES, Subject, UsageError, conventional_counter
-from .text import format_accounting, format_ops, format_saved, format_traffic, table, write_report
+from .text import format_accounting, format_ops, format_saved, format_traffic, pass_share_line, table, write_report
 
 EXIT_UNEXPLAINED = 1  # a counted site neither fused nor recorded as a miss
 NO_GRADIENTS = {"checked": False, "passed": None, "per_dtype": {}, "failures": [],
@@ -155,15 +156,14 @@ def _one_target(model, ids, settings: Dict[str, Any], counted) -> Dict[str, Any]
     torch.compiler.reset()
     recorder = recorder_for(options)
     outside = conventional_counter(model)
-    start = time.perf_counter()
-    with outside:
+    with outside, Clock() as step:
         loss = torch.compile(lambda i: meta_loss(model, i), backend=recorder)(ids)
         loss.backward()
-    seconds = time.perf_counter() - start
     model.zero_grad(set_to_none=True)
     subject = Subject(name=settings["model"], model=model, loss=meta_loss, vocab_size=0)
     expected = expected_for(options, counted.counts)
-    report = analysis.assemble(settings, subject, options, recorder, expected, NO_GRADIENTS, (seconds, 0.0))
+    report = analysis.assemble(settings, subject, options, recorder, expected, NO_GRADIENTS, (step.wall, 0.0),
+                               step.cpu)
     report["accounting"] = analysis.accounting(counted, outside, recorder)
     return report
 
@@ -208,6 +208,7 @@ def format_text(report: Dict[str, Any]) -> str:
         s = r["settings"]
         out.append(f"\n# Target {r['settings']['resolved_target']}: {s['layers']} layer(s), {s['dtype']}, "
                    f"batch {s['batch']} x seq {s['seq']}\n")
+        out.append(f"{pass_share_line(r['seconds'])}\n")
         out += [f"PASS ERROR (graph left unchanged): {err}\n" for err in r["pass_errors"]]
         out.append(format_sites(r))
         out += [format_ops(r), format_accounting(r), format_traffic(r), format_saved(r)]

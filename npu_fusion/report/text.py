@@ -40,6 +40,16 @@ def table(header: List[str], rows: List[List[Any]]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def pass_share_line(seconds: Dict[str, Any]) -> str:
+    """The pass's share of the compile, in words: its CPU time over the compiled step's."""
+    share = seconds.get("pass_share")
+    if share is None:
+        return "the pass's share of the compile: not measured (the compiled step took no CPU time)"
+    return (f"the pass's share of the compile: {100 * share:.1f}% of the CPU time (the pass "
+            f"{seconds['pass_cpu'] * 1000:.1f} ms of the compiled step's {seconds['step_cpu']:.2f} s, "
+            "the report's own recording left out)")
+
+
 def format_accounting(report: Dict[str, Any]) -> str:
     """Where the independently counted sites ended; only where the counter could tell which ran
     outside every compiled graph (``--framework``)."""
@@ -72,7 +82,8 @@ def _format_header(report: Dict[str, Any]) -> str:
     total = sec["forward_first_call"] + sec["backward_first_call"]
     step = "forward + backward" if s.get("train", True) else "forward (inference step, no_grad)"
     out.append(f"first {step} (compile and run) {total:.2f} s; the pass itself "
-               f"{sec['pass'] * 1000:.1f} ms ({100 * sec['pass'] / total if total else 0:.1f}%)\n")
+               f"{sec['pass'] * 1000:.1f} ms ({100 * sec['pass'] / total if total else 0:.1f}%)\n"
+               f"{pass_share_line(sec)}\n")
     out += [f"PASS ERROR (graph left unchanged): {err}\n" for err in report["pass_errors"]]
     out += [f"ACCOUNTING ERROR (this report contradicts the pass's results): {err}\n"
             for err in report.get("accounting_errors", ())]

@@ -214,6 +214,17 @@ class IrDef:
     attrs: Dict[str, Tuple[str, str]]
 
 
+class _AnyDtype(frozenset):
+    """The dtypes of a type variable the IR text does not list (torchair's docstring of
+    ``SwiGlu`` names ``"T"`` without its DATATYPE line): every dtype is in it."""
+
+    def __contains__(self, item) -> bool:
+        return True
+
+
+ANY_DTYPE = _AnyDtype()
+
+
 def _dtypes(kinds: str) -> frozenset:
     return frozenset(_DTYPE_ALIASES.get(k.strip(), k.strip()) for k in kinds.split(",") if k.strip())
 
@@ -222,17 +233,24 @@ def parse_reg_op(text: str) -> IrDef:
     """Parse torchair's docstring form of a ``REG_OP`` definition."""
     name = re.match(r"REG_OP\((\w+)\)", text.strip()).group(1)
     inputs, outputs, attrs = [], [], {}
+    variables = {name: _dtypes(kinds) for name, kinds in
+                 re.findall(r"\.DATATYPE\((\w+),\s*TensorType\(\{(.*)\}\)\)", text)}
     for kind, body in re.findall(r"\.(INPUT|OPTIONAL_INPUT|DYNAMIC_INPUT|OUTPUT|DYNAMIC_OUTPUT|"
                                  r"REQUIRED_ATTR|ATTR)\((.*)\)\s*$", text, flags=re.M):
         if kind.endswith("ATTR"):
             attr_name, attr_type, *default = [p.strip() for p in body.split(",", 2)]
             attrs[attr_name] = (attr_type, default[0] if default else None)
             continue
-        io_name, kinds = re.match(r"(\w+),\s*TensorType\(\{(.*)\}\)", body).groups()
+        listed = re.match(r"(\w+),\s*TensorType\(\{(.*)\}\)", body)
+        if listed is not None:
+            io_name, dtypes = listed.group(1), _dtypes(listed.group(2))
+        else:  # a type variable (``.INPUT(x, "T")``): its DATATYPE line, when the text has one
+            io_name, variable = re.match(r'(\w+),\s*"(\w+)"', body).groups()
+            dtypes = variables.get(variable, ANY_DTYPE)
         if kind.endswith("OUTPUT"):
-            outputs.append((io_name, _dtypes(kinds)))
+            outputs.append((io_name, dtypes))
         else:
-            inputs.append((io_name, kind == "OPTIONAL_INPUT", _dtypes(kinds)))
+            inputs.append((io_name, kind == "OPTIONAL_INPUT", dtypes))
     return IrDef(name, inputs, outputs, attrs)
 
 

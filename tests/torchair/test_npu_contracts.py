@@ -136,7 +136,7 @@ def test_builders_in_use(torchair, sources):
     assert npu_contracts.builders_in_use() == {
         "RmsNormGrad": "torchair", "RotaryPositionEmbeddingGrad": "torchair",
         "RotaryPositionEmbeddingGrad without x": "own", "RmsNorm": "torchair", "RotaryPositionEmbedding": "torchair",
-        "RotaryPositionEmbedding without rotate": "torchair"}
+        "RotaryPositionEmbedding without rotate": "torchair", "SwiGlu": "torchair", "SwiGluGrad": "torchair"}
 
 
 def _ge_rms_norm_grad_rstd_and_gamma_swapped(dy, x, rstd, gamma, meta_outputs=None):

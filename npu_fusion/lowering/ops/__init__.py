@@ -6,7 +6,7 @@ checks and the conformance tests (``tests/test_op_conformance.py``) read.
 
 Adding an op: its module here, and its line below.
 """
-from . import rms_norm, rms_norm_grad, rope, rope_grad
+from . import rms_norm, rms_norm_grad, rope, rope_grad, swiglu, swiglu_grad
 
 #: every fused op, by its description
 FUSED_OPS = (
@@ -14,4 +14,6 @@ FUSED_OPS = (
     rope_grad.OP,
     rms_norm.OP,
     rope.OP,
+    swiglu_grad.OP,
+    swiglu.OP,
 )

@@ -135,7 +135,7 @@ class RmsNormForwardRule(FusionRule):
     ops = (OP,)
     reads_constant_floats = True  # the fused op's eps is an attribute
     #: each norm call the model runs is one forward site, the backward's site
-    site_probe = SiteProbe(kind=OP.option, same_sites_as="rms_norm")
+    site_probe = SiteProbe(kind=OP.option, same_sites_as=RMS_NORM_GRAD.option)
     forms = tuple(Form(*row) for row in (
         ("forward on the joint graph, paired with its fused backward (which reads the forward's rstd): "
          "fp32 statistics with the casts, `nn.RMSNorm`/`F.rms_norm` with or without weight, `1 + weight`, "

@@ -10,8 +10,9 @@ from ...lowering import FUSED_OPS, RMS_NORM as OP, RMS_NORM_GRAD
 from ...lowering.ops.rms_norm_grad import rms_norm_target_problem
 from ..nodes import CAST_TARGETS, VIEWS, aten, gradient_dependent, last_of, outside_users, region_of, shape, val
 from ..rewrite import Insertion, Miss, RuleContext, commit, emit_fused_op, replacement_of, as_forward_work
+from ..evaluator import saved_by_the_forward
 from ..layout import memory_order, permuted, same_layout
-from ..pairing import NORM_SITE, site_key
+from ..pairing import site_key
 from .sites import ForwardNormMatch, site_dtypes, site_region, root_power, rounds_inside
 
 
@@ -39,16 +40,18 @@ def _unfused_readers(node: fx.Node, region, gradient) -> List[fx.Node]:
     return [u for u in _readers(node, region) if u.target not in fused_ops and u in gradient]
 
 
-def _pairing_problem(site: ForwardNormMatch, region, graph: fx.Graph) -> Optional[str]:
+def _pairing_problem(site: ForwardNormMatch, region, graph: fx.Graph, provenance=None) -> Optional[str]:
     """Why the site cannot fuse yet, or None.
 
     Why the site cannot fuse yet: a decomposed backward reads its statistic (the forward fuses
     paired with a fused backward, or with none), or, unpaired, a node outside it reads an
     intermediate (a fused dgamma-only backward reads the normalized value as its x). None when
     nothing but the site and fused ops reads its statistic; paired with its fused backward, an
-    intermediate another node reads stays (:func:`_kept`)."""
+    intermediate another node reads stays (:func:`_kept`), as does one a partitioned training forward
+    saves for its backward (:func:`~..evaluator.saved_by_the_forward`: its y and rstd the fused op's)."""
     gradient, fused_ops = gradient_dependent(graph) or set(), {op.overload for op in FUSED_OPS}
-    readers = [(n, u) for n in outside_users(region, [site.y, site.rstd]) for u in n.users if u not in region]
+    readers = [(n, u) for n in outside_users(region, [site.y, site.rstd]) for u in n.users
+               if u not in region and not saved_by_the_forward(provenance, u)]
     decomposed = _unfused_readers(site.rstd, region, gradient)
     paired = _read_by_fused_backward(site.rstd, region)
     if not paired:
@@ -114,8 +117,8 @@ def emit(ctx: RuleContext, site: ForwardNormMatch):
     region = site_region(site)
     # the site's own verdicts first (the one its backward was given, then its roundings), then
     # whether it fuses this round (paired with a fused backward)
-    problem = ctx.context.judgements.binding(site_key(NORM_SITE, site.rstd)) or rounds_inside(site) \
-        or _pairing_problem(site, region, graph)
+    problem = ctx.context.judgements.binding(site_key(RMS_NORM_GRAD.option, site.rstd)) or rounds_inside(site) \
+        or _pairing_problem(site, region, graph, ctx.provenance)
     compute, gamma_dtype = site_dtypes(site)
     problem = problem or rms_norm_target_problem(ctx.target, compute, gamma_dtype, shape(site.x), site.ev.k,
                                                   ge_op=OP.ge_op)

@@ -180,10 +180,11 @@ def _without_readers_of_others(ev: NormEvaluator, outputs: List[tuple]) -> List[
 
 #: why a norm whose eps is a tensor keeps its forward (the npu_fusion backend specializes a float eps
 #: that dynamic=True passes as a graph input, :mod:`npu_fusion.plugin.specialize`; other paths do not)
-EPS_TENSOR_REASON = ("eps is a tensor here (dynamic=True passes a float eps as a graph input, and only the npu_fusion "
-                     "backend reads it back as its value under a guard), and the fused op takes eps as a number: "
-                     "compile with backend='npu_fusion', set torch._dynamo.config.specialize_float = True, or pass "
-                     "eps as a Python float")
+EPS_TENSOR_REASON = ("eps is a tensor here (dynamic=True passes a float eps as a graph input, which backend="
+                     "'npu_fusion', npu_fusion.install_inductor() and npu_fusion.get_npu_backend(config) read back "
+                     "as its value under a guard; torchair's own get_npu_backend does not), and the fused op takes "
+                     "eps as a number: compile through one of those, set torch._dynamo.config.specialize_float = "
+                     "True, or pass eps as a Python float")
 
 
 def _match_statistic(ev: NormEvaluator, graph: fx.Graph, rstd: fx.Node, forward):

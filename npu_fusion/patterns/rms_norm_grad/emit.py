@@ -12,7 +12,7 @@ from ..evaluator import Provenance, kept_precision, rounding_problem
 from ..nodes import aten, dtype, is_value_preserving_cast, last_of, shape, val
 from ..rewrite import (Edit, Insertion, Miss, RuleContext, Site, add_back_accumulated, commit, emit_fused_op,
                        exact_common_dtype)
-from ..pairing import NORM_SITE, site_key
+from ..pairing import site_key
 from ..rule import FusionRule
 from .match import NormMatch
 
@@ -75,7 +75,7 @@ def _emit(rewrites: RuleContext, site: NormMatch, outputs, region):
         # which the forward leaves to the program where it cannot fuse
         forward_problem = rms_norm_target_problem(target, compute, gamma_dtype, shape(site.x), site.ev.k,
                                                   ge_op="RmsNorm")
-        rewrites.context.judgements.record(site_key(NORM_SITE, site.rstd), forward_problem or rounding)
+        rewrites.context.judgements.record(site_key(OP.option, site.rstd), forward_problem or rounding)
     if problem is not None:
         return Miss(OP.name, site.dx.name, problem)
     anchor = last_of(graph, [n for n in (site.dy, site.x, site.rstd, site.gamma) if n is not None])

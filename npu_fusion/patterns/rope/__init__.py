@@ -101,7 +101,7 @@ class RopeForwardRule(FusionRule):
     domain = "lanes"
     ops = (OP,)
     #: each rotation the model runs is one forward site, the backward's site
-    site_probe = SiteProbe(kind=OP.option, same_sites_as="rope")
+    site_probe = SiteProbe(kind=OP.option, same_sites_as=ROPE_GRAD.option)
     forms = tuple(Form(*row) for row in (
         ("forward on the joint graph, modes 0 to 3 (2 and 3 on Ascend 950 and `generic`), a table negated as "
          "a whole, partial rotary (the slice of x the rotation reads), tables broadcast from 11SD/1S1D/...",

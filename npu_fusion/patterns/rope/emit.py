@@ -7,15 +7,15 @@ from typing import List, Optional, Tuple
 
 import torch.fx as fx
 
-from ...lowering import ROPE as OP
+from ...lowering import ROPE as OP, ROPE_GRAD
 from ...lowering.ops.rope_grad import ROPE_MODES
 from ...lowering.sizes import same_shape, static_int
-from ..evaluator import kept_precision, rounding_problem
+from ..evaluator import kept_precision, rounding_problem, saved_by_the_forward
 from ..lanes import LaneEvaluator, shape as lane_shape
 from ..nodes import aten, dtype, last_of, outside_users, region_of, shape, val
 from ..rewrite import (Insertion, Miss, RuleContext, commit, exact_common_dtype, in_layout_of, input_problem,
                        replacement_of, as_forward_work)
-from ..pairing import ROTATION_SITE, site_key
+from ..pairing import site_key
 from ..layout import memory_order, permuted, restored, same_layout
 from ..rotation import rope_layout_problem
 from .match import ForwardRopeMatch, Role, site_region
@@ -174,6 +174,10 @@ def _operands(ctx: RuleContext, site: ForwardRopeMatch):
     shared = outside_users(region, [site.y])
     if shared:
         user = next(u for u in shared[0].users if u not in region)
+        if saved_by_the_forward(ctx.provenance, user):
+            return (f"the backward reads {shared[0].name}, an intermediate of the rotation this training forward saves "
+                    f"for it (a table's gradient reads the rotated half of x), which the fused op does not compute: "
+                    f"the partition is fixed here, so the forward stays (backend='npu_fusion' fuses the joint graph)")
         return f"intermediate {shared[0].name} has a user outside the rotation ({user.name})"
     leaves = {site.x[0], site.cos[0], site.sin[0]}
     foreign = [a for n in region for a in n.all_input_nodes if a not in region and a not in bases
@@ -210,7 +214,7 @@ def _read_at_another_precision(ev: LaneEvaluator, region: List[fx.Node], operand
 
 def _judged(ctx: RuleContext, site: ForwardRopeMatch, rounding: Optional[str]) -> Optional[str]:
     """``rounding``, the site's precision verdict, recorded for a backward no form read to take."""
-    ctx.context.judgements.record(site_key(ROTATION_SITE, *_leaves(site)[1:]), rounding, by="forward")
+    ctx.context.judgements.record(site_key(ROPE_GRAD.option, *_leaves(site)[1:]), rounding, by="forward")
     return rounding
 
 
@@ -255,7 +259,7 @@ def emit(ctx: RuleContext, site: ForwardRopeMatch):
     The op's output is contiguous: it is called on x, cos and sin with their axes in the memory
     order of the output it replaces (a transposed q: BSND with 1S1D tables), and its result is
     permuted back, so the program's views of that output keep their strides."""
-    bound = ctx.context.judgements.binding(site_key(ROTATION_SITE, *_leaves(site)[1:]))
+    bound = ctx.context.judgements.binding(site_key(ROPE_GRAD.option, *_leaves(site)[1:]))
     if bound is not None:  # every backward of these tables was refused for its roundings or by the target
         return Miss(OP.name, site.y.name, bound)
     operands = _operands(ctx, site)

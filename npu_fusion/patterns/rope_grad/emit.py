@@ -13,7 +13,7 @@ from ..nodes import aten, dtype, last_of, shape
 from ..rewrite import (Edit, Insertion, Miss, RuleContext, add_back_accumulated, commit, emit_fused_op,
                        exact_common_dtype)
 from ..layout import permuted
-from ..pairing import ROTATION_SITE, site_key
+from ..pairing import site_key
 from .match import RopeMatch
 from ..rotation import rope_layout_problem
 
@@ -82,7 +82,7 @@ def emit(rewrites: RuleContext, site: RopeMatch, outputs, region):
         # rotation itself (not the limits A2/A3 add for the table gradients, which no forward computes)
         rotation = layout if x is None or layout is None else rope_layout_problem(
             target, site.mode, shape(dy), shape(cos), False, dtype(dy))
-        rewrites.context.judgements.record(site_key(ROTATION_SITE, cos_leaf, sin_leaf), rounding or rotation)
+        rewrites.context.judgements.record(site_key(OP.option, cos_leaf, sin_leaf), rounding or rotation)
         problem = rounding or layout  # in the forward rule's order: one reason for the rotation
         if problem is None and x is not None and not same_shape(shape(x), shape(dy)):
             problem = f"x {list(shape(x))} and dy {list(shape(dy))} have different shapes"

@@ -15,7 +15,7 @@ from ..lanes import LaneEvaluator
 from ..nodes import (CAST_TARGETS, VIEWS, aten, downstream, dtype, gradient_dependent, gradient_product, outermost,
                      region_of, shape)
 from ..rewrite import Miss, RuleContext, gradient_accumulation
-from ..pairing import ROTATION_SITE, calls, source
+from ..pairing import calls, source
 from ..rule import RoundReport
 from ..rope.sites import forward_rotations
 from ..rotation import DX_DEPTH, MAX_LANES, Role, moves_elements, sums_dx_terms, lane_evaluator, rotation_sums
@@ -329,7 +329,7 @@ def _table_keys(ev: LaneEvaluator, node: fx.Node) -> List[tuple]:
     v = ev.memo.get(node)
     tables = {source(ev.leaves[lid]) for poly in (v.polys if v is not None else ()) for mono in poly
               for lid, _ in mono if not ev.depends_on_gradient(ev.leaves[lid])}
-    return [(ROTATION_SITE, a, b) for a in tables for b in tables]
+    return [(OP.option, a, b) for a in tables for b in tables]
 
 
 def find_again(rewrites: RuleContext, site: RopeMatch, leaves: List[fx.Node]) -> Optional[RopeMatch]:

@@ -1,0 +1,390 @@
+"""Fuse SwiGLU's forward on the joint graph into ``npu_fusion.swiglu``, and what its two rules share.
+
+Unfused, as AOTAutograd writes Phi-3's MLP (``gate, up = gate_up_proj(h).chunk(2, -1)``)::
+
+    gate, up = getitem(split(x, H, -1), 0), getitem(split(x, H, -1), 1)
+    y = mul(silu(gate), up)
+
+Fused::
+
+    y = npu_fusion.swiglu(x, -1)
+
+How a site is found, by value in the lanes domain (:class:`~.lanes.LaneEvaluator`: exact
+per-position polynomials of leaf elements over the last axis, whatever slices, splits, chunks,
+views and float casts spell them): ``silu`` is a leaf of the domain, and a site is a ``silu``
+node whose argument is, position by position, the first half ``x[0:H]`` of a leaf x of width
+``2H``, and a node y whose value is ``silu[i] * x[H + i]`` at each position i. A gated product
+whose gate and up read one leaf otherwise (the halves swapped, silu on the second half, an odd
+width, unequal pieces) is a near miss; a gate and an up from two projections (Llama's MLP) read
+two leaves and are no site at all (concatenating the two weights is a change of the model the
+pass does not make). Casts are identities of the domain; :func:`~.evaluator.rounding_problem`
+refuses a site that rounds inside more coarsely than it keeps y, and the fused op's result,
+in x's dtype, must hold the precision y is kept at (a float32 product of bf16 halves kept in
+float32 is refused). Only views, splits, slices and casts may lie between x and the product (no
+permutation or broadcast of the leading axes), so the fused op's output is y's elements in y's
+order.
+
+Pairing: the rule runs after the backward rule (:mod:`.swiglu_grad`) in each round; a forward
+whose ``silu`` or halves a decomposed backward still reads stays as it is this round (a miss,
+decided again in the next), so the backward rule always sees the forward it was written for.
+The fused backward reads x itself, so the partition saves x instead of the halves and silu.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import List, Optional, Tuple
+
+import torch
+import torch.fx as fx
+
+from ..lowering import FUSED_OPS
+from ..lowering.ops.swiglu import OP, swiglu_target_problem
+from .evaluator import kept_precision, rounding_problem, saved_by_the_forward
+from .lanes import LaneEvaluator, Lanes
+from ..lowering.checks import numel as product_of, size_equal
+from .nodes import aten, dtype, gradient_dependent, holds, is_float_cast, shape, val
+from .rewrite import Insertion, Miss, RuleContext, as_forward_work, commit, emit_fused_op
+from .rule import Form, FusionRule, RoundReport, SiteProbe
+
+#: the ops that may move elements across the leading axes (the lanes domain tracks the last axis
+#: only): none may lie inside a site, so the fused op's output is the site's elements in its order
+REORDERING = {aten.permute.default, aten.transpose.int, aten.t.default, aten.expand.default, aten.select.int,
+              aten.unbind.int, aten.as_strided.default, aten.flip.default, aten.roll.default, aten.repeat.default,
+              aten.index.Tensor, aten.gather.default, aten.select_backward.default}
+#: the ops that join along an axis: only along the last one (the halves)
+JOINING = {aten.cat.default, aten.stack.default}
+
+
+def swiglu_evaluator() -> LaneEvaluator:
+    """The lanes domain over the whole graph: every node read as itself (silu a leaf)."""
+    return LaneEvaluator(None)
+
+
+@dataclasses.dataclass(frozen=True)
+class Piece:
+    """A value that is, position by position, leaf ``x`` (its node) at ``start .. start + size``
+    of its last axis, which is ``width`` wide."""
+    x: fx.Node
+    lid: int
+    start: int
+    size: int
+    width: int
+
+    @property
+    def is_gate(self) -> bool:
+        return self.start == 0 and 2 * self.size == self.width
+
+    @property
+    def is_up(self) -> bool:
+        return 2 * self.start == self.width and 2 * self.size == self.width
+
+
+def piece_of(ev: LaneEvaluator, node) -> Optional[Piece]:
+    """``node``'s value as a contiguous piece of one leaf's last axis, or None."""
+    if not isinstance(node, fx.Node):
+        return None
+    v = ev.value(node)
+    if v is None or v.reduction is not None or v.complex or len(v.inner) != 1 or not v.polys:
+        return None
+    vars_ = []
+    for poly in v.polys:
+        if len(poly) != 1:
+            return None
+        (mono, coef), = poly.items()
+        if coef != 1 or len(mono) != 1:
+            return None
+        vars_.append(mono[0])
+    lid, start = vars_[0]
+    if any(var != (lid, start + i) for i, var in enumerate(vars_)):
+        return None
+    leaf = ev.leaves[lid]
+    width = ev.value(leaf).inner[-1] if ev.value(leaf) is not None else None
+    if width is None:
+        return None
+    return Piece(leaf, lid, start, len(vars_), width)
+
+
+def numel(node: fx.Node):
+    """The number of elements of ``node``'s value (symbolic where its sizes are)."""
+    return product_of(shape(node))
+
+
+def is_silu(node) -> bool:
+    return isinstance(node, fx.Node) and node.op == "call_function" and node.target is aten.silu.default
+
+
+def through_casts(node: fx.Node) -> fx.Node:
+    """The node past the float casts that end at it."""
+    while is_float_cast(node):
+        node = node.args[0]
+    return node
+
+
+def outermost_cast(node: fx.Node) -> fx.Node:
+    """``node`` followed through the float casts that are its only user."""
+    while len(node.users) == 1 and is_float_cast(next(iter(node.users))):
+        node = next(iter(node.users))
+    return node
+
+
+def product_value(ev: LaneEvaluator, a: Tuple[int, int], b_lid: int, b_start: int, size: int) -> List[dict]:
+    """The lanes of ``leaf a[i] * leaf b[b_start + i]``, a given as (leaf id, start)."""
+    return [{tuple(sorted(((a[0], a[1] + i), (b_lid, b_start + i)))): 1} for i in range(size)]
+
+
+def glu_problem(gate: Piece, up: Piece) -> Optional[str]:
+    """Why a gate and an up read from one x are not SwiGlu's halves (first gated, second up), or None."""
+    if gate.width % 2:
+        return (f"{gate.x.name}'s last axis is {gate.width} wide, odd: SwiGlu splits x into two equal halves "
+                f"(docs/fused-ops.md#swiglu)")
+    if gate.size != up.size:
+        return f"the gate ({gate.size} wide) and the up ({up.size} wide) are unequal pieces of {gate.x.name}"
+    if up.is_gate and gate.is_up:
+        return (f"silu gates the second half of {gate.x.name} and the first half is the up: SwiGlu gates the "
+                f"first half (torch_npu's npu_swiglu has no flag to swap them)")
+    if not (gate.is_gate and up.is_up):
+        return (f"the gate reads {gate.x.name}[{gate.start}:{gate.start + gate.size}] and the up "
+                f"[{up.start}:{up.start + up.size}] of its {gate.width}: not its two halves in order")
+    return None
+
+
+def order_problem(outputs, stops, numels) -> Optional[str]:
+    """Why the nodes between ``stops`` and ``outputs`` may move elements across the leading axes, or None.
+
+    Why the nodes from ``stops`` (exclusive) to ``outputs`` (their inputs, recursively) may move
+    elements across the leading axes, which the lanes domain does not track, or None: a permutation,
+    broadcast or selection among them, a join along another axis than the last, or, with ``numels``
+    (pairs of sizes that must be equal), a site whose outputs are not as large as the fused op's."""
+    for a, b in numels:
+        if not size_equal(a, b):
+            return f"the site's sizes ({a} and {b} elements) are not the fused op's: a broadcast inside"
+    stack, seen = [a for o in outputs for a in o.all_input_nodes], set()
+    while stack:
+        node = stack.pop()
+        if node in seen or node in stops or node.op != "call_function":
+            continue
+        seen.add(node)
+        name = getattr(node.target, "__name__", str(node.target))
+        rank = len(shape(node)) if shape(node) is not None else 0
+        joins_last = node.target in JOINING and rank and \
+            (node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0)) % rank == rank - 1
+        if node.target in REORDERING or (node.target in JOINING and not joins_last):
+            return (f"{node.name} ({name}) lies inside the site: it may move elements across the leading axes, "
+                    f"which the fused op keeps in place")
+        stack.extend(node.all_input_nodes)
+    return None
+
+
+def precision_problem(ev: LaneEvaluator, output: fx.Node, name: str, roles, leaves=()) -> Optional[str]:
+    """Why the site's roundings keep it unfused, or None.
+
+    The rounding rules of :func:`~.evaluator.rounding_problem`, also below the site's ``leaves``
+    (silu and silu_backward are leaves of the domain: the operands of ``leaves`` are judged by
+    the narrowing casts they were read through), and the fused op's own: it rounds its result to
+    x's dtype, which must hold the precision the program keeps ``output`` at."""
+    problem = rounding_problem(ev, {name: output}, roles)
+    if problem is not None:
+        return problem
+    kept = kept_precision(output)
+    for leaf in leaves:
+        for operand in leaf.all_input_nodes:
+            ev.value(operand)
+            coarse = sorted(str(d) for d in ev.rounded.get(operand, ()) if not holds(d, kept))
+            if coarse:
+                return (f"the program rounds {operand.name}, an operand of {leaf.name}, to {', '.join(coarse)} "
+                        f"inside the site, more coarsely than it keeps {name} ({output.name}, {kept}); the "
+                        f"fused op would not round it")
+    x = roles[-1]
+    if not holds(dtype(x), kept):
+        return (f"the program keeps {name} ({output.name}) in {kept}, finer than x's {dtype(x)} in which the fused "
+                f"op rounds it (a product of {dtype(x)} halves computed and kept in {kept})")
+    return None
+
+
+@dataclasses.dataclass
+class SwigluMatch:
+    """A forward site: ``y`` (the outermost cast of the product) is ``silu(x[:H]) * x[H:]``."""
+    y: fx.Node
+    product: fx.Node
+    silu: fx.Node
+    x: fx.Node
+
+    @property
+    def dx(self) -> fx.Node:
+        """The node a transaction runs under (the rules' common key)."""
+        return self.y
+
+
+def _region(product: fx.Node, x: fx.Node) -> List[fx.Node]:
+    """The nodes from x (exclusive) to the product (inclusive)."""
+    region, stack = [], [product]
+    while stack:
+        node = stack.pop()
+        if node is x or node in region or node.op != "call_function":
+            continue
+        region.append(node)
+        stack.extend(node.all_input_nodes)
+    return region
+
+
+def _gated_products(silu: fx.Node) -> List[fx.Node]:
+    """The products that read ``silu`` (through float casts) as a factor."""
+    out, stack = [], [silu]
+    while stack:
+        node = stack.pop()
+        for user in node.users:
+            if is_float_cast(user):
+                stack.append(user)
+            elif user.target is aten.mul.Tensor:
+                out.append(user)
+    return out
+
+
+def _examine(ev: LaneEvaluator, silu: fx.Node, gradient) -> Tuple[List[SwigluMatch], List[Miss]]:
+    gate = piece_of(ev, silu.args[0])
+    if gate is None:
+        return [], []
+    silu_v = ev.value(silu)
+    if silu_v is None or silu_v.polys[0] != {((ev.leaf_id(silu), 0),): 1}:
+        return [], []
+    matches, misses = [], []
+    for product in _gated_products(silu):
+        if gradient is not None and product in gradient:
+            continue
+        other = next((a for a in product.args[:2] if isinstance(a, fx.Node) and through_casts(a) is not silu
+                      and not _reads_silu(a, silu)), None)
+        up = piece_of(ev, other)
+        if up is None or up.lid != gate.lid:
+            continue  # a gate and an up of two projections: no site
+        problem = glu_problem(gate, up)
+        y = outermost_cast(product)
+        if problem is None:
+            v = ev.value(product)
+            expected = product_value(ev, (ev.leaf_id(silu), 0), gate.lid, gate.size, gate.size)
+            if v is None or v.polys != expected:
+                problem = f"{product.name} is not silu(gate) * up position by position"
+        problem = problem or order_problem([product], {gate.x}, [(numel(product), numel(gate.x) // 2)])
+        if problem is not None:
+            misses.append(Miss(OP.name, y.name, problem))
+        else:
+            matches.append(SwigluMatch(y, product, silu, gate.x))
+    return matches, misses
+
+
+def _reads_silu(node: fx.Node, silu: fx.Node) -> bool:
+    return through_casts(node) is silu
+
+
+def find_sites(graph: fx.Graph, ctx: RuleContext) -> RoundReport:
+    """This round's forward sites and near misses (nothing rewritten)."""
+    ev = swiglu_evaluator()
+    gradient = gradient_dependent(graph)
+    report = RoundReport()
+    for silu in [n for n in graph.nodes if is_silu(n) and (gradient is None or n not in gradient)]:
+        found = ctx.examine(silu, _examine, ev, silu, gradient)
+        if found is not None:
+            report.matches += found[0]
+            report.misses += found[1]
+    ctx.evaluated(ev)
+    return report
+
+
+def _pairing_problem(match: SwigluMatch, path, gradient, provenance=None) -> Optional[str]:
+    """Why the forward waits: a decomposed backward still reads one of its intermediates."""
+    fused = {op.overload for op in FUSED_OPS}
+    for node in path:
+        if through_casts(node) is match.product:  # y: the program's later readers read the fused y
+            continue
+        for user in node.users:
+            if saved_by_the_forward(provenance, user):
+                return (f"the forward saves {node.name} for its backward (a training forward after the partition): "
+                        f"the fused op would compute it again beside it; SwiGLU fuses on the joint graph")
+            if user not in path and gradient is not None and user in gradient and user.target not in fused:
+                return (f"{user.name}, a decomposed backward, reads {node.name}: the forward fuses once its backward "
+                        f"is a fused swiglu_grad (option swiglu)")
+    return None
+
+
+def dead_region(outputs, stops) -> List[fx.Node]:
+    """The calls that compute ``outputs`` and that nothing else reads (above them, up to ``stops``):
+    what the rewrite replaces once the outputs are rewired."""
+    region, stack = set(outputs), [a for o in outputs for a in o.all_input_nodes]
+    while stack:
+        node = stack.pop()
+        if node in region or node in stops or node.op != "call_function":
+            continue
+        if all(u in region for u in node.users):
+            region.add(node)
+            stack.extend(node.all_input_nodes)
+    return sorted(region)
+
+
+def emit(ctx: RuleContext, match: SwigluMatch):
+    """One forward site rewritten into ``swiglu(x, -1)`` (a :class:`Site`), or a :class:`Miss`."""
+    graph = ctx.graph
+    gradient = gradient_dependent(graph)
+    path = _region(match.y, match.x)
+    ev = swiglu_evaluator()
+    ev.value(match.y)
+    problem = precision_problem(ev, match.y, "y", [match.x, match.x], [match.silu]) or _pairing_problem(match, path, gradient, ctx.provenance)
+    problem = problem or swiglu_target_problem(ctx.target, OP.ge_op, tuple(shape(match.x)))
+    if problem is not None:
+        return Miss(OP.name, match.y.name, problem)
+    with Insertion(graph, match.x) as inserted:
+        emitted = emit_fused_op(ctx, OP, match.y, (match.x, -1), {"y": match.y})
+        if isinstance(emitted, Miss):
+            return emitted
+        fused, replacements = emitted
+    added = inserted.nodes()
+    as_forward_work(added, match.product)
+    return commit(ctx.edit, OP.name, None, dead_region([match.y], {match.x}), {"y": match.y}, replacements,
+                  {"x": match.x}, added, fused)
+
+
+def decomposed_silu_misses(graph: fx.Graph, op: str, misses) -> List[Miss]:
+    """The misses for SiLUs of a half of one projection decomposed into ``x * sigmoid(x)``.
+
+    No silent misses: under the core ATen decompositions such a SiLU is a site the rules do not
+    read (they read ``silu`` and ``silu_backward``); one miss per projection, unless a recorded
+    miss is at it already."""
+    ev = swiglu_evaluator()
+    seen, out = {m.node for m in misses}, []
+    for node in graph.nodes:
+        if node.op != "call_function" or node.target is not aten.sigmoid.default:
+            continue
+        piece = piece_of(ev, node.args[0])
+        if piece is None or not (piece.is_gate or piece.is_up) or piece.x.name in seen:
+            continue
+        seen.add(piece.x.name)
+        out.append(Miss(op, piece.x.name, f"silu of half of {piece.x.name} is decomposed into sigmoid "
+                                          f"({node.name}): the rules read aten.silu and aten.silu_backward, "
+                                          f"which AOTAutograd keeps without the core ATen decompositions"))
+    return out
+
+
+class SwigluForwardRule(FusionRule):
+    """SwiGLU's forward on the joint graph (or an inference graph), matched by value in the lanes
+    domain, rewritten into ``swiglu`` once no decomposed backward reads its intermediates."""
+
+    stage = "joint"
+    domain = "lanes"
+    ops = (OP,)
+    enabled_by_default = False
+    site_probe = SiteProbe(kind=OP.option, same_sites_as="swiglu")
+    forms = tuple(Form(*row) for row in (
+        ("forward on the joint graph, after its fused backward: `silu(gate) * up` of the two halves of one "
+         "projection (`chunk`, `split`, slices), the product in the halves' dtype or upcast and cast back",
+         "Phi-3, GLM-4 (`gate_up_proj`), Megatron fc1 with gated linear units"),
+    ))
+
+    def find(self, graph: fx.Graph, ctx: RuleContext) -> RoundReport:
+        return find_sites(graph, ctx)
+
+    def emit(self, ctx: RuleContext, match: SwigluMatch):
+        return emit(ctx, match)
+
+    def unexplained(self, graph: fx.Graph, ctx: RuleContext, misses) -> List[Miss]:
+        """On an inference graph (no backward rule to record it), a decomposed SiLU of a half."""
+        if gradient_dependent(graph) is not None:
+            return []
+        return decomposed_silu_misses(graph, OP.name, misses)

@@ -1,0 +1,259 @@
+"""Fuse SwiGLU's backward into ``npu_fusion.swiglu_grad``.
+
+Unfused, as AOTAutograd writes the backward of ``silu(gate) * up`` with ``gate, up = x.chunk(2, -1)``::
+
+    d_gate = silu_backward(mul(dy, up), gate)
+    d_up   = mul(dy, silu(gate))
+    dx     = cat([d_gate, d_up], -1)          (slices: slice_backward of each, added)
+
+Fused::
+
+    dx = npu_fusion.swiglu_grad(dy, x, -1)
+
+How a site is found, by value in the lanes domain (:mod:`.swiglu` holds what the forward and
+backward rules share): a candidate is a ``silu_backward`` node (a leaf of the domain) whose input
+is a piece of a leaf x and whose incoming gradient is ``dy[i] * x[j(i)]`` of the same x. It is a
+site when the input is x's first half, ``j(i) = H + i`` (x's second half, the up) and some node
+downstream (dx) holds, position by position, the ``silu_backward`` lanes in its first half and
+``dy[i] * silu(x[:H])[i]`` in its second; a candidate whose pieces are not the two halves in order,
+or whose dx is not one value (summed with another gradient of x), is a near miss. A gate and an
+up of two projections read two leaves: no candidate. The rounding rules are the forward's
+(:func:`~.swiglu.precision_problem`); the fused op runs in the narrowest dtype that holds dy and x.
+"""
+from __future__ import annotations
+
+from typing import List, Optional, Tuple
+
+import torch.fx as fx
+
+from ..lowering.ops.swiglu_grad import OP
+from ..lowering.ops.swiglu import swiglu_target_problem
+from ..lowering.sizes import same_shape
+from .evaluator import JointProvenance
+from .lanes import LaneEvaluator
+from .nodes import aten, dtype, gradient_dependent, is_float_cast, last_of, shape, val
+from .rewrite import Insertion, Miss, RuleContext, commit, emit_fused_op, exact_common_dtype
+from .rule import Form, FusionRule, RoundReport, SiteProbe
+from .swiglu import (Piece, dead_region, decomposed_silu_misses, glu_problem, is_silu, numel, order_problem,
+                     piece_of, precision_problem, swiglu_evaluator)
+
+
+#: how far below the silu_backward node dx may lie (cat, slice_backward and add, casts, a view)
+DX_DEPTH = 6
+
+
+class GradMatch:
+    """A backward site: ``dx_node`` is the gradient of x (``x``), ``dy`` the incoming gradient."""
+
+    def __init__(self, dx_node: fx.Node, dy: fx.Node, x: fx.Node, silu_backward: fx.Node):
+        self.dx_node, self.dy, self.x, self.silu_backward = dx_node, dy, x, silu_backward
+
+    @property
+    def dx(self) -> fx.Node:
+        """The node a transaction runs under (the rules' common key)."""
+        return self.dx_node
+
+
+def _factors(ev: LaneEvaluator, node) -> Optional[List[Tuple[Tuple[int, int], Tuple[int, int]]]]:
+    """Each position of ``node`` as one product of two leaf elements (coefficient 1), or None."""
+    v = ev.value(node) if isinstance(node, fx.Node) else None
+    if v is None or v.reduction is not None or v.complex or len(v.inner) != 1:
+        return None
+    out = []
+    for poly in v.polys:
+        if len(poly) != 1:
+            return None
+        (mono, coef), = poly.items()
+        if coef != 1 or len(mono) != 2:
+            return None
+        out.append(mono)
+    return out
+
+
+def _up_and_dy(ev: LaneEvaluator, grad: fx.Node, gate: Piece) -> Optional[Tuple[Piece, Tuple[int, int]]]:
+    """The up (a piece of the gate's x) and dy (leaf id, start) of ``grad = dy * up``, or None."""
+    factors = _factors(ev, grad)
+    if factors is None or len(factors) != gate.size:
+        return None
+    ups = [[v for v in mono if v[0] == gate.lid] for mono in factors]
+    if any(len(u) != 1 for u in ups):
+        return None
+    dys = [next(v for v in mono if v != u[0]) for mono, u in zip(factors, ups)]
+    up_start, dy = ups[0][0][1], dys[0]
+    if any(u[0] != (gate.lid, up_start + i) for i, u in enumerate(ups)) or \
+            any(d != (dy[0], dy[1] + i) for i, d in enumerate(dys)):
+        return None
+    return Piece(gate.x, gate.lid, up_start, gate.size, gate.width), dy
+
+
+def _is_dx(ev: LaneEvaluator, node: fx.Node, sb_lid: int, dy: Tuple[int, int], gate: Piece) -> bool:
+    """Whether ``node`` holds ``cat(silu_backward, dy * silu(gate))`` position by position."""
+    v = ev.value(node)
+    h = gate.size
+    if v is None or v.reduction is not None or v.complex or len(v.inner) != 1 or len(v.polys) != 2 * h:
+        return False
+    if any(v.polys[i] != {((sb_lid, i),): 1} for i in range(h)):
+        return False
+    silu_lids = set()
+    for i in range(h):
+        poly = v.polys[h + i]
+        if len(poly) != 1:
+            return False
+        (mono, coef), = poly.items()
+        others = [u for u in mono if u != (dy[0], dy[1] + i)]
+        if coef != 1 or len(mono) != 2 or len(others) != 1 or others[0][1] != i:
+            return False
+        silu_lids.add(others[0][0])
+    if len(silu_lids) != 1:
+        return False
+    silu = ev.leaves[silu_lids.pop()]
+    return is_silu(silu) and piece_of(ev, silu.args[0]) == gate
+
+
+def _downstream(node: fx.Node, depth: int) -> List[fx.Node]:
+    """The nodes below ``node`` within ``depth`` users, nearest first."""
+    out, frontier, seen = [], [node], {node}
+    for _ in range(depth):
+        nxt = []
+        for n in frontier:
+            for u in n.users:
+                if u not in seen and u.op == "call_function":
+                    seen.add(u)
+                    nxt.append(u)
+        out += nxt
+        frontier = nxt
+    return out
+
+
+def _examine(ev: LaneEvaluator, sb: fx.Node):
+    """A :class:`GradMatch`, a :class:`Miss`, or None (no SwiGLU candidate) at a silu_backward node."""
+    grad, inp = sb.args[:2]
+    gate = piece_of(ev, inp)
+    if gate is None:
+        return None
+    found = _up_and_dy(ev, grad, gate)
+    if found is None:
+        return None  # dy * up of another projection (Llama's MLP): no candidate
+    up, dy = found
+    problem = glu_problem(gate, up)
+    if problem is not None:
+        return Miss(OP.name, sb.name, problem)
+    dy_node = ev.leaves[dy[0]]
+    dy_value = ev.value(dy_node)
+    if dy[1] != 0 or dy_value is None or dy_value.inner != (gate.size,):
+        return Miss(OP.name, sb.name, f"dy ({dy_node.name}) is a piece of a wider value: the fused op reads dy whole")
+    sb_value = ev.value(sb)
+    if sb_value is None:
+        return None
+    sb_lid = next(iter(sb_value.polys[0]))[0][0]
+    dx = next((n for n in _downstream(sb, DX_DEPTH) if _is_dx(ev, n, sb_lid, dy, gate)), None)
+    if dx is None:
+        return Miss(OP.name, sb.name, f"no node holds the gradient of {gate.x.name} alone (summed with another "
+                                      f"gradient of it, or its halves never joined): the fused op writes one dx")
+    while len(dx.users) == 1 and is_float_cast(next(iter(dx.users))):
+        dx = next(iter(dx.users))
+    return GradMatch(dx, dy_node, gate.x, sb)
+
+
+def _order_problem(match: GradMatch) -> Optional[str]:
+    """Why the backward's nodes may move elements across the leading axes, or None."""
+    return order_problem([match.dx_node], {match.x, match.dy},
+                         [(numel(match.dx_node), numel(match.x)), (2 * numel(match.dy), numel(match.x))])
+
+
+def _split_source(provenance, node) -> Optional[fx.Node]:
+    """The forward node a saved ``node`` is a ``getitem`` of (a split or chunk), or None."""
+    if not (isinstance(node, fx.Node) and node.op == "placeholder") or provenance is None:
+        return None
+    definition = provenance.forward_definition(node)
+    if definition is None or getattr(definition.target, "__name__", "") != "getitem":
+        return None
+    return definition.args[0]
+
+
+def _saved_halves_miss(provenance, sb: fx.Node) -> Optional[Miss]:
+    """On a backward graph alone: a miss where the gate and the up are two saved pieces of one split.
+
+    On a backward graph with its forward graph (torchair's post-partition hook), the gate and the up
+    are two saved tensors, and x, which the fused op reads, was not saved: a miss where their
+    forward definitions are two outputs of one split or chunk, so the site is not silent."""
+    if isinstance(provenance, JointProvenance):
+        return None
+    grad, inp = sb.args[:2]
+    source = _split_source(provenance, inp)
+    factors = grad.args[:2] if isinstance(grad, fx.Node) and grad.target is aten.mul.Tensor else ()
+    if source is None or not any(_split_source(provenance, f) is source for f in factors if f is not inp):
+        return None
+    return Miss(OP.name, sb.name, f"the gate and the up are two saved outputs of {source.name} and x is not "
+                                  f"saved: on a backward graph alone swiglu_grad cannot read x (the npu_fusion "
+                                  f"backend and install_inductor fuse it on the joint graph)")
+
+
+def find_sites(graph: fx.Graph, ctx: RuleContext) -> RoundReport:
+    """This round's backward sites and near misses (nothing rewritten)."""
+    gradient = gradient_dependent(graph)
+    ev = swiglu_evaluator()
+    report = RoundReport()
+    for sb in [n for n in graph.nodes if n.op == "call_function" and n.target is aten.silu_backward.default
+               and (gradient is None or n in gradient)]:
+        found = ctx.examine(sb, _examine, ev, sb) or ctx.examine(sb, _saved_halves_miss, ctx.provenance, sb)
+        if isinstance(found, Miss):
+            report.misses.append(found)
+        elif found is not None:
+            report.matches.append(found)
+    ctx.evaluated(ev)
+    return report
+
+
+def emit(ctx: RuleContext, match: GradMatch):
+    """One backward site rewritten into ``swiglu_grad(dy, x, -1)`` (a :class:`Site`), or a :class:`Miss`."""
+    graph, x, dy, dx = ctx.graph, match.x, match.dy, match.dx_node
+    ev = swiglu_evaluator()
+    ev.value(dx)
+    problem = _order_problem(match)
+    compute = exact_common_dtype([dtype(dy), dtype(x)])
+    silus = [n for n in ev.leaves if is_silu(n)]
+    problem = problem or precision_problem(ev, dx, "dx", [dy, x], [match.silu_backward, *silus]) or \
+        swiglu_target_problem(ctx.target, OP.ge_op, tuple(shape(x)))
+    lead = list(shape(dy)[:-1])
+    if problem is None and not same_shape(shape(x)[:-1], lead) and not val(x).is_contiguous():
+        problem = f"{x.name} is not contiguous: it cannot be viewed in dy's leading shape {lead}"
+    if problem is not None:
+        return Miss(OP.name, dx.name, problem)
+    with Insertion(graph, last_of(graph, [dy, x])) as inserted:
+        x_in = x if same_shape(shape(x)[:-1], lead) else \
+            ctx.edit.call(aten.view.default, (x, lead + [shape(x)[-1]]))
+        operands = (ctx.edit.cast(dy, compute), ctx.edit.cast(x_in, compute), -1)
+        emitted = emit_fused_op(ctx, OP, dx, operands, {"dx": dx})
+        if isinstance(emitted, Miss):
+            return emitted
+        fused, replacements = emitted
+    return commit(ctx.edit, OP.name, None, dead_region([dx], {x, dy}), {"dx": dx}, replacements,
+                  {"dy": dy, "x": x}, inserted.nodes(), fused)
+
+
+class SwigluGradRule(FusionRule):
+    """SwiGLU's backward, matched by value in the lanes domain, rewritten into ``swiglu_grad``."""
+
+    stage = "backward"
+    domain = "lanes"
+    ops = (OP,)
+    enabled_by_default = False
+    #: a dense MLP that calls one gate_up projection (Phi-3, GLM-4); not the MoE experts, whose calls
+    #: per expert the counters cannot see
+    site_probe = SiteProbe(kind=OP.option, source=r"self\.gate_up_proj\(")
+    forms = tuple(Form(*row) for row in (
+        ("`silu(gate) * up` of the two halves of one projection: `chunk(2, -1)`, `split`, slices, "
+         "upcast to float32 and cast back; dx joined by `cat` or by `slice_backward` and `add`",
+         "Phi-3, GLM-4 (`gate_up_proj`), Megatron fc1 with gated linear units"),
+    ))
+
+    def find(self, graph: fx.Graph, ctx: RuleContext) -> RoundReport:
+        return find_sites(graph, ctx)
+
+    def emit(self, ctx: RuleContext, match: GradMatch):
+        return emit(ctx, match)
+
+    def unexplained(self, graph: fx.Graph, ctx: RuleContext, misses) -> List[Miss]:
+        """A decomposed SiLU of a half of one projection (core ATen decompositions): one miss."""
+        return decomposed_silu_misses(graph, OP.name, misses)

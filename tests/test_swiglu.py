@@ -1,0 +1,262 @@
+"""SwiGLU fused on the joint graph: each form of a gate and an up that are the two halves of one
+projection becomes ``swiglu`` and ``swiglu_grad``, outputs and gradients by the float64 criterion;
+its near misses (swapped halves, silu on the wrong half, an odd width, rounding the program does)
+are recorded and left as they are; a gate and an up of two projections (Llama's MLP) are no site."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+from npu_fusion.measure.grads import MODEL_FACTOR, assert_close_as_unfused, float64_grads, run_grads
+from npu_fusion_testing.capture import Capture
+
+ON = {"swiglu": True, "swiglu_forward": True}
+FORWARD, BACKWARD = "swiglu", "swiglu_grad"
+H = 8  # the width of each half
+
+
+def _float64(fn, inputs, params=()):
+    saved = [p.data for p in params]
+    try:
+        for p in params:
+            p.data = p.data.double()
+        return fn(*[t.detach().double() for t in inputs])
+    finally:
+        for p, data in zip(params, saved):
+            p.data = data
+
+
+def check(fn, inputs, params=(), **options):
+    """Compile ``fn`` with the pass (SwiGLU on); its output and every gradient pass the float64
+    criterion against eager, in eager's dtypes and shapes. Returns the pass's results."""
+    capture = Capture(**dict(ON, **options))
+    torch._dynamo.reset()
+    compiled = torch.compile(fn, backend=capture)
+    with torch.no_grad():
+        got, eager, exact = compiled(*inputs), fn(*inputs), _float64(fn, inputs, params)
+    assert got.dtype == eager.dtype and got.shape == eager.shape
+    assert_close_as_unfused(got, eager, exact, factor=MODEL_FACTOR)
+    fused, grad_outputs = run_grads(compiled, inputs, params)
+    unfused, _ = run_grads(fn, inputs, params, grad_outputs)
+    for f, e, x in zip(fused, unfused, float64_grads(fn, inputs, params, grad_outputs)):
+        assert f.dtype == e.dtype and f.shape == e.shape
+        assert_close_as_unfused(f, e, x, factor=MODEL_FACTOR)
+    return capture
+
+
+def _inputs(dtype, lead=(2, 3), width=2 * H, d=16, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = (torch.randn(*lead, d, generator=g) * 0.5).to(dtype).requires_grad_()
+    w = (torch.randn(d, width, generator=g) / 4).to(dtype).requires_grad_()
+    return [x, w]
+
+
+def chunked(x, w):  # Phi-3's and GLM-4's MLP: gate_up_proj(x).chunk(2, -1)
+    gate, up = (x @ w).chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def split(x, w):
+    gate, up = torch.split(x @ w, H, dim=-1)
+    return up * F.silu(gate)  # either factor order
+
+
+def sliced(x, w):
+    h = x @ w
+    return F.silu(h[..., :H]) * h[..., H:]
+
+
+def upcast(x, w):  # silu and the product in float32, cast back: rounded once, as the fused op does
+    gate, up = (x @ w).chunk(2, dim=-1)
+    return (F.silu(gate.float()) * up.float()).to(x.dtype)
+
+
+def megatron(x, w):  # [S, B, 2H] fc1 output with torch.chunk, as Megatron's gated linear unit
+    h = F.linear(x.transpose(0, 1), w.t())
+    gate, up = torch.chunk(h, 2, dim=-1)
+    return F.silu(gate) * up
+
+
+class Phi3Mlp(torch.nn.Module):
+    """Phi-3's MLP as transformers writes it: one gate_up_proj, chunk, silu, down_proj."""
+
+    def __init__(self, dtype):
+        super().__init__()
+        torch.manual_seed(0)
+        self.gate_up_proj = torch.nn.Linear(16, 2 * H, bias=False, dtype=dtype)
+        self.down_proj = torch.nn.Linear(H, 16, bias=False, dtype=dtype)
+
+    def forward(self, x):
+        up_states = self.gate_up_proj(x)
+        gate, up_states = up_states.chunk(2, dim=-1)
+        return self.down_proj(up_states * F.silu(gate))
+
+
+def _joint(capture):
+    """The pass's result on the joint graph (``check`` also compiles an inference graph)."""
+    (result,) = [r for r in capture.results if r.graph == "joint"]
+    return result
+
+
+def _fused(capture, op):
+    return _joint(capture).fused(op)
+
+
+def _misses(capture, op):
+    return [m for m in _joint(capture).misses if m.op == op]
+
+
+@pytest.mark.parametrize("form", [chunked, split, sliced, megatron], ids=lambda f: f.__name__)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_form_fuses_forward_and_backward(form, dtype):
+    capture = check(form, _inputs(dtype))
+    assert (_fused(capture, FORWARD), _fused(capture, BACKWARD)) == (1, 1), _joint(capture).misses
+    assert not _joint(capture).misses
+    joint = capture.after[capture.results.index(_joint(capture))]
+    assert not [n for n in joint.nodes if getattr(n.target, "__name__", "").split(".")[0] in ("silu", "silu_backward")]
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+def test_upcast_product_cast_back_fuses(dtype):
+    capture = check(upcast, _inputs(dtype))
+    assert (_fused(capture, FORWARD), _fused(capture, BACKWARD)) == (1, 1), _joint(capture).misses
+
+
+def test_phi3_mlp_module_fuses_and_saves_the_projection():
+    mlp = Phi3Mlp(torch.bfloat16)
+    x = torch.randn(2, 3, 16, dtype=torch.bfloat16, requires_grad=True)
+    capture = check(mlp, [x], list(mlp.parameters()))
+    assert (_fused(capture, FORWARD), _fused(capture, BACKWARD)) == (1, 1), _joint(capture).misses
+    joint = capture.after[capture.results.index(_joint(capture))]
+    (fused_grad,) = [n for n in joint.nodes if getattr(n.target, "__name__", "").split(".")[0] == BACKWARD]
+    x_read = fused_grad.args[1]  # the whole projection, not its halves: what the partition saves
+    assert x_read.meta["val"].shape[-1] == 2 * H and "tangents" not in str(x_read.all_input_nodes)
+
+
+def test_backward_alone_fuses_and_the_forward_waits_for_it():
+    capture = check(chunked, _inputs(torch.float32), swiglu_forward=False)
+    assert (_fused(capture, FORWARD), _fused(capture, BACKWARD)) == (0, 1)
+    capture = check(chunked, _inputs(torch.float32), swiglu=False)
+    assert (_fused(capture, FORWARD), _fused(capture, BACKWARD)) == (0, 0)
+    (miss,) = _misses(capture, FORWARD)
+    assert "decomposed backward" in miss.reason
+
+
+def test_off_by_default():
+    capture = check(chunked, _inputs(torch.float32), swiglu=False, swiglu_forward=False)
+    assert not _joint(capture).misses and (_fused(capture, FORWARD), _fused(capture, BACKWARD)) == (0, 0)
+    from npu_fusion.plugin.options import FusionOptions
+    assert FusionOptions().swiglu is False and FusionOptions().swiglu_forward is False
+
+
+# -- near misses: recorded, never rewritten ----------------------------------------------
+
+def swapped(x, w):  # silu on the second half, the first the up
+    gate, up = (x @ w).chunk(2, dim=-1)
+    return F.silu(up) * gate
+
+
+def odd(x, w):  # a 15-wide projection: unequal pieces around a middle lane
+    h = x @ w
+    return F.silu(h[..., :7]) * h[..., 8:]
+
+
+def rounded_inside(x, w):  # a float32 program that rounds the gate to bf16 inside the site
+    gate, up = (x @ w).chunk(2, dim=-1)
+    return F.silu(gate.to(torch.bfloat16).float()) * up
+
+
+def kept_wider(x, w):  # bf16 halves, product in float32 kept in float32: the fused op would round it
+    gate, up = (x @ w).chunk(2, dim=-1)
+    return F.silu(gate.float()) * up.float()
+
+
+@pytest.mark.parametrize("form, dtype, width, reason", [
+    (swapped, torch.float32, 2 * H, "second half"),
+    (odd, torch.float32, 15, "odd"),
+    (rounded_inside, torch.float32, 2 * H, "rounds"),
+], ids=["swapped", "odd", "rounded_inside"])
+def test_near_miss_is_recorded_and_left(form, dtype, width, reason):
+    capture = check(form, _inputs(dtype, width=width))
+    assert (_fused(capture, FORWARD), _fused(capture, BACKWARD)) == (0, 0)
+    backward, forward = _misses(capture, BACKWARD), _misses(capture, FORWARD)
+    assert len(backward) == 1 and reason in backward[0].reason, _joint(capture).misses
+    assert len(forward) == 1, _joint(capture).misses
+
+
+def test_product_kept_wider_than_the_halves_keeps_its_forward():
+    capture = check(kept_wider, _inputs(torch.bfloat16))
+    assert _fused(capture, FORWARD) == 0
+    (miss,) = _misses(capture, FORWARD)
+    assert "float32" in miss.reason
+    assert _fused(capture, BACKWARD) == 1, capture.misses  # dx is rounded to bf16 as the program rounds it
+
+
+def test_two_projections_are_no_site():
+    def llama(x, w):  # Llama's MLP: gate_proj and up_proj, two weights
+        return F.silu(x @ w[:, :H]) * (x @ w[:, H:])
+
+    capture = check(llama, _inputs(torch.float32))
+    assert not _joint(capture).misses and (_fused(capture, FORWARD), _fused(capture, BACKWARD)) == (0, 0)
+
+
+def test_inference_graph_fuses_the_forward():
+    x, w = [t.detach() for t in _inputs(torch.bfloat16)]
+    capture = Capture(**ON)
+    torch._dynamo.reset()
+    with torch.no_grad():
+        got = torch.compile(chunked, backend=capture)(x, w)
+        eager, exact = chunked(x, w), _float64(chunked, [x, w])
+    assert_close_as_unfused(got, eager, exact, factor=MODEL_FACTOR)
+    assert capture.fused(FORWARD) == 1 and not capture.misses()
+
+
+@pytest.mark.parametrize("partitioner, decompositions", [("min_cut", "none"), ("min_cut", "core")])
+def test_partitioners_and_decompositions(partitioner, decompositions):
+    """min-cut fuses as the default partitioner; under the core ATen decompositions SiLU is
+    ``x * sigmoid(x)``, which the rules do not read: one recorded miss, never silence."""
+    capture = check(chunked, _inputs(torch.bfloat16), partitioner=partitioner, decompositions=decompositions)
+    if decompositions == "none":
+        assert (_fused(capture, FORWARD), _fused(capture, BACKWARD)) == (1, 1), _joint(capture).misses
+    else:
+        (miss,) = _joint(capture).misses
+        assert "sigmoid" in miss.reason and _fused(capture, BACKWARD) == 0
+
+
+def test_dynamic_batch_and_sequence():
+    """Batch and sequence symbolic: the halves are proven over the static last axis, x is viewed in
+    dy's symbolic leading shape, gradients by the float64 criterion (``compile_and_compare``)."""
+    from npu_fusion_testing.capture import compile_and_compare
+
+    mlp = Phi3Mlp(torch.float32)
+    x = torch.randn(2, 5, 16, requires_grad=True)
+    capture = compile_and_compare(mlp, [x], list(mlp.parameters()), dynamic_dims={0: (0, 1)}, **ON)
+    (result,) = capture.results
+    assert [s.op for s in result.sites] == [BACKWARD, FORWARD] and not result.misses
+
+
+def test_backward_graph_alone_is_one_recorded_miss():
+    """torchair's post-partition hook hands the pass the backward graph: the halves are two saved
+    tensors and x is not saved, so the site is one miss saying where it fuses, never silence."""
+    capture = Capture(stage="backward", **ON)
+    torch._dynamo.reset()
+    compiled = torch.compile(chunked, backend=capture)
+    fused, grad_outputs = run_grads(compiled, _inputs(torch.float32))
+    unfused, _ = run_grads(chunked, _inputs(torch.float32), (), grad_outputs)
+    for f, e in zip(fused, unfused):
+        torch.testing.assert_close(f, e)  # the graph is left as it was
+    (result,) = capture.results
+    assert result.graph == "backward" and not result.sites
+    (miss,) = result.misses
+    assert miss.op == BACKWARD and "joint graph" in miss.reason
+
+
+def test_leading_axes_moved_inside_is_a_near_miss():
+    """A transpose of the leading axes between the projection and its halves: the lanes domain sees
+    the same values position by position, but the fused op would keep the projection's order."""
+    def transposed(x, w):
+        gate, up = (x @ w).transpose(0, 1).chunk(2, dim=-1)
+        return F.silu(gate) * up
+
+    capture = check(transposed, _inputs(torch.float32))
+    fused = (_fused(capture, FORWARD), _fused(capture, BACKWARD))
+    assert fused == (0, 0) or not [m for m in _joint(capture).misses if "leading axes" not in m.reason], fused
