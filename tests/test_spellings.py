@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from npu_fusion.models import rotate_half
 from npu_fusion.plugin.options import forward_options
 from test_forward_fusion import assert_paired as assert_paired_through, calls, check
+from test_forward_sites import complex_rope
 
 FORWARD, BACKWARD = "rms_norm", "rms_norm_grad"
 ON = {"rms_norm_forward": True}
@@ -180,3 +181,174 @@ def test_rope_applied_twice_fuses_both_forwards(outer):
     assert result.fused(ROPE) == len(calls(fw, ROPE)) == rotations, result.misses
     assert result.fused(ROPE_GRAD) == len(calls(bw, ROPE_GRAD)) == rotations, result.misses
     assert (not result.misses) == (outer is _rotation), result.misses
+
+
+# -- a rotation before the heads' transpose, its output flattened (dy a view spanning two axes) --
+
+HEADS_OUTPUTS = {  # name: how the program lays out the rotated [B, S, N, D] for what follows
+    "transpose": lambda y: y.transpose(1, 2),
+    "reshape": lambda y: y.reshape(y.shape[0], y.shape[1], -1),
+    "flatten_heads_and_sequence": lambda y: y.flatten(1),
+}
+
+
+def _tables_per_batch(dtype=torch.float32):
+    """[B, S, D] tables passed in (no cos/sin in the graph), read as [B, S, 1, D]."""
+    angles = torch.randn(2, 6, 16, generator=torch.Generator().manual_seed(2))
+    return angles.cos().to(dtype), angles.sin().to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+@pytest.mark.parametrize("output", HEADS_OUTPUTS)
+def test_rope_before_the_heads_transpose_fuses_both_ways(output, dtype):
+    """dy is ``grad.view(B, S, N, D)`` of the flattened output's gradient: read as the fused op's
+    4-D dy, the backward fuses with the forward."""
+    q = torch.randn(2, 6, 4, 16, generator=torch.Generator().manual_seed(1)).to(dtype).requires_grad_()
+    cos, sin = _tables_per_batch(dtype)
+    layout = HEADS_OUTPUTS[output]
+    result, fw, bw = check(lambda q: layout(_rotation(q, cos[:, :, None], sin[:, :, None])), [q], **ROPE_ON)
+    assert not result.misses, result.misses
+    assert result.fused(ROPE) == result.fused(ROPE_GRAD) == 1
+    assert len(calls(fw, ROPE)) == len(calls(bw, ROPE_GRAD)) == 1
+
+
+@pytest.mark.parametrize("target", ["generic", "a2"])
+@pytest.mark.parametrize("output", HEADS_OUTPUTS)
+def test_rope_of_a_projection_viewed_into_heads_and_flattened_fuses_both_ways(output, target):
+    """q = proj(x).view(B, S, N, D), rotated and flattened back: the N * D wide views on both sides
+    match no mode; read with the heads' views as leaves, the rotation fuses, forward and backward."""
+    x = torch.randn(2, 6, 32, generator=torch.Generator().manual_seed(1)).requires_grad_()
+    weight = torch.nn.Parameter(torch.randn(64, 32, generator=torch.Generator().manual_seed(4)) / 8)
+    cos, sin = _tables_per_batch()
+    layout = HEADS_OUTPUTS[output]
+
+    def attention_input(x):
+        q = F.linear(x, weight).view(2, 6, 4, 16)
+        return layout(_rotation(q, cos[:, :, None], sin[:, :, None]))
+
+    result, fw, bw = check(attention_input, [x], [weight], target=target, **ROPE_ON)
+    assert not result.misses, result.misses
+    assert result.fused(ROPE) == result.fused(ROPE_GRAD) == 1
+    assert len(calls(fw, ROPE)) == len(calls(bw, ROPE_GRAD)) == 1
+
+
+@pytest.mark.parametrize("output", HEADS_OUTPUTS)
+def test_rope_before_the_heads_transpose_sign_flipped_is_one_miss_each_way(output):
+    q = torch.randn(2, 6, 4, 16, generator=torch.Generator().manual_seed(1)).requires_grad_()
+    cos, sin = _tables_per_batch()
+    layout = HEADS_OUTPUTS[output]
+    result, fw, bw = check(lambda q: layout(_rotation_sign_flipped(q, cos[:, :, None], sin[:, :, None])), [q],
+                           **ROPE_ON)
+    assert not calls(fw, ROPE) and not calls(bw, ROPE_GRAD)
+    assert sorted(m.op for m in result.misses) == [ROPE, ROPE_GRAD], result.misses
+
+
+def _rotation_read_by_many(q, cos, sin):
+    """x read by the rotation and by six more ops: autograd sums dx with six other gradients of x,
+    deeper in the accumulation than the backward rule looks."""
+    return _rotation(q, cos, sin).exp() + q.tanh() + q.sigmoid() + q.exp() + q.relu() + q.square() + q.abs()
+
+
+def test_unmatched_backward_of_a_fused_forward_is_one_recorded_miss():
+    """No silent misses: the forward fuses, the backward matches no form, and with tables passed in
+    (no cos/sin in the graph to recognise them by) the products by the fused forward's cos and sin
+    are still one recorded backward miss that names the forward."""
+    q = torch.randn(2, 6, 4, 16, generator=torch.Generator().manual_seed(1)).requires_grad_()
+    cos, sin = _tables_per_batch()
+    result, fw, bw = check(lambda q: _rotation_read_by_many(q, cos[:, :, None], sin[:, :, None]), [q], **ROPE_ON)
+    assert result.fused(ROPE) == len(calls(fw, ROPE)) == 1 and not calls(bw, ROPE_GRAD)
+    [miss] = result.misses
+    assert miss.op == ROPE_GRAD and "this rotation's forward fused" in miss.reason, miss
+
+
+# -- torchtitan's complex freqs_cis at sequence length 1 (a decode step's shapes) ------------------
+
+def _conjugated_pairs_rope(x, freqs_cis):
+    """Near miss: x's pairs conjugated before the product (a reflection, no rotation)."""
+    pairs = torch.view_as_complex(x.float().reshape(*x.shape[:-1], -1, 2)).conj()
+    return torch.view_as_real(pairs * freqs_cis).flatten(3).type_as(x)
+
+
+def _freqs_cis_one_position():
+    """torchtitan's ``freqs_cis`` for one position, [S, D/2] with S = 1."""
+    angles = torch.rand(1, 8, generator=torch.Generator().manual_seed(2)) * 3
+    return torch.polar(torch.ones_like(angles), angles)
+
+
+def _over_bsnd(freqs_cis):
+    """The table viewed in the graph as torchtitan broadcasts it over BSND: [1, S, 1, D/2]."""
+    return freqs_cis.view(1, freqs_cis.shape[0], 1, freqs_cis.shape[1])
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_complex_freqs_cis_at_sequence_length_one_fuses_both_ways(dtype):
+    """Leading axes all of size 1 on both sides of the table's view hold one element per pair: the
+    table is read over its pairs as at any other length, and the forward fuses with the backward."""
+    x = torch.randn(2, 1, 4, 16, generator=torch.Generator().manual_seed(1)).to(dtype).requires_grad_()
+    freqs_cis = _freqs_cis_one_position()
+    result, fw, bw = check(lambda x: complex_rope(x, _over_bsnd(freqs_cis)) * 2, [x], **ROPE_ON)
+    assert not result.misses, result.misses
+    assert result.fused(ROPE) == result.fused(ROPE_GRAD) == 1
+    assert len(calls(fw, ROPE)) == len(calls(bw, ROPE_GRAD)) == 1
+
+
+def test_complex_freqs_cis_at_sequence_length_one_with_conjugated_pairs_stays_unfused():
+    x = torch.randn(2, 1, 4, 16, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16).requires_grad_()
+    freqs_cis = _freqs_cis_one_position()
+    result, fw, bw = check(lambda x: _conjugated_pairs_rope(x, _over_bsnd(freqs_cis)) * 2, [x], **ROPE_ON)
+    assert not calls(fw, ROPE) and not calls(bw, ROPE_GRAD) and not result.sites, result.sites
+    assert result.misses
+
+
+# -- learned tables rotating a q that takes no gradient: the backward is dcos and dsin alone --------
+
+def _learned_tables(dtype):
+    angles = torch.randn(6, 16, generator=torch.Generator().manual_seed(2))
+    return torch.nn.Parameter(angles.cos().to(dtype)), torch.nn.Parameter(angles.sin().to(dtype))
+
+
+def _learned_angles(dtype):
+    return torch.nn.Parameter(torch.randn(6, 16, generator=torch.Generator().manual_seed(2)).to(dtype))
+
+
+def _constant_q(dtype):
+    return torch.randn(2, 4, 6, 16, generator=torch.Generator().manual_seed(1)).to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+@pytest.mark.parametrize("tables", ["parameters", "computed_from_a_parameter"])
+def test_learned_tables_of_a_constant_q_fuse_both_ways(tables, dtype):
+    """dcos = sum(dy * q) and dsin = sum(dy * rotate_half(q)) are the fused backward's with q passed and
+    its dx unused; with rotate_half(q) no longer saved for them, the forward fuses too."""
+    if tables == "parameters":
+        cos, sin = _learned_tables(dtype)
+        params, fn = [cos, sin], lambda q: _rotation(q, cos, sin) * 2
+    else:
+        angles = _learned_angles(dtype)
+        params, fn = [angles], lambda q: _rotation(q, angles.cos(), angles.sin()) * 2
+    result, fw, bw = check(fn, [_constant_q(dtype)], params, **ROPE_ON)
+    assert not result.misses, result.misses
+    assert result.fused(ROPE) == result.fused(ROPE_GRAD) == 1
+    [site] = [s for s in result.sites if s.op == ROPE_GRAD]
+    assert set(site.outputs) == {"dcos", "dsin"}
+    assert len(calls(fw, ROPE)) == len(calls(bw, ROPE_GRAD)) == 1
+
+
+def test_learned_tables_of_a_constant_q_sign_flipped_stay_unfused():
+    cos, sin = _learned_tables(torch.float32)
+    result, fw, bw = check(lambda q: _rotation_sign_flipped(q, cos, sin) * 2, [_constant_q(torch.float32)],
+                           [cos, sin], **ROPE_ON)
+    assert not calls(fw, ROPE) and not calls(bw, ROPE_GRAD) and not result.sites, result.sites
+
+
+# -- a norm over a last axis of size 1 ----------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+def test_norm_over_a_unit_axis_is_one_backward_miss_naming_the_axis(dtype):
+    """hidden = 1: autograd writes the backward without the sum over the normalized axis, which the
+    algebra reads a dx by; the dx is one recorded miss that names the axis, never a wrong result."""
+    w = _weight(dtype, d=1)
+    result, fw, bw = check(lambda x: F.rms_norm(x, (1,), w, EPS), [_input(dtype, 2, 3, 1)], [w], **ON)
+    backward = [m for m in result.misses if m.op == BACKWARD]
+    assert len(backward) == 1 and "last axis of size 1" in backward[0].reason, result.misses
+    assert not any("dx" in s.outputs for s in result.sites if s.op == BACKWARD), result.sites

@@ -167,11 +167,16 @@ class LaneEvaluator(LaneMoves, MemoEvaluator):
         in_shape, out_shape = shape(node.args[0]), shape(node)
         lead_in = in_shape[:len(in_shape) - len(v.inner)]
         total = math.prod(v.inner)
+        # leading axes all of size 1 on both sides (a sequence of length 1) hold one element per tracked
+        # position however many there are: [1, D/2] complex viewed as [1, 1, 1, D/2] keeps (D/2, 2)
+        single = all(static_int(s) == 1 for s in lead_in)
         for k in range(1, len(out_shape) + 1):
             tail = [static_int(s) for s in out_shape[len(out_shape) - k:]]
             if None in tail:
                 break
-            if math.prod(tail) == total and same_shape(out_shape[:len(out_shape) - k], lead_in):
+            lead_out = out_shape[:len(out_shape) - k]
+            if math.prod(tail) == total and (same_shape(lead_out, lead_in) or single and all(
+                    static_int(s) == 1 for s in lead_out)):
                 return Lanes(tuple(tail), v.polys)
             if math.prod(tail) > total:
                 break

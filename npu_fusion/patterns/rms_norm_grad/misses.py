@@ -7,6 +7,7 @@ from typing import Dict, List, Optional
 import torch.fx as fx
 
 from ...lowering import RMS_NORM_GRAD as OP
+from ...lowering.sizes import static_int
 from ..evaluator import Provenance
 from ..nodes import aten, downstream, gradient_dependent, gradient_product, normalize_dim, shape
 from ..rewrite import Miss
@@ -43,13 +44,25 @@ def unexplained(graph: fx.Graph, provenance: Optional[Provenance], misses: List[
         reach = set(downstream(graph, [node], 2 * DX_DEPTH))
         reached |= reach
         entry = norms.setdefault(_statistic_key(operand, spelled, provenance) or node, [node, reason, set()])
-        entry[1] = entry[1] or reason
+        entry[1] = entry[1] or reason or (UNIT_AXIS_REASON if _over_a_unit_axis(node) else None)
         entry[2] |= reach
     return [Miss(OP.name, n.name, reason or (
         "a gradient scaled by an RMS statistic rsqrt(mean(x*x) + eps), or by the normalized value "
         "x*rsqrt(mean(x*x) + eps) and summed as a weight's gradient, that no RMSNorm form matched (run with "
         "TORCH_LOGS=npu_fusion and dump_graphs to see it)")) for n, reason, reach in norms.values()
         if not any(r.name in missed for r in reach)]
+
+
+#: why an RMSNorm over a last axis of size 1 keeps its backward decomposed
+UNIT_AXIS_REASON = ("a norm over a last axis of size 1 (hidden size 1): autograd writes its backward without the sum "
+                    "over that axis, and the pass reads an RMSNorm backward by its sums over the normalized axes, so "
+                    "no form matches; per element the norm is x * rsqrt(x*x + eps) * w, cheap as it is")
+
+
+def _over_a_unit_axis(node: fx.Node) -> bool:
+    """``node`` (a gradient's product in a norm's backward) has a last axis of size 1: a norm over one element."""
+    s = shape(node)
+    return bool(s) and static_int(s[-1]) == 1
 
 
 def _statistic_key(operand: fx.Node, spelled: fx.Node, provenance: Optional[Provenance]):

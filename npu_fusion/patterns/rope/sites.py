@@ -28,7 +28,7 @@ RESHAPES = {aten.view.default, aten.reshape.default, aten._unsafe_view.default, 
 SPLITS = {aten.split.Tensor, aten.split_with_sizes.default, aten.chunk.default, aten.unbind.int}
 
 
-def _axis_makers(ev: LaneEvaluator, looks) -> set:
+def _axis_makers(ev: LaneEvaluator, looks, covering: bool = True) -> set:
     """The views that give a rotation a second tracked axis, to be read as leaves.
 
     The views that give a rotation a second tracked axis, from a value tracked over one:
@@ -39,8 +39,10 @@ def _axis_makers(ev: LaneEvaluator, looks) -> set:
     view the formula reads through (DeepSeek's interleave-half ``view(..., D/2, 2)``) is none
     of these and stays read, as does a value over several axes that a rotation-shaped value of
     one axis reads (the complex product's ``view_as_real``, torchtune's ``stack``, before their
-    ``flatten``): that one is the candidate, matched or a near miss as it is."""
-    flat = [y for y in looks if len(ev.memo[y].inner) == 1]
+    ``flatten``): that one is the candidate, matched or a near miss as it is. Without ``covering``
+    such a value is read as leaves too (the rule tries it where the value over one axis matched no
+    mode, and keeps it where more rotations match: a rotation of N heads flattened after it)."""
+    flat = [y for y in looks if len(ev.memo[y].inner) == 1 and covering]
     covered = set(region_of(flat, lambda r: r in ev.interpreted))
     spanning = [y for y in looks if len(ev.memo[y].inner) > 1 and y not in covered]
     near = {n for y in spanning for n in region_of([y], lambda r: r in ev.interpreted or r.target in SPLITS)}
@@ -198,6 +200,20 @@ def _evaluated(ctx: RuleContext, nodes, forced=()) -> tuple:
     return ev, [n for n in nodes if looks_like_y(ev.memo.get(n))]
 
 
+def forward_rotations(graph: fx.Graph, gradient: set) -> List[ForwardRopeMatch]:
+    """The forward rotations of a joint graph over one tracked axis, matched by value and recording
+    nothing (the backward rule reads their tables for a site of table gradients alone)."""
+    seeds = [n for n in graph.nodes if n not in gradient and moves_elements(n)]
+    nodes = [n for n in downstream(graph, seeds, DX_DEPTH) if n not in gradient and n.op == "call_function"
+             and shape(n) and static_int(shape(n)[-1]) is not None and 2 <= static_int(shape(n)[-1]) <= MAX_LANES
+             and dtype(n) is not None and dtype(n).is_floating_point]
+    ev = lane_evaluator(_SameValues())
+    for node in nodes:
+        ev.value(node)
+    looks = [n for n in nodes if looks_like_y(ev.memo.get(n))]
+    return [m for m in (match_y(ev, n) for n in looks) if m is not None]
+
+
 def find_sites(graph: fx.Graph, ctx: RuleContext) -> RoundReport:
     """The forward RoPE sites of a joint graph, and what looks like one but matched no mode."""
     if not isinstance(ctx.provenance, JointProvenance):
@@ -219,6 +235,13 @@ def find_sites(graph: fx.Graph, ctx: RuleContext) -> RoundReport:
         ctx.evaluated(ev)
         ev, looks = _evaluated(ctx, nodes, makers | products)
     matches = _unbroadcast([m for m in (ctx.examine(n, match_y, ev, n) for n in looks) if m is not None])
+    wider = _axis_makers(ev, _uncovered(ctx, ev, looks), covering=False) - makers - products
+    if wider:  # a rotation of N heads flattened after it: its N * D wide view matches no mode, its heads may
+        ev_heads, looks_heads = _evaluated(ctx, nodes, makers | products | wider)
+        heads = _unbroadcast([m for m in (ctx.examine(n, match_y, ev_heads, n) for n in looks_heads) if m is not None])
+        if len(heads) > len(matches):
+            ctx.evaluated(ev)
+            ev, looks, matches = ev_heads, looks_heads, heads
     matches = outermost(matches, node=lambda m: m.y, same=lambda a, b: (a.mode, a.x, a.cos, a.sin) ==
                         (b.mode, b.x, b.cos, b.sin))
     matches = _innermost_where_shared(matches)

@@ -65,7 +65,7 @@ def emit(rewrites: RuleContext, site: RopeMatch, outputs, region):
     dy_leaf, cos_leaf, sin_leaf = (rewrites.current(ev.leaves[r[0]]) for r in (site.dy, site.cos, site.sin))
     x_leaf = rewrites.current(ev.leaves[site.x[0]]) if site.x is not None else None
     leaves = [dy_leaf, cos_leaf, sin_leaf, x_leaf]
-    if not same_shape(shape(dy_leaf)[:-1], shape(site.dx)[:-1]):
+    if not site.table_only and not same_shape(shape(dy_leaf)[:-1], shape(site.dx)[:-1]):
         return Miss(OP.name, site.dx.name, f"dy {dy_leaf.name} is broadcast to dx's shape")
     if not same_shape(shape(cos_leaf)[:-1], shape(sin_leaf)[:-1]):
         return Miss(OP.name, site.dx.name, f"cos {list(shape(cos_leaf))} and sin {list(shape(sin_leaf))} "

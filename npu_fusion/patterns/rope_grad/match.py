@@ -50,6 +50,9 @@ class RopeMatch:
     #: other gradients of x summed with dx in ``dx``'s node (x also read outside the rotation,
     #: or rotated twice): added back to the fused dx
     rest: List[fx.Node] = dataclasses.field(default_factory=list)
+    #: x takes no gradient (learned tables of a constant q): ``dx`` is the site's dcos or dsin node,
+    #: the node it runs under, and the fused op's dx goes unused
+    table_only: bool = False
 
     @property
     def key(self):
@@ -154,7 +157,7 @@ def match_table(ev: LaneEvaluator, node: fx.Node, site: RopeMatch, which: str) -
 
 
 def site_width(ev: LaneEvaluator, site: RopeMatch) -> int:
-    return ev.memo[site.dx].inner[0]
+    return ev.memo[site.dx].inner[0] if not site.table_only else len(site.dy[1])
 
 
 def _reduces_to(node: fx.Node, v: Lanes, dy_node: fx.Node, table: fx.Node) -> bool:
@@ -183,7 +186,8 @@ def site_region(site: RopeMatch, outputs) -> List[fx.Node]:
 
 
 def site_outputs(site: RopeMatch) -> Dict[str, fx.Node]:
-    return {k: n for k, n in (("dx", site.dx), ("dcos", site.dcos), ("dsin", site.dsin)) if n is not None}
+    dx = None if site.table_only else site.dx
+    return {k: n for k, n in (("dx", dx), ("dcos", site.dcos), ("dsin", site.dsin)) if n is not None}
 
 
 def keeps_tables(first: RopeMatch, again: RopeMatch) -> bool:

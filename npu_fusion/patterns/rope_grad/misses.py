@@ -2,15 +2,16 @@
 from __future__ import annotations
 
 import operator
-from typing import List, Optional, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import torch.fx as fx
 
-from ...lowering import ROPE_GRAD as OP
+from ...lowering import ROPE, ROPE_GRAD as OP
 from ..evaluator import Provenance
 from ..lanes import LaneEvaluator
 from ..nodes import CAST_TARGETS, VIEWS, aten, downstream, gradient_dependent, gradient_product, is_float_cast
 from ..rewrite import Miss
+from ..pairing import calls, source
 from ..rotation import DX_DEPTH, lane_evaluator
 
 
@@ -43,15 +44,22 @@ def _table_inputs(node: fx.Node) -> List[fx.Node]:
     return [first] if isinstance(first, fx.Node) else []
 
 
-def _is_rotary_table(node: fx.Node, provenance: Optional[Provenance]) -> bool:
+def _rotary_table(node: fx.Node, provenance: Optional[Provenance], fused: Dict[object, fx.Node]):
+    """What makes ``node`` a rotary table, or None: the fused forward RoPE op whose cos or sin it is
+    (through the ops that shape a table, compared by :func:`~.pairing.source`), else True when it is
+    shaped from cos, sin or a complex polar."""
     frontier, seen = [node], {node}
     for _ in range(TABLE_SEARCH_DEPTH):
         above = []
         for n in frontier:
+            if source(n) in fused:
+                return fused[source(n)]
             if n.op == "placeholder":
                 n = provenance.forward_definition(n) if provenance is not None else None
                 if n is None:
                     continue
+                if source(n) in fused:
+                    return fused[source(n)]
             if n.op != "call_function":
                 continue
             if n.target in ROTARY_SOURCES:
@@ -59,21 +67,38 @@ def _is_rotary_table(node: fx.Node, provenance: Optional[Provenance]) -> bool:
             above += [a for a in _table_inputs(n) if a not in seen]
         seen.update(above)
         frontier = above
-    return False
+    return None
+
+
+def _fused_forward_tables(graph: fx.Graph) -> Dict[object, fx.Node]:
+    """The fused forward RoPE ops of a joint graph by the :func:`~..pairing.source` of their cos and sin
+    and of what those are shaped from (a complex ``freqs_cis`` the forward rule rebuilt them from)."""
+    tables: Dict[object, fx.Node] = {}
+    for op in calls(graph, ROPE):
+        frontier = [a for a in op.args[1:3] if isinstance(a, fx.Node)]
+        for _ in range(TABLE_SEARCH_DEPTH):
+            for node in frontier:
+                tables.setdefault(source(node), op)
+            frontier = [a for n in frontier for a in _table_inputs(n)]
+    return tables
 
 
 def unexplained(graph: fx.Graph, provenance: Optional[Provenance], misses: List[Miss]) -> List[Miss]:
     """Record each RoPE the pass left in the graph that no form matched and no miss explains.
 
     No silent misses: a gradient multiplied by a rotary table (a forward value shaped from
-    cos, sin or a complex polar by views, casts, repeats and concatenation) that is left in the
-    graph after the pass, and that no recorded miss accounts for, is a RoPE application no form
-    matched. Each connected group of such products becomes a miss naming where the lane
-    evaluator stopped, the nearest difference."""
+    cos, sin or a complex polar by views, casts, repeats and concatenation, or the cos or sin of
+    a fused forward RoPE op, whatever they are computed from: tables passed in as inputs too)
+    that is left in the graph after the pass, and that no recorded miss accounts for, is a RoPE
+    application no form matched. Each connected group of such products becomes a miss naming
+    the fused forward it is the backward of, if any, and where the lane evaluator stopped, the
+    nearest difference."""
     gradient = gradient_dependent(graph)
     if gradient is None:
         return []
-    anchors = [n for n in graph.nodes if _table_product(n, gradient, provenance)]
+    fused = _fused_forward_tables(graph)
+    tables = {n: _table_product(n, gradient, provenance, fused) for n in graph.nodes}
+    anchors = [n for n, table in tables.items() if table is not None]
     missed = {m.node for m in misses}
     groups: List[Tuple[fx.Node, set]] = []
     for anchor in anchors:
@@ -88,15 +113,25 @@ def unexplained(graph: fx.Graph, provenance: Optional[Provenance], misses: List[
             group[1].update(reach)
     ev = lane_evaluator(provenance)
     ev.gradient_nodes = gradient
-    return [Miss(OP.name, anchor.name, "a gradient multiplied by a rotary table (cos/sin/polar in the forward) "
-                                  "that no RoPE form matched; " + _nearest_difference(ev, graph, anchor))
+    return [Miss(OP.name, anchor.name, _unmatched_reason(tables[anchor]) + _nearest_difference(ev, graph, anchor))
             for anchor, _ in groups]
 
 
-def _table_product(node: fx.Node, gradient: set, provenance) -> bool:
+def _unmatched_reason(table) -> str:
+    """The opening of an unmatched backward's reason: the fused forward it belongs to, if any."""
+    if isinstance(table, fx.Node):
+        return (f"this rotation's forward fused ({table.name}), but its backward, a gradient multiplied by the "
+                f"same cos/sin, matched no RoPE form; ")
+    return "a gradient multiplied by a rotary table (cos/sin/polar in the forward) that no RoPE form matched; "
+
+
+def _table_product(node: fx.Node, gradient: set, provenance, fused: Dict[object, fx.Node]):
+    """The table's :func:`_rotary_table` verdict where ``node`` is a gradient times a rotary table
+    (not a fused op's dcos or dsin), else None."""
     product = gradient_product(node, gradient)
-    return product is not None and _is_rotary_table(product[1], provenance) \
-        and not _is_fused_table_gradient(product[0])
+    if product is None or _is_fused_table_gradient(product[0]):
+        return None
+    return _rotary_table(product[1], provenance, fused)
 
 
 def _is_fused_table_gradient(node: fx.Node) -> bool:

@@ -3,17 +3,21 @@ from __future__ import annotations
 
 from typing import Dict, List, Optional, Tuple
 
+import operator
+
 import torch.fx as fx
 
 from ...lowering import ROPE_GRAD as OP
 from ...lowering.sizes import static_int
-from ..evaluator import Unsupported
+from ..evaluator import JointProvenance, Unsupported
 from ..lane_polys import Lanes, add_polys
 from ..lanes import LaneEvaluator
-from ..nodes import aten, downstream, dtype, gradient_dependent, outermost, region_of, shape
+from ..nodes import (CAST_TARGETS, VIEWS, aten, downstream, dtype, gradient_dependent, gradient_product, outermost,
+                     region_of, shape)
 from ..rewrite import Miss, RuleContext, gradient_accumulation
-from ..pairing import source
+from ..pairing import calls, source
 from ..rule import RoundReport
+from ..rope.sites import forward_rotations
 from ..rotation import DX_DEPTH, MAX_LANES, Role, moves_elements, sums_dx_terms, lane_evaluator, rotation_sums
 from .match import RopeMatch, keeps_tables, site_region, match_dx, match_table
 
@@ -47,12 +51,13 @@ def _symbolic_last_axis(ev: LaneEvaluator, seeds) -> List[Miss]:
             for n in sums]
 
 
-def _looks_like_dx(v: Optional[Lanes]) -> bool:
+def _looks_like_dx(v: Optional[Lanes], spanning: bool = False) -> bool:
     """Two products of two leaf elements per position, one leaf read at two positions
-    (a rotation): the shape of a RoPE dx. Softmax's backward has two products but no
-    rotation."""
-    if not (v is not None and v.reduction is None and len(v.inner) == 1 and v.inner[0] >= 2
-            and v.inner[0] % 2 == 0 and all(len(p) == 2 and all(len(m) == 2 for m in p) for p in v.polys)):
+    (a rotation): the shape of a RoPE dx (with ``spanning``, over several tracked axes instead
+    of one). Softmax's backward has two products but no rotation."""
+    if not (v is not None and v.reduction is None and (len(v.inner) > 1 if spanning else len(v.inner) == 1)
+            and v.inner[-1] >= 2 and v.inner[-1] % 2 == 0
+            and all(len(p) == 2 and all(len(m) == 2 for m in p) for p in v.polys)):
         return False
     a, b = v.polys[0]
     return any(l1 == l2 and p1 != p2 for l1, p1 in a for l2, p2 in b)
@@ -68,21 +73,71 @@ def find_sites(graph: fx.Graph, rewrites: RuleContext) -> RoundReport:
     """This round's RoPE backward sites of the graph (each match with its evaluator), near
     misses and pending candidates; an internal error while examining one candidate is a miss
     in ``rewrites``."""
-    ev = lane_evaluator(rewrites.provenance)
-    ev.gradient_nodes = gradient_dependent(graph)
     seeds = [n for n in graph.nodes if moves_elements(n)]
     near = set(downstream(graph, seeds, DX_DEPTH))
     nodes = [n for n in _candidates(graph) if n in near]
-    for node in nodes:
-        ev.value(node)
+    ev = _evaluated(rewrites, graph, nodes)
+    makers = _gradient_axis_makers(ev, nodes)
+    if makers:
+        rewrites.evaluated(ev)
+        ev = _evaluated(rewrites, graph, nodes, makers)
     # a forward value recomputed in the backward (checkpointing) can look like a dx: it is none
     looks = [n for n in nodes if ev.depends_on_gradient(n) and _looks_like_dx(ev.memo.get(n))]
     matches, inside = _dx_matches(rewrites, ev, looks)
     matches += _accumulated_matches(rewrites, ev, nodes, {m.dx for m in matches} | inside, inside)
     _match_table_gradients(rewrites.examine, ev, graph, matches)
+    matches += _table_only_matches(rewrites, ev, graph, matches)
     misses, pending = _near_misses(rewrites, ev, looks, matches, inside)
     rewrites.evaluated(ev)
     return RoundReport(matches, misses + _symbolic_last_axis(ev, seeds), pending)
+
+
+def _evaluated(rewrites: RuleContext, graph: fx.Graph, nodes, forced=()) -> LaneEvaluator:
+    """The evaluator that has read ``nodes``, with the ``forced`` nodes read as leaves."""
+    ev = lane_evaluator(rewrites.provenance, forced)
+    ev.gradient_nodes = gradient_dependent(graph)
+    for node in nodes:
+        ev.value(node)
+    return ev
+
+
+#: the lane evaluator's reshapes: a view that may split the tracked last axis into two
+SPLITTING_VIEWS = {aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.unflatten.int}
+
+
+def _gradient_axis_makers(ev: LaneEvaluator, nodes) -> set:
+    """The views of a gradient that give a dx-shaped value a second tracked axis, to be read as leaves.
+
+    A rotation applied before the heads' transpose and flattened after it (``y.reshape(B, S, N * D)``)
+    has a dy that is ``grad.view(B, S, N, D)`` of a gradient N*D wide: tracked as (N, D), its dx
+    spans two axes and matches no mode (three for ``y.flatten(1)``, where its product with a table
+    over (1, D) is no value at all). Read as a leaf (always sound: a leaf is its own value), that
+    view is dy over the head dim, the fused op's 4-D layout. Only views of a gradient that split one
+    tracked axis into several, that a dx-shaped value spanning several axes reads and no matched
+    dx over one axis computes (DeepSeek's ``view(..., D/2, 2)`` stays read), or that a product
+    refused for its broadcast reads."""
+    spanning = [n for n in nodes if ev.depends_on_gradient(n) and _looks_like_dx(ev.memo.get(n), spanning=True)]
+    # a product whose operands' tracked axes do not line up (dy over (S, N, D) times a table over
+    # (1, D)): its operands are near too
+    refused = [a for n, why in ev.unsupported.items() if why == "broadcast" and n.target is aten.mul.Tensor
+               and ev.depends_on_gradient(n) for a in n.all_input_nodes]
+    if not spanning and not refused:
+        return set()
+    # a dx over one axis that matches covers what it reads; one that matches no mode (the N * D wide
+    # view of a rotation of N heads, flattened after it) does not
+    flat = [n for n in nodes if ev.depends_on_gradient(n) and _looks_like_dx(ev.memo.get(n)) and match_dx(ev, n)]
+    covered = set(region_of(flat, lambda r: r in ev.interpreted))
+    near = {n for y in spanning if y not in covered for n in region_of([y], lambda r: r in ev.interpreted)}
+    near.update(refused)
+    makers = set()
+    for n in near:
+        v = ev.memo.get(n)
+        source = ev.memo.get(n.args[0]) if n.target in SPLITTING_VIEWS and isinstance(n.args[0], fx.Node) else None
+        # a split into pairs (complex numbers, interleaved lanes: ``view(..., D/2, 2)``) is the formula's
+        if source is not None and ev.depends_on_gradient(n) and v is not None and len(v.inner) >= 2 \
+                and len(source.inner) == 1 and v.inner[-2] > 1 and v.inner[-1] > 2:
+            makers.add(n)
+    return makers
 
 
 def _dx_matches(rewrites: RuleContext, ev: LaneEvaluator, looks: List[fx.Node]):
@@ -183,6 +238,69 @@ def _choose_table_gradients(examine, ev: LaneEvaluator, site: RopeMatch, candida
         setattr(site, "d" + which, node)
 
 
+def _table_only_matches(rewrites: RuleContext, ev: LaneEvaluator, graph: fx.Graph, matches) -> List[RopeMatch]:
+    """The sites whose x takes no gradient: a forward rotation's dcos and dsin with no dx.
+
+    Learned tables (parameters, or computed from them) rotating a q that takes no gradient: the
+    backward is only ``dcos = sum(dy * x)`` and ``dsin = sum(dy * rotate(x))``, which the fused op
+    computes with x passed (its dx unused). Those values depend on cos and sin only through their
+    shape; the fused op reads the forward rotation's own tables (matched by value in the forward,
+    :func:`~..rope.match.match_y`), so both fused ops of the rotation name the same tables."""
+    if not isinstance(rewrites.provenance, JointProvenance):
+        return []
+    gradient = ev.gradient_nodes or set()
+    handled = {source(ev.leaves[r[0]]) for m in matches for r in (m.cos, m.sin)}
+    handled |= _tables_of_a_dx(graph, gradient)
+    # a rotation whose backward fused in an earlier round (its dx, perhaps not its table gradients) is done
+    handled |= {source(op.args[i]) for op in calls(graph, OP) for i in (1, 2)}
+    found = []
+    for rotation in forward_rotations(graph, gradient):
+        fev = rotation.ev
+        x, cos, sin = (fev.leaves[r[0]] for r in (rotation.x, rotation.cos, rotation.sin))
+        d = len(rotation.x[1])
+        if rotation.signs != (1, 1) or source(cos) in handled or source(sin) in handled or any(
+                r[1] != tuple(range(static_int(shape(fev.leaves[r[0]])[-1]))) for r in (rotation.cos, rotation.sin)):
+            continue
+        candidates = [n for n in downstream(graph, [x], 2 * DX_DEPTH) if n in gradient and n.op == "call_function"]
+        for node in candidates:
+            ev.value(node)
+        products = [n for n in candidates if _looks_like_table(ev.memo.get(n)) and ev.memo[n].inner == (d,)]
+        for dy_lid in sorted({var[0] for n in products for var in next(iter(ev.memo[n].polys[0]))
+                              if ev.depends_on_gradient(ev.leaves[var[0]])}):
+            anchor = next(n for n in products if any(var[0] == dy_lid for var in next(iter(ev.memo[n].polys[0]))))
+            site = RopeMatch(rotation.mode, anchor, (dy_lid, tuple(range(d))), (ev.leaf_id(cos), tuple(range(d))),
+                             (ev.leaf_id(sin), tuple(range(d))), ev=ev, table_only=True)
+            _choose_table_gradients(rewrites.examine, ev, site, products)
+            if site.dcos is not None and site.dsin is not None:
+                site.dx = site.dcos
+                handled |= {source(cos), source(sin)}
+                found.append(site)
+                break
+    return found
+
+
+def _tables_of_a_dx(graph: fx.Graph, gradient: set) -> set:
+    """The forward values (by :func:`~..pairing.source`) that an unreduced gradient multiplies.
+
+    Those are the tables of a dx's terms (``dy * cos``, dy any gradient but a table's), whose rotation
+    is no site of table gradients alone, even while its dx waits for a site below it to fuse; a
+    reduced table gradient times the table (the chain rule into learned angles) is none of them."""
+    tables = set()
+    for node in graph.nodes:
+        product = gradient_product(node, gradient) if node in gradient else None
+        if product is None:
+            continue
+        factor = product[0]
+        while factor.op == "call_function" and (factor.target in VIEWS or factor.target in CAST_TARGETS):
+            factor = factor.args[0]
+        reduced = factor.op == "call_function" and (factor.target in (aten.sum.dim_IntList, aten.sum.default) or (
+            factor.target is operator.getitem and getattr(factor.args[0], "target", None) is OP.overload
+            and factor.args[1] in (1, 2)))
+        if not reduced:
+            tables.add(source(product[1]))
+    return tables
+
+
 def _near_misses(rewrites: RuleContext, ev: LaneEvaluator, looks, matches, inside) -> Tuple[List[Miss], int]:
     """dx-shaped nodes that are neither a match, inside one, nor built on one (misses), and how
     many are built on one (pending: decided next round, once the site below is fused). A
@@ -218,6 +336,8 @@ def find_again(rewrites: RuleContext, site: RopeMatch, leaves: List[fx.Node]) ->
     """``site`` matched again with ``leaves`` as leaves, in the same mode and with every table
     gradient it had (the new evaluator and its leaf numbering belong to this site only); None
     when it no longer matches so. Reads only the site's dx and the products near its dy."""
+    if site.table_only:
+        return None  # its intermediates shared: left as they are, a recorded miss
     ev = lane_evaluator(rewrites.provenance, leaves)
     ev.gradient_nodes = gradient_dependent(rewrites.graph)
     ev.value(site.dx)
