@@ -377,13 +377,13 @@ def split_piece(node) -> Optional[Tuple[fx.Node, int, tuple]]:
     return source, axis % len(shape(source)), which
 
 
-def factor_pieces(node, depth: int = FACTOR_DEPTH) -> List[Tuple[fx.Node, int, tuple]]:
-    """The split pieces ``node`` is a product of, up to constant factors and signs (:func:`split_piece`).
+def factor_pieces(node, depth: int = FACTOR_DEPTH) -> List[Tuple[fx.Node, Tuple[fx.Node, int, tuple]]]:
+    """The split pieces ``node`` is a product of, up to constant factors and signs: ``(piece node, split_piece)``.
 
     Followed through float casts, negations, products and divisions by a number, ``depth`` steps."""
     piece = split_piece(node)
     if piece is not None:
-        return [piece]
+        return [(node, piece)]
     if depth == 0 or not isinstance(node, fx.Node) or node.op != "call_function":
         return []
     if node.target in (aten.mul.Tensor, aten.neg.default) or is_float_cast(node):
@@ -395,23 +395,28 @@ def factor_pieces(node, depth: int = FACTOR_DEPTH) -> List[Tuple[fx.Node, int, t
     return [p for f in factors for p in factor_pieces(f, depth - 1)]
 
 
-def unread_glu_problem(gate_input, gated) -> Optional[str]:
+def unread_glu_problem(ev: LaneEvaluator, gate_input, gated) -> Optional[str]:
     """Why a SiLU of ``gate_input`` times ``gated``, two pieces of one split, is not a site the rules read.
 
     None where they are not two pieces of one split (no SwiGLU at all). The lanes domain proves
     the halves over a static last axis, and the fused op computes exactly ``silu(x[:H]) * x[H:]``:
     a split along another axis, a symbolic width, or a scale or sign inside the product is a
-    SwiGLU-like site it does not read, recorded rather than silent."""
+    SwiGLU-like site it does not read, recorded rather than silent. A gate and an up the lanes
+    domain reads from two leaves (the halves of a ``cat`` of two projections) are no site."""
     gate = split_piece(gate_input)
     if gate is None:
         return None
     source, axis, which = gate
-    if not any(p[0] is source and p[2] != which for p in factor_pieces(gated)):
+    ups = [node for node, p in factor_pieces(gated) if p[0] is source and p[2] != which]
+    if not ups:
         return None
     rank = len(shape(source))
     if axis != rank - 1:
         return (f"silu gates a piece of {source.name} split along axis {axis} of {rank}, and the other piece is "
                 f"the up: the rules find the two halves along the last axis only (swiglu(x, -1))")
+    gate_lanes, up_lanes = piece_of(ev, gate_input), piece_of(ev, ups[0])
+    if gate_lanes is not None and up_lanes is not None and gate_lanes.lid != up_lanes.lid:
+        return None  # two projections joined along the last axis: as Llama's MLP, no site
     if static_int(shape(source)[axis]) is None:
         return (f"{source.name}'s last axis ({shape(source)[axis]}) is symbolic: the rules prove the two halves over "
                 f"a static width (mark only the batch and sequence axes dynamic)")
@@ -446,7 +451,7 @@ def unread_forward_misses(graph: fx.Graph, misses) -> List[Miss]:
             continue
         for product in _scaled_users(silu):
             other = next((a for a in product.args[:2] if not _scaled_from(a, silu)), None)
-            problem = unread_glu_problem(silu.args[0], other) if other is not None else None
+            problem = unread_glu_problem(ev, silu.args[0], other) if other is not None else None
             if problem is not None and product.name not in seen:
                 seen.add(product.name)
                 out.append(Miss(OP.name, product.name, problem))
@@ -512,10 +517,11 @@ def decomposed_silu_misses(graph: fx.Graph, op: str, misses) -> List[Miss]:
         if source is None or source.name in seen:
             continue
         seen.add(source.name)
-        out.append(Miss(op, source.name, f"silu of half of {source.name} is decomposed ({node.name}): the rules read "
-                                         f"aten.silu and aten.silu_backward, which only the npu_fusion backend keeps "
+        out.append(Miss(op, source.name, f"silu of half of {source.name} is spelled with {node.target.__name__.split('.')[0]} "
+                                         f"({node.name}): the rules read aten.silu and aten.silu_backward; write "
+                                         f"F.silu and compile with the npu_fusion backend, which keeps them "
                                          f"(decompositions='none'); the core ATen decompositions and Inductor's "
-                                         f"(install_inductor) decompose them"))
+                                         f"(install_inductor) decompose SiLU"))
     return out
 
 

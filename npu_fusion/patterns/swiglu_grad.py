@@ -241,7 +241,7 @@ def unread_backward_misses(graph: fx.Graph, ctx: RuleContext, misses) -> List[Mi
                and (gradient is None or n in gradient) and n.name not in seen]:
         if _examine(ev, sb) is not None or _saved_halves_miss(ctx.provenance, sb) is not None:
             continue  # a site or a near miss, recorded when the rule found it
-        problem = unread_glu_problem(sb.args[1], sb.args[0])
+        problem = unread_glu_problem(ev, sb.args[1], sb.args[0])
         if problem is not None:
             out.append(Miss(OP.name, sb.name, problem))
     return out
