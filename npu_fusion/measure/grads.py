@@ -45,7 +45,7 @@ def grad_error(fused, unfused, exact, factor=2.0, precision=None) -> GradError:
     and a sum's error can cancel by chance in one run and not in the other)."""
     exact = exact.double()
     dtype = fused.dtype if precision is None else max(fused.dtype, precision, key=TOLERANCE.get)
-    floor = TOLERANCE[dtype] * max(1.0, exact.abs().max().item()) * 0.5
+    floor = TOLERANCE[dtype] * max(1.0, exact.abs().max().item() if exact.numel() else 0.0) * 0.5
     err_fused = (fused.double() - exact).abs().max().item() if exact.numel() else 0.0
     err_unfused = (unfused.double() - exact).abs().max().item() if exact.numel() else 0.0
     return GradError(err_fused, err_unfused, floor, factor)

@@ -32,6 +32,7 @@ The fused backward reads x itself, so the partition saves x instead of the halve
 from __future__ import annotations
 
 import dataclasses
+import operator
 from typing import List, Optional, Tuple
 
 import torch
@@ -42,6 +43,7 @@ from ..lowering.ops.swiglu import OP, swiglu_target_problem
 from .evaluator import kept_precision, rounding_problem, saved_by_the_forward
 from .lanes import LaneEvaluator, Lanes
 from ..lowering.checks import numel as product_of, size_equal
+from ..lowering.sizes import static_int
 from .nodes import aten, dtype, gradient_dependent, holds, is_float_cast, shape, val
 from .rewrite import Insertion, Miss, RuleContext, as_forward_work, commit, emit_fused_op
 from .rule import Form, FusionRule, RoundReport, SiteProbe
@@ -341,24 +343,185 @@ def emit(ctx: RuleContext, match: SwigluMatch):
                   {"x": match.x}, added, fused)
 
 
-def decomposed_silu_misses(graph: fx.Graph, op: str, misses) -> List[Miss]:
-    """The misses for SiLUs of a half of one projection decomposed into ``x * sigmoid(x)``.
+#: the ops that cut a value into pieces along one axis (the ATen spellings of chunk, split, narrow)
+SPLITTING = {aten.split.Tensor, aten.split_with_sizes.default, aten.unsafe_split.Tensor,
+             aten.unsafe_split_with_sizes.default}
+#: how many steps :func:`factor_pieces` follows products, negations and casts
+FACTOR_DEPTH = 3
 
-    No silent misses: under the core ATen decompositions such a SiLU is a site the rules do not
-    read (they read ``silu`` and ``silu_backward``); one miss per projection, unless a recorded
-    miss is at it already."""
+
+def split_piece(node) -> Optional[Tuple[fx.Node, int, tuple]]:
+    """``(source, axis, which)`` when ``node`` (past float casts) is one piece of a split, chunk or slice.
+
+    Read by structure, not by value, so that it answers where the lanes domain cannot (a split
+    along another axis than the last, a symbolic width): ``which`` tells two pieces of one
+    source apart."""
+    if not isinstance(node, fx.Node):
+        return None
+    node = through_casts(node)
+    if node.op != "call_function" or shape(node) is None:
+        return None
+    if node.target is operator.getitem and isinstance(node.args[0], fx.Node) and node.args[0].target in SPLITTING:
+        split = node.args[0]
+        source, axis = split.args[0], split.args[2] if len(split.args) > 2 else split.kwargs.get("dim", 0)
+        which = ("piece", node.args[1])
+    elif node.target is aten.slice.Tensor:
+        source, axis = node.args[0], node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0)
+        which = ("slice",) + tuple(str(a) for a in node.args[2:4])
+    elif node.target is aten.narrow.default:
+        source, axis, which = node.args[0], node.args[1], ("narrow", str(node.args[2]), str(node.args[3]))
+    else:
+        return None
+    if not isinstance(source, fx.Node) or shape(source) is None or not len(shape(source)):
+        return None
+    return source, axis % len(shape(source)), which
+
+
+def factor_pieces(node, depth: int = FACTOR_DEPTH) -> List[Tuple[fx.Node, Tuple[fx.Node, int, tuple]]]:
+    """The split pieces ``node`` is a product of, up to constant factors and signs: ``(piece node, split_piece)``.
+
+    Followed through float casts, negations, products and divisions by a number, ``depth`` steps."""
+    piece = split_piece(node)
+    if piece is not None:
+        return [(node, piece)]
+    if depth == 0 or not isinstance(node, fx.Node) or node.op != "call_function":
+        return []
+    if node.target in (aten.mul.Tensor, aten.neg.default) or is_float_cast(node):
+        factors = node.args[:2] if node.target is aten.mul.Tensor else node.args[:1]
+    elif node.target is aten.div.Tensor and not isinstance(node.args[1], fx.Node):
+        factors = node.args[:1]
+    else:
+        return []
+    return [p for f in factors for p in factor_pieces(f, depth - 1)]
+
+
+def unread_glu_problem(ev: LaneEvaluator, gate_input, gated) -> Optional[str]:
+    """Why a SiLU of ``gate_input`` times ``gated``, two pieces of one split, is not a site the rules read.
+
+    None where they are not two pieces of one split (no SwiGLU at all). The lanes domain proves
+    the halves over a static last axis, and the fused op computes exactly ``silu(x[:H]) * x[H:]``:
+    a split along another axis, a symbolic width, or a scale or sign inside the product is a
+    SwiGLU-like site it does not read, recorded rather than silent. A gate and an up the lanes
+    domain reads from two leaves (the halves of a ``cat`` of two projections) are no site."""
+    gate = split_piece(gate_input)
+    if gate is None:
+        return None
+    source, axis, which = gate
+    ups = [node for node, p in factor_pieces(gated) if p[0] is source and p[2] != which]
+    if not ups:
+        return None
+    rank = len(shape(source))
+    if axis != rank - 1:
+        return (f"silu gates a piece of {source.name} split along axis {axis} of {rank}, and the other piece is "
+                f"the up: the rules find the two halves along the last axis only (swiglu(x, -1))")
+    gate_lanes, up_lanes = piece_of(ev, gate_input), piece_of(ev, ups[0])
+    if gate_lanes is not None and up_lanes is not None and gate_lanes.lid != up_lanes.lid:
+        return None  # two projections joined along the last axis: as Llama's MLP, no site
+    if static_int(shape(source)[axis]) is None:
+        return (f"{source.name}'s last axis ({shape(source)[axis]}) is symbolic: the rules prove the two halves over "
+                f"a static width (mark only the batch and sequence axes dynamic)")
+    return (f"silu({through_casts(gate_input).name}) and another piece of {source.name} are multiplied with a "
+            f"constant, a sign or a piece that is not the second half: not silu(x[:H]) * x[H:] position by position, "
+            f"which the fused op computes")
+
+
+def _scaled_users(node: fx.Node, depth: int = FACTOR_DEPTH) -> List[fx.Node]:
+    """The products that read ``node``, past float casts, negations and products with a number."""
+    out = []
+    for user in node.users:
+        if user.op != "call_function":
+            continue
+        if user.target is aten.mul.Tensor and all(isinstance(a, fx.Node) for a in user.args[:2]):
+            out.append(user)
+        elif depth and (is_float_cast(user) or user.target in (aten.neg.default, aten.mul.Tensor, aten.div.Tensor)):
+            out += _scaled_users(user, depth - 1)
+    return out
+
+
+def unread_forward_misses(graph: fx.Graph, misses) -> List[Miss]:
+    """One miss per forward SiLU that gates another piece of its own split and no form read.
+
+    The forward's no-silent-misses check: the lanes domain (:func:`_examine`) finds neither a
+    site nor a near miss there, and :func:`unread_glu_problem` says why."""
+    ev, gradient = swiglu_evaluator(), gradient_dependent(graph)
+    seen, out = {m.node for m in misses}, []
+    for silu in [n for n in graph.nodes if is_silu(n) and (gradient is None or n not in gradient)]:
+        matches, near = _examine(ev, silu, gradient)
+        if matches or near:
+            continue
+        for product in _scaled_users(silu):
+            other = next((a for a in product.args[:2] if not _scaled_from(a, silu)), None)
+            problem = unread_glu_problem(ev, silu.args[0], other) if other is not None else None
+            if problem is not None and product.name not in seen:
+                seen.add(product.name)
+                out.append(Miss(OP.name, product.name, problem))
+                break
+    return out
+
+
+def _scaled_from(node, silu: fx.Node, depth: int = FACTOR_DEPTH + 1) -> bool:
+    """Whether ``node`` is ``silu`` past float casts, negations and products or divisions by a number."""
+    for _ in range(depth):
+        if node is silu:
+            return True
+        if not isinstance(node, fx.Node) or node.op != "call_function":
+            return False
+        tensors = [a for a in node.args[:2] if isinstance(a, fx.Node)]
+        if is_float_cast(node) or node.target is aten.neg.default:
+            node = node.args[0]
+        elif node.target is aten.mul.Tensor and len(tensors) == 1:
+            node = tensors[0]
+        elif node.target is aten.div.Tensor and tensors == [node.args[0]]:
+            node = node.args[0]
+        else:
+            return False
+    return node is silu
+
+
+def _decomposed_silu_operand(node: fx.Node):
+    """The operand of a decomposed SiLU at ``node``: ``sigmoid(a)`` (core ATen) or ``exp(-a)`` (Inductor's)."""
+    if node.op != "call_function":
+        return None
+    if node.target is aten.sigmoid.default:
+        return node.args[0]
+    if node.target is aten.exp.default and isinstance(node.args[0], fx.Node) and node.args[0].target is aten.neg.default:
+        return node.args[0].args[0]
+    return None
+
+
+def _halves_source(ev: LaneEvaluator, operand) -> Optional[fx.Node]:
+    """The value ``operand`` is one half of: by value in the lanes domain, else by structure (a split in two)."""
+    piece = piece_of(ev, operand)
+    if piece is not None:
+        return piece.x if piece.is_gate or piece.is_up else None
+    found = split_piece(operand)
+    if found is None or found[2][0] != "piece":
+        return None
+    split = through_casts(operand).args[0]
+    pieces = split.meta.get("val")
+    return found[0] if isinstance(pieces, (list, tuple)) and len(pieces) == 2 else None
+
+
+def decomposed_silu_misses(graph: fx.Graph, op: str, misses) -> List[Miss]:
+    """The misses for SiLUs of a half of one projection decomposed into ``x * sigmoid(x)`` or ``x / (1 + exp(-x))``.
+
+    No silent misses: under the core ATen decompositions, and always in Inductor's graphs (its
+    own table decomposes ``silu``), such a SiLU is a site the rules do not read (they read
+    ``silu`` and ``silu_backward``); one miss per projection, unless a recorded miss is at it
+    already."""
     ev = swiglu_evaluator()
     seen, out = {m.node for m in misses}, []
     for node in graph.nodes:
-        if node.op != "call_function" or node.target is not aten.sigmoid.default:
+        operand = _decomposed_silu_operand(node)
+        source = _halves_source(ev, operand) if operand is not None else None
+        if source is None or source.name in seen:
             continue
-        piece = piece_of(ev, node.args[0])
-        if piece is None or not (piece.is_gate or piece.is_up) or piece.x.name in seen:
-            continue
-        seen.add(piece.x.name)
-        out.append(Miss(op, piece.x.name, f"silu of half of {piece.x.name} is decomposed into sigmoid "
-                                          f"({node.name}): the rules read aten.silu and aten.silu_backward, "
-                                          f"which AOTAutograd keeps without the core ATen decompositions"))
+        seen.add(source.name)
+        out.append(Miss(op, source.name, f"silu of half of {source.name} is spelled with {node.target.__name__.split('.')[0]} "
+                                         f"({node.name}): the rules read aten.silu and aten.silu_backward; write "
+                                         f"F.silu and compile with the npu_fusion backend, which keeps them "
+                                         f"(decompositions='none'); the core ATen decompositions and Inductor's "
+                                         f"(install_inductor) decompose SiLU"))
     return out
 
 
@@ -384,7 +547,9 @@ class SwigluForwardRule(FusionRule):
         return emit(ctx, match)
 
     def unexplained(self, graph: fx.Graph, ctx: RuleContext, misses) -> List[Miss]:
-        """On an inference graph (no backward rule to record it), a decomposed SiLU of a half."""
+        """A SwiGLU-like forward no form read; on an inference graph (no backward rule to record it)
+        also a decomposed SiLU of a half."""
+        unread = unread_forward_misses(graph, misses)
         if gradient_dependent(graph) is not None:
-            return []
-        return decomposed_silu_misses(graph, OP.name, misses)
+            return unread
+        return unread + decomposed_silu_misses(graph, OP.name, [*misses, *unread])

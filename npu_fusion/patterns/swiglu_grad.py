@@ -35,7 +35,7 @@ from .nodes import aten, dtype, gradient_dependent, is_float_cast, last_of, shap
 from .rewrite import Insertion, Miss, RuleContext, commit, emit_fused_op, exact_common_dtype
 from .rule import Form, FusionRule, RoundReport, SiteProbe
 from .swiglu import (Piece, dead_region, decomposed_silu_misses, glu_problem, is_silu, numel, order_problem,
-                     piece_of, precision_problem, swiglu_evaluator)
+                     piece_of, precision_problem, swiglu_evaluator, unread_glu_problem)
 
 
 #: how far below the silu_backward node dx may lie (cat, slice_backward and add, casts, a view)
@@ -232,6 +232,21 @@ def emit(ctx: RuleContext, match: GradMatch):
                   {"dy": dy, "x": x}, inserted.nodes(), fused)
 
 
+def unread_backward_misses(graph: fx.Graph, ctx: RuleContext, misses) -> List[Miss]:
+    """One miss per ``silu_backward`` left of two pieces of one split that no form read (:func:`~.swiglu.unread_glu_problem`)."""
+    gradient = gradient_dependent(graph)
+    ev = swiglu_evaluator()
+    seen, out = {m.node for m in misses}, []
+    for sb in [n for n in graph.nodes if n.op == "call_function" and n.target is aten.silu_backward.default
+               and (gradient is None or n in gradient) and n.name not in seen]:
+        if _examine(ev, sb) is not None or _saved_halves_miss(ctx.provenance, sb) is not None:
+            continue  # a site or a near miss, recorded when the rule found it
+        problem = unread_glu_problem(ev, sb.args[1], sb.args[0])
+        if problem is not None:
+            out.append(Miss(OP.name, sb.name, problem))
+    return out
+
+
 class SwigluGradRule(FusionRule):
     """SwiGLU's backward, matched by value in the lanes domain, rewritten into ``swiglu_grad``."""
 
@@ -255,5 +270,6 @@ class SwigluGradRule(FusionRule):
         return emit(ctx, match)
 
     def unexplained(self, graph: fx.Graph, ctx: RuleContext, misses) -> List[Miss]:
-        """A decomposed SiLU of a half of one projection (core ATen decompositions): one miss."""
-        return decomposed_silu_misses(graph, OP.name, misses)
+        """A SwiGLU-like backward no form read, and a decomposed SiLU of a half of one projection: one miss each."""
+        unread = unread_backward_misses(graph, ctx, misses)
+        return unread + decomposed_silu_misses(graph, OP.name, [*misses, *unread])
