@@ -61,13 +61,14 @@ def _make_pass_class():
             gm = graph.owning_module
             if gm is None:
                 return
+            recomposed = recompose_decomposed(gm, self.options)
             if is_joint_graph(graph):
                 result = fuse_joint(gm, self.options, copy_op=_copy_by_multiplying, partitioner="min_cut")
             elif in_compiled_autograd():  # the whole backward, compiled as an inference graph
                 result = fuse_backward(gm, self.options)
             else:  # Inductor runs these passes on no other graph: an inference graph (no backward)
                 result = fuse_inference(gm, self.options)
-            if result.sites:
+            if result.sites or recomposed:
                 decompose_what_inductor_refuses(gm)
 
         def uuid(self) -> Optional[bytes]:
@@ -129,6 +130,124 @@ def decompose_what_inductor_refuses(gm) -> int:
         gm.graph.lint()
         gm.recompile()
     return len(refused)
+
+
+#: the ops the rules read that Inductor's table decomposes before its joint passes, by the option that reads them
+RECOMPOSED = (("swiglu", "silu"), ("swiglu_forward", "silu"), ("swiglu", "silu_backward"))
+
+
+def recompose_decomposed(gm, options: FusionOptions) -> int:
+    """Put ``aten.silu`` and ``aten.silu_backward`` back, in place, where the graph holds exactly their decomposition.
+
+    Inductor's table decomposes them before its joint passes run, and the SwiGLU rules read them
+    as leaves. A subgraph is recomposed only where it is, node for node, the trace of the op's
+    decomposition (Inductor's own table) on the same inputs, so the op has its value bit for bit;
+    one the pass leaves unfused is decomposed again (:func:`decompose_what_inductor_refuses`) into
+    that same trace. Returns how many calls were recomposed."""
+    import torch
+
+    wanted = {name for option, name in RECOMPOSED if getattr(options, option, False)}
+    if not wanted:
+        return 0
+    from ..compat import inductor_decompositions
+    from ..patterns.context import fake_mode_of
+
+    table, fake_mode, aten, count = inductor_decompositions(), fake_mode_of(gm.graph), torch.ops.aten, 0
+    for name in sorted(wanted):
+        op = getattr(aten, name).default
+        if op not in table:
+            continue
+        for inputs in list(_decomposition_inputs(gm.graph, name)):
+            count += _recompose(gm, op, inputs, table, fake_mode)
+    if count:
+        gm.graph.lint()
+        gm.recompile()
+    return count
+
+
+def _uncast(node):
+    """``node`` and, where it is a dtype conversion, what it converts (the decompositions upcast their inputs)."""
+    import torch
+
+    out = [node]
+    if getattr(node, "target", None) is torch.ops.prims.convert_element_type.default:
+        out.append(node.args[0])
+    return out
+
+
+def _decomposition_inputs(graph, name: str):
+    """Candidate inputs of a decomposed ``name`` (``silu``: ``exp(neg(x))``; ``silu_backward``: ``dy * sigmoid(x)``)."""
+    import torch
+
+    aten = torch.ops.aten
+    for node in list(graph.nodes):
+        if name == "silu" and node.target is aten.neg.default:
+            for x in _uncast(node.args[0]):
+                yield (x,)
+        elif name == "silu_backward" and node.target is aten.sigmoid.default:
+            for user in node.users:
+                if user.target is aten.mul.Tensor and len(user.args) == 2 and user.args[1] is node:
+                    for dy in _uncast(user.args[0]):
+                        for x in _uncast(node.args[0]):
+                            yield (dy, x)
+
+
+def _same_argument(a, b) -> bool:
+    import torch.fx as fx
+
+    if isinstance(a, (list, tuple)) or isinstance(b, (list, tuple)):
+        return type(a) is type(b) and len(a) == len(b) and all(_same_argument(x, y) for x, y in zip(a, b))
+    if isinstance(a, fx.Node) or isinstance(b, fx.Node):
+        return a is b
+    return type(a) is type(b) and a == b
+
+
+def _recompose(gm, op, inputs, table: dict, fake_mode) -> int:
+    """Replace the subgraph that is the trace of ``op(*inputs)``'s decomposition by one call of ``op``; 1 if it did."""
+    import contextlib
+
+    import torch.fx as fx
+
+    from ..compat import traced_decomposition
+
+    if any(not isinstance(i, fx.Node) or i.op == "output" or i.meta.get("val") is None for i in inputs):
+        return 0
+    try:
+        with fake_mode if fake_mode is not None else contextlib.nullcontext():
+            traced = traced_decomposition(lambda *a: op(*a), [i.meta["val"] for i in inputs], table)
+    except Exception:  # inputs the op does not take (a dtype or shape it refuses): no decomposition of it here
+        return 0
+    env, placeholders, matched = {}, iter(inputs), []
+    for inner in traced.graph.nodes:
+        if inner.op == "placeholder":
+            env[inner] = next(placeholders)
+        elif inner.op == "output":
+            root = env.get(inner.args[0]) if isinstance(inner.args[0], fx.Node) else None
+        elif inner.op != "call_function":
+            return 0
+        else:
+            args, kwargs = fx.node.map_arg((inner.args, inner.kwargs), env.__getitem__)
+            readers = inner.all_input_nodes
+            if not readers:
+                return 0
+            found = next((u for u in env[readers[0]].users if u.op == "call_function" and u.target is inner.target
+                          and _same_argument(u.args, args) and _same_argument(dict(u.kwargs), dict(kwargs))
+                          and u not in matched), None)
+            if found is None:
+                return 0
+            env[inner] = found
+            matched.append(found)
+    if root is None or root in inputs or any(u not in matched for n in matched if n is not root for u in n.users):
+        return 0  # an intermediate read elsewhere: the subgraph is more than the op
+    graph = gm.graph
+    with graph.inserting_before(root):
+        call = graph.call_function(op, tuple(inputs))
+    call.meta = dict(root.meta)
+    root.replace_all_uses_with(call)
+    for node in reversed(matched):
+        if not node.users:
+            graph.erase_node(node)
+    return 1
 
 
 #: node meta that describes a call's value (the trace of its decomposition has its own)
