@@ -12,7 +12,7 @@ from npu_fusion.measure.grads import MODEL_FACTOR, assert_close_as_unfused, floa
 from npu_fusion.plugin.inductor import uninstall_inductor
 from npu_fusion.plugin.pass_manager import HISTORY
 
-from test_swiglu import BACKWARD, FORWARD, ON, Phi3Mlp, _float64
+from test_swiglu import BACKWARD, FORWARD, H, ON, Phi3Mlp, _float64
 
 
 @pytest.fixture
@@ -49,20 +49,37 @@ def _compiled_check(mlp, dtype):
     for f, e, w in zip(fused, unfused, float64_grads(mlp, [x], params, grad_outputs)):
         assert f.dtype == e.dtype and f.shape == e.shape
         assert_close_as_unfused(f, e, w, factor=MODEL_FACTOR)
-    (joint,) = [r for r in HISTORY.since(mark) if r.graph == "joint"]
-    return joint
+    results = HISTORY.since(mark)
+    (joint,) = [r for r in results if r.graph == "joint"]
+    (inference,) = [r for r in results if r.graph == "inference"]
+    return joint, inference
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_phi3_mlp_fuses_both_ways_through_inductor(installed, dtype):
-    joint = _compiled_check(Phi3Mlp(dtype), dtype)
+    joint, inference = _compiled_check(Phi3Mlp(dtype), dtype)
     assert (joint.fused(FORWARD), joint.fused(BACKWARD)) == (1, 1), joint.misses
-    assert not joint.misses
+    assert inference.fused(FORWARD) == 1 and not joint.misses and not inference.misses
 
 
 def test_swapped_halves_compile_unfused_and_right_through_inductor(installed):
-    joint = _compiled_check(SwappedPhi3Mlp(torch.bfloat16), torch.bfloat16)
+    joint, _ = _compiled_check(SwappedPhi3Mlp(torch.bfloat16), torch.bfloat16)
     assert (joint.fused(FORWARD), joint.fused(BACKWARD)) == (0, 0)
     for op in (FORWARD, BACKWARD):
         misses = [m for m in joint.misses if m.op == op]
         assert len(misses) == 1 and "silu gates the second half" in misses[0].reason, joint.misses
+
+
+class LlamaMlp(Phi3Mlp):
+    """Llama's MLP: a gate and an up of two projections, no site; its SiLU is put back and decomposed again."""
+
+    def forward(self, x):
+        gate, up_states = self.gate_up_proj(x)[..., :H], self.gate_up_proj(x * 2)[..., H:]
+        return self.down_proj(up_states * F.silu(gate))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_silu_outside_a_site_compiles_and_stays_right_through_inductor(installed, dtype):
+    joint, inference = _compiled_check(LlamaMlp(dtype), dtype)
+    assert (joint.fused(FORWARD), joint.fused(BACKWARD), inference.fused(FORWARD)) == (0, 0, 0)
+    assert not joint.misses and not inference.misses

@@ -157,8 +157,12 @@ def recompose_decomposed(gm, options: FusionOptions) -> int:
         op = getattr(aten, name).default
         if op not in table:
             continue
+        erased = set()
         for inputs in list(_decomposition_inputs(gm.graph, name)):
-            count += _recompose(gm, op, inputs, table, fake_mode)
+            if not erased.intersection(inputs):
+                done = _recompose(gm, op, inputs, table, fake_mode)
+                count += done is not None
+                erased.update(done or ())
     if count:
         gm.graph.lint()
         gm.recompile()
@@ -166,12 +170,14 @@ def recompose_decomposed(gm, options: FusionOptions) -> int:
 
 
 def _uncast(node):
-    """``node`` and, where it is a dtype conversion, what it converts (the decompositions upcast their inputs)."""
+    """What ``node`` converts, where it is a dtype conversion (the decompositions upcast their inputs), then ``node``.
+
+    The source first: the op recomposed on it is the one the program called, casts included."""
     import torch
 
     out = [node]
     if getattr(node, "target", None) is torch.ops.prims.convert_element_type.default:
-        out.append(node.args[0])
+        out.insert(0, node.args[0])
     return out
 
 
@@ -202,8 +208,11 @@ def _same_argument(a, b) -> bool:
     return type(a) is type(b) and a == b
 
 
-def _recompose(gm, op, inputs, table: dict, fake_mode) -> int:
-    """Replace the subgraph that is the trace of ``op(*inputs)``'s decomposition by one call of ``op``; 1 if it did."""
+def _recompose(gm, op, inputs, table: dict, fake_mode):
+    """Replace the subgraph that is the trace of ``op(*inputs)``'s decomposition by one call of ``op``.
+
+    Returns the nodes it erased (None where the subgraph is not there). An intermediate that
+    something else reads stays for that reader: the call has the root's value whatever reads it."""
     import contextlib
 
     import torch.fx as fx
@@ -211,12 +220,12 @@ def _recompose(gm, op, inputs, table: dict, fake_mode) -> int:
     from ..compat import traced_decomposition
 
     if any(not isinstance(i, fx.Node) or i.op == "output" or i.meta.get("val") is None for i in inputs):
-        return 0
+        return None
     try:
         with fake_mode if fake_mode is not None else contextlib.nullcontext():
             traced = traced_decomposition(lambda *a: op(*a), [i.meta["val"] for i in inputs], table)
     except Exception:  # inputs the op does not take (a dtype or shape it refuses): no decomposition of it here
-        return 0
+        return None
     env, placeholders, matched = {}, iter(inputs), []
     for inner in traced.graph.nodes:
         if inner.op == "placeholder":
@@ -224,30 +233,32 @@ def _recompose(gm, op, inputs, table: dict, fake_mode) -> int:
         elif inner.op == "output":
             root = env.get(inner.args[0]) if isinstance(inner.args[0], fx.Node) else None
         elif inner.op != "call_function":
-            return 0
+            return None
         else:
             args, kwargs = fx.node.map_arg((inner.args, inner.kwargs), env.__getitem__)
             readers = inner.all_input_nodes
             if not readers:
-                return 0
+                return None
             found = next((u for u in env[readers[0]].users if u.op == "call_function" and u.target is inner.target
                           and _same_argument(u.args, args) and _same_argument(dict(u.kwargs), dict(kwargs))
                           and u not in matched), None)
             if found is None:
-                return 0
+                return None
             env[inner] = found
             matched.append(found)
-    if root is None or root in inputs or any(u not in matched for n in matched if n is not root for u in n.users):
-        return 0  # an intermediate read elsewhere: the subgraph is more than the op
+    if root is None or root in inputs:
+        return None
     graph = gm.graph
     with graph.inserting_before(root):
         call = graph.call_function(op, tuple(inputs))
     call.meta = dict(root.meta)
     root.replace_all_uses_with(call)
+    erased = []
     for node in reversed(matched):
         if not node.users:
             graph.erase_node(node)
-    return 1
+            erased.append(node)
+    return erased
 
 
 #: node meta that describes a call's value (the trace of its decomposition has its own)
