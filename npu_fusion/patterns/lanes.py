@@ -20,7 +20,6 @@ casts to the replaced node's dtype.
 """
 from __future__ import annotations
 
-import dataclasses
 import math
 import operator
 from fractions import Fraction
@@ -30,6 +29,7 @@ import torch
 import torch.fx as fx
 
 from ..lowering.sizes import same_shape, static_int
+from . import lane_pieces
 from .algebra import Number, accumulate, exact_number, graph_constant
 from .evaluator import MemoEvaluator, Provenance, Unsupported
 from .nodes import VIEWS, aten, axis_order, is_float_cast, meta_value, normalize_dim, val
@@ -62,19 +62,69 @@ MAX_DEGREE = 2
 #: one-input ops that only move (or negate) elements: a wide factor is cut above them
 MOVES_LANES = VIEWS | {aten.reshape.default, aten.neg.default}
 MAX_TERMS = 8
+#: whether values over one tracked axis are kept as runs of positions (:mod:`.lane_pieces`); off,
+#: every value is built position by position (the tests compare the two)
+RUNS = True
 
 
-@dataclasses.dataclass
 class Lanes:
-    """A tensor value: ``inner`` are its tracked trailing sizes, ``polys`` one per position."""
-    inner: Tuple[int, ...]
-    polys: List[Poly]
-    #: for a sum over leading axes: (summand node, reduced dims, keepdim), else None
-    reduction: Optional[tuple] = None
-    #: a complex tensor: the last tracked axis holds (real, imaginary)
-    complex: bool = False
+    """A tensor value: ``inner`` are its tracked trailing sizes, ``polys`` one per position.
+
+    A value over one tracked axis may be given as :mod:`.lane_pieces` runs (``pieces``) instead:
+    its ``polys`` are then built from them when first read, equal to the per-position ones."""
+
+    __slots__ = ("inner", "_polys", "reduction", "complex", "pieces")
+
+    def __init__(self, inner: Tuple[int, ...], polys: Optional[List[Poly]] = None, reduction: Optional[tuple] = None,
+                 complex: bool = False, pieces: Optional[lane_pieces.Pieces] = None):
+        self.inner = inner
+        self._polys = polys
+        #: for a sum over leading axes: (summand node, reduced dims, keepdim), else None
+        self.reduction = reduction
+        #: a complex tensor: the last tracked axis holds (real, imaginary)
+        self.complex = complex
+        #: the value as runs of positions (one tracked axis only), or None
+        self.pieces = pieces if RUNS and len(inner) == 1 and not complex else None
+        if polys is None and self.pieces is None:
+            if pieces is None:
+                raise ValueError("a lane value needs its polynomials or its runs")
+            self._polys = lane_pieces.materialize(pieces)
+
+    @property
+    def polys(self) -> List[Poly]:
+        if self._polys is None:
+            self._polys = lane_pieces.materialize(self.pieces)
+        return self._polys
+
+    def poly_at(self, i: int) -> Poly:
+        """The polynomial of position ``i`` (flat), without building the others."""
+        if self._polys is None:
+            return lane_pieces.at(self.pieces, i)
+        return self._polys[i]
+
+    def __eq__(self, other) -> bool:
+        if not isinstance(other, Lanes):
+            return NotImplemented
+        if (self.inner, self.reduction, self.complex) != (other.inner, other.reduction, other.complex):
+            return False
+        if self.pieces is not None and other.pieces is not None:
+            return lane_pieces.equal(self.pieces, other.pieces)
+        return self.polys == other.polys
+
+    def reads(self, lid: int, positions) -> bool:
+        """Whether the value is the leaf ``lid``'s elements at ``positions``, position by position."""
+        if self.pieces is not None:
+            return lane_pieces.reads_run(self.pieces, lid, positions)
+        return self.polys == [{((lid, p),): 1} for p in positions]
+
+    __hash__ = None
+
+    def __repr__(self) -> str:
+        return f"Lanes(inner={self.inner}, reduction={self.reduction}, complex={self.complex}, polys={self.polys})"
 
     def is_constant(self) -> bool:
+        if self.pieces is not None:
+            return lane_pieces.is_constant(self.pieces)
         return all(all(m == () for m in p) for p in self.polys)
 
 
@@ -114,19 +164,55 @@ def _strides(inner):
     return list(reversed(strides))
 
 
-def _index(inner, flat):
-    out = []
-    for stride in _strides(inner):
-        out.append(flat // stride)
-        flat %= stride
-    return out
+def _gather(out_inner, source_strides) -> List[int]:
+    """For each flat position of a tensor of trailing sizes ``out_inner`` (row-major), the flat
+    position it reads: the sum over axes of its index times that axis's ``source_strides`` entry.
+    Built axis by axis, so no position is decoded from its flat index one at a time."""
+    flats = [0]
+    for size, stride in zip(out_inner, source_strides):
+        flats = [base + k * stride for base in flats for k in range(size)]
+    return flats
 
 
-def _flat(inner, idx):
-    return sum(i * s for i, s in zip(idx, _strides(inner)))
+def _along_axis(inner, axis: int, picks) -> List[int]:
+    """The flat positions of ``inner`` at ``picks`` along ``axis``, every other axis whole, in the
+    row-major order of the tensor the picks make (axis ``axis`` of length ``len(picks)``)."""
+    size, inside = inner[axis], math.prod(inner[axis + 1:])
+    return [(outer * size + p) * inside + b
+            for outer in range(math.prod(inner[:axis])) for p in picks for b in range(inside)]
+
+
+def position_forms(v: Lanes) -> List[Poly]:
+    """Polynomials standing for every position's, for a check of how many terms each has, their
+    degrees, coefficients and leaf ids (never positions): each run's template (a run renames its
+    variables one to one at every position, so those are its positions'), else every polynomial."""
+    if v.pieces is not None:
+        return [t for _, _, t in v.pieces]
+    return v.polys
+
+
+def _zeros(inner) -> Lanes:
+    """Zero at every position of trailing sizes ``inner``."""
+    if len(inner) == 1:
+        return Lanes(tuple(inner), pieces=lane_pieces.constant_pieces(0, inner[0]))
+    return Lanes(tuple(inner), [{} for _ in range(math.prod(inner))])
+
+
+def _uniform(v: Lanes) -> bool:
+    """Whether every position holds the same polynomial."""
+    if v.pieces is not None:
+        return all(t == v.pieces[0][2] for _, _, t in v.pieces)
+    return all(p == v.polys[0] for p in v.polys)
+
+
+def _step_one(picks) -> bool:
+    """Whether ``picks`` are a non-empty run of consecutive positions given as a range."""
+    return isinstance(picks, range) and picks.step == 1 and len(picks) > 0
 
 
 def _degree(v: Lanes) -> int:
+    if v.pieces is not None:
+        return lane_pieces.max_degree(v.pieces)
     return max((len(m) for p in v.polys for m in p), default=0)
 
 
@@ -179,6 +265,8 @@ class LaneEvaluator(MemoEvaluator):
         if None in inner or self._too_wide(inner):
             return None
         lid = self.leaf_id(node)
+        if len(inner) == 1 and not v.dtype.is_complex:
+            return Lanes(inner, pieces=lane_pieces.leaf_pieces(lid, inner[0]))
         return Lanes(inner, [{((lid, i),): 1} for i in range(math.prod(inner))],
                      complex=v.dtype.is_complex)
 
@@ -190,15 +278,17 @@ class LaneEvaluator(MemoEvaluator):
             d = static_int(out_shape[-1]) if out_shape else None
             if d is None:
                 raise Unsupported("dynamic last axis")
-            return Lanes((d,), [({(): s} if s else {}) for _ in range(d)])
+            return Lanes((d,), pieces=lane_pieces.constant_pieces(s, d))
         return self._checked(arg)
 
     def _broadcast(self, v: Lanes, node_shape, inner) -> Lanes:
         """Bring v, the value of a tensor shaped ``node_shape``, to trailing sizes ``inner``."""
         if v.inner == inner:
             return v
-        if v.is_constant() and all(p == v.polys[0] for p in v.polys):
-            return Lanes(inner, [dict(v.polys[0]) for _ in range(math.prod(inner))])
+        if v.is_constant() and _uniform(v):
+            if len(inner) == 1:
+                return Lanes(inner, pieces=lane_pieces.constant_pieces(v.poly_at(0).get((), 0), inner[0]))
+            return Lanes(inner, [dict(v.poly_at(0)) for _ in range(math.prod(inner))])
         k, own = len(inner), len(v.inner)
         node_shape = tuple(node_shape)
         if len(node_shape) < k:
@@ -208,12 +298,8 @@ class LaneEvaluator(MemoEvaluator):
         src_inner = (1,) * (k - own) + v.inner
         if own > k or tail != src_inner or any(s not in (1, i) for s, i in zip(src_inner, inner)):
             raise Unsupported("broadcast")
-        polys = []
-        for flat in range(math.prod(inner)):
-            idx = _index(inner, flat)
-            src = [0 if sz == 1 else i for i, sz in zip(idx, src_inner)]
-            polys.append(v.polys[_flat(src_inner, src)])
-        return Lanes(inner, polys)
+        strides = [0 if sz == 1 else st for sz, st in zip(src_inner, _strides(src_inner))]
+        return Lanes(inner, [v.polys[f] for f in _gather(inner, strides)])
 
     def _elementwise(self, node, args, combine, cut=()) -> Lanes:
         """``combine`` position by position; the ``cut`` arguments are taken as leaves."""
@@ -227,6 +313,8 @@ class LaneEvaluator(MemoEvaluator):
             raise Unsupported("inner sizes")
         shapes = [shape(a) if isinstance(a, fx.Node) else () for a in args]
         operands = [self._broadcast(o, s if s else out_shape, inner) for o, s in zip(operands, shapes)]
+        if all(o.pieces is not None for o in operands):
+            return Lanes(inner, pieces=lane_pieces.combine([o.pieces for o in operands], combine))
         return Lanes(inner, [combine(*ps) for ps in zip(*(o.polys for o in operands))])
 
     def _inner_dim(self, node_in, v: Lanes, dim) -> int:
@@ -237,22 +325,20 @@ class LaneEvaluator(MemoEvaluator):
             raise Unsupported("leading-axis op")
         return dim - first
 
-    def _select_positions(self, v: Lanes, axis: int, picks: List[int]) -> Lanes:
+    def _select_positions(self, v: Lanes, axis: int, picks) -> Lanes:
+        if v.pieces is not None and _step_one(picks):
+            return Lanes((len(picks),), pieces=lane_pieces.window(v.pieces, picks[0], picks[0] + len(picks)))
         inner = list(v.inner)
         new_inner = tuple(inner[:axis] + [len(picks)] + inner[axis + 1:])
-        polys = []
-        for flat in range(math.prod(new_inner)):
-            idx = _index(new_inner, flat)
-            idx[axis] = picks[idx[axis]]
-            polys.append(v.polys[_flat(v.inner, idx)])
-        return Lanes(new_inner, polys)
+        return Lanes(new_inner, [v.polys[f] for f in _along_axis(v.inner, axis, picks)])
 
-    def _scatter(self, base: Lanes, src: Lanes, axis: int, picks: List[int]) -> Lanes:
-        polys = [dict(p) for p in base.polys]
-        for flat in range(math.prod(src.inner)):
-            idx = _index(src.inner, flat)
-            idx[axis] = picks[idx[axis]]
-            polys[_flat(base.inner, idx)] = src.polys[flat]
+    def _scatter(self, base: Lanes, src: Lanes, axis: int, picks) -> Lanes:
+        if base.pieces is not None and src.pieces is not None and _step_one(picks) and \
+                lane_pieces.length(src.pieces) == len(picks) and picks[-1] < base.inner[0]:
+            return Lanes(base.inner, pieces=lane_pieces.placed(base.pieces, src.pieces, picks[0]))
+        polys = list(base.polys)  # polynomials are never changed in place: shared, not copied
+        for target, poly in zip(_along_axis(base.inner, axis, picks), src.polys):
+            polys[target] = poly
         return Lanes(base.inner, polys)
 
     def _reshape(self, node, v: Lanes) -> Lanes:
@@ -264,6 +350,8 @@ class LaneEvaluator(MemoEvaluator):
             if None in tail:
                 break
             if math.prod(tail) == total and same_shape(out_shape[:len(out_shape) - k], lead_in):
+                if v.pieces is not None and len(tail) == 1:
+                    return Lanes(tuple(tail), pieces=v.pieces)
                 return Lanes(tuple(tail), v.polys)
             if math.prod(tail) > total:
                 break
@@ -335,7 +423,7 @@ class LaneEvaluator(MemoEvaluator):
         size = v.inner[axis]
         start, end, step = (list(args[2:5]) + [None, None, 1])[:3]
         start, end, step = (_index_arg(x) for x in (start, end, step))
-        return self._select_positions(v, axis, list(range(size))[slice(start, end, step)])
+        return self._select_positions(v, axis, range(size)[slice(start, end, step)])
 
     def _select(self, node, args) -> Lanes:
         v = self._checked(args[0])
@@ -356,8 +444,7 @@ class LaneEvaluator(MemoEvaluator):
                                          shape(grad)[:len(sizes) - len(v.inner)]):
             raise Unsupported("slice_backward sizes")
         inner = v.inner[:axis] + (full,) + v.inner[axis + 1:]
-        zero = Lanes(inner, [{} for _ in range(math.prod(inner))])
-        return self._scatter(zero, v, axis, list(range(full))[slice(start, end, step)])
+        return self._scatter(_zeros(inner), v, axis, range(full)[slice(start, end, step)])
 
     def _slice_scatter(self, node, args) -> Lanes:
         kw = node.kwargs
@@ -369,7 +456,7 @@ class LaneEvaluator(MemoEvaluator):
         start, end, step = (_index_arg(x) for x in (start, end, step))
         axis = self._inner_dim(args[0], base, dim)
         base = self._broadcast(base, shape(args[0]), base.inner)
-        picks = list(range(base.inner[axis]))[slice(start, end, step)]
+        picks = range(base.inner[axis])[slice(start, end, step)]
         if src.inner[:axis] + src.inner[axis + 1:] != base.inner[:axis] + base.inner[axis + 1:] or \
                 src.inner[axis] != len(picks):
             raise Unsupported("slice_scatter sizes")
@@ -382,7 +469,7 @@ class LaneEvaluator(MemoEvaluator):
         d = static_int(shape(node)[-1]) if shape(node) else None
         if d is None:
             raise Unsupported("a 0-dim or dynamic last axis")
-        return Lanes((d,), [({(): fill} if fill else {}) for _ in range(d)])
+        return Lanes((d,), pieces=lane_pieces.constant_pieces(fill, d))
 
     def _cat(self, node, args) -> Lanes:
         tensors = args[0]
@@ -394,12 +481,12 @@ class LaneEvaluator(MemoEvaluator):
             raise Unsupported("cat ranks")
         total = sum(v.inner[axis] for v in vals)
         new_inner = inner[:axis] + (total,) + inner[axis + 1:]
-        out = Lanes(new_inner, [{} for _ in range(math.prod(new_inner))])
+        out = _zeros(new_inner)
         offset = 0
         for v in vals:
             if v.inner[:axis] + v.inner[axis + 1:] != inner[:axis] + inner[axis + 1:]:
                 raise Unsupported("cat sizes")
-            out = self._scatter(out, v, axis, list(range(offset, offset + v.inner[axis])))
+            out = self._scatter(out, v, axis, range(offset, offset + v.inner[axis]))
             offset += v.inner[axis]
         return out
 
@@ -414,7 +501,7 @@ class LaneEvaluator(MemoEvaluator):
             raise Unsupported("stack")
         axis = dim - (rank - len(inner) - 1)
         new_inner = inner[:axis] + (len(vals),) + inner[axis:]
-        out = Lanes(new_inner, [{} for _ in range(math.prod(new_inner))])
+        out = _zeros(new_inner)
         for k, v in enumerate(vals):
             expanded = Lanes(inner[:axis] + (1,) + inner[axis:], v.polys)
             out = self._scatter(out, expanded, axis, [k])
@@ -438,14 +525,8 @@ class LaneEvaluator(MemoEvaluator):
             raise Unsupported("permutes leading axes")
         perm = [d - first for d in order[first:]]
         new_inner = tuple(v.inner[p] for p in perm)
-        polys = []
-        for flat in range(math.prod(new_inner)):
-            idx = _index(new_inner, flat)
-            src = [0] * len(perm)
-            for out_axis, in_axis in enumerate(perm):
-                src[in_axis] = idx[out_axis]
-            polys.append(v.polys[_flat(v.inner, src)])
-        return Lanes(new_inner, polys)
+        strides = _strides(v.inner)
+        return Lanes(new_inner, [v.polys[f] for f in _gather(new_inner, [strides[p] for p in perm])])
 
     def _expand(self, node, args) -> Lanes:
         v = self._checked(args[0])
@@ -470,7 +551,7 @@ class LaneEvaluator(MemoEvaluator):
         inner = v.inner[:axis] + (full,) + v.inner[axis:]
         if self._too_wide(inner):
             raise Unsupported("select_backward too wide")
-        zero = Lanes(inner, [{} for _ in range(math.prod(inner))])
+        zero = _zeros(inner)
         return self._scatter(zero, Lanes(v.inner[:axis] + (1,) + v.inner[axis:], v.polys), axis,
                              [index % full])
 
@@ -604,7 +685,7 @@ class LaneEvaluator(MemoEvaluator):
                 step = _index_arg(meta_value(pargs[1]))
                 sizes = [min(step, size - s) for s in range(0, size, step)]
             start = sum(sizes[:index])
-            return self._select_positions(v, axis, list(range(start, start + sizes[index])))
+            return self._select_positions(v, axis, range(start, start + sizes[index]))
         raise Unsupported("getitem")
 
     def _sum(self, node, _args) -> Lanes:
@@ -618,7 +699,7 @@ class LaneEvaluator(MemoEvaluator):
         dims = sorted(normalize_dim(d, rank) for d in dims)
         if any(d >= rank - len(v.inner) for d in dims):
             raise Unsupported("sum over a tracked axis")
-        return Lanes(v.inner, v.polys, reduction=(src, tuple(dims), bool(keepdim)))
+        return Lanes(v.inner, v._polys, reduction=(src, tuple(dims), bool(keepdim)), pieces=v.pieces)
 
     def _reduced_view(self, node, v: Lanes) -> Lanes:
         """Unit-axis reshapes after a reduction keep its value (the matcher checks shapes);

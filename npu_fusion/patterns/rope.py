@@ -30,6 +30,7 @@ is added back to the fused dx (as the RMSNorm rule does with the residual gradie
 from __future__ import annotations
 
 import dataclasses
+import functools
 import operator
 from typing import Dict, List, Optional, Tuple
 
@@ -39,7 +40,8 @@ from ..lowering import ROPE_GRAD as OP
 from ..lowering.ops.rope_grad import ROPE_MAX_D, ROPE_MODES, rope_divisor, rope_target_problem
 from ..lowering.sizes import same_shape, static_int
 from .evaluator import Provenance, Unsupported, kept_precision, rounding_problem
-from .lanes import Lanes, LaneEvaluator, add_polys
+from . import lane_pieces
+from .lanes import Lanes, LaneEvaluator, add_polys, position_forms
 from .nodes import (CAST_TARGETS, VIEWS, aten, axis_order, downstream, dtype, gradient_dependent, gradient_product,
                     is_float_cast, last_of, outermost, region_of, shape)
 from .rewrite import (Edit, Insertion, Miss, RuleContext, add_back_accumulated, commit, emit_fused_op,
@@ -67,8 +69,9 @@ def contiguous(lid: int, offset: int, d: int) -> Role:
 
 # -- docs/fused-ops.md#rotary_position_embedding_grad, position by position -------
 
+@functools.lru_cache(maxsize=256)
 def dx_terms(mode: int, d: int):
-    """For each position i of dx: [(coef, dy position, table, table position)]."""
+    """For each position i of dx: ((coef, dy position, table, table position), ...), cached per (mode, d)."""
     h, q = d // 2, d // 4
     out = []
     for i in range(d):
@@ -81,16 +84,17 @@ def dx_terms(mode: int, d: int):
         else:
             j = i // 2
             if i % 2 == 0:
-                out.append([(1, j, "cos", j), (1, j + h, "sin", j + h)])
+                out.append(((1, j, "cos", j), (1, j + h, "sin", j + h)))
             else:
-                out.append([(1, j + h, "cos", j + h), (-1, j, "sin", j)])
+                out.append(((1, j + h, "cos", j + h), (-1, j, "sin", j)))
             continue
-        out.append([(1, i, "cos", i), (other[0], other[1], "sin", other[1])])
-    return out
+        out.append(((1, i, "cos", i), (other[0], other[1], "sin", other[1])))
+    return tuple(out)
 
 
+@functools.lru_cache(maxsize=256)
 def table_terms(mode: int, d: int, which: str):
-    """For each position i of dcos's (``which="cos"``) or dsin's summand: (coef, x position)."""
+    """For each position i of dcos's (``which="cos"``) or dsin's summand: (coef, x position), cached."""
     h, q = d // 2, d // 4
     out = []
     for i in range(d):
@@ -104,7 +108,7 @@ def table_terms(mode: int, d: int, which: str):
             out.append((-1, i + q) if (i // q) % 2 == 0 else (1, i - q))
         else:
             out.append((-1, 2 * i + 1) if i < h else (1, 2 * (i - h)))
-    return out
+    return tuple(out)
 
 
 def _mono(a, b):
@@ -131,6 +135,24 @@ def expected_table(mode: int, d: int, which: str, dy: Role, x: Role):
 def _polys_equal(a, b) -> bool:
     """Exact equality: the coefficients are rationals, never compared with a tolerance."""
     return len(a) == len(b) and all(pa == pb for pa, pb in zip(a, b))
+
+
+def _equals_expected_dx(v: Lanes, mode: int, d: int, dy: Role, cos: Role, sin: Role, signs) -> bool:
+    """``_polys_equal(v.polys, expected_dx(...))``, once a run of positions where the value and the
+    formula have runs, else position by position, stopping at the first difference."""
+    if v.inner != (d,):
+        return False
+    roles, sign = {"cos": cos, "sin": sin}, {"cos": signs[0], "sin": signs[1]}
+    runs = dx_runs(mode, d) if v.pieces is not None else None
+    if runs is not None:
+        equal = lane_pieces.equals_formula(v.pieces, runs, dy, roles, lambda c, t: c * sign[t])
+        if equal is not None:
+            return equal
+    dy_lid, dy_pos = dy
+    for poly, lane in zip(v.polys, dx_terms(mode, d)):
+        if poly != {_mono((dy_lid, dy_pos[yp]), (roles[t][0], roles[t][1][tp])): c * sign[t] for c, yp, t, tp in lane}:
+            return False
+    return True
 
 
 # -- per-target constraints (docs/fused-ops.md#rotary_position_embedding_grad) --
@@ -176,7 +198,15 @@ class RopeMatch:
 
 
 def _offsets(v: Lanes, lid: int) -> int:
+    if v.pieces is not None:  # a run's lowest position reads each variable's lowest
+        return min(lo + p for lo, _, t in v.pieces for mono in t for (l, p) in mono if l == lid)
     return min(p for poly in v.polys for mono in poly for (l, p) in mono if l == lid)
+
+
+@functools.lru_cache(maxsize=256)
+def dx_runs(mode: int, d: int):
+    """:func:`dx_terms` as runs of positions (:func:`~.lane_pieces.term_runs`), or None (interleaved modes)."""
+    return lane_pieces.term_runs(dx_terms(mode, d))
 
 
 def _read_tables(v: Lanes, mode: int, dy: Role) -> Optional[Tuple[Role, Role]]:
@@ -186,7 +216,11 @@ def _read_tables(v: Lanes, mode: int, dy: Role) -> Optional[Tuple[Role, Role]]:
     imaginary parts of a complex ``freqs_cis`` (Llama 4) both come out of one leaf.
     The caller still compares the whole polynomial, so this only proposes.
     """
-    d = len(v.polys)
+    d = v.inner[0] if len(v.inner) == 1 else len(v.polys)
+    runs = dx_runs(mode, d) if v.pieces is not None else None
+    if runs is not None:  # read once a run of positions: the same proposal
+        read = lane_pieces.read_partners(v.pieces, runs, dy, ("cos", "sin"), d)
+        return None if read is None else (read[0]["cos"], read[0]["sin"])
     found = {"cos": [None] * d, "sin": [None] * d}
     lids = {"cos": set(), "sin": set()}
     for poly, lane in zip(v.polys, dx_terms(mode, d)):
@@ -213,9 +247,9 @@ def match_dx(ev: LaneEvaluator, node: fx.Node, v: Optional[Lanes] = None) -> Opt
     d = v.inner[0]
     if d < 2 or d % 2:
         return None
-    if any(len(p) != 2 or any(len(m) != 2 for m in p) for p in v.polys):
+    if any(len(p) != 2 or any(len(m) != 2 for m in p) for p in position_forms(v)):
         return None
-    common = set.intersection(*({l for l, _ in m} for poly in v.polys[:1] + v.polys[-1:] for m in poly))
+    common = set.intersection(*({l for l, _ in m} for poly in (v.poly_at(0), v.poly_at(d - 1)) for m in poly))
     # dy and the tables enter a product symmetrically (a complex product most of all): try
     # first the leaves that carry the gradient in dx's own shape, the only ones dy can be
     for dy_lid in sorted(common, key=lambda lid: (not _can_be_dy(ev, ev.leaves[lid], node), lid)):
@@ -228,7 +262,7 @@ def match_dx(ev: LaneEvaluator, node: fx.Node, v: Optional[Lanes] = None) -> Opt
                 continue
             cos, sin = tables
             for signs in TABLE_SIGNS:
-                if _polys_equal(v.polys, expected_dx(mode, d, dy, cos, sin, signs)):
+                if _equals_expected_dx(v, mode, d, dy, cos, sin, signs):
                     return RopeMatch(mode, node, dy, cos, sin, signs=signs)
     return None
 
@@ -428,17 +462,29 @@ def _looks_like_dx(v: Optional[Lanes]) -> bool:
     """Two products of two leaf elements per position, one leaf read at two positions
     (a rotation): the shape of a RoPE dx. Softmax's backward has two products but no
     rotation."""
-    if not (v is not None and v.reduction is None and len(v.inner) == 1 and v.inner[0] >= 2
-            and v.inner[0] % 2 == 0 and all(len(p) == 2 and all(len(m) == 2 for m in p) for p in v.polys)):
+    if not (v is not None and v.reduction is None and len(v.inner) == 1 and v.inner[0] >= 2 and v.inner[0] % 2 == 0):
         return False
-    a, b = v.polys[0]
+    for p in position_forms(v):
+        if len(p) != 2:
+            return False
+        for m in p:
+            if len(m) != 2:
+                return False
+    a, b = v.poly_at(0)
     return any(l1 == l2 and p1 != p2 for l1, p1 in a for l2, p2 in b)
 
 
 def _looks_like_table(v: Optional[Lanes]) -> bool:
     """One product of two leaf elements per position: a dcos/dsin summand."""
-    return (v is not None and len(v.inner) == 1 and v.inner[0] >= 2
-            and all(len(p) == 1 and all(len(m) == 2 for m in p) for p in v.polys))
+    if v is None or len(v.inner) != 1 or v.inner[0] < 2:
+        return False
+    for p in position_forms(v):
+        if len(p) != 1:
+            return False
+        for m in p:
+            if len(m) != 2:
+                return False
+    return True
 
 
 #: ops that move elements along trailing axes: every RoPE dx is a few uses after one
@@ -557,7 +603,7 @@ def _match_table_gradients(examine, ev: LaneEvaluator, graph: fx.Graph, matches)
         ev.value(node)
         v = ev.memo.get(node)
         if _looks_like_table(v):
-            for lid in {var[0] for var in next(iter(v.polys[0]))}:
+            for lid in {var[0] for var in next(iter(v.poly_at(0)))}:
                 tables_by_leaf.setdefault(lid, []).append(node)
     for site in matches:
         if not all(r[1] == tuple(range(static_int(shape(ev.leaves[r[0]])[-1]))) for r in (site.cos, site.sin)):

@@ -42,7 +42,7 @@ from ..lowering import ROPE as OP, ROPE_GRAD
 from ..lowering.ops.rope_grad import ROPE_MODES, rope_divisor
 from ..lowering.sizes import same_shape, static_int
 from .evaluator import InferenceProvenance, JointProvenance, kept_precision, rounding_problem
-from .lanes import LaneEvaluator, Lanes
+from .lanes import LaneEvaluator, Lanes, position_forms
 from .lanes import shape as lane_shape
 from .nodes import (CAST_TARGETS, VIEWS, aten, downstream, dtype, gradient_dependent, is_float_cast, last_of,
                     outermost, outside_users, region_of, shape, val)
@@ -142,9 +142,9 @@ def _looks_like_y(v: Optional[Lanes]) -> bool:
     """Two products of two leaf elements per position, one leaf read at two positions (over
     one tracked axis, or several: see :func:`_axis_makers`)."""
     if not (v is not None and v.reduction is None and not v.complex and v.inner and v.inner[-1] >= 2
-            and all(len(p) == 2 and all(len(m) == 2 for m in p) for p in v.polys)):
+            and all(len(p) == 2 and all(len(m) == 2 for m in p) for p in position_forms(v))):
         return False
-    a, b = v.polys[0]
+    a, b = v.poly_at(0)
     return any(l1 == l2 and p1 != p2 for l1, p1 in a for l2, p2 in b)
 
 
@@ -300,7 +300,7 @@ def _products_passed_on(ev: LaneEvaluator, unmatched, looks) -> set:
     found = set()
     for n in (n for n in region - after if n.target not in PASSES_ON):  # where the product is made
         v = ev.memo.get(n)
-        if v is not None and any(len(m) > 1 for p in v.polys for m in p) and _moved_later(n):
+        if v is not None and any(len(m) > 1 for p in position_forms(v) for m in p) and _moved_later(n):
             found.add(n)
     return found
 
@@ -422,9 +422,9 @@ def _reads_scaled_copy(ev: LaneEvaluator, node: fx.Node) -> bool:
     term reads ``c * x`` (a leaf of its own to the evaluator)."""
     v = ev.memo.get(node)
     if not (v is not None and v.reduction is None and not v.complex and v.inner and v.inner[-1] >= 2
-            and all(len(p) == 2 and all(len(m) == 2 for m in p) for p in v.polys)):
+            and all(len(p) == 2 and all(len(m) == 2 for m in p) for p in position_forms(v))):
         return False
-    a, b = v.polys[0]
+    a, b = v.poly_at(0)
     return any(l1 != l2 and p1 != p2 and unscaled(ev.leaves[l1]) is unscaled(ev.leaves[l2])
                for l1, p1 in a for l2, p2 in b)
 
@@ -459,10 +459,6 @@ def _region(site: ForwardRopeMatch) -> List[fx.Node]:
     role_ids = {site.x[0], site.cos[0], site.sin[0]}
     leaves = {ev.leaves[i] for i in role_ids}
     return region_of([site.y], lambda n: n in ev.interpreted and n not in leaves)
-
-
-def _identity(ev: LaneEvaluator, role: Role):
-    return [{((role[0], p),): 1} for p in role[1]]
 
 
 @dataclasses.dataclass
@@ -546,10 +542,9 @@ def _find_operand(ev: LaneEvaluator, region, role: Role, like) -> Optional[Opera
     the output (a table after its ``unsqueeze``, a partial rotary's slice of x); else a node
     whose values are the role's in pieces, nearest the output first (a half-width table read
     twice, x read as its even and odd lanes, a complex table's parts)."""
-    want = _identity(ev, role)
     read = {a for n in region for a in n.all_input_nodes} | set(region) | {ev.leaves[role[0]]}
     found = [n for n in read if ev.memo.get(n) is not None and ev.memo[n].reduction is None
-             and not ev.memo[n].complex and ev.memo[n].polys == want and like(shape(n))]
+             and not ev.memo[n].complex and ev.memo[n].reads(*role) and like(shape(n))]
     if found:
         return Operand(max(found), ev.memo[max(found)].inner)
     for node in sorted(read, reverse=True):
@@ -580,7 +575,7 @@ def _built(edit, ev: LaneEvaluator, operand: Operand, role: Role) -> Optional[fx
             pairs = edit.call(aten.stack.default, ([_sliced(edit, node, runs) for runs in plan[1:]], -1))
             node = edit.call(aten.flatten.using_ints, (pairs, -2, -1))
     value = ev.value(node)
-    return node if value is not None and not value.complex and value.polys == _identity(ev, role) else None
+    return node if value is not None and not value.complex and value.reads(*role) else None
 
 
 def _sliced(edit, node: fx.Node, runs) -> fx.Node:
