@@ -222,7 +222,10 @@ def equals_formula(pieces: Pieces, runs: Pieces, anchor: Tuple[int, Sequence[int
             r = run_offset(where, lo + b, hi + b)
             if y is None or r is None:
                 return None
-            expected[tuple(sorted(((anchor[0], y + a), (lid, r + b))))] = coefficient(c, role)
+            mono = tuple(sorted(((anchor[0], y + a), (lid, r + b))))
+            if mono in expected:  # two terms of one monomial: ask position by position
+                return None
+            expected[mono] = coefficient(c, role)
         if template != expected:
             return False
     return True

@@ -111,6 +111,12 @@ class Lanes:
             return lane_pieces.equal(self.pieces, other.pieces)
         return self.polys == other.polys
 
+    def lowest_position(self, lid: int) -> int:
+        """The lowest position of the leaf ``lid`` that the value reads."""
+        if self.pieces is not None:  # a run's first position reads each of its variables' lowest
+            return min(lo + p for lo, _, t in self.pieces for mono in t for (l, p) in mono if l == lid)
+        return min(p for poly in self.polys for mono in poly for (l, p) in mono if l == lid)
+
     def reads(self, lid: int, positions) -> bool:
         """Whether the value is the leaf ``lid``'s elements at ``positions``, position by position."""
         if self.pieces is not None:

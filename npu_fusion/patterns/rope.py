@@ -198,9 +198,7 @@ class RopeMatch:
 
 
 def _offsets(v: Lanes, lid: int) -> int:
-    if v.pieces is not None:  # a run's lowest position reads each variable's lowest
-        return min(lo + p for lo, _, t in v.pieces for mono in t for (l, p) in mono if l == lid)
-    return min(p for poly in v.polys for mono in poly for (l, p) in mono if l == lid)
+    return v.lowest_position(lid)
 
 
 @functools.lru_cache(maxsize=256)
