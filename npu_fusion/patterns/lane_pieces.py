@@ -177,12 +177,13 @@ def run_offset(positions: Sequence[int], lo: int, hi: int) -> Optional[int]:
     return o if tuple(positions[lo:hi]) == tuple(range(lo + o, hi + o)) else None
 
 
-def read_partners(pieces: Pieces, runs: Pieces, anchor: Tuple[int, Sequence[int]], roles: Sequence[str], d: int):
+def read_partners(pieces: Pieces, runs: Pieces, anchor: Tuple[int, Sequence[int]], roles: Sequence[str], d: int,
+                  squares: bool = True):
     """Which leaf positions play each role, read off the monomials that pair them with the anchor.
 
     ``runs`` are :func:`term_runs` of the formula; at each position every term's monomial must be
-    the only one with the anchor's element, its other variable (the anchor's own when squared) the
-    role's element. Returns ``({role: (leaf id, positions)}, {role: coefficients seen})``, or None
+    the only one with the anchor's element, its other variable (the anchor's own when squared, unless
+    ``squares`` is False: then no partner) the role's element. Returns ``({role: (leaf id, positions)}, {role: coefficients seen})``, or None
     when a position has no such single monomial, a role's index is read at two different positions,
     is not read at all, or reads two leaves: what reading position by position finds, found once a run."""
     positions = {r: [None] * d for r in roles}
@@ -197,7 +198,10 @@ def read_partners(pieces: Pieces, runs: Pieces, anchor: Tuple[int, Sequence[int]
             monos = [m for m in template if y in m]
             if len(monos) != 1:
                 return None
-            (other,) = [var for var in monos[0] if var != y] or [y]
+            partners = [var for var in monos[0] if var != y] or ([y] if squares else [])
+            if len(partners) != 1:
+                return None
+            (other,) = partners
             lids[role].add(other[0])
             coefs[role].add((c, template[monos[0]]))
             new = list(range(lo + other[1], hi + other[1]))

@@ -273,9 +273,9 @@ def match_table(ev: LaneEvaluator, node: fx.Node, site: RopeMatch, which: str) -
     """x's role when ``node`` is the site's dcos (``which="cos"``) or dsin, else None."""
     v = ev.memo.get(node)
     d = site_width(ev, site)
-    if v is None or v.inner != (d,) or any(len(p) != 1 for p in v.polys):
+    if v is None or v.inner != (d,) or any(len(p) != 1 for p in position_forms(v)):
         return None
-    mono = next(iter(v.polys[0]))
+    mono = next(iter(v.poly_at(0)))
     if len(mono) != 2:
         return None
     others = [var for var in mono if var != (site.dy[0], site.dy[1][0])]
@@ -284,6 +284,16 @@ def match_table(ev: LaneEvaluator, node: fx.Node, site: RopeMatch, which: str) -
     x_lid = others[0][0]
     if x_lid in (site.cos[0], site.sin[0]):  # dy * cos is part of dx, not dcos
         return None
+    runs = table_runs(site.mode, d, which) if v.pieces is not None else None
+    if runs is not None:  # read and compared once a run of positions: the same x, the same verdict
+        read = lane_pieces.read_partners(v.pieces, runs, site.dy, ("x",), d, squares=False)
+        if read is None or read[0]["x"][0] != x_lid:
+            return None
+        x = read[0]["x"]
+        equal = lane_pieces.equals_formula(v.pieces, runs, site.dy, {"x": x}, lambda c, _: c)
+        if equal is None:  # x not read along runs: compared position by position
+            equal = _polys_equal(v.polys, expected_table(site.mode, d, which, site.dy, x))
+        return x if equal and _is_reduced_table(ev, node, v, site, which) else None
     # which x position each lane reads (mode 3's tables read x de-interleaved, and a
     # partitioner may save that de-interleaved copy instead of x)
     positions = [None] * d
@@ -298,10 +308,18 @@ def match_table(ev: LaneEvaluator, node: fx.Node, site: RopeMatch, which: str) -
     x = (x_lid, tuple(positions))
     if not _polys_equal(v.polys, expected_table(site.mode, d, which, site.dy, x)):
         return None
+    return x if _is_reduced_table(ev, node, v, site, which) else None
+
+
+def _is_reduced_table(ev: LaneEvaluator, node: fx.Node, v: Lanes, site: RopeMatch, which: str) -> bool:
     table = ev.leaves[(site.cos if which == "cos" else site.sin)[0]]
-    if not _reduces_to(node, v, ev.leaves[site.dy[0]], table):
-        return None
-    return x
+    return _reduces_to(node, v, ev.leaves[site.dy[0]], table)
+
+
+@functools.lru_cache(maxsize=256)
+def table_runs(mode: int, d: int, which: str):
+    """:func:`table_terms` as runs of positions: position i pairs dy's index i with x's, or None."""
+    return lane_pieces.term_runs(tuple(((c, i, "x", xp),) for i, (c, xp) in enumerate(table_terms(mode, d, which))))
 
 
 def site_width(ev: LaneEvaluator, site: RopeMatch) -> int:

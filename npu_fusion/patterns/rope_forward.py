@@ -713,10 +713,11 @@ def _picks_of_one_leaf(ev: LaneEvaluator, node: fx.Node, among=None) -> bool:
     """Each value of ``node`` is one element of one leaf (``among`` those, when given): a
     view's or a selection's value."""
     v = ev.memo.get(node)
-    lids = {lid for poly in v.polys for mono in poly for lid, _ in mono} if v is not None else set()
+    forms = position_forms(v) if v is not None else []
+    lids = {lid for poly in forms for mono in poly for lid, _ in mono}
     return v is not None and v.reduction is None and not v.complex and len(lids) == 1 and (
         among is None or lids <= set(among)) and all(
-        len(poly) == 1 and list(poly.values()) == [1] and len(next(iter(poly))) == 1 for poly in v.polys)
+        len(poly) == 1 and list(poly.values()) == [1] and len(next(iter(poly))) == 1 for poly in forms)
 
 
 def emit(ctx: RuleContext, site: ForwardRopeMatch):
