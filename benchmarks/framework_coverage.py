@@ -27,6 +27,7 @@ from typing import Dict, List, Optional
 import torch
 
 from npu_fusion.lowering import FUSED_OPS
+from npu_fusion.plugin.options import forward_options
 from npu_fusion_testing.frameworks import FRAMEWORKS, measure
 from npu_fusion_testing.generated import publishing, script_command
 
@@ -48,7 +49,7 @@ class Row:
 
 def run_one(name: str, dtype: str, target: str = "generic", forward: bool = False) -> Row:
     row, start = Row(name, dtype), time.perf_counter()
-    switches = dict(rms_norm_forward=True, rope_forward=True) if forward else {}
+    switches = dict.fromkeys(forward_options(), True) if forward else {}
     try:
         coverage = measure(FRAMEWORKS[name], getattr(torch, dtype), strict=False, target=target, **switches)
     except ImportError as exc:
@@ -64,8 +65,12 @@ def run_one(name: str, dtype: str, target: str = "generic", forward: bool = Fals
     return row
 
 
-#: the table's site columns: (kind, header); the forward columns show when their rule ran
-COLUMNS = (("rope", "RoPE"), ("rms_norm", "RMSNorm"), ("rope_forward", "RoPE fw"), ("rms_norm_forward", "RMSNorm fw"))
+#: the table's site columns: (kind, header), the backward ops' then the forward ops', each in the
+#: registry's order reversed (RoPE's column has always come first); the forward columns show when
+#: their rule ran
+COLUMNS = tuple((op.option, op.short_label or op.name)
+                for forward in (False, True) for op in reversed(FUSED_OPS)
+                if (op.option in forward_options()) == forward)
 
 
 def _cell(row: Row, kind: str) -> str:
@@ -132,7 +137,7 @@ def main(argv=None) -> int:
     parser.add_argument("--target", default="generic", choices=("generic", "a2", "a3", "950"),
                         help="which chip's forms the pass may emit (default generic: every form)")
     parser.add_argument("--forward", action="store_true",
-                        help="also fuse the forward (options rms_norm_forward and rope_forward on) and count "
+                        help=f"also fuse the forward (options {' and '.join(forward_options())} on) and count "
                              "its sites: the backward's sites, each a forward site too")
     parser.add_argument("--json", metavar="PATH", help="also write the rows as JSON")
     parser.add_argument("--write-docs", metavar="NAME",

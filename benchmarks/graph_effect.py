@@ -22,9 +22,9 @@ compiler is assumed, so "before" is what an op-by-op (eager-like) backend moves.
 
 * the activation bytes the forward saves for the backward, without and with the pass.
 
-With ``--forward`` (the options ``rms_norm_forward`` and ``rope_forward``; joint-graph paths
-only, a backward graph has no forward to fuse) the forward graph gets the same two tables:
-its nodes and whole traffic before and after, and per forward fused op (``rms_norm``,
+With ``--forward`` (the forward rules' options, ``rms_norm_forward`` and ``rope_forward``;
+joint-graph paths only, a backward graph has no forward to fuse) the forward graph gets the same
+two tables: its nodes and whole traffic before and after, and per forward fused op (``rms_norm``,
 ``rotary_position_embedding``) its sites and their modelled traffic after the pass (the fused
 node and the casts next to it) against the fused op's minimum. Compare the saved bytes with a
 run without ``--forward`` (the backward fused alone).
@@ -44,14 +44,14 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 import npu_fusion  # noqa: F401  (registers the ops)
-from npu_fusion.lowering import RMS_NORM, RMS_NORM_GRAD, ROPE, ROPE_GRAD
-from npu_fusion.models import RMSNorm, TinyConfig, TinyDecoder
+from npu_fusion.measure.sites import FORWARD_OPS, KINDS, expected_for
+from npu_fusion.models import TinyConfig, TinyDecoder
 from npu_fusion.patterns.nodes import is_float_cast
 from npu_fusion.patterns.traffic import node_traffic
 from npu_fusion.compat import inductor_decompositions
 from npu_fusion.plugin.backend import aot_backend
 from npu_fusion.plugin.saved_activations import saved_set
-from npu_fusion.plugin.options import FusionOptions
+from npu_fusion.plugin.options import FusionOptions, forward_ops, forward_options
 
 from npu_fusion_testing.generated import publishing, script_command
 
@@ -106,7 +106,7 @@ def _parse(argv):
                              "the partition (npu_fusion.install); inductor: the joint graph with Inductor's "
                              "decompositions and min-cut partitioner (npu_fusion.install_inductor; no codegen)")
     parser.add_argument("--forward", action="store_true",
-                        help="fuse the forward too (rms_norm_forward, rope_forward; joint-graph paths only)")
+                        help=f"fuse the forward too ({', '.join(forward_options())}; joint-graph paths only)")
     parser.add_argument("--write-docs", metavar="NAME",
                         help="also write what this prints into block NAME of its docs/ page")
     args = parser.parse_args(argv)
@@ -144,10 +144,15 @@ def _keeping_unfused(gm, run) -> dict:
     return dict(result=run(), before=before, forward_before=run.forward, unfused_saved=None)
 
 
+def _options(args) -> FusionOptions:
+    partitioner = PATHS[args.path][1]
+    return FusionOptions.from_mapping({"target": args.target, "partitioner": partitioner or args.partitioner,
+                                       **dict.fromkeys(forward_options(), args.forward)})
+
+
 def _backend(args, captured):
-    stage, partitioner, decompositions = PATHS[args.path]
-    options = FusionOptions.from_mapping({"target": args.target, "partitioner": partitioner or args.partitioner,
-                                          "rms_norm_forward": args.forward, "rope_forward": args.forward})
+    stage, _, decompositions = PATHS[args.path]
+    options = _options(args)
 
     def around_pass(gm, run):
         captured.update(_keeping_unfused(gm, run))
@@ -165,7 +170,8 @@ def _backend(args, captured):
 def main(argv=None) -> int:
     args = _parse(argv)
     config, fake_mode, model, ids = _build(args)
-    norms = sum(isinstance(m, RMSNorm) for m in model.modules())
+    # the sites of one forward by construction, a forward op's those of its backward
+    expected = expected_for(_options(args), model.expected_sites)
     captured = {}
     print(f"tracing {args.layers} layer(s) on fake tensors...", file=sys.stderr)
     start = time.perf_counter()
@@ -175,10 +181,10 @@ def main(argv=None) -> int:
     traced = time.perf_counter() - start
     assert not captured["result"].error, captured["result"].error
     with publishing(args.write_docs, script_command(__file__, argv), fenced=False):
-        return _print_effect(args, config, captured, norms, traced)
+        return _print_effect(args, config, captured, expected, traced)
 
 
-def _print_effect(args, config, captured, norms, traced) -> int:
+def _print_effect(args, config, captured, expected, traced) -> int:
     result = captured["result"]
     partitioner = PATHS[args.path][1] or args.partitioner
     print(f"Llama-7B-shaped decoder: {args.layers} layer(s), hidden {config.hidden_size}, "
@@ -187,11 +193,10 @@ def _print_effect(args, config, captured, norms, traced) -> int:
           f"(pass on the {result.graph} graph), partitioner {partitioner}, "
           f"forward fusion {'on' if args.forward else 'off'}\n")
     print(f"traced and compiled in {traced:.1f} s; the pass took {result.seconds * 1e3:.0f} ms\n")
-    expected = {RMS_NORM_GRAD.name: norms, ROPE_GRAD.name: 2 * args.layers,
-                RMS_NORM.name: norms, ROPE.name: 2 * args.layers}
-    graphs = [("backward", captured["before"], captured["after"](), (RMS_NORM_GRAD.name, ROPE_GRAD.name))]
+    backward_ops = tuple(op for op in KINDS.values() if op not in FORWARD_OPS)
+    graphs = [("backward", captured["before"], captured["after"](), backward_ops)]
     if args.forward:
-        graphs.append(("forward", captured["forward_before"], captured["forward_after"](), (RMS_NORM.name, ROPE.name)))
+        graphs.append(("forward", captured["forward_before"], captured["forward_after"](), forward_ops()))
     for kind, before, after, ops in graphs:
         _print_graph_table(kind, before, after)
         _print_sites_table(result, after, ops, expected)

@@ -83,10 +83,10 @@ import torch
 
 
 import npu_fusion  # noqa: F401  (registers the ops)
-from npu_fusion.lowering import RMS_NORM, ROPE
+from npu_fusion.measure.sites import expected_for
 from npu_fusion.models import bundled
 from npu_fusion.plugin.backend import aot_backend
-from npu_fusion.plugin.options import FusionOptions
+from npu_fusion.plugin.options import FusionOptions, forward_options
 from npu_fusion_testing.generated import publishing, script_command
 
 
@@ -141,16 +141,13 @@ class Clocked:
 
 
 def fusion_options(target: str, forward: bool) -> dict:
-    return {"target": target, "rms_norm_forward": forward, "rope_forward": forward}
+    """The run's options: the forward rules' switches all ``forward``."""
+    return {"target": target, **dict.fromkeys(forward_options(), forward)}
 
 
 def expected_sites(model, forward: bool) -> dict:
     """The model's sites by fused op: each backward site, and with ``forward`` its forward too."""
-    sites = dict(model.expected_sites)
-    if forward:
-        sites[RMS_NORM.name] = 2 * model.config.num_layers + 1
-        sites[ROPE.name] = 2 * model.config.num_layers
-    return sites
+    return expected_for(FusionOptions.from_mapping(fusion_options("generic", forward)), model.expected_sites)
 
 
 def widths(head_dim: int, heads: int = 4, kv_heads: int = 2) -> dict:
@@ -333,11 +330,12 @@ def measure_torchair(torchair, layers: int, target: str = "a2", dtype=torch.floa
         step(ids).backward()  # compiled already: what running alone costs (here, eagerly on CPU)
         second = time.perf_counter() - start
     results = pass_manager.HISTORY.since(history)
-    assert len(results) == 1, f"expected one backward graph, got {len(results)}"
+    assert [x.graph for x in results] == ["forward", "backward"], f"expected one forward and one backward graph, " \
+                                                                  f"got {[x.graph for x in results]}"
     assert clock.calls == 2, f"expected the pass hook on one forward and one backward graph, got {clock.calls} calls"
     assert len(stats.get("ge_ops", ())) == 2, f"expected two GE graphs, torchair built {stats.get('ge_ops')}"
-    r = results[0]
-    assert not r.error, r.error
+    r = results[1]
+    assert not any(x.error for x in results), [x.error for x in results]
     assert {op: r.fused(op) for op in model.expected_sites} == model.expected_sites, \
         ({op: r.fused(op) for op in model.expected_sites}, model.expected_sites)
     return {"layers": layers, "first_call": first, "first_call_cpu": first_cpu, "second_call": second,

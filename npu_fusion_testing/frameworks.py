@@ -23,7 +23,11 @@ import torch.nn.functional as F
 from .capture import Capture
 from .cpu_workarounds import cpu_workarounds_megatron, cpu_workarounds_torchtitan
 from npu_fusion.measure.grads import grad_failures
+from npu_fusion.lowering import RMS_NORM_GRAD, ROPE_GRAD
 from npu_fusion.measure.sites import Accounting, SiteCounter, account
+
+#: the counter's kinds of the sites the frameworks' norm and RoPE classes and functions run
+NORM, ROPE = RMS_NORM_GRAD.option, ROPE_GRAD.option
 
 VOCAB = 128  # token ids are drawn below this; every model's vocabulary is at least this large
 
@@ -54,7 +58,7 @@ def _torchtitan_build(model_name: str) -> Callable[[int], torch.nn.Module]:
 def _torchtitan_sites(model) -> SiteCounter:
     from torchtitan.models.common import RMSNorm, RoPE
 
-    return SiteCounter(model, norm_types=(RMSNorm,), rope_types=(RoPE,))  # RoPE returns (q, k)
+    return SiteCounter(model, modules={NORM: (RMSNorm,), ROPE: (RoPE,)})  # RoPE returns (q, k)
 
 
 def _torchtitan(model_name: str) -> Framework:
@@ -82,8 +86,8 @@ def _torchtune_sites(model) -> SiteCounter:
     from torchtune.models.llama3_1._position_embeddings import Llama3ScaledRoPE
     from torchtune.modules import RMSNorm, RotaryPositionalEmbeddings
 
-    return SiteCounter(model, norm_types=(RMSNorm, GemmaRMSNorm),
-                       rope_types=(RotaryPositionalEmbeddings, Llama3ScaledRoPE))
+    return SiteCounter(model, modules={NORM: (RMSNorm, GemmaRMSNorm),
+                                       ROPE: (RotaryPositionalEmbeddings, Llama3ScaledRoPE)})
 
 
 def _torchtune(model_name: str) -> Framework:
@@ -125,8 +129,8 @@ def _megatron_sites(model) -> SiteCounter:
     import megatron.core.transformer.attention as attention
 
     # the local spec's RMSNorm is torch.nn.RMSNorm; RoPE is a function the attention calls by name
-    return SiteCounter(model, norm_types=(torch.nn.RMSNorm,),
-                       rope_functions=[(attention, "apply_rotary_pos_emb")])
+    return SiteCounter(model, modules={NORM: (torch.nn.RMSNorm,)},
+                       functions={ROPE: [(attention, "apply_rotary_pos_emb")]})
 
 
 def _megatron(name: str, interleaved: bool, qk_norm: bool) -> Framework:
@@ -157,8 +161,10 @@ def build(framework: Framework, dtype=torch.float32, layers: int = 2, seed: int 
     model = framework.build(layers)
     counter = framework.sites(model)
     with torch.no_grad():
-        for module in model.modules():  # norms start at ones (or zeros): dgamma would be degenerate
-            if isinstance(module, counter.norm_types):
+        # a counted module's own parameters (a norm's gamma) start at ones (or zeros): their
+        # gradient would be degenerate
+        for module in model.modules():
+            if isinstance(module, counter.module_types()):
                 for p in module.parameters(recurse=False):
                     p.add_(torch.randn_like(p) * 0.1)
         for t in _tensors(model).values():

@@ -8,7 +8,7 @@ import torch.fx as fx
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from npu_fusion.patterns.lanes import LaneEvaluator
-from npu_fusion.patterns.rope import MAX_LANES
+from npu_fusion.patterns.rotation import MAX_LANES
 
 
 def real_view(t):
@@ -131,14 +131,14 @@ def test_random_programs_evaluate_exactly(source):
 
 # -- runs of positions (lane_pieces) are a spelling of the same values ---------------------
 
-from npu_fusion.patterns import lanes as lanes_module  # noqa: E402
+from npu_fusion.patterns import lane_polys  # noqa: E402
 from npu_fusion.patterns.evaluator import JointProvenance, Provenance  # noqa: E402
 
 
 def every_lane_value(graph, provenance, runs: bool, monkeypatch):
     """Each node's lane value (materialized polynomials), why it is opaque, and the leaves, with
     values over one axis kept as runs of positions (``runs``) or built position by position."""
-    monkeypatch.setattr(lanes_module, "RUNS", runs)
+    monkeypatch.setattr(lane_polys, "RUNS", runs)
     ev = LaneEvaluator(provenance, max_lanes=MAX_LANES)
     out = {}
     for node in graph.nodes:
@@ -209,7 +209,7 @@ def test_runs_of_positions_on_captured_graphs(name, monkeypatch):
 # -- the RMSNorm evaluator: symbolic over the normalized (last) axis, sums as symbols ------
 
 from npu_fusion.patterns.norm_algebra import NormEvaluator  # noqa: E402
-from npu_fusion.patterns.rms_norm import MAX_SYMBOLS, POLICY_LEAVES  # noqa: E402
+from npu_fusion.patterns.rms_statistic import MAX_SYMBOLS, POLICY_LEAVES  # noqa: E402
 
 ROWS, N = 3, 4
 

@@ -11,9 +11,10 @@ import torch.nn.functional as F
 import npu_fusion
 from npu_fusion.models import bundled
 from npu_fusion.report import command as report
+from npu_fusion.lowering import RMS_NORM_GRAD, ROPE_GRAD
 from npu_fusion.measure.sites import SiteCounter
 
-ROPE, RMS = "rotary_position_embedding_grad", "rms_norm_grad"
+ROPE, RMS = ROPE_GRAD.name, RMS_NORM_GRAD.name
 
 
 class UserRMSNorm(torch.nn.Module):
@@ -74,7 +75,8 @@ class UserModel(torch.nn.Module):
 
 def count_sites(model, *inputs):
     """The test's own count: its norm class and its RoPE function, by hooks on an eager step."""
-    with SiteCounter(model, norm_types=(UserRMSNorm,), rope_functions=[(sys.modules[__name__], "apply_rotary_pos_emb")]) as c:
+    with SiteCounter(model, modules={RMS_NORM_GRAD.option: (UserRMSNorm,)},
+                     functions={ROPE_GRAD.option: [(sys.modules[__name__], "apply_rotary_pos_emb")]}) as c:
         model(*inputs).sum().backward()
     model.zero_grad(set_to_none=True)
     return c.counts

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 from npu_fusion.models import bundled
 from npu_fusion.plugin.backend import aot_backend
-from npu_fusion.plugin.options import FusionOptions
+from npu_fusion.plugin.options import FusionOptions, forward_options
 from npu_fusion.measure.grads import MODEL_FACTOR, assert_close_as_unfused, float64_grads, grad_failures, run_grads
 
 FORWARD, BACKWARD = "rms_norm", "rms_norm_grad"
@@ -374,7 +374,7 @@ def test_transformers_qwen3_forward_and_backward_fused_together():
     wide = copy.deepcopy(model).double()
     wide(input_ids=ids, labels=ids).loss.backward()
     exact = {n: p.grad for n, p in wide.named_parameters() if p.grad is not None}
-    compiled, seen = _compile(model, {"rms_norm_forward": True, "rope_forward": True})
+    compiled, seen = _compile(model, dict.fromkeys(forward_options(), True))
     fused = step(compiled)  # the rotation's x is a transposed view: the fused output is contiguous
     assert not grad_failures(fused, eager, exact)
     result = seen["result"]
@@ -386,7 +386,7 @@ def test_transformers_qwen3_forward_and_backward_fused_together():
 # -- forward RoPE ------------------------------------------------------------------------
 
 ROPE, ROPE_GRAD = "rotary_position_embedding", "rotary_position_embedding_grad"
-BOTH = {"rms_norm_forward": True, "rope_forward": True}
+BOTH = dict.fromkeys(forward_options(), True)  # the forward rules' switches
 
 
 @pytest.mark.smoke  # in the version matrix's smoke set: the forward fused in each RoPE mode

@@ -13,11 +13,12 @@ import torch.fx as fx
 from npu_fusion.measure.grads import MODEL_FACTOR, assert_close_as_unfused
 from npu_fusion.patterns.layout import memory_order
 from npu_fusion.patterns.pairing import source
+from npu_fusion.plugin.options import forward_options
 from test_forward_fusion import _compile, _float64_output, calls, check_gradients
 
 NORM, NORM_GRAD = "rms_norm", "rms_norm_grad"
 ROPE, ROPE_GRAD = "rotary_position_embedding", "rotary_position_embedding_grad"
-BOTH = {"rms_norm_forward": True, "rope_forward": True}
+BOTH = dict.fromkeys(forward_options(), True)  # the forward rules' switches
 EPS = 1e-6
 B, S, D = 2, 5, 8
 

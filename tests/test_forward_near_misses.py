@@ -7,12 +7,13 @@ site (a norm whose input takes a gradient fuses its forward only after its backw
 import pytest
 import torch
 
-from npu_fusion.patterns.rope_forward import SYMBOLIC_REASON
+from npu_fusion.patterns.rope.sites import SYMBOLIC_REASON
 from npu_fusion_testing.capture import compile_and_compare
+from npu_fusion.plugin.options import forward_options
 from test_forward_fusion import calls, check
 
 EPS = 1e-6
-BOTH = {"rms_norm_forward": True, "rope_forward": True}
+BOTH = dict.fromkeys(forward_options(), True)  # the forward rules' switches
 NORM, ROPE = "rms_norm", "rotary_position_embedding"
 
 

@@ -33,7 +33,8 @@ from hypothesis import given, settings, strategies as st
 
 from npu_fusion.measure.grads import assert_close_as_unfused, grad_error, run_grads, ulps_apart
 from npu_fusion_testing.capture import Capture
-from npu_fusion.patterns.rope_forward import SYMBOLIC_REASON
+from npu_fusion.patterns.rope.sites import SYMBOLIC_REASON
+from npu_fusion.plugin.options import forward_options
 from npu_fusion_testing.forward_programs import NORM_OP, ROPE_OP, ForwardProgram, RopeForward, norm_forward_programs, \
     rope_forward_program, rope_forward_programs
 from npu_fusion_testing.programs import F16, Program, RopeForm, precision_programs, rms_norm_programs, rope_program, \
@@ -43,7 +44,7 @@ from test_properties import (FAILURE_LOG, FAILURES, KEEP_GOING, STATS, ULPS, Bey
                              PassError, UndefinedMadeDefined, WrongGradient, WrongOutput, assert_safe_compute_dtypes,
                              final_rounding, from_the_pass, grads_keeping_roundings, note_if_testing, widened)
 
-FORWARD_OPTIONS = {"rms_norm_forward": True, "rope_forward": True}
+FORWARD_OPTIONS = dict.fromkeys(forward_options(), True)  # the forward rules' switches
 OPS = (NORM_OP, ROPE_OP, "rms_norm_grad", "rotary_position_embedding_grad")
 LARGEST_OUTPUT = "forward: largest output distance from the roundings beyond eager's (ulps of the final rounding)"
 #: a thirtieth of the profile's examples per property (5 in ci: about a minute on two cores for the

@@ -13,11 +13,11 @@ from npu_fusion.measure.grads import MODEL_FACTOR, assert_close_as_unfused, floa
 from npu_fusion.measure.sites import FORWARD_OPS, KINDS, PROBES, kinds_enabled
 from npu_fusion.patterns import RULES
 from npu_fusion.plugin.backend import aot_backend
-from npu_fusion.plugin.options import FusionOptions
+from npu_fusion.plugin.options import FusionOptions, forward_options
 from npu_fusion_testing.capture import compile_and_compare
 from npu_fusion.report import command as report
 
-FORWARD = {"rms_norm_forward": True, "rope_forward": True}
+FORWARD = dict.fromkeys(forward_options(), True)  # the forward rules' switches
 EPS = 1e-6
 
 
@@ -120,7 +120,7 @@ def test_report_forward_rows_expect_the_counted_sites(capsys):
 def test_whole_fused_rms_norm_forward_is_a_recorded_forward_miss():
     """Where the device keeps a whole ``aten._fused_rms_norm`` (simulated on the CPU), its backward
     fuses and its forward is a recorded forward miss saying how to fuse it."""
-    from npu_fusion.patterns.rms_norm import WHOLE_FORWARD_REASON
+    from npu_fusion.patterns.rms_statistic import WHOLE_FORWARD_REASON
 
     whole = pytest.importorskip("npu_fusion_testing.whole_rms_norm")
     if whole.unavailable():

@@ -14,7 +14,7 @@ import sys
 import pytest
 import torch
 
-from npu_fusion_testing.frameworks import FRAMEWORKS, Framework, measure
+from npu_fusion_testing.frameworks import FRAMEWORKS, NORM, Framework, measure
 from npu_fusion.measure.sites import SiteCounter
 
 #: sites per eager step, from the architectures (2 layers): RoPE on q and k of each layer; norms
@@ -81,9 +81,9 @@ class _TwoNorms(torch.nn.Module):
 
 def test_sites_that_ran_outside_compiled_graphs_are_named():
     framework = Framework("torch:two-norms", "torch", lambda layers: _TwoNorms(), lambda m, ids: m(ids),
-                          lambda m: SiteCounter(m, norm_types=(torch.nn.RMSNorm,)))
+                          lambda m: SiteCounter(m, modules={NORM: (torch.nn.RMSNorm,)}))
     coverage = measure(framework)
-    norm = coverage.sites["rms_norm"]
+    norm = coverage.sites[NORM]
     assert not coverage.grad_failures, coverage.grad_failures
     assert (norm.counted, norm.outside, norm.fused, norm.unexplained) == (2, ["eager"], 1, 0)
 

@@ -74,10 +74,10 @@ def _precision(inputs) -> torch.dtype:
 def test_runs_of_positions_change_no_decision(name, monkeypatch):
     """The pass decides the same with the lane values kept as runs of positions as position by position:
     the same sites and misses, the same graph after it (the runs only make reading a head faster)."""
-    from npu_fusion.patterns import lanes
+    from npu_fusion.patterns import lane_polys
 
     def run(runs: bool):
-        monkeypatch.setattr(lanes, "RUNS", runs)
+        monkeypatch.setattr(lane_polys, "RUNS", runs)
         entry = fx_corpus.load(name)
         options = {"target": "generic", "rms_norm_forward": True, "rope_forward": True}
         result = fuse_joint(entry.gm, options) if entry.stage == "joint" else \

@@ -13,6 +13,8 @@ from npu_fusion.plugin.inductor import uninstall_inductor
 from npu_fusion.plugin.pass_manager import COUNTER
 from npu_fusion.measure.grads import MODEL_FACTOR, assert_close_as_unfused, grad_failures
 from npu_fusion_testing.in_place import UPDATED_PROGRAMS, assert_updated_as_eager
+from npu_fusion.lowering import FUSED_OPS
+from npu_fusion.plugin.options import forward_options
 
 B, S = 2, 8
 
@@ -90,8 +92,8 @@ def test_bundled_llama_through_inductor(installed, dtype):
         assert not [k for k in saved if k[0] == torch.float32 and k[1] == (B, S, 64)], saved
 
 
-FORWARD = {"rms_norm_forward": True, "rope_forward": True}
-BACKWARD_ALONE = {"rms_norm_forward": False, "rope_forward": False}
+FORWARD = dict.fromkeys(forward_options(), True)  # the forward rules' switches
+BACKWARD_ALONE = dict.fromkeys(forward_options(), False)
 
 
 def _fused_step(model, ids, options):
@@ -143,7 +145,7 @@ def test_bundled_llama_forward_fused_through_inductor():
     assert counters == {"rms_norm_grad": norms, "rotary_position_embedding_grad": rotations,
                         "rms_norm": norms, "rotary_position_embedding": rotations}, counters
     assert alone_counters == {"rms_norm_grad": norms, "rotary_position_embedding_grad": rotations}, alone_counters
-    for op in ("rms_norm", "rotary_position_embedding", "rms_norm_grad", "rotary_position_embedding_grad"):
+    for op in (op.name for op in FUSED_OPS):
         assert f"torch.ops.npu_fusion.{op}.default" in code, op
     assert "torch.ops.npu_fusion.rms_norm.default" not in alone_code
     # the loss against the same Inductor program without the forward rules: Inductor's own bf16

@@ -207,6 +207,7 @@ def test_explain_an_inference_step():
     """``explain(train=False)``: the forward under no_grad, each counted norm and rotation fused on
     the inference graph and accounted for, the logits by the float64 criterion."""
     import npu_fusion
+    from npu_fusion.report import html
 
     model, ids, expected, _, _ = eval_model("qwen3")
     report = npu_fusion.explain(model, ids, train=False, target="generic").report
@@ -217,6 +218,10 @@ def test_explain_an_inference_step():
     assert set(report["accounting"]) == {"rms_norm", "rotary_position_embedding"}
     assert all(row["unexplained"] == 0 and row["fused"] == row["expected"] for row in report["accounting"].values())
     assert report["gradients"]["passed"] and report["gradients"]["per_dtype"]["bfloat16"]["params"] == 1
+    # the page names what was checked (outputs) and the graph the pass ran on, and no saved set
+    page = html.render(report)
+    assert "output check against eager and float64: <span class='ok'>PASSED</span>" in page
+    assert "gradient" not in page and "Inference graph ops" in page and "saved for the backward" not in page
 
 
 def test_report_command_line_inference(capsys):
@@ -254,6 +259,44 @@ def test_static_cache_generation_fuses_prefill_and_decode_graphs():
     assert [r.fused("rotary_position_embedding") for r in capture.results] == [4, 4]
     assert torch._dynamo.utils.counters["frames"]["total"] == 2  # prefill, then the first decode step
     assert capture.runs == [1, 15]
+
+
+@pytest.mark.parametrize("target", ["generic", "a2"])
+def test_static_cache_generation_with_dynamic_shapes(target):
+    """``generate()`` with a static cache and the forward compiled with ``dynamic=True``: the prefill
+    graph takes the batch and prompt length symbolic, the decode graph the cache length (the static
+    cache's buffers fix its batch). The same tokens as eager; every norm fused in both graphs; the
+    rotations fused at decode shapes on A2 too (batch 2, 4 and 2 heads, one position), and in the
+    prefill where the target takes a symbolic batch (generic), else one recorded miss each naming
+    A2's limit the symbolic sizes cannot be proven within; no recompile after the first decode step.
+    A second prompt of another batch and length reuses the prefill graph and compiles one decode
+    graph for the new cache, fused the same way."""
+    model = tiny_causal_lm("llama", kv_heads=2).eval()
+    generation = dict(max_new_tokens=8, do_sample=False, cache_implementation="static", pad_token_id=0)
+    prompts = [torch.randint(3, 96, shape, generator=torch.Generator().manual_seed(1)) for shape in ((2, 8), (3, 5))]
+    eager = [model.generate(ids, **generation) for ids in prompts]
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    capture = Capture(target=target)
+    model.forward = torch.compile(model.forward, backend=capture, dynamic=True)
+    assert torch.equal(model.generate(prompts[0], **generation), eager[0])
+    assert torch._dynamo.utils.counters["frames"]["total"] == 2 and capture.runs == [1, 7]
+    assert torch.equal(model.generate(prompts[1], **generation), eager[1])
+    assert torch._dynamo.utils.counters["frames"]["total"] == 3 and capture.runs == [2, 7, 7]
+
+    prefill, *decodes = capture.results
+    assert all(r.graph == "inference" and not r.error for r in capture.results)
+    assert [r.fused("rms_norm") for r in capture.results] == [5, 5, 5]
+    assert [r.fused("rotary_position_embedding") for r in decodes] == [4, 4] and not any(r.misses for r in decodes)
+    symbolic = {str(d) for n in capture.after[0].nodes if n.op == "placeholder"
+                and isinstance(n.meta.get("val"), torch.Tensor) for d in n.meta["val"].shape if not str(d).isdigit()}
+    assert len(symbolic) >= 2, symbolic  # the batch and the prompt length
+    rotations = prefill.fused("rotary_position_embedding")
+    assert rotations + len(prefill.misses) == 4 and all(m.op == "rotary_position_embedding" for m in prefill.misses)
+    if target == "generic":
+        assert rotations == 4
+    else:
+        assert all(m.reason.startswith("A2/A3") and any(s in m.reason for s in symbolic) for m in prefill.misses)
 
 
 def test_hugging_face_trainer_evaluation_step_is_fused(tmp_path):

@@ -11,8 +11,10 @@ import copy
 import pytest
 import torch
 
-import npu_fusion.patterns.rms_norm as rms_patterns
-import npu_fusion.patterns.rope as rope_patterns
+import npu_fusion.patterns.rms_norm_grad.emit as rms_emit
+import npu_fusion.patterns.rope_grad.emit as rope_emit
+import npu_fusion.patterns.rope_grad.sites as rope_sites
+from npu_fusion.patterns.norm_algebra import NormEvaluator
 from npu_fusion.models import bundled
 from npu_fusion_testing.capture import Capture
 from npu_fusion.measure.grads import assert_close_as_unfused
@@ -71,9 +73,9 @@ def internal_errors(result, op):
     return [m for m in result.misses if m.op == op and "internal error" in m.reason]
 
 
-@pytest.mark.parametrize("name", ["match_dx", "_role_node"], ids=["examine", "rewrite"])
-def test_rope_failure_costs_one_site(monkeypatch, name):
-    calls = fail_once(monkeypatch, rope_patterns, name, ValueError(f"injected in {name}"))
+@pytest.mark.parametrize("module, name", [(rope_sites, "match_dx"), (rope_emit, "_role_node")], ids=["examine", "rewrite"])
+def test_rope_failure_costs_one_site(monkeypatch, module, name):
+    calls = fail_once(monkeypatch, module, name, ValueError(f"injected in {name}"))
     result = train_step()
     assert calls
     assert result.fused(ROPE) == 1 and result.fused(RMS) == 3
@@ -82,7 +84,7 @@ def test_rope_failure_costs_one_site(monkeypatch, name):
 
 
 def test_rms_norm_evaluator_failure_costs_one_node(monkeypatch):
-    real = rms_patterns.NormEvaluator._reduce
+    real = NormEvaluator._reduce
     seen = []
 
     def reduce_failing_once(self, node):
@@ -91,7 +93,7 @@ def test_rms_norm_evaluator_failure_costs_one_node(monkeypatch):
             raise IndexError("injected in _reduce")
         return real(self, node)
 
-    monkeypatch.setattr(rms_patterns.NormEvaluator, "_reduce", reduce_failing_once)
+    monkeypatch.setattr(NormEvaluator, "_reduce", reduce_failing_once)
     result = train_step()
     (error,) = internal_errors(result, RMS)
     assert error.node == seen[0] and "IndexError: injected in _reduce" in error.reason
@@ -99,14 +101,14 @@ def test_rms_norm_evaluator_failure_costs_one_node(monkeypatch):
 
 
 def test_rms_norm_rewrite_failure_costs_one_site(monkeypatch):
-    fail_once(monkeypatch, rms_patterns, "_gamma_dtype", RuntimeError("injected in _gamma_dtype"))
+    fail_once(monkeypatch, rms_emit, "gamma_dtype_for", RuntimeError("injected in gamma_dtype_for"))
     result = train_step()
     assert result.fused(RMS) == 2 and result.fused(ROPE) == 2
     (error,) = internal_errors(result, RMS)
-    assert "RuntimeError: injected in _gamma_dtype" in error.reason
+    assert "RuntimeError: injected in gamma_dtype_for" in error.reason
 
 
 def test_strict_raises_instead(monkeypatch):
-    fail_once(monkeypatch, rope_patterns, "_role_node", ValueError("injected"))
+    fail_once(monkeypatch, rope_emit, "_role_node", ValueError("injected"))
     with pytest.raises(Exception, match="injected"):
         train_step(strict=True)

@@ -5,13 +5,14 @@ outputs and every gradient pass the float64 criterion against eager (``check``).
 import pytest
 import torch
 
-from npu_fusion.patterns.rms_norm import DIVISION_REASON, KEEPDIM_REASON
-from npu_fusion.patterns.rope_forward import SCALED_COPY_REASON
+from npu_fusion.patterns.rms_statistic import DIVISION_REASON, KEEPDIM_REASON
+from npu_fusion.patterns.rope.sites import SCALED_COPY_REASON
+from npu_fusion.plugin.options import forward_options
 from test_forward_fusion import calls, check
 
 EPS = 1e-6
-BOTH = {"rms_norm_forward": True, "rope_forward": True}
-BACKWARD_ALONE = {"rms_norm_forward": False, "rope_forward": False}
+BOTH = dict.fromkeys(forward_options(), True)  # the forward rules' switches
+BACKWARD_ALONE = dict.fromkeys(forward_options(), False)
 NORM, NORM_GRAD = "rms_norm", "rms_norm_grad"
 ROPE, ROPE_GRAD = "rotary_position_embedding", "rotary_position_embedding_grad"
 

@@ -46,6 +46,7 @@ import torch
 from hypothesis import currently_in_test_context, event, given, note, settings, strategies as st
 
 from npu_fusion.models import rotate_half
+from npu_fusion.plugin.options import forward_options
 from npu_fusion_testing.capture import Capture
 from npu_fusion.measure.grads import assert_close_as_unfused, run_grads, ulps_apart
 from npu_fusion_testing.programs import (F16, BF16, F32, FP8, PrecisionForm, Program, RopeForm,
@@ -308,7 +309,7 @@ def configs(draw):
 #: the backward rules alone: a fused forward rounds an HF norm once where the program rounds twice
 #: (allowed), which moves the gradients off eager's bits that the ulp check here compares with;
 #: tests/test_forward_properties.py holds the forward rules to the program's own roundings instead
-BACKWARD_ONLY = {"rms_norm_forward": False, "rope_forward": False}
+BACKWARD_ONLY = dict.fromkeys(forward_options(), False)  # the forward rules' switches
 
 
 class Compiled:

@@ -14,7 +14,7 @@ from npu_fusion import cli
 from npu_fusion.models import bundled
 from npu_fusion.measure.grads import compare_gradients
 from npu_fusion.measure.recording import Recorder
-from npu_fusion.plugin.options import FusionOptions
+from npu_fusion.plugin.options import FusionOptions, forward_ops
 from npu_fusion.report import analysis
 from npu_fusion.report import command as report
 from npu_fusion.report.text import format_text
@@ -116,7 +116,7 @@ def test_950_fuses_every_norm_both_ways(capsys, dtype):
     assert status == 0 and r["settings"]["resolved_target"] == "950"
     for op, count in bundled("llama", 1).expected_sites.items():
         assert (r["ops"][op]["fused"], r["ops"][op]["unfused"]) == (count, 0), (op, r["ops"][op])
-    for op in ("rms_norm", "rotary_position_embedding"):  # the forward rules, on by default
+    for op in forward_ops():  # the forward rules, on by default
         assert r["ops"][op]["fused"] == r["ops"][op]["expected"] > 0 and r["ops"][op]["unfused"] == 0
     assert r["misses"] == [] and r["pass_errors"] == [] and r["gradients"]["passed"]
     text = format_text(r)

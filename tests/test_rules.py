@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
-import npu_fusion.patterns.rms_norm as rms_patterns
+import npu_fusion.patterns.rms_norm_grad.sites as rms_sites
 from npu_fusion.patterns import (FORMS, RULES, FusionRule, RmsNormForwardRule, RmsNormGradRule, RopeForwardRule,
                                  RopeGradRule, RoundReport)
 from npu_fusion.patterns.context import PassContext
@@ -125,7 +125,7 @@ def test_near_miss_scan_failure_names_its_candidate(monkeypatch):
     args = (x, torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5), torch.randn(16), torch.randn(2, 3, 16))
     gm = make_fx(rms_norm_backward, tracing_mode="fake")(*args)
     expected, names = gm(*args), {n.name for n in gm.graph.nodes}
-    real, seen = rms_patterns._near_miss_verdict, []
+    real, seen = rms_sites._near_miss_verdict, []
 
     def failing_once(ev, node, *rest):
         if not seen and node.target is aten.sum.dim_IntList:
@@ -133,7 +133,7 @@ def test_near_miss_scan_failure_names_its_candidate(monkeypatch):
             raise KeyError("injected in the near-miss scan")
         return real(ev, node, *rest)
 
-    monkeypatch.setattr(rms_patterns, "_near_miss_verdict", failing_once)
+    monkeypatch.setattr(rms_sites, "_near_miss_verdict", failing_once)
     result = fuse_backward(gm, {"target": "generic"})
     (error,) = result.misses
     assert "injected" in error.reason and error.node == seen[0] and error.node in names

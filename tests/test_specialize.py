@@ -86,7 +86,7 @@ def test_head_dim_is_specialized_under_a_guard_and_batch_and_sequence_stay_symbo
 def test_eps_passed_as_a_tensor_is_a_recorded_forward_miss():
     """An eps the caller passes as a tensor is data, not a constant: no guard can keep it, so the
     norm's forward stays (its backward, which reads no eps, fuses), recorded with the reason."""
-    from npu_fusion.patterns.rms_norm_forward import EPS_TENSOR_REASON
+    from npu_fusion.patterns.rms_norm.sites import EPS_TENSOR_REASON
 
     x = torch.randn(2, 5, 32, generator=torch.Generator().manual_seed(0)).requires_grad_()
     w = torch.randn(32, generator=torch.Generator().manual_seed(1)).requires_grad_()

@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from npu_fusion.models import rotate_half
+from npu_fusion.plugin.options import forward_options
 from test_forward_fusion import assert_paired as assert_paired_through, calls, check
 
 FORWARD, BACKWARD = "rms_norm", "rms_norm_grad"
@@ -120,7 +121,7 @@ def test_norm_whose_statistic_a_loss_reads_stays_unfused():
 
 # -- RoPE ----------------------------------------------------------------------------------------------
 
-ROPE_ON = {"rms_norm_forward": True, "rope_forward": True}
+ROPE_ON = dict.fromkeys(forward_options(), True)  # the forward rules' switches
 ROPE, ROPE_GRAD = "rotary_position_embedding", "rotary_position_embedding_grad"
 
 

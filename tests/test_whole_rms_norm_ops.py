@@ -14,7 +14,7 @@ from torch.utils.checkpoint import checkpoint
 
 from npu_fusion.compat import FUSED_RMS_NORM, FUSED_RMS_NORM_BACKWARD
 from npu_fusion.lowering import RMS_NORM_GRAD
-from npu_fusion.patterns.rms_norm import WHOLE_FORWARD_REASON
+from npu_fusion.patterns.rms_statistic import WHOLE_FORWARD_REASON
 from npu_fusion.plugin.pass_manager import fuse_backward
 from npu_fusion_testing.capture import Capture, compile_and_compare
 from npu_fusion.measure.grads import assert_close_as_unfused, float64_grads, grad_failures, run_grads

@@ -11,7 +11,7 @@ Importing this package registers ``torch.ops.npu_fusion.*``; nothing here depend
 the order of its imports.
 """
 from . import registrar
-from .fused_op import FusedOp
+from .fused_op import CountedSite, FusedOp
 from .ops import FUSED_OPS
 from .ops import rms_norm as _rms_norm, rms_norm_grad as _rms_norm_grad, rope as _rope, rope_grad as _rope_grad
 
@@ -26,5 +26,5 @@ ROPE, RMS_NORM = _rope.OP, _rms_norm.OP
 rotary_position_embedding_grad = registrar.CUSTOM_OPS[ROPE_GRAD.name]
 rms_norm_grad = registrar.CUSTOM_OPS[RMS_NORM_GRAD.name]
 
-__all__ = ["FUSED_OPS", "FusedOp", "RMS_NORM", "RMS_NORM_GRAD", "ROPE", "ROPE_GRAD", "rms_norm_grad",
+__all__ = ["CountedSite", "FUSED_OPS", "FusedOp", "RMS_NORM", "RMS_NORM_GRAD", "ROPE", "ROPE_GRAD", "rms_norm_grad",
            "rotary_position_embedding_grad"]

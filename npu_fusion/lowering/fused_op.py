@@ -5,7 +5,8 @@ schema, its meta and reference kernels, the unfused program it replaces (plain
 torch, which the conformance tests run in the inputs' dtype and in float64), its
 input checks and per-target limits, the GE cases it declares supported, how its
 NPU eager kernel calls torch_npu (:class:`NpuBinding`) and the GE operator its
-converter builds (:class:`GeIr`). :mod:`.registrar` turns the declaration into
+converter builds (:class:`GeIr`), and for an op whose sites the independent counter counts,
+how a user's model spells one (:class:`CountedSite`). :mod:`.registrar` turns the declaration into
 ``torch.ops.npu_fusion.<name>`` with its fake kernel, NPU kernel and GE
 converter; the contract checks read the same binding and IR. The pattern rule
 that emits an op, the pass manager's options and counters, the report and the
@@ -107,6 +108,24 @@ class GeIr:
 
 
 @dataclasses.dataclass(frozen=True)
+class CountedSite:
+    """How the independent site counter (:mod:`npu_fusion.measure.sites`) sees one site of the op in a user's model.
+
+    The counter records a site under the op's :attr:`FusedOp.option` (its kind) when a module it
+    hooks or a function it wraps returns a tensor that receives a gradient; which modules and
+    functions those are comes from the caller (a framework's classes) or, for the report's own
+    counter, from the transformers naming convention stated here."""
+    #: the convention's modules: classes whose name, lowercased, ends in it (every call is a site)
+    class_suffix: str = ""
+    #: the convention's functions: module-level functions whose name starts with it (each tensor
+    #: they return that receives a gradient is a site)
+    function_prefix: str = ""
+    #: a site's module path is that of the module whose forward made the call, not the called
+    #: module's own (a module of this kind is often one instance shared by every layer)
+    path_of_caller: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
 class FusedOp:
     #: ``torch.ops.npu_fusion.<name>``; also the key of counters, reports and site counts
     name: str
@@ -141,8 +160,12 @@ class FusedOp:
     #: a converter written by hand, ``convert(builders, arguments, meta_outputs)``, where the
     #: IR cannot say what the op does (else the registrar's generic one)
     ge_converter: Optional[Callable] = None
-    #: the label of its sites' boxes in the HTML report's map, a word or two; its name where empty
+    #: the label of its sites' boxes in the HTML report's map and of its columns in the coverage
+    #: tables, a word or two; its name where empty
     short_label: str = ""
+    #: how the independent site counter recognises its sites in a user's model: an op whose sites
+    #: are counted on their own (a backward op; a forward op's sites are its backward's)
+    counted_site: Optional[CountedSite] = None
     #: the arguments min-cut may recompute rather than save, each read in the backward through a
     #: hand-off (``plugin.joint``): values cheap to recompute from small inputs, never an activation
     recomputable: Tuple[str, ...] = ()

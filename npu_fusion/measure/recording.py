@@ -179,10 +179,10 @@ class InductorRecorder(Recorder):
 
 class TorchairRecorder(InductorRecorder):
     """torchair's own backend (``torchair.get_npu_backend``) with ``npu_fusion.install``: the pass
-    in its post-grad hook, on each backward graph after torchair's partition. torchair compiles a
+    in its post-grad hook, on each graph after torchair's partition. torchair compiles a
     backward graph when it first runs, so the results are read from ``HISTORY`` when the step is
     over (the end of :meth:`installed`), and each is counted with its forward graph's runs: the
-    backward graphs compile in the reverse order of their forwards. Off an NPU, torchair builds
+    forward graphs compile in order, the backward graphs in the reverse order of their forwards. Off an NPU, torchair builds
     the GE graphs and runs the FX graphs eagerly (``debug.run_eagerly``), and two CPU ops that
     torch_npu would replace on an NPU get forms GE converts: ``aten.silu_backward`` decomposed,
     attention in PyTorch's math SDPA (the CPU's flash-attention op has no converter)."""
@@ -219,7 +219,15 @@ class TorchairRecorder(InductorRecorder):
             self.results.extend(new)
             self.paths.extend({} for _ in new)
             self.saved_before.extend(None for _ in new)
-            self.run_keys.extend(list(reversed(self._forward_keys))[:len(new)])
+            self.run_keys.extend(self._keys_of(new))
+
+    def _keys_of(self, results: List[FusionResult]) -> List[int]:
+        """Each result's graph key: a forward or inference graph's in compile order (the newest
+        forwards'), a backward's in the reverse order (backwards compile as the step unwinds)."""
+        ahead = sum(r.graph != "backward" for r in results)
+        forwards = iter(self._forward_keys[len(self._forward_keys) - ahead:])
+        backwards = iter(reversed(self._forward_keys))
+        return [next(backwards if r.graph == "backward" else forwards) for r in results]
 
 
 def torchair_config():

@@ -1,12 +1,14 @@
-"""Counting RoPE and RMSNorm sites independently of the pass, and accounting for each of them.
+"""Counting the fused ops' sites (RoPE, RMSNorm) independently of the pass, and accounting for each of them.
 
 A site is one RMSNorm call or one RoPE application (one rotated tensor) whose output receives a
 gradient: only those have a backward for a fused op to replace. In an inference step (grad mode
 off: evaluation, generation) there is no backward, and each call is a forward site as it runs. :class:`SiteCounter` finds them by
-forward hooks on a library's norm and RoPE module classes, or by a wrapper around its apply-RoPE
-function, and records each by ``(kind, module path)``: the norm module's path, or for RoPE the path
-of the module whose forward applied it (RoPE modules are often one instance shared by every layer,
-so their own path would name one layer only).
+forward hooks on a library's module classes of each kind (a norm, a RoPE module), or by a wrapper
+around its functions of a kind (apply-RoPE), and records each by ``(kind, module path)``: the hooked
+module's path, or, for a kind whose op says so (:attr:`~npu_fusion.lowering.CountedSite.path_of_caller`:
+RoPE), the path of the module whose forward made the call (RoPE modules are often one instance
+shared by every layer, so their own path would name one layer only); a wrapped function's site is
+always its caller's. The kinds are the rules' site probes (:data:`KINDS`); nothing here names one.
 
 The same counter tells which sites ran outside every compiled graph: hooks and wrappers that run
 while dynamo traces (``torch.compiler.is_compiling()``) record nothing, so during a compiled run
@@ -20,7 +22,7 @@ import collections
 import dataclasses
 import functools
 import sys
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 
@@ -37,6 +39,10 @@ _RULE_OF_KIND = {rule.site_probe.kind: rule for rule in RULES if rule.site_probe
 #: the fused ops of forward rules (whose sites are their backward's): their nodes land in the
 #: partition's forward graph
 FORWARD_OPS = {KINDS[kind] for kind, probe in PROBES.items() if probe.same_sites_as}
+#: the kinds counted on their own (a forward kind's sites are its backward's), and how the counter
+#: sees a site of each (its op's :class:`~npu_fusion.lowering.CountedSite`)
+COUNTED_SITES = {kind: _RULE_OF_KIND[kind].op.counted_site for kind, probe in PROBES.items()
+                 if not probe.same_sites_as and _RULE_OF_KIND[kind].op.counted_site is not None}
 
 
 def kinds_enabled(options=None) -> Dict[str, str]:
@@ -101,17 +107,27 @@ def expected_for(options, expected: Optional[Dict[str, int]]) -> Optional[Dict[s
 class SiteCounter:
     """Counts the sites of one eager run (a context manager; read ``counted`` afterwards).
 
-    ``norm_types`` / ``rope_types``: module classes whose every call is a site (a RoPE module may
-    return q and k: one site each); ``rope_functions``: ``(namespace, name)`` pairs of apply-RoPE
-    functions, replaced by a counting wrapper while the counter is active."""
+    ``modules``: by kind (:data:`COUNTED_SITES`: ``"rms_norm"``, ``"rope"``, each its op's
+    :attr:`~npu_fusion.lowering.FusedOp.option`), module classes whose every call is a site (a
+    RoPE module may return q and k: one site each); ``functions``: by kind, ``(namespace, name)``
+    pairs of functions (apply-RoPE), replaced by a counting wrapper while the counter is active."""
 
-    def __init__(self, model: torch.nn.Module, norm_types: Tuple[type, ...] = (),
-                 rope_types: Tuple[type, ...] = (), rope_functions: Sequence[Tuple[object, str]] = ()):
-        self.model, self.norm_types, self.rope_types = model, tuple(norm_types), tuple(rope_types)
-        self.rope_functions = list(rope_functions)
+    def __init__(self, model: torch.nn.Module, modules: Optional[Mapping[str, Sequence[type]]] = None,
+                 functions: Optional[Mapping[str, Sequence[Tuple[object, str]]]] = None):
+        modules, functions = dict(modules or {}), dict(functions or {})
+        unknown = sorted((set(modules) | set(functions)) - set(COUNTED_SITES))
+        if unknown:
+            raise ValueError(f"SiteCounter: unknown site kind(s) {unknown}; the kinds are {sorted(COUNTED_SITES)}")
+        self.model = model
+        self.modules = {kind: tuple(types) for kind, types in modules.items() if types}
+        self.functions = {kind: list(pairs) for kind, pairs in functions.items() if pairs}
         self.names = {m: n for n, m in model.named_modules(remove_duplicate=False)}
         self.counted: collections.Counter = collections.Counter()   # (kind, path) -> sites
         self._undo: List = []
+
+    def module_types(self) -> Tuple[type, ...]:
+        """Every module class the counter hooks, of any kind."""
+        return tuple(t for types in self.modules.values() for t in types)
 
     def _watch(self, kind: str, where: str, out) -> None:
         if not torch.is_grad_enabled():  # an inference step: each floating output is a forward site
@@ -126,33 +142,30 @@ class SiteCounter:
     def _reached(self, key, _grad) -> None:
         self.counted[key] += 1
 
-    def _on_norm(self, module, _inputs, out):
+    def _on_module(self, kind, module, _inputs, out):
         if not torch.compiler.is_compiling():
-            self._watch("rms_norm", self.names.get(module, "?"), out)
+            owner = _caller_module(module) if COUNTED_SITES[kind].path_of_caller else module
+            self._watch(kind, self.names.get(owner, "?"), out)
 
-    def _on_rope(self, module, _inputs, out):
-        if not torch.compiler.is_compiling():
-            self._watch("rope", self.names.get(_caller_module(module), "?"), out)
-
-    def _wrap(self, fn):
+    def _wrap(self, kind, fn):
         @functools.wraps(fn)
         def counting(*args, **kwargs):
             out = fn(*args, **kwargs)
             if not torch.compiler.is_compiling():
-                self._watch("rope", self.names.get(_caller_module(None), "?"), out)
+                self._watch(kind, self.names.get(_caller_module(None), "?"), out)
             return out
         return counting
 
     def __enter__(self) -> "SiteCounter":
         for m in self.model.modules():
-            if isinstance(m, self.norm_types):
-                self._undo.append(m.register_forward_hook(self._on_norm).remove)
-            if isinstance(m, self.rope_types):
-                self._undo.append(m.register_forward_hook(self._on_rope).remove)
-        for namespace, name in self.rope_functions:
-            original = getattr(namespace, name)
-            setattr(namespace, name, self._wrap(original))
-            self._undo.append(functools.partial(setattr, namespace, name, original))
+            for kind, types in self.modules.items():
+                if isinstance(m, types):
+                    self._undo.append(m.register_forward_hook(functools.partial(self._on_module, kind)).remove)
+        for kind, pairs in self.functions.items():
+            for namespace, name in pairs:
+                original = getattr(namespace, name)
+                setattr(namespace, name, self._wrap(kind, original))
+                self._undo.append(functools.partial(setattr, namespace, name, original))
         return self
 
     def __exit__(self, *exc) -> None:

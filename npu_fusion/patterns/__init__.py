@@ -1,7 +1,11 @@
 """The fusion rules: find decomposed subgraphs, check the target's constraints, rewrite
-them into fused op calls. One module per rule, each a :class:`~.rule.FusionRule`
-subclass; :data:`RULES` is what the pass manager runs, in order, and what the options,
-the table of supported forms (docs/supported-forms.md) and the independent site counters derive from.
+them into fused op calls. One package per rule, named as its fused op's module under
+:mod:`npu_fusion.lowering.ops` (:mod:`.rms_norm_grad`, :mod:`.rope_grad`, :mod:`.rms_norm`, :mod:`.rope`), one
+module per concern in it (of ``match``, ``sites`` with the near misses, ``misses`` after the last round,
+``emit``, ``whole`` for the whole aten ops, those the rule needs) and the rule, a :class:`~.rule.FusionRule`
+subclass, in its ``__init__``; what a forward and a backward rule share is a public module beside them
+(:mod:`.rms_statistic`, :mod:`.rotation`). :data:`RULES` is what the pass manager runs, in order, and what the
+options, the table of supported forms (docs/supported-forms.md) and the independent site counters derive from.
 
 The method they share: :mod:`.nodes` reads a graph, :mod:`.evaluator` evaluates it
 (memoized, seeing through saved tensors), :mod:`.lanes` and :mod:`.norm_algebra` (with
@@ -13,10 +17,10 @@ the state of one run, and :mod:`.traffic` is the report's memory-traffic model.
 the table of supported forms (docs/supported-forms.md) is rendered from it (``render_forms``) and a test keeps
 the two equal.
 """
-from .rms_norm import RmsNormGradRule
-from .rms_norm_forward import RmsNormForwardRule
-from .rope import RopeGradRule
-from .rope_forward import RopeForwardRule
+from .rms_norm_grad import RmsNormGradRule
+from .rms_norm import RmsNormForwardRule
+from .rope_grad import RopeGradRule
+from .rope import RopeForwardRule
 from .rule import Form, FusionRule, RoundReport, SiteProbe
 
 __all__ = ["RULES", "FORMS", "render_forms", "FusionRule", "RoundReport", "Form", "SiteProbe",

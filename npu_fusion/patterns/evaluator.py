@@ -132,6 +132,22 @@ class InferenceProvenance(JointProvenance):
         super().__init__(graph, ())
 
 
+class PartitionedForwardProvenance(InferenceProvenance):
+    """A training forward graph after the partition (torchair's hook), read as an inference graph whose outputs the backward reads.
+
+    A training forward graph after the partition (torchair's hook sees no joint graph), read as an
+    inference graph whose saved outputs are a contract with a backward compiled later: the graph's
+    output node returns them. A fused op's output takes a saved value's place only where it equals
+    it (a norm's y and rstd), and an intermediate the forward saves stays computed, reading the fused
+    op's outputs (:func:`saved_by_the_forward`); the backward is fused against the forward as it was
+    before the pass (the pass manager keeps that copy for it)."""
+
+
+def saved_by_the_forward(provenance, node: fx.Node) -> bool:
+    """Whether ``node`` is the output node of a partitioned training forward graph: a reader that saves what it reads for the backward."""
+    return isinstance(provenance, PartitionedForwardProvenance) and node.op == "output"
+
+
 def _expression_key(node: fx.Node, memo: Dict[fx.Node, Any], interned: Dict[tuple, int]):
     """An id of a forward node's expression, equal for nodes that compute the same values from
     the same graph inputs; None for a random or impure op anywhere in it. Expressions are

@@ -23,25 +23,19 @@ from __future__ import annotations
 import math
 import operator
 from fractions import Fraction
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Optional
 
 import torch
 import torch.fx as fx
 
 from ..lowering.sizes import same_shape, static_int
-from . import lane_pieces
-from .algebra import Number, accumulate, exact_number, graph_constant
+from .algebra import exact_number, graph_constant
 from .evaluator import MemoEvaluator, Provenance, Unsupported
-from .nodes import VIEWS, aten, axis_order, is_float_cast, meta_value, normalize_dim, val
-from .nodes import shape as node_shape
-
-
-def shape(node):
-    """A node's shape, complex tensors seen as their real view ``[..., n, 2]``."""
-    s = node_shape(node)
-    if s is not None and val(node).dtype.is_complex:
-        return tuple(s) + (2,)
-    return s
+from .nodes import aten, is_float_cast, meta_value, normalize_dim, val, shape as node_shape
+from . import lane_pieces
+from .lane_polys import (DegreeExceeded, Lanes, MOVES_LANES, along_axis, degree_of, gather, index_argument, mul_polys,
+                         add_polys, shape, step_one, strides, uniform)
+from .lane_moves import LaneMoves
 
 
 def _is_complex(node) -> bool:
@@ -54,185 +48,8 @@ COMPLEX_VIEWS = {aten.view_as_complex.default, aten.view_as_real.default, aten.r
 ADDITIVE_TARGETS = {aten.add.Tensor, aten.sub.Tensor, aten.add.Scalar, aten.sub.Scalar}
 SCALING_TARGETS = {aten.mul.Tensor, aten.mul.Scalar, aten.div.Tensor, aten.div.Scalar}
 
-Var = Tuple[int, int]            # (leaf id, flattened position in the leaf's trailing axes)
-Mono = Tuple[Var, ...]           # sorted product of vars; () is the constant monomial
-Poly = Dict[Mono, Number]
 
-MAX_DEGREE = 2
-#: one-input ops that only move (or negate) elements: a wide factor is cut above them
-MOVES_LANES = VIEWS | {aten.reshape.default, aten.neg.default}
-MAX_TERMS = 8
-#: whether values over one tracked axis are kept as runs of positions (:mod:`.lane_pieces`); off,
-#: every value is built position by position (the tests compare the two)
-RUNS = True
-
-
-class Lanes:
-    """A tensor value: ``inner`` are its tracked trailing sizes, ``polys`` one per position.
-
-    A value over one tracked axis may be given as :mod:`.lane_pieces` runs (``pieces``) instead:
-    its ``polys`` are then built from them when first read, equal to the per-position ones."""
-
-    __slots__ = ("inner", "_polys", "reduction", "complex", "pieces")
-
-    def __init__(self, inner: Tuple[int, ...], polys: Optional[List[Poly]] = None, reduction: Optional[tuple] = None,
-                 complex: bool = False, pieces: Optional[lane_pieces.Pieces] = None):
-        self.inner = inner
-        self._polys = polys
-        #: for a sum over leading axes: (summand node, reduced dims, keepdim), else None
-        self.reduction = reduction
-        #: a complex tensor: the last tracked axis holds (real, imaginary)
-        self.complex = complex
-        #: the value as runs of positions (one tracked axis only), or None
-        self.pieces = pieces if RUNS and len(inner) == 1 and not complex else None
-        if polys is None and self.pieces is None:
-            if pieces is None:
-                raise ValueError("a lane value needs its polynomials or its runs")
-            self._polys = lane_pieces.materialize(pieces)
-
-    @property
-    def polys(self) -> List[Poly]:
-        if self._polys is None:
-            self._polys = lane_pieces.materialize(self.pieces)
-        return self._polys
-
-    def poly_at(self, i: int) -> Poly:
-        """The polynomial of position ``i`` (flat), without building the others."""
-        if self._polys is None:
-            return lane_pieces.at(self.pieces, i)
-        return self._polys[i]
-
-    def __eq__(self, other) -> bool:
-        if not isinstance(other, Lanes):
-            return NotImplemented
-        if (self.inner, self.reduction, self.complex) != (other.inner, other.reduction, other.complex):
-            return False
-        if self.pieces is not None and other.pieces is not None:
-            return lane_pieces.equal(self.pieces, other.pieces)
-        return self.polys == other.polys
-
-    def lowest_position(self, lid: int) -> int:
-        """The lowest position of the leaf ``lid`` that the value reads."""
-        if self.pieces is not None:  # a run's first position reads each of its variables' lowest
-            return min(lo + p for lo, _, t in self.pieces for mono in t for (l, p) in mono if l == lid)
-        return min(p for poly in self.polys for mono in poly for (l, p) in mono if l == lid)
-
-    def reads(self, lid: int, positions) -> bool:
-        """Whether the value is the leaf ``lid``'s elements at ``positions``, position by position."""
-        if self.pieces is not None:
-            return lane_pieces.reads_run(self.pieces, lid, positions)
-        return self.polys == [{((lid, p),): 1} for p in positions]
-
-    __hash__ = None
-
-    def __repr__(self) -> str:
-        return f"Lanes(inner={self.inner}, reduction={self.reduction}, complex={self.complex}, polys={self.polys})"
-
-    def is_constant(self) -> bool:
-        if self.pieces is not None:
-            return lane_pieces.is_constant(self.pieces)
-        return all(all(m == () for m in p) for p in self.polys)
-
-
-def _bounded(p: Poly) -> Poly:
-    if len(p) > MAX_TERMS:
-        raise Unsupported("too many terms")
-    return p
-
-
-def add_polys(a: Poly, b: Poly, scale: Number = 1) -> Poly:
-    out = dict(a)
-    for m, c in b.items():
-        accumulate(out, m, scale * c)
-    return _bounded(out)
-
-
-class DegreeExceeded(Unsupported):
-    """A product of degree above :data:`MAX_DEGREE`: no RoPE backward term is that wide."""
-
-
-def _mul(a: Poly, b: Poly) -> Poly:
-    out: Poly = {}
-    for ma, ca in a.items():
-        for mb, cb in b.items():
-            m = tuple(sorted(ma + mb))
-            if len(m) > MAX_DEGREE:
-                raise DegreeExceeded("degree")
-            accumulate(out, m, ca * cb)
-    return _bounded(out)
-
-
-def _strides(inner):
-    strides, acc = [], 1
-    for size in reversed(inner):
-        strides.append(acc)
-        acc *= size
-    return list(reversed(strides))
-
-
-def _gather(out_inner, source_strides) -> List[int]:
-    """For each flat position of a tensor of trailing sizes ``out_inner`` (row-major), the flat
-    position it reads: the sum over axes of its index times that axis's ``source_strides`` entry.
-    Built axis by axis, so no position is decoded from its flat index one at a time."""
-    flats = [0]
-    for size, stride in zip(out_inner, source_strides):
-        flats = [base + k * stride for base in flats for k in range(size)]
-    return flats
-
-
-def _along_axis(inner, axis: int, picks) -> List[int]:
-    """The flat positions of ``inner`` at ``picks`` along ``axis``, every other axis whole, in the
-    row-major order of the tensor the picks make (axis ``axis`` of length ``len(picks)``)."""
-    size, inside = inner[axis], math.prod(inner[axis + 1:])
-    return [(outer * size + p) * inside + b
-            for outer in range(math.prod(inner[:axis])) for p in picks for b in range(inside)]
-
-
-def position_forms(v: Lanes) -> List[Poly]:
-    """Polynomials standing for every position's, for a check of how many terms each has, their
-    degrees, coefficients and leaf ids (never positions): each run's template (a run renames its
-    variables one to one at every position, so those are its positions'), else every polynomial."""
-    if v.pieces is not None:
-        return [t for _, _, t in v.pieces]
-    return v.polys
-
-
-def _zeros(inner) -> Lanes:
-    """Zero at every position of trailing sizes ``inner``."""
-    if len(inner) == 1:
-        return Lanes(tuple(inner), pieces=lane_pieces.constant_pieces(0, inner[0]))
-    return Lanes(tuple(inner), [{} for _ in range(math.prod(inner))])
-
-
-def _uniform(v: Lanes) -> bool:
-    """Whether every position holds the same polynomial."""
-    if v.pieces is not None:
-        return all(t == v.pieces[0][2] for _, _, t in v.pieces)
-    return all(p == v.polys[0] for p in v.polys)
-
-
-def _step_one(picks) -> bool:
-    """Whether ``picks`` are a non-empty run of consecutive positions given as a range."""
-    return isinstance(picks, range) and picks.step == 1 and len(picks) > 0
-
-
-def _degree(v: Lanes) -> int:
-    if v.pieces is not None:
-        return lane_pieces.max_degree(v.pieces)
-    return max((len(m) for p in v.polys for m in p), default=0)
-
-
-def _index_arg(x):
-    """A slice bound; a symbolic one is fine only when it is known to be a constant."""
-    if x is None or isinstance(x, int):
-        return x
-    s = static_int(x)
-    if s is None:
-        raise Unsupported("symbolic slice bound")
-    return s
-
-
-class LaneEvaluator(MemoEvaluator):
+class LaneEvaluator(LaneMoves, MemoEvaluator):
     """Memoized evaluation of nodes into :class:`Lanes`; unknown nodes become leaves."""
 
     def __init__(self, provenance: Optional[Provenance] = None, forced_leaves=(), max_lanes: Optional[int] = None):
@@ -291,7 +108,7 @@ class LaneEvaluator(MemoEvaluator):
         """Bring v, the value of a tensor shaped ``node_shape``, to trailing sizes ``inner``."""
         if v.inner == inner:
             return v
-        if v.is_constant() and _uniform(v):
+        if v.is_constant() and uniform(v):
             if len(inner) == 1:
                 return Lanes(inner, pieces=lane_pieces.constant_pieces(v.poly_at(0).get((), 0), inner[0]))
             return Lanes(inner, [dict(v.poly_at(0)) for _ in range(math.prod(inner))])
@@ -304,8 +121,8 @@ class LaneEvaluator(MemoEvaluator):
         src_inner = (1,) * (k - own) + v.inner
         if own > k or tail != src_inner or any(s not in (1, i) for s, i in zip(src_inner, inner)):
             raise Unsupported("broadcast")
-        strides = [0 if sz == 1 else st for sz, st in zip(src_inner, _strides(src_inner))]
-        return Lanes(inner, [v.polys[f] for f in _gather(inner, strides)])
+        source_strides = [0 if sz == 1 else st for sz, st in zip(src_inner, strides(src_inner))]
+        return Lanes(inner, [v.polys[f] for f in gather(inner, source_strides)])
 
     def _elementwise(self, node, args, combine, cut=()) -> Lanes:
         """``combine`` position by position; the ``cut`` arguments are taken as leaves."""
@@ -319,7 +136,7 @@ class LaneEvaluator(MemoEvaluator):
             raise Unsupported("inner sizes")
         shapes = [shape(a) if isinstance(a, fx.Node) else () for a in args]
         operands = [self._broadcast(o, s if s else out_shape, inner) for o, s in zip(operands, shapes)]
-        if all(o.pieces is not None for o in operands):
+        if all(o.pieces is not None for o in operands):  # once a run: the same sums and products
             return Lanes(inner, pieces=lane_pieces.combine([o.pieces for o in operands], combine))
         return Lanes(inner, [combine(*ps) for ps in zip(*(o.polys for o in operands))])
 
@@ -332,18 +149,18 @@ class LaneEvaluator(MemoEvaluator):
         return dim - first
 
     def _select_positions(self, v: Lanes, axis: int, picks) -> Lanes:
-        if v.pieces is not None and _step_one(picks):
+        if v.pieces is not None and step_one(picks):
             return Lanes((len(picks),), pieces=lane_pieces.window(v.pieces, picks[0], picks[0] + len(picks)))
         inner = list(v.inner)
         new_inner = tuple(inner[:axis] + [len(picks)] + inner[axis + 1:])
-        return Lanes(new_inner, [v.polys[f] for f in _along_axis(v.inner, axis, picks)])
+        return Lanes(new_inner, [v.polys[f] for f in along_axis(v.inner, axis, picks)])
 
     def _scatter(self, base: Lanes, src: Lanes, axis: int, picks) -> Lanes:
-        if base.pieces is not None and src.pieces is not None and _step_one(picks) and \
+        if base.pieces is not None and src.pieces is not None and step_one(picks) and \
                 lane_pieces.length(src.pieces) == len(picks) and picks[-1] < base.inner[0]:
             return Lanes(base.inner, pieces=lane_pieces.placed(base.pieces, src.pieces, picks[0]))
         polys = list(base.polys)  # polynomials are never changed in place: shared, not copied
-        for target, poly in zip(_along_axis(base.inner, axis, picks), src.polys):
+        for target, poly in zip(along_axis(base.inner, axis, picks), src.polys):
             polys[target] = poly
         return Lanes(base.inner, polys)
 
@@ -398,7 +215,7 @@ class LaneEvaluator(MemoEvaluator):
             # a real operand adds to the real parts only; read lane by lane it would add to both
             raise Unsupported("complex sum with a real operand")
         if t in (aten.add.Tensor, aten.sub.Tensor) and all(
-                isinstance(a, fx.Node) and _degree(self._checked(a)) <= 1 for a in args[:2]):
+                isinstance(a, fx.Node) and degree_of(self._checked(a)) <= 1 for a in args[:2]):
             raise Unsupported("gradient accumulation: the sum is an input of the pattern")
         return self._elementwise(node, args[:2], lambda a, b: add_polys(a, b, sign))
 
@@ -407,7 +224,7 @@ class LaneEvaluator(MemoEvaluator):
         if graph_constant(args[1]) is None and graph_constant(args[0]) is None:
             return
         tensor = args[0] if graph_constant(args[1]) is not None else args[1]
-        if isinstance(tensor, fx.Node) and _degree(self._checked(tensor)) <= 1:
+        if isinstance(tensor, fx.Node) and degree_of(self._checked(tensor)) <= 1:
             # a scaled gradient (q * scale after RoPE, SDPA's scaled q) is the pattern's dy
             raise Unsupported("scaled input: a leaf")
 
@@ -423,144 +240,6 @@ class LaneEvaluator(MemoEvaluator):
     def _negate(self, node, args) -> Lanes:
         return self._elementwise(node, args[:1], lambda a: add_polys({}, a, -1))
 
-    def _slice(self, node, args) -> Lanes:
-        v = self._checked(args[0])
-        axis = self._inner_dim(args[0], v, args[1] if len(args) > 1 else 0)
-        size = v.inner[axis]
-        start, end, step = (list(args[2:5]) + [None, None, 1])[:3]
-        start, end, step = (_index_arg(x) for x in (start, end, step))
-        return self._select_positions(v, axis, range(size)[slice(start, end, step)])
-
-    def _select(self, node, args) -> Lanes:
-        v = self._checked(args[0])
-        axis = self._inner_dim(args[0], v, args[1])
-        picked = self._select_positions(v, axis, [_index_arg(args[2]) % v.inner[axis]])
-        inner = picked.inner[:axis] + picked.inner[axis + 1:]
-        if not inner:
-            raise Unsupported("select removes the last tracked axis")
-        return Lanes(inner, picked.polys)
-
-    def _slice_backward(self, node, args) -> Lanes:
-        grad, sizes, dim, start, end, step = args
-        start, end, step = (_index_arg(x) for x in (start, end, step))
-        v = self._checked(grad)
-        axis = self._inner_dim(grad, v, dim)
-        full = static_int(sizes[normalize_dim(dim, len(sizes))])
-        if full is None or not same_shape(sizes[:len(sizes) - len(v.inner)],
-                                         shape(grad)[:len(sizes) - len(v.inner)]):
-            raise Unsupported("slice_backward sizes")
-        inner = v.inner[:axis] + (full,) + v.inner[axis + 1:]
-        return self._scatter(_zeros(inner), v, axis, range(full)[slice(start, end, step)])
-
-    def _slice_scatter(self, node, args) -> Lanes:
-        kw = node.kwargs
-        base, src = self._checked(args[0]), self._checked(args[1])
-        dim = args[2] if len(args) > 2 else kw.get("dim", 0)
-        start = args[3] if len(args) > 3 else kw.get("start")
-        end = args[4] if len(args) > 4 else kw.get("end")
-        step = args[5] if len(args) > 5 else kw.get("step", 1)
-        start, end, step = (_index_arg(x) for x in (start, end, step))
-        axis = self._inner_dim(args[0], base, dim)
-        base = self._broadcast(base, shape(args[0]), base.inner)
-        picks = range(base.inner[axis])[slice(start, end, step)]
-        if src.inner[:axis] + src.inner[axis + 1:] != base.inner[:axis] + base.inner[axis + 1:] or \
-                src.inner[axis] != len(picks):
-            raise Unsupported("slice_scatter sizes")
-        return self._scatter(base, src, axis, picks)
-
-    def _fill(self, node, args) -> Lanes:
-        fill = 0 if "zeros" in str(node.target) else graph_constant(args[1])
-        if fill is None:
-            raise Unsupported("fill")
-        d = static_int(shape(node)[-1]) if shape(node) else None
-        if d is None:
-            raise Unsupported("a 0-dim or dynamic last axis")
-        return Lanes((d,), pieces=lane_pieces.constant_pieces(fill, d))
-
-    def _cat(self, node, args) -> Lanes:
-        tensors = args[0]
-        dim = args[1] if len(args) > 1 else node.kwargs.get("dim", 0)
-        vals = [self._checked(a) for a in tensors]
-        axis = self._inner_dim(tensors[0], vals[0], dim)
-        inner = vals[0].inner
-        if any(len(v.inner) != len(inner) for v in vals):
-            raise Unsupported("cat ranks")
-        total = sum(v.inner[axis] for v in vals)
-        new_inner = inner[:axis] + (total,) + inner[axis + 1:]
-        out = _zeros(new_inner)
-        offset = 0
-        for v in vals:
-            if v.inner[:axis] + v.inner[axis + 1:] != inner[:axis] + inner[axis + 1:]:
-                raise Unsupported("cat sizes")
-            out = self._scatter(out, v, axis, range(offset, offset + v.inner[axis]))
-            offset += v.inner[axis]
-        return out
-
-    def _stack(self, node, args) -> Lanes:
-        tensors = args[0]
-        dim = args[1] if len(args) > 1 else node.kwargs.get("dim", 0)
-        vals = [self._checked(a) for a in tensors]
-        rank = len(shape(node))
-        dim = normalize_dim(dim, rank)
-        inner = vals[0].inner
-        if any(v.inner != inner for v in vals) or dim < rank - len(inner) - 1:
-            raise Unsupported("stack")
-        axis = dim - (rank - len(inner) - 1)
-        new_inner = inner[:axis] + (len(vals),) + inner[axis:]
-        out = _zeros(new_inner)
-        for k, v in enumerate(vals):
-            expanded = Lanes(inner[:axis] + (1,) + inner[axis:], v.polys)
-            out = self._scatter(out, expanded, axis, [k])
-        return out
-
-    def _view(self, node, args) -> Lanes:
-        """view, reshape, flatten, squeeze and their kin."""
-        v = self.value(args[0])
-        if v is None:
-            raise Unsupported("view of opaque")
-        if v.reduction is not None:
-            return self._reduced_view(node, v)
-        return self._reshape(node, v)
-
-    def _permute(self, node, args) -> Lanes:
-        v = self._checked(args[0])
-        rank = len(shape(args[0]))
-        first = rank - len(v.inner)
-        order = axis_order(node.target, args[1:], rank)
-        if order[:first] != list(range(first)):
-            raise Unsupported("permutes leading axes")
-        perm = [d - first for d in order[first:]]
-        new_inner = tuple(v.inner[p] for p in perm)
-        strides = _strides(v.inner)
-        return Lanes(new_inner, [v.polys[f] for f in _gather(new_inner, [strides[p] for p in perm])])
-
-    def _expand(self, node, args) -> Lanes:
-        v = self._checked(args[0])
-        return self._broadcast(v, shape(args[0]), tuple(
-            static_int(s) for s in shape(node)[len(shape(node)) - len(v.inner):]))
-
-    def _select_backward(self, node, args) -> Lanes:
-        """Evaluate ``select_backward``: the gradient placed at one index of a new axis.
-
-        ``select_backward(grad, sizes, dim, index)``: grad placed at ``index`` of a new axis
-        ``dim``, zeros elsewhere (torchtune's ``stack([x[..., 0] * c - ..., ...], -1)``). The
-        new axis joins the tracked ones, so it must lie among them or just before them."""
-        grad, sizes, dim, index = args
-        v = self._checked(grad)
-        rank = len(sizes)
-        dim = normalize_dim(dim, rank)
-        axis = dim - (rank - len(v.inner) - 1)
-        full, index = static_int(sizes[dim]), _index_arg(index)
-        if axis < 0 or full is None or not same_shape(sizes[:rank - len(v.inner) - 1],
-                                                      shape(grad)[:rank - len(v.inner) - 1]):
-            raise Unsupported("select_backward sizes")
-        inner = v.inner[:axis] + (full,) + v.inner[axis:]
-        if self._too_wide(inner):
-            raise Unsupported("select_backward too wide")
-        zero = _zeros(inner)
-        return self._scatter(zero, Lanes(v.inner[:axis] + (1,) + v.inner[axis:], v.polys), axis,
-                             [index % full])
-
     def _complex(self, node, args) -> Lanes:
         """view_as_complex/real, conjugation and products of complex tensors, on (re, im) pairs."""
         t = node.target
@@ -575,7 +254,7 @@ class LaneEvaluator(MemoEvaluator):
             try:
                 return self._complex_product(node, args[:2])
             except DegreeExceeded:  # as for real products: a wide factor is dy, a leaf
-                wide = [a for a in args[:2] if _degree(self._checked(a)) >= 2]
+                wide = [a for a in args[:2] if degree_of(self._checked(a)) >= 2]
                 return self._complex_product(node, args[:2], cut=wide)
         if t in (aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.flatten.using_ints):
             v = self._checked(args[0])
@@ -588,8 +267,8 @@ class LaneEvaluator(MemoEvaluator):
         polys = []
         for j in range(0, len(a.polys), 2):
             (ar, ai), (br, bi) = a.polys[j:j + 2], b.polys[j:j + 2]
-            polys.append(add_polys(_mul(ar, br), _mul(ai, bi), -1))
-            polys.append(add_polys(_mul(ar, bi), _mul(ai, br)))
+            polys.append(add_polys(mul_polys(ar, br), mul_polys(ai, bi), -1))
+            polys.append(add_polys(mul_polys(ar, bi), mul_polys(ai, br)))
         return Lanes(inner, polys, complex=True)
 
     def _product(self, node, args) -> Lanes:
@@ -600,10 +279,10 @@ class LaneEvaluator(MemoEvaluator):
         own (``2 * grad * y`` after ``y.square()``, ``grad * k_rot`` after ``q_rot . k_rot``,
         a per-position scale). Cutting is always sound: a leaf is the node's own value."""
         try:
-            return self._elementwise(node, args, _mul)
+            return self._elementwise(node, args, mul_polys)
         except DegreeExceeded:
-            wide = [a for a in args if isinstance(a, fx.Node) and _degree(self._checked(a)) >= 2]
-            return self._elementwise(node, args, _mul, cut=wide)
+            wide = [a for a in args if isinstance(a, fx.Node) and degree_of(self._checked(a)) >= 2]
+            return self._elementwise(node, args, mul_polys, cut=wide)
 
     def _cut_value(self, node: fx.Node) -> Lanes:
         """A wide factor cut from a product: a leaf, or, when it only moves the elements of a
@@ -622,7 +301,7 @@ class LaneEvaluator(MemoEvaluator):
         while node.op == "call_function" and (node.target in MOVES_LANES or is_float_cast(node)) \
                 and isinstance(node.args[0], fx.Node):
             parent = self.memo.get(node.args[0])
-            if parent is None or parent.reduction is not None or _degree(parent) < 2:
+            if parent is None or parent.reduction is not None or degree_of(parent) < 2:
                 break
             chain.append(node)
             node = node.args[0]
@@ -683,12 +362,12 @@ class LaneEvaluator(MemoEvaluator):
             axis = self._inner_dim(pargs[0], v, dim)
             size = v.inner[axis]
             if t is aten.split_with_sizes.default:
-                sizes = [_index_arg(meta_value(x)) for x in pargs[1]]
+                sizes = [index_argument(meta_value(x)) for x in pargs[1]]
             elif t is aten.chunk.default:
                 step = -(-size // pargs[1])
                 sizes = [min(step, size - s) for s in range(0, size, step)]
             else:
-                step = _index_arg(meta_value(pargs[1]))
+                step = index_argument(meta_value(pargs[1]))
                 sizes = [min(step, size - s) for s in range(0, size, step)]
             start = sum(sizes[:index])
             return self._select_positions(v, axis, range(start, start + sizes[index]))

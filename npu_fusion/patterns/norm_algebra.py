@@ -11,7 +11,7 @@ any other op is a leaf.
 
 Any normalization over trailing axes (RMSNorm, an AddRmsNorm, a LayerNorm's algebra) can be
 read in it; bounds and policies specific to one op (how many leaves a value may have, which
-ops stay leaves) are parameters, given by the rule (:func:`~.rms_norm.norm_evaluator`).
+ops stay leaves) are parameters, given by the rule (:func:`~.rms_statistic.norm_evaluator`).
 No rule is imported here.
 """
 from __future__ import annotations

@@ -32,13 +32,10 @@ def source(node) -> object:
     return node
 
 
-#: the kinds of site whose forward and backward rules share verdicts (:class:`~.context.SiteJudgements`)
-NORM_SITE, ROTATION_SITE = "rms_norm", "rope"
-
-
 def site_key(kind: str, *values: fx.Node) -> tuple:
     """The key both rules of one site record and read its verdicts under: the forward values they
-    both name (a norm's statistic; a rotation's cos and sin), each its :func:`source`."""
+    both name (a norm's statistic; a rotation's cos and sin), each its :func:`source`; ``kind`` is the
+    site's kind, its backward op's option."""
     return (kind, *(source(v) for v in values))
 
 

@@ -473,3 +473,18 @@ def add_back_accumulated(edit: Edit, site, replacements) -> List[fx.Node]:
             added.append(total)
         replacements[site.dx] = total
     return added
+
+
+#: what a node inserted as forward work takes from the node it replaces: the partitioner's
+#: forward tag, activation checkpointing's policy and region, and where it came from
+FORWARD_META = ("partitioner_tag", "recompute", "ac_graph_id", "seq_nr", "stack_trace", "nn_module_stack")
+
+
+def as_forward_work(nodes: List[fx.Node], like: fx.Node) -> None:
+    """Mark inserted nodes as forward nodes (``partitioner_tag`` ``is_forward``): the joint
+    graph's preparation (:mod:`npu_fusion.plugin.joint`) leaves them where they are."""
+    for node in nodes:
+        for key in FORWARD_META:
+            if key in like.meta:
+                node.meta[key] = like.meta[key]
+        node.meta["partitioner_tag"] = "is_forward"

@@ -26,7 +26,7 @@ import torch.fx as fx
 
 from ..compat import current_compile_id, dynamo_counters, empty_graph_like, specialize_size
 from ..patterns import RULES
-from ..patterns.evaluator import InferenceProvenance, JointProvenance, Provenance
+from ..patterns.evaluator import InferenceProvenance, JointProvenance, PartitionedForwardProvenance, Provenance
 from ..patterns.context import PassContext
 from ..patterns.rewrite import Miss, RuleContext, Site
 from ..patterns.rule import FusionRule, RoundReport
@@ -48,8 +48,9 @@ class FusionResult:
     seconds: float = 0.0
     nodes_before: int = 0
     nodes_after: int = 0
-    #: which graph the pass ran on: ``"joint"`` (before the partition), ``"backward"`` or
-    #: ``"inference"`` (a forward that has no backward)
+    #: which graph the pass ran on: ``"joint"`` (before the partition), ``"backward"``,
+    #: ``"inference"`` (a forward that has no backward) or ``"forward"`` (a training forward
+    #: after the partition: torchair's hook)
     graph: str = "backward"
     #: on a joint graph: the caller-reachable tensors the backward reads through a forward copy
     #: after the pass (the unfused backward read a copy of them, see :mod:`.joint`)
@@ -148,10 +149,11 @@ class PassSession:
         #: pause the garbage collector during a run (see :class:`_CollectionsPaused`)
         self.pause_collections = pause_collections
 
-    def remember_forward(self, gm: fx.GraphModule) -> None:
+    def remember_forward(self, gm: fx.GraphModule, graph: Optional[fx.Graph] = None) -> None:
+        """Keep ``graph`` (default: ``gm``'s) as the forward of this compilation's backward."""
         key = _compile_id()
         if key is not None:
-            self.forwards[key] = gm.graph
+            self.forwards[key] = graph if graph is not None else gm.graph
             self.forwards.move_to_end(key)
             while len(self.forwards) > self.forwards_kept:
                 self.forwards.popitem(last=False)
@@ -308,6 +310,19 @@ def fuse_inference(gm: fx.GraphModule, options: Union[FusionOptions, Mapping, No
     return _fuse(gm, options, None, kind="inference", session=session)
 
 
+def fuse_forward(gm: fx.GraphModule, options: Union[FusionOptions, Mapping, None] = None,
+                 session: Optional[PassSession] = None) -> FusionResult:
+    """Rewrite the forward RoPE and RMSNorm subgraphs of a training forward graph ``gm``, after the partition, in place.
+
+    Rewrite the forward RoPE and RMSNorm subgraphs of a partitioned training forward graph ``gm``
+    (torchair's hook sees no joint graph) in place, keeping its contract with the backward: what it
+    returns for the backward (its saved tensors) is, after the pass, the same value or provably
+    equal to it (a norm's y and rstd from the fused op), and an intermediate it saves stays
+    computed (:class:`~npu_fusion.patterns.evaluator.PartitionedForwardProvenance`); a site where that
+    cannot hold stays, one recorded miss. Returns a :class:`FusionResult` (``graph`` ``"forward"``)."""
+    return _fuse(gm, options, None, kind="forward", session=session)
+
+
 def fuse_joint(gm: fx.GraphModule, options: Union[FusionOptions, Mapping, None] = None,
                copy_op: Optional[Callable] = None, partitioner: Optional[str] = None,
                session: Optional[PassSession] = None) -> FusionResult:
@@ -364,9 +379,11 @@ def _rewrite_or_restore(gm: fx.GraphModule, options, forward: Optional[fx.Graph]
         snapshot = Snapshot(graph)
         # before the rewrites: what the unfused backward reads
         layout = joint_layout(graph, options) if joint_layout is not None else None
-        inference = result.graph == "inference"
+        inference = result.graph in ("inference", "forward")  # forward rules only
         if layout is not None:
             provenance = JointProvenance(graph, layout.backward, layout.min_cut)
+        elif result.graph == "forward":
+            provenance = PartitionedForwardProvenance(graph)
         elif inference:
             provenance = InferenceProvenance(graph)
         else:
@@ -477,10 +494,11 @@ def _run_round(rule: FusionRule, graph: fx.Graph, ctx: RuleContext) -> RoundRepo
 
 def make_torchair_pass(options: Union[FusionOptions, Mapping, None] = None, session: Optional[PassSession] = None):
     """A ``post_grad_custom_pre_pass`` for torchair: ``fn(gm, example_inputs, config)``. It fuses
-    each backward graph and each inference graph (the forward rules, :func:`fuse_inference`), and
-    remembers each training forward graph in ``session`` (:data:`DEFAULT_SESSION`) for its
-    backward. A training forward stays as it is: its partition is fixed, and the backward reads
-    the forward's decomposed intermediates it saved."""
+    each backward graph, each inference graph (the forward rules, :func:`fuse_inference`) and each
+    training forward graph (:func:`fuse_forward`: what it saves for the backward unchanged or
+    provably equal). It remembers each training forward as it was before the pass in ``session``
+    (:data:`DEFAULT_SESSION`): the backward's saved tensors are named after that graph's nodes, and
+    its backward rules read their definitions there (the fused forward computes equal values)."""
     options = options if isinstance(options, FusionOptions) else FusionOptions.from_mapping(options)
     session = session or DEFAULT_SESSION
 
@@ -490,6 +508,7 @@ def make_torchair_pass(options: Union[FusionOptions, Mapping, None] = None, sess
         elif is_inference_graph(gm):
             fuse_inference(gm, options, session=session)
         else:
-            session.remember_forward(gm)
+            session.remember_forward(gm, Snapshot(gm.graph).rebuild())
+            fuse_forward(gm, options, session=session)
 
     return npu_fusion_pass

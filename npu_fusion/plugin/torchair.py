@@ -9,9 +9,11 @@ puts the npu-fusion pass there::
     config = npu_fusion.install(torchair.CompilerConfig(), target="a2")
     model = torch.compile(model, backend=torchair.get_npu_backend(compiler_config=config))
 
-The pass fuses each backward graph, and each inference graph (the forward rules: evaluation
-and generation under ``torch.no_grad()``) into the forward fused ops; a training forward
-graph stays as it is (its partition is fixed and its backward reads what it saved).
+The pass fuses each backward graph, each inference graph (the forward rules: evaluation
+and generation under ``torch.no_grad()``) and each training forward graph into the fused ops. A
+training forward's partition is fixed: a site fuses there where what it saves for the backward is
+unchanged or provably equal (a norm's y and rstd from the fused op), and otherwise stays, one
+recorded miss (:func:`~npu_fusion.plugin.pass_manager.fuse_forward`).
 
 A pass already set on the config keeps running, first; installing twice on the
 same config replaces the earlier npu-fusion pass rather than stacking it. The
@@ -40,7 +42,7 @@ def make_pass(options: FusionOptions, previous: Optional[Callable] = None) -> Ca
             from . import pass_manager  # imported on first use: the pass pulls in the pattern modules
 
             make = getattr(pass_manager, "make_torchair_pass", None)
-            if make is not None:  # backward and inference graphs fused, forward graphs remembered for provenance
+            if make is not None:  # every graph fused, each forward remembered unfused for its backward
                 state["run"] = make(options)
             else:
                 state["run"] = lambda g, _inputs=None, _config=None: pass_manager.fuse_backward(g, options)

@@ -60,7 +60,7 @@ def _announce_inductor(_gm, _run) -> None:
 
 
 def _announce_torchair(_gm, _run) -> None:
-    progress("compiling with torchair (the pass runs on each backward graph after its partition)...")
+    progress("compiling with torchair (the pass runs on each forward and backward graph after the partition)...")
 
 
 def _placed(records: List[Dict[str, Any]], paths: Dict[str, str], nodes) -> List[Dict[str, Any]]:

@@ -11,11 +11,12 @@ every compiled graph). The result is the command line's report for that step
 backward ops before and after, modelled traffic, saved activations, the gradient check, and where
 each counted site ended.
 
-The independent counter, unless ``counter=`` names one, counts calls of module classes named
-``*RMSNorm`` and tensors returned by functions named ``apply_rotary_pos_emb*`` in the modules that
-define the model's classes (or the function): the transformers convention. A site it cannot see
-shows as ``expected`` lower than ``found``; pass ``counter=`` (a
-:class:`~npu_fusion.measure.sites.SiteCounter` factory) to name the classes and functions.
+The independent counter, unless ``counter=`` names one, counts what the transformers convention
+each counted op declares (:class:`~npu_fusion.lowering.CountedSite`) finds in the modules that
+define the model's classes (or the function): calls of module classes named ``*RMSNorm``, tensors
+returned by functions named ``apply_rotary_pos_emb*``. A site it cannot see shows as ``expected``
+lower than ``found``; pass ``counter=`` (a :class:`~npu_fusion.measure.sites.SiteCounter` factory,
+its classes and functions by kind: ``modules={"rms_norm": (MyNorm,)}``) to name them.
 """
 from __future__ import annotations
 

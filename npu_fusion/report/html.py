@@ -8,9 +8,11 @@ report, one per ``--target`` of ``--hf-config``):
 
 - every site, per layer, as a green (fused: the chip runs it) or red (left unfused) box, with its
   module, op, mode and reason on hover (the SVG ``<title>``) and in the table under it;
-- the backward graph's op counts before and after the pass (all nodes, then the ops that changed);
+- the backward graph's op counts before and after the pass (all nodes, then the ops that changed;
+  an inference report's inference graph);
 - the modelled traffic of the replaced subgraphs per op as bars against the fused op's minimum,
-  and the bytes the forward saves for the backward before and after.
+  and the bytes the forward saves for the backward before and after (not for an inference report);
+- the float64 check, named for what it checked: a training step's gradients, an inference step's outputs.
 
 The layer of a site is the first number in its module path (``model.layers.3.self_attn``: 3);
 sites outside numbered layers (the final norm) form their own row.
@@ -78,21 +80,26 @@ def _target_section(r: Dict[str, Any]) -> str:
             f"batch {s['batch'] or '-'} x seq {s['seq'] or '-'}</div>")
     per_op = ", ".join(f"{SHORT.get(op, op)} {o['fused']} of {o['found']}" for op, o in r["ops"].items() if o["found"])
     head += f"<div class='sub'>fused per op: {_e(per_op or 'no site found')}</div>"
-    head += _gradient_line(r["gradients"])
+    train = s.get("train", True)
+    head += _check_line(r["gradients"], train)
     errors = "".join(f"<p class='bad'>PASS ERROR (graph left unchanged): {_e(e)}</p>" for e in r["pass_errors"])
+    graph, traffic = (("Backward graph", "Modelled traffic of the replaced subgraphs, and bytes saved for the backward")
+                      if train else ("Inference graph", "Modelled traffic of the replaced subgraphs"))
     return "".join([head, errors, "<h3>Sites by layer (hover for the reason)</h3>", _layer_map(sites),
-                    _site_table(sites), "<div class='charts'><div><h3>Backward graph ops, before and after</h3>",
-                    _op_bars(r["op_counts"]), "</div><div><h3>Modelled traffic of the replaced subgraphs, "
-                    "and bytes saved for the backward</h3>", _traffic_bars(r), "</div></div>"])
+                    _site_table(sites), f"<div class='charts'><div><h3>{graph} ops, before and after</h3>",
+                    _op_bars(r["op_counts"]), f"</div><div><h3>{traffic}</h3>", _traffic_bars(r, train),
+                    "</div></div>"])
 
 
-def _gradient_line(g: Dict[str, Any]) -> str:
-    """The gradient check's verdict (absent on the meta device, where there are no values)."""
+def _check_line(g: Dict[str, Any], train: bool = True) -> str:
+    """The float64 check's verdict, named for what it checked: a training step's gradients, an inference step's outputs."""
+    checked = "gradient" if train else "output"
     if not g.get("per_dtype"):
-        return f"<div class='sub'>no gradient check: {_e(g.get('why', 'no parameter gradient'))}</div>"
+        nothing = "no parameter gradient" if train else "no floating output"
+        return f"<div class='sub'>no {checked} check: {_e(g.get('why', nothing))}</div>"
     worst = max(row["max_abs_diff_vs_eager"] for row in g["per_dtype"].values())
     verdict = "<span class='ok'>PASSED</span>" if g["passed"] else "<span class='bad'>FAILED</span>"
-    return (f"<div class='sub'>gradient check against eager and float64: {verdict} (max |compiled - eager| "
+    return (f"<div class='sub'>{checked} check against eager and float64: {verdict} (max |compiled - eager| "
             f"{worst:.3g})</div>")
 
 
@@ -173,11 +180,13 @@ def _op_bars(counts: Dict[str, Any]) -> str:
     return _bar_chart(rows, ("before", "after"), (BEFORE, AFTER), str)
 
 
-def _traffic_bars(r: Dict[str, Any]) -> str:
+def _traffic_bars(r: Dict[str, Any], train: bool = True) -> str:
     rows = [(op, t["bytes_before"], t["bytes_after"], t["bytes_minimum"]) for op, t in r["memory_traffic"].items()]
     traffic = (_bar_chart(rows, ("unfused subgraph", "after the pass", "fused-op minimum"),
                           (BEFORE, AFTER, MINIMUM), _bytes) if rows else "<p>no site was fused</p>")
     saved = r.get("saved_activations") or {}
+    if not train:  # an inference step saves nothing for a backward
+        return traffic
     if not saved.get("graphs"):
         return traffic + "<p>saved for the backward: unchanged (no site fused)</p>"
     return traffic + _bar_chart([("saved for the backward", saved["bytes_before"], saved["bytes_after"])],

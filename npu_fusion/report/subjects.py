@@ -17,7 +17,7 @@ from typing import Any, Callable, ContextManager, Dict, Optional, Sequence
 
 import torch
 
-from ..measure.sites import SiteCounter
+from ..measure.sites import COUNTED_SITES, SiteCounter
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -151,19 +151,25 @@ class FunctionModule(torch.nn.Module):
 
 
 def conventional_counter(model: torch.nn.Module) -> SiteCounter:
-    """A site counter for the transformers naming convention.
+    """A site counter for the transformers naming convention each counted op declares.
 
-    A site counter for the transformers naming convention: calls of module classes named
-    ``*RMSNorm``, and tensors returned by functions named ``apply_rotary_pos_emb*`` in the modules
-    that define the model's classes (Llama's rotates q and k in one call, GPT-J's one tensor per
-    call). A plain function (:class:`FunctionModule`) is counted through the attribute that holds
-    it, itself an apply-RoPE function or not."""
-    norm_types = tuple({type(m) for m in model.modules() if type(m).__name__.lower().endswith("rmsnorm")})
+    A site counter for the transformers naming convention each counted op declares
+    (:class:`~npu_fusion.lowering.CountedSite`): calls of module classes named ``*RMSNorm``, and
+    tensors returned by functions named ``apply_rotary_pos_emb*`` in the modules that define the
+    model's classes (Llama's rotates q and k in one call, GPT-J's one tensor per call). A plain
+    function (:class:`FunctionModule`) is counted through the attribute that holds it, itself such
+    a function or not."""
     modules = {sys.modules.get(type(m).__module__) for m in model.modules()}
     if isinstance(model, FunctionModule):
         modules.add(sys.modules.get(getattr(model.fn, "__module__", None)))
-    rope_functions = [(module, attr) for module in modules if module is not None for attr in dir(module)
-                      if attr.startswith("apply_rotary_pos_emb") and callable(getattr(module, attr))]
-    if isinstance(model, FunctionModule) and getattr(model.fn, "__name__", "").startswith("apply_rotary_pos_emb"):
-        rope_functions.append((model, "fn"))
-    return SiteCounter(model, norm_types=norm_types, rope_functions=rope_functions)
+    classes, functions = {}, {}
+    for kind, site in COUNTED_SITES.items():
+        if site.class_suffix:
+            classes[kind] = tuple({type(m) for m in model.modules()
+                                   if type(m).__name__.lower().endswith(site.class_suffix)})
+        if site.function_prefix:
+            functions[kind] = [(module, attr) for module in modules if module is not None for attr in dir(module)
+                               if attr.startswith(site.function_prefix) and callable(getattr(module, attr))]
+            if isinstance(model, FunctionModule) and getattr(model.fn, "__name__", "").startswith(site.function_prefix):
+                functions[kind].append((model, "fn"))
+    return SiteCounter(model, modules=classes, functions=functions)

@@ -78,6 +78,21 @@ class LlamaBlock(nn.Module):
         return apply_rope(q, k, cos, sin, self.rope)
 
 
+def tiny_transformers_llama(layers: int = 2):
+    """A tiny bf16 transformers Llama (eager attention) and its config, as torchair's GE converters take it.
+
+    The wheel's torchair has no GE converter for ``aten.silu_backward``, which the CPU's autograd
+    makes (torch_npu's silu has its own backward op), so the MLP runs GELU, whose backward converts."""
+    from transformers import AutoModelForCausalLM
+
+    from npu_fusion.report.subjects import tiny_hf_config
+
+    torch.manual_seed(0)
+    config = tiny_hf_config("llama", layers)
+    config.hidden_act = "gelu"
+    return AutoModelForCausalLM.from_config(config, attn_implementation="eager").to(torch.bfloat16), config
+
+
 def inputs(dtype, b=2, s=8, hidden=64, heads=4, cos_batch=None):
     """hidden states [b, s, hidden]; cos/sin [b, s, d] as HF's rotary embedding
     gives them (or [1, s, d]: positions shared by the batch)."""

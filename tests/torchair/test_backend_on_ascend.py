@@ -16,7 +16,7 @@ from npu_fusion_testing.in_place import UPDATED_PROGRAMS
 pytest.importorskip("transformers")
 
 from npu_fusion_testing.torchair.llama_block import (  # noqa: E402
-    FUSED, LlamaBlock, assert_grads_close, decomposed_ops, grads, inputs)
+    FUSED, LlamaBlock, assert_grads_close, decomposed_ops, grads, inputs, tiny_transformers_llama)
 
 
 def _step(backend, dtype):
@@ -74,26 +74,13 @@ def test_caller_updating_the_input_in_place_before_backward(ge):
     assert_grads_close(got, expected, exact)
 
 
-def _tiny_transformers_llama():
-    from transformers import AutoModelForCausalLM
-
-    from npu_fusion.report.subjects import tiny_hf_config
-
-    torch.manual_seed(0)
-    config = tiny_hf_config("llama", 2)
-    # The wheel's torchair has no GE converter for aten.silu_backward, which the CPU's autograd
-    # makes (torch_npu's silu has its own backward op); GELU's backward converts.
-    config.hidden_act = "gelu"
-    return AutoModelForCausalLM.from_config(config, attn_implementation="eager").to(torch.bfloat16), config
-
-
 @pytest.mark.parametrize("partitioner", ["default", "min_cut"])
 def test_transformers_llama_bf16_on_an_ascend_host(ge, partitioner):
     """A 2-layer bf16 transformers Llama through the backend as on an Ascend host: every site fused
     (5 RMSNorm, 4 RoPE), the fused ops in the backward GE graph and no decomposed site left, the
     gradients by the float64 criterion, no float32 upcast saved, and under min-cut no more saved
     than min-cut saves for the unfused graph."""
-    model, config = _tiny_transformers_llama()
+    model, config = tiny_transformers_llama()
     ids = torch.randint(0, config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(1))
 
     def param_grads(m, forward):

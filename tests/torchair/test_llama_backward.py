@@ -22,7 +22,7 @@ pytestmark = pytest.mark.smoke  # in the version matrix's smoke set: torchair
 pytest.importorskip("transformers")
 
 from npu_fusion_testing.torchair.llama_block import (  # noqa: E402
-    DECOMPOSED, FUSED, assert_grads_close, decomposed_ops, train_step)
+    DECOMPOSED, FORWARD_FUSED, FUSED, assert_grads_close, decomposed_ops, train_step)
 
 
 def test_without_install_backward_is_decomposed(ge):
@@ -45,7 +45,9 @@ def test_install_fuses_the_backward_ge_graph(ge, dtype, target):
     counts = backward.types()
     assert counts["RmsNormGrad"] == 1 and counts["RotaryPositionEmbeddingGrad"] == 2, backward
     assert not decomposed_ops(backward), backward
-    assert not FUSED & set(forward.types()), "the pass only rewrites backward graphs"
+    assert not FUSED & set(forward.types()) and not FORWARD_FUSED & set(backward.types())
+    # the forward fused too, after the partition (what it saves for the backward unchanged or equal)
+    assert forward.types()["RmsNorm"] == 1 and forward.types()["RotaryPositionEmbedding"] == 2, forward
 
     rms = backward.one("RmsNormGrad")
     assert backward.input_names(rms) == ["dy", "x", "rstd", "gamma"]
@@ -60,8 +62,9 @@ def test_install_fuses_the_backward_ge_graph(ge, dtype, target):
     # dgamma, float32 from GE, reaches the bf16 parameter's gradient through a Cast
     if dtype == torch.bfloat16:
         assert any(op.type == "Cast" for op, _ in backward.consumers(rms, 1)), backward
-    ops = [(r.target, r.fused("rms_norm_grad"), r.fused("rotary_position_embedding_grad")) for r in pass_manager.HISTORY]
-    assert ops == [(target, 1, 2)]
+    ops = [(r.graph, r.target, r.fused("rms_norm"), r.fused("rotary_position_embedding"), r.fused("rms_norm_grad"),
+            r.fused("rotary_position_embedding_grad"), len(r.misses)) for r in pass_manager.HISTORY]
+    assert ops == [("forward", target, 1, 2, 0, 0, 0), ("backward", target, 0, 0, 1, 2, 0)]
 
 
 @pytest.mark.parametrize("target,dims", [("a2", (1,)), ("generic", (0, 1))], ids=["a2-seq", "generic-batch-seq"])

@@ -45,7 +45,8 @@ def test_whole_backward_becomes_rms_norm_grad(ge, dtype, target):
         assert_close_as_unfused(g, e, x)
     backward = ge.backward()
     assert backward.types()["RmsNormGrad"] == 1, backward
-    (result,) = pass_manager.HISTORY
+    forward, result = pass_manager.HISTORY  # the training forward (its whole norm decomposed), then the backward
+    assert forward.graph == "forward" and not forward.error and result.graph == "backward"
     assert result.target == target and result.misses == [] and result.sites[0].replaced_targets.get("_fused_rms_norm_backward.default") == 1
 
 

@@ -98,4 +98,5 @@ OP = FusedOp(
     ge=GeIr(op="RmsNorm", inputs=(GeInput("x", NORM_KINDS), GeInput("gamma", NORM_KINDS)),
             attrs=(GeAttr("epsilon", "Float", 1e-6, "eps"),),
             outputs=(("y", NORM_KINDS), ("rstd", "DT_FLOAT"))),
+    short_label="RMSNorm fw",
 )

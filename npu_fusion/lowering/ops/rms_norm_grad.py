@@ -28,7 +28,7 @@ from typing import Optional
 import torch
 
 from ..checks import require, require_dtype_like, require_float, require_one_device, same_shape, shown
-from ..fused_op import FusedOp, GeInput, GeIr, NpuBinding
+from ..fused_op import CountedSite, FusedOp, GeInput, GeIr, NpuBinding
 from ..sizes import provably_less, static_int
 
 #: RmsNormGrad tensors are ND with 1 to 8 axes (docs/fused-ops.md#rms_norm_grad).
@@ -226,5 +226,5 @@ OP = FusedOp(
             inputs=(GeInput("dy", NORM_KINDS), GeInput("x", NORM_KINDS), GeInput("rstd", "DT_FLOAT"),
                     GeInput("gamma", NORM_KINDS)),
             attrs=(), outputs=(("dx", NORM_KINDS), ("dgamma", "DT_FLOAT"))),
-    short_label="RMSNorm",
+    short_label="RMSNorm", counted_site=CountedSite(class_suffix="rmsnorm"),
 )

@@ -102,5 +102,5 @@ OP = FusedOp(
                     GeInput("rotate", ROPE_KINDS, optional=True)),
             attrs=(GeAttr("mode", "Int", 0, "mode"),), outputs=(("y", ROPE_KINDS),)),
     # the tables are functions of the positions only: min-cut may recompute them rather than save
-    recomputable=("cos", "sin"),
+    recomputable=("cos", "sin"), short_label="RoPE fw",
 )

@@ -39,7 +39,7 @@ from torch.fx.experimental import symbolic_shapes
 
 from ..checks import (FLOAT_DTYPES, broadcasts_to, case_shape, require, require_dtype_like, require_float,
                       require_one_device, same_shape, shown, size_equal)
-from ..fused_op import FusedOp, GeAttr, GeInput, GeIr, NpuBinding
+from ..fused_op import CountedSite, FusedOp, GeAttr, GeInput, GeIr, NpuBinding
 from ..sizes import provably_less, same_shape as provably_same_shape, same_size, static_int
 
 #: RotaryPositionEmbeddingGrad ``mode`` attribute values.
@@ -338,4 +338,7 @@ OP = FusedOp(
     ge_converter=convert_without_x,
     # the tables are functions of the positions only: min-cut may recompute them rather than save
     short_label="RoPE", recomputable=("cos", "sin"),
+    # Llama's apply_rotary_pos_emb rotates q and k in one call, GPT-J's one tensor per call; a RoPE
+    # module is often one instance every layer calls, so its sites are its caller's
+    counted_site=CountedSite(function_prefix="apply_rotary_pos_emb", path_of_caller=True),
 )

@@ -1,0 +1,120 @@
+"""What still looks like an RMSNorm backward after the last round: each one recorded miss, never silent."""
+from __future__ import annotations
+
+import functools
+from typing import Dict, List, Optional
+
+import torch.fx as fx
+
+from ...lowering import RMS_NORM_GRAD as OP
+from ..evaluator import Provenance
+from ..nodes import aten, downstream, gradient_dependent, gradient_product, normalize_dim, shape
+from ..rewrite import Miss
+from .sites import DX_DEPTH, taken_norms
+from ..rms_statistic import (definition_of, is_rms_statistic, exact_source, fused_normalized_operand,
+                             fused_statistic_operand, normalized_operand, rms_statistic_operand, spelled_root,
+                             unmatched_spelling)
+
+
+def unexplained(graph: fx.Graph, provenance: Optional[Provenance], misses: List[Miss]) -> List[Miss]:
+    """Record each RMSNorm the pass left in the graph that no form matched and no miss explains.
+
+    No silent misses: a gradient multiplied by an RMS statistic (``rsqrt(mean(x*x) + eps)``,
+    saved or recomputed), or by a normalized value and summed as a weight's gradient (a norm
+    whose input takes no gradient), that is left in the graph after the pass, and that no
+    recorded miss accounts for, is an RMSNorm no form matched. One norm is one miss: its dx's
+    product (by the statistic) and its weight gradient's (by the normalized value) are grouped
+    by the norm's statistic, and a recorded miss any of them reaches accounts for all."""
+    gradient = gradient_dependent(graph)
+    if gradient is None:
+        return []
+    missed = {m.node for m in misses}
+    norms: Dict[object, list] = {}  # the norm's statistic (or the product itself) -> [node, reason, reach]
+    reached = set()
+    weight_gradient = _unfused_weight_gradient(graph, provenance, missed)
+    for node in graph.nodes:
+        operand = _forward_operand(node, gradient) if node not in reached else None
+        spelled = node if node.target is aten.div.Tensor else operand
+        reason = unmatched_spelling(spelled, provenance) if operand is not None else None
+        if operand is None or not (reason or is_rms_statistic(operand, provenance)
+                                   or fused_statistic_operand(operand, provenance) is not None
+                                   or weight_gradient(node, operand)):
+            continue
+        reach = set(downstream(graph, [node], 2 * DX_DEPTH))
+        reached |= reach
+        entry = norms.setdefault(_statistic_key(operand, spelled, provenance) or node, [node, reason, set()])
+        entry[1] = entry[1] or reason
+        entry[2] |= reach
+    return [Miss(OP.name, n.name, reason or (
+        "a gradient scaled by an RMS statistic rsqrt(mean(x*x) + eps), or by the normalized value "
+        "x*rsqrt(mean(x*x) + eps) and summed as a weight's gradient, that no RMSNorm form matched (run with "
+        "TORCH_LOGS=npu_fusion and dump_graphs to see it)")) for n, reason, reach in norms.values()
+        if not any(r.name in missed for r in reach)]
+
+
+def _statistic_key(operand: fx.Node, spelled: fx.Node, provenance: Optional[Provenance]):
+    """The norm a backward product belongs to, as one key per norm.
+
+    One key per norm for the products of its backward: its statistic (the exact source, one key
+    for a forward value and its saved or recomputed copy) where ``operand`` is the statistic or a
+    value normalized by it, decomposed or fused; the root of a spelling no form reads (``spelled``:
+    the product's node where it divides, else ``operand``); None where it is none of them. Two norms
+    of one input with statistics of their own are two keys."""
+    def statistic(node):
+        if rms_statistic_operand(node, provenance) is not None:
+            return exact_source(node, provenance)
+        fused = fused_statistic_operand(node, provenance)
+        return ("fused", exact_source(fused[0], provenance)) if fused is not None else None
+    key = statistic(operand)
+    if key is not None:
+        return key
+    node = definition_of(operand, provenance)
+    if node.op == "call_function" and node.target is aten.mul.Tensor:
+        key = next((k for k in (statistic(a) for a in node.args[:2] if isinstance(a, fx.Node)) if k is not None), None)
+        if key is not None:
+            return key
+    fused = fused_normalized_operand(operand, provenance)  # a fused y with a weight of ones
+    if fused is not None:
+        return ("fused", exact_source(fused[0], provenance))
+    return spelled_root(spelled, provenance)
+
+
+def _forward_operand(node: fx.Node, gradient: set) -> Optional[fx.Node]:
+    """The forward operand of a gradient times a forward value, or of a gradient divided by one."""
+    product = gradient_product(node, gradient)
+    if product is not None:
+        return product[1]
+    if node.op == "call_function" and node.target is aten.div.Tensor and node.args[0] in gradient \
+            and isinstance(node.args[1], fx.Node) and node.args[1] not in gradient:
+        return node.args[1]
+    return None
+
+
+def _unfused_weight_gradient(graph: fx.Graph, provenance: Optional[Provenance], missed: set):
+    """Test whether a product is an unaccounted weight gradient of an RMSNorm.
+
+    A test of (product, forward operand): a gradient times a normalized value
+    ``y * rsqrt(mean(y*y) + eps)`` summed over leading axes (a weight's gradient, as a norm
+    whose input takes no gradient has), of a norm neither a fused op in the graph covers (a
+    fused dx whose dgamma the rewrite left to the program, with a note) nor a recorded miss
+    (one at a node its statistic reaches: the norm's dx left unfused with the reason)."""
+    @functools.lru_cache(maxsize=None)  # computed once, and only where such a product is left
+    def covered() -> frozenset:
+        taken = taken_norms(graph, provenance, [])
+        for node in graph.nodes:
+            stat = rms_statistic_operand(node, provenance) if node.op in ("placeholder", "call_function") else None
+            if stat is not None and any(n.name in missed for n in downstream(graph, [node], 2 * DX_DEPTH)):
+                taken.add(exact_source(stat[0], provenance))
+        return frozenset(taken)
+
+    def summed_over_leading_axes(node: fx.Node, k: int) -> bool:
+        rank = len(shape(node))
+        return any(s.op == "call_function" and s.target is aten.sum.dim_IntList and s.args[1]
+                   and len(shape(s.args[0])) == rank and all(normalize_dim(d, rank) < rank - k for d in s.args[1])
+                   for s in downstream(graph, [node], 2))
+
+    def test(node: fx.Node, operand: fx.Node) -> bool:
+        stat = normalized_operand(operand, provenance) or fused_normalized_operand(operand, provenance)
+        return (stat is not None and summed_over_leading_axes(node, stat[1])
+                and exact_source(stat[0], provenance) not in covered())
+    return test

@@ -1,0 +1,280 @@
+"""How an RMS statistic and a normalized value are spelled and proven by their definitions, shared by the RMSNorm rules."""
+from __future__ import annotations
+
+import operator
+from typing import List, Optional
+
+import torch.fx as fx
+
+from ..compat import FUSED_RMS_NORM
+from ..lowering import RMS_NORM as FORWARD_OP
+from ..lowering.sizes import static_int
+from .algebra import graph_constant
+from .evaluator import Provenance
+from .norm_algebra import NormEvaluator
+from .nodes import CAST_TARGETS, VIEWS, aten, is_value_preserving_cast, normalize_dim, shape, val
+from .rewrite import Miss
+
+
+#: RMSNorm's backward involves dy, x, gamma, rstd and one sum, where x may be a chain of
+#: earlier norms' outputs (two symbols each): anything with many more leaves is some other
+#: computation, and expanding it would only cost time
+MAX_SYMBOLS = 16
+#: rstd is an input of the fused op: the evaluator keeps it a leaf
+POLICY_LEAVES = frozenset({aten.rsqrt.default})
+
+
+def norm_evaluator(norm_shape, provenance: Optional[Provenance] = None, forced_leaves=()) -> NormEvaluator:
+    """The norm domain's evaluator with RMSNorm's bounds."""
+    return NormEvaluator(norm_shape, provenance, forced_leaves, max_symbols=MAX_SYMBOLS, policy_leaves=POLICY_LEAVES)
+
+
+#: ops an RMS statistic may pass through on its way to the backward: casts, copies and views
+_STAT_PASSTHROUGH = CAST_TARGETS | VIEWS
+
+
+def is_rms_statistic(node: fx.Node, provenance: Optional[Provenance]) -> bool:
+    """``rsqrt(mean(y*y) + eps)`` or ``(mean(y*y) + eps) ** -0.5``, seen through casts, views and
+    saved tensors' forward definitions: the statistic of an RMSNorm, not of a LayerNorm (whose
+    mean is of a centred square)."""
+    for _ in range(8):
+        if node.op == "placeholder" and provenance is not None:
+            node = provenance.forward_definition(node) or node
+        if node.op != "call_function" or node.target not in _STAT_PASSTHROUGH:
+            break
+        node = node.args[0]
+    root = node.op == "call_function" and (node.target is aten.rsqrt.default or (
+        node.target is aten.pow.Tensor_Scalar and node.args[1] == -0.5))
+    if not root or not isinstance(node.args[0], fx.Node) or node.args[0].target not in (
+            aten.add.Tensor, aten.add.Scalar):
+        return False
+    mean = next((a for a in node.args[0].args if isinstance(a, fx.Node)
+                 and a.target in (aten.mean.dim, aten.sum.dim_IntList)), None)
+    square = mean.args[0] if mean is not None else None
+    return isinstance(square, fx.Node) and square.op == "call_function" and (
+        (square.target is aten.pow.Tensor_Scalar and square.args[1] == 2)
+        or (square.target is aten.mul.Tensor and square.args[0] is square.args[1]))
+
+
+# -- dgamma alone: a norm whose input takes no gradient ----------------------------
+
+#: ops a statistic or a normalized value keeps its values through (casts, copies, reshapes);
+#: slices, selections and transposes move elements and are not among them
+_SAME_VALUES = CAST_TARGETS | {aten.view.default, aten._unsafe_view.default, aten.reshape.default,
+                               aten.unsqueeze.default, aten.squeeze.dim, aten.squeeze.dims, aten.squeeze.default}
+
+
+def definition_of(node: fx.Node, provenance: Optional[Provenance], exact: bool = False) -> fx.Node:
+    """``node`` seen through casts, reshapes and saved tensors' forward definitions (with
+    ``exact``, through the casts that change no value only)."""
+    for _ in range(8):
+        if node.op == "placeholder" and provenance is not None:
+            node = provenance.forward_definition(node) or node
+        if node.op != "call_function" or node.target not in _SAME_VALUES or not isinstance(node.args[0], fx.Node):
+            break
+        if exact and node.target in CAST_TARGETS and not is_value_preserving_cast(node):
+            break
+        node = node.args[0]
+    return node
+
+
+#: what the forward rule puts between the fused ``rms_norm`` and the program's values: casts,
+#: reshapes and the permutations of a norm run in another memory order (each undone on the way out)
+_FUSED_FORWARD_WRAPPING = _SAME_VALUES | {aten.permute.default}
+
+
+def _fused_forward_output(node: fx.Node, provenance: Optional[Provenance]) -> Optional[tuple]:
+    """Which output of a fused ``npu_fusion.rms_norm`` ``node`` is, if any.
+
+    ``(index, x, k, gamma)`` when ``node`` is output ``index`` of a fused ``npu_fusion.rms_norm``
+    of ``x`` over its last k axes (0: y, 1: rstd), seen through the casts, reshapes and
+    permutations the forward rule wraps it in and saved tensors' forward definitions; ``x`` is
+    the program's own node."""
+    def unwrapped(n: fx.Node) -> fx.Node:
+        for _ in range(12):
+            if n.op == "placeholder" and provenance is not None:
+                n = provenance.forward_definition(n) or n
+            if n.op != "call_function" or n.target not in _FUSED_FORWARD_WRAPPING \
+                    or not isinstance(n.args[0], fx.Node):
+                break
+            n = n.args[0]
+        return n
+    node = unwrapped(node)
+    if not (node.op == "call_function" and node.target is operator.getitem
+            and isinstance(node.args[0], fx.Node) and node.args[0].target is FORWARD_OP.overload):
+        return None
+    x, gamma, _ = node.args[0].args[:3]
+    return node.args[1], unwrapped(x), len(shape(gamma)), gamma
+
+
+def fused_statistic_operand(node: fx.Node, provenance: Optional[Provenance]) -> Optional[tuple]:
+    """``(x, k)`` when ``node`` is the rstd output of a fused forward ``rms_norm`` of x: what
+    :func:`rms_statistic_operand` reads in a decomposed statistic. The backward's scans read both:
+    a forward fused before its backward hides no statistic from them."""
+    found = _fused_forward_output(node, provenance)
+    return found[1:3] if found is not None and found[0] == 1 else None
+
+
+def fused_normalized_operand(node: fx.Node, provenance: Optional[Provenance]) -> Optional[tuple]:
+    """The x and axes that ``node`` is normalized over by a fused forward ``rms_norm``, if any.
+
+    ``(x, k)`` when ``node`` is x normalized by a fused forward ``rms_norm``: its y where the
+    weight is ones (a norm without weight), or ``x * its rstd`` (the program's y the forward rule
+    leaves to the backward's readers under min-cut); :func:`normalized_operand`'s fused twin."""
+    found = _fused_forward_output(node, provenance)
+    if found is not None:
+        index, x, k, gamma = found
+        return (x, k) if index == 0 and _is_ones(gamma, provenance) else None
+    return normalized_operand(node, provenance, statistic=fused_statistic_operand)
+
+
+def _is_ones(node, provenance: Optional[Provenance]) -> bool:
+    """``node`` is a tensor of ones the program or the forward rule made (a norm without weight)."""
+    node = definition_of(node, provenance) if isinstance(node, fx.Node) else node
+    return isinstance(node, fx.Node) and node.op == "call_function" and node.target in (
+        aten.full.default, aten.ones.default) and (node.target is aten.ones.default or node.args[1] == 1)
+
+
+def exact_source(node: fx.Node, provenance: Optional[Provenance]) -> fx.Node:
+    """The tensor ``node`` holds exactly (through exact casts and reshapes), as a backward node
+    where the backward has it: one key for a forward value and its saved or recomputed copy."""
+    node = definition_of(node, provenance, exact=True)
+    saved = provenance.saved_in_backward(node) if provenance is not None and provenance.is_forward(node) else None
+    return node if saved is None else definition_of(saved, provenance, exact=True)
+
+
+def rms_statistic_operand(node: fx.Node, provenance: Optional[Provenance]) -> Optional[tuple]:
+    """``(y, k)`` when ``node`` is ``rsqrt(mean(y*y, last k axes, keepdim) + eps)`` (or its
+    ``** -0.5``) with eps inside the root (a number >= 0, or a one-element tensor): the statistic
+    of an RMSNorm of ``y`` over its last k axes. Structural, as the forward is no Laurent
+    polynomial: a LayerNorm's centred square, eps outside the root or another axis is none."""
+    found = rms_root(definition_of(node, provenance), provenance, _is_reciprocal_root)
+    return found[:2] if found is not None and found[2] else None
+
+
+def _is_reciprocal_root(node: fx.Node) -> bool:
+    return node.target is aten.rsqrt.default or (node.target is aten.pow.Tensor_Scalar and node.args[1] == -0.5)
+
+
+def rms_root(node: fx.Node, provenance: Optional[Provenance], is_root) -> Optional[tuple]:
+    """``(y, k, keepdim)`` when ``node`` is ``root(mean(y*y, last k axes) + eps)`` for a ``root``
+    op ``is_root`` accepts, eps inside the root; ``keepdim`` whether the mean keeps its axes."""
+    if node.op != "call_function" or not is_root(node):
+        return None
+    shifted = node.args[0]
+    if not (isinstance(shifted, fx.Node) and shifted.target in (aten.add.Tensor, aten.add.Scalar)
+            and shifted.kwargs.get("alpha", 1) == 1):
+        return None
+    operands = [a for a in shifted.args[:2]
+                if isinstance(a, fx.Node) and definition_of(a, provenance).target is aten.mean.dim]
+    if len(operands) != 1:
+        return None
+    mean = definition_of(operands[0], provenance)
+    if not _is_scalar_eps(next(a for a in shifted.args[:2] if a is not operands[0])):
+        return None
+    square, dims = mean.args[0], mean.args[1]
+    keepdim = mean.args[2] if len(mean.args) > 2 else mean.kwargs.get("keepdim", False)
+    if not (isinstance(square, fx.Node) and dims and mean.kwargs.get("dtype") is None):
+        return None
+    if square.target is aten.pow.Tensor_Scalar and square.args[1] == 2:
+        y = square.args[0]
+    elif square.target is aten.mul.Tensor and square.args[0] is square.args[1]:
+        y = square.args[0]
+    else:
+        return None
+    rank = len(shape(y))
+    dims = sorted(normalize_dim(d, rank) for d in dims)
+    if dims != list(range(rank - len(dims), rank)) or len(dims) == rank or is_centred(y, provenance):
+        return None
+    return y, len(dims), bool(keepdim)
+
+
+#: why an RMSNorm spelled with a division by the root fuses in no form
+DIVISION_REASON = ("an RMSNorm spelled x / sqrt(mean(x*x) + eps) (a division by the root): no form reads the "
+                   "division; write x * torch.rsqrt(mean(x*x) + eps), the same value, to fuse it")
+#: why an RMSNorm whose statistic drops the normalized axes fuses in no form
+KEEPDIM_REASON = ("an RMSNorm statistic rsqrt(mean(x*x) + eps) taken with keepdim=False and unsqueezed after: "
+                  "no form reads it; write x.pow(2).mean(-1, keepdim=True), the same value, to fuse it")
+
+
+def unmatched_spelling(node: fx.Node, provenance: Optional[Provenance]) -> Optional[str]:
+    """Why ``node`` is an RMSNorm spelling no form reads, or None.
+
+    Why ``node`` (through casts, reshapes and saved tensors' definitions) is an RMSNorm
+    spelling no form reads, or None: a value divided by the root ``sqrt(mean(y*y) + eps)``, or a
+    statistic ``rsqrt(mean(y*y) + eps)`` whose mean drops its axes (``keepdim=False``)."""
+    root = spelled_root(node, provenance)
+    if root is None:
+        return None
+    return DIVISION_REASON if root.target is aten.sqrt.default else KEEPDIM_REASON
+
+
+def spelled_root(node: fx.Node, provenance: Optional[Provenance]) -> Optional[fx.Node]:
+    """The root node of an RMSNorm spelling no form reads (see :func:`unmatched_spelling`):
+    ``node`` is a value divided by a ``sqrt`` root, or a statistic taken with ``keepdim=False``
+    or a value times it."""
+    node = definition_of(node, provenance)
+    candidates = [node]
+    if node.op == "call_function" and node.target in (aten.div.Tensor, aten.mul.Tensor):
+        candidates += [definition_of(a, provenance) for a in node.args[:2] if isinstance(a, fx.Node)]
+    for root in candidates:
+        if rms_root(root, provenance, lambda n: n.target is aten.sqrt.default) is not None and (
+                node.target is aten.div.Tensor and root is definition_of(node.args[1], provenance)):
+            return root
+        found = rms_root(root, provenance, _is_reciprocal_root)
+        if found is not None and not found[2]:
+            return root
+    return None
+
+
+def _is_scalar_eps(eps) -> bool:
+    """A number >= 0, or a one-element tensor (``dynamic=True`` passes a float as a graph input)."""
+    if isinstance(eps, fx.Node):
+        return val(eps) is not None and all(static_int(n) == 1 for n in shape(eps))
+    value = graph_constant(eps)
+    return value is not None and value >= 0
+
+
+def is_centred(y: fx.Node, provenance: Optional[Provenance]) -> bool:
+    """``y`` is ``a - mean(a)`` (a LayerNorm's centred value: its statistic is a variance)."""
+    y = definition_of(y, provenance, exact=True)
+    return y.op == "call_function" and y.target in (aten.sub.Tensor, aten.add.Tensor) and any(
+        isinstance(a, fx.Node) and definition_of(a, provenance).target is aten.mean.dim for a in y.args[:2])
+
+
+def normalized_operand(node: fx.Node, provenance: Optional[Provenance],
+                       statistic=rms_statistic_operand) -> Optional[tuple]:
+    """``(y, k)`` when ``node`` is ``y * rms_statistic(y)`` (the normalized value the forward
+    saves for the weight's gradient), the statistic read by ``statistic`` (by default as
+    :func:`rms_statistic_operand` reads a decomposed one)."""
+    node = definition_of(node, provenance)
+    if node.op != "call_function" or node.target is not aten.mul.Tensor:
+        return None
+    for a, b in (node.args[:2], node.args[1::-1]):
+        stat = statistic(b, provenance) if isinstance(b, fx.Node) else None
+        if stat is not None and isinstance(a, fx.Node) and exact_source(a, provenance) is exact_source(stat[0], provenance):
+            return stat
+    return None
+
+
+def is_call(node: fx.Node, target) -> bool:
+    return target is not None and node.op == "call_function" and node.target is target
+
+
+#: why a whole forward RMSNorm stays as it is
+WHOLE_FORWARD_REASON = (
+    "aten._fused_rms_norm (the whole forward torch keeps where the device has its own kernel) is not rewritten "
+    "into npu-fusion's rms_norm (no torch_npu line routes F.rms_norm to it), and no torchair from torch_npu 2.6.0 "
+    "to 2.14.0 has a converter for it (torchair stops with 'Failed to auto-generated converter'): decompose it, "
+    "with the backend option decompositions='core' or torchair's custom_decompositions="
+    "torch._decomp.get_decompositions([torch.ops.aten._fused_rms_norm]); its backward still fuses")
+
+
+def whole_forward_misses(graph: fx.Graph, provenance: Optional[Provenance], op: str) -> List[Miss]:
+    """A miss for ``op`` at every ``aten._fused_rms_norm`` call in the graph (recomputed there
+    under activation checkpointing) or in the forward graph of its partition (named so): it
+    stays as it is, never silently."""
+    forward = provenance.forward if provenance is not None and provenance.forward is not None else None
+    misses = [Miss(op, n.name, WHOLE_FORWARD_REASON) for n in graph.nodes if is_call(n, FUSED_RMS_NORM)]
+    return misses + [Miss(op, f"{n.name} (forward graph)", WHOLE_FORWARD_REASON)
+                     for n in (forward.nodes if forward is not None else ()) if is_call(n, FUSED_RMS_NORM)]
