@@ -107,14 +107,6 @@ def length(pieces: Pieces) -> int:
     return pieces[-1][1] if pieces else 0
 
 
-def contiguous_run(picks: Sequence[int]) -> Optional[int]:
-    """The first pick when ``picks`` are consecutive positions (a slice of step 1), else None."""
-    if not picks:
-        return None
-    first = picks[0]
-    return first if all(p == first + k for k, p in enumerate(picks)) else None
-
-
 def max_degree(pieces: Pieces) -> int:
     return max((len(m) for _, _, t in pieces for m in t), default=0)
 
@@ -124,9 +116,10 @@ def is_constant(pieces: Pieces) -> bool:
 
 
 def equal(a: Pieces, b: Pieces) -> bool:
-    """Whether two values are equal at every position: on each run where both read one template,
-    the templates are equal (reading a template at a position renames its variables one to one,
-    so equal polynomials at a position are equal templates: exact both ways)."""
+    """Whether two values are equal at every position, compared once a run where both read one template.
+
+    Reading a template at a position renames its variables one to one, so equal polynomials at a
+    position are equal templates: the comparison is exact both ways."""
     if length(a) != length(b):
         return False
     return all(ta == tb for _, _, (ta, tb) in combine([a, b], lambda ta, tb: (ta, tb)))
@@ -154,9 +147,10 @@ MAX_TERM_RUNS = 16
 
 
 def term_runs(terms) -> Optional[Pieces]:
-    """A per-position table of terms ``(coef, a, role, b)`` (position ``i`` pairs the anchor's index
-    ``a`` with ``role``'s index ``b``) as runs on which ``(coef, a - i, role, b - i)`` is constant;
-    None when there are more than :data:`MAX_TERM_RUNS`."""
+    """A formula's per-position terms as runs on which they read at fixed offsets; None past :data:`MAX_TERM_RUNS` runs.
+
+    Each term ``(coef, a, role, b)`` at position ``i`` pairs the anchor's index ``a`` with ``role``'s
+    index ``b``; a run keeps ``(coef, a - i, role, b - i)`` constant."""
     runs: List[list] = []
     for i, lane in enumerate(terms):
         relative = tuple((c, a - i, role, b - i) for c, a, role, b in lane)
@@ -215,10 +209,12 @@ def read_partners(pieces: Pieces, runs: Pieces, anchor: Tuple[int, Sequence[int]
 
 
 def equals_formula(pieces: Pieces, runs: Pieces, anchor: Tuple[int, Sequence[int]], roles, coefficient) -> Optional[bool]:
-    """Whether the value is, at every position, the sum over the formula's terms of
-    ``coefficient(coef, role)`` times the anchor's element times the role's element (``roles`` maps a
-    role to ``(leaf id, positions)``); None when a role is not read along runs (ask position by position).
-    Exact both ways: equal templates on a run are equal polynomials at each of its positions."""
+    """Whether the value is the formula's sum at every position, compared once a run; None when a role is not read along runs.
+
+    The formula's sum at a position: over its terms, ``coefficient(coef, role)`` times the anchor's
+    element times the role's element (``roles`` maps a role to ``(leaf id, positions)``). None asks
+    the caller to compare position by position. Exact both ways: equal templates on a run are equal
+    polynomials at each of its positions."""
     for lo, hi, (template, terms) in combine([pieces, runs], lambda t, terms: (t, terms)):
         expected = {}
         for c, a, role, b in terms:

@@ -100,9 +100,10 @@ class Lanes:
 
 
 def position_forms(v: Lanes) -> List[Poly]:
-    """Polynomials standing for every position's, for a check of how many terms each has, their
-    degrees, coefficients and leaf ids (never positions): each run's template (a run renames its
-    variables one to one at every position, so those are its positions'), else every polynomial."""
+    """Polynomials standing for every position's: each run's template, else every polynomial.
+
+    For checks of how many terms a polynomial has, their degrees, coefficients and leaf ids, never
+    positions: a run renames its variables one to one at every position, so those are its positions'."""
     if v.pieces is not None:
         return [t for _, _, t in v.pieces]
     return v.polys
