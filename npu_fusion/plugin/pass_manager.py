@@ -486,9 +486,13 @@ def _run_round(rule: FusionRule, graph: fx.Graph, ctx: RuleContext) -> RoundRepo
     report = rule.find(graph, ctx)
     ctx.round_misses += report.misses
     for match in report.matches:
-        if not ctx.has_failed(match.dx):
-            with ctx.transaction(match.dx) as tx:
-                tx.outcome = rule.emit(ctx, match)
+        if ctx.has_failed(match.dx):
+            continue
+        if ctx.erased_under(match) is not None:  # an earlier site of this round took a node it reads
+            report.pending += 1  # found again in the rewritten graph next round
+            continue
+        with ctx.transaction(match.dx) as tx:
+            tx.outcome = rule.emit(ctx, match)
     return report
 
 
