@@ -218,3 +218,27 @@ def test_two_compiled_functions_and_two_shapes_pair_each_backward_with_its_forwa
     assert not [m for r in results for m in r.misses] and not [r.error for r in results if r.error], results
     assert sum(r.fused("rms_norm_grad") for r in results) == 2
     assert sum(r.fused("rotary_position_embedding_grad") for r in results) == 1
+
+
+def test_more_forwards_than_once_kept_before_their_backwards(ge):
+    """Twenty compiled functions' forwards run before any backward (one loss over all of them): every
+    backward still fuses against its own forward's copy (the session once kept the newest 16, and
+    the 4 oldest backwards ran alone, each one miss); outputs and gradients by the float64 criterion."""
+    namespace = {"torch": torch, "EPS": EPS}
+    for i in range(20):  # a code object each: one compilation each, no recompile limit
+        exec(f"def norm{i}(x, g, up):\n    h = x.to(up)\n"
+             f"    return g * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + EPS)).to(x.dtype) * {i + 1}",
+             namespace)
+
+    def build(compile_, up):
+        norms = [compile_(namespace[f"norm{i}"]) for i in range(20)]
+        return lambda x, g: sum(f(x, g, up).float() for f in norms)
+
+    mark = pass_manager.HISTORY.mark()
+    config = npu_fusion.install(ge.config(), target="a2")
+    got = _step(build(lambda f: ge.compile(f, config=config), torch.float32), (X, G), (1, 1))
+    results = pass_manager.HISTORY.since(mark)
+    _checked(got, lambda up: build(lambda f: f, up), (X, G), (1, 1))
+    backwards = [r for r in results if r.graph == "backward"]
+    assert len(backwards) == 20 and all(r.fused("rms_norm_grad") == 1 and not r.misses for r in backwards), \
+        [(r.sites, r.misses) for r in backwards]
