@@ -11,7 +11,9 @@ forward and backward pairs (two functions interleaved, recompiles, graph breaks,
 checkpointing, more forwards than the session keeps before their backwards run), and a norm of a
 norm, whose first site's output extends through the second's input cast: the second site once
 emitted its fused op on the node the first had erased, the lint failed and the whole graph went
-back unfused with no miss recorded (training forward and inference graph alike)."""
+back unfused with no miss recorded (training forward and inference graph alike); and Gemma's
+``1 + weight``, computed after the statistic whose detached copy the forward saves: that copy
+read the norm's rstd before the weight, a miss, until it moved after the fused op."""
 from __future__ import annotations
 
 import pytest
@@ -78,6 +80,13 @@ def _gamma_in_float32(up):
     return lambda x, g: (g.to(up) * x.to(up) * torch.rsqrt(x.to(up).pow(2).mean(-1, keepdim=True) + EPS)).to(x.dtype)
 
 
+def _gemma(up):
+    def program(x, g):  # the weight 1 + g computed after the statistic, which the forward saves (detached)
+        h = x.to(up)
+        return (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + EPS) * (1.0 + g.to(up))).to(x.dtype)
+    return program
+
+
 def _in_place_on_output(up):
     def program(q, cos, sin):
         y = rotate(q, cos, sin)
@@ -131,6 +140,7 @@ PROGRAMS = {
                       (1, 0), 0),
     "no_weight": (lambda up: lambda x: norm(x, 1, up), (X,), (1,), (1, 0), 0),
     "weight_in_float32": (_gamma_in_float32, (X, G.float()), (1, 1), (1, 0), 0),
+    "gemma_weight_computed_after_the_statistic": (_gemma, (X, G), (1, 1), (1, 0), 0),
     "normalized_read_in_float32_by_the_backward": (_saved_normalized, (X, G), (1, 1), (0, 0), 1),
     "rstd_read_by_another_op": (_rstd_read, (X, G), (1, 1), (1, 0), 0),
     "interleaved": (lambda up: lambda q, c, s: q * c + torch.stack((-q[..., 1::2], q[..., ::2]), -1).flatten(-2) * s,
