@@ -105,14 +105,14 @@ def _late_to_move(late: List[fx.Node], anchor: fx.Node) -> Optional[List[fx.Node
     forward's saved ``detach(rstd)`` and kept normalized value, placed before Gemma's
     ``1 + weight``), and the nodes before the weight that read them: pure calls, moved after the
     fused op in graph order, they read its outputs and compute what they computed. None where one
-    of them is not a pure call."""
+    of them is not a pure call, or the weight reads one."""
     found, stack = set(), list(late)
     while stack:
         node = stack.pop()
         if node in found:
             continue
-        if node.op != "call_function" or node.is_impure():
-            return None
+        if node.op != "call_function" or node.is_impure() or anchor in node.users:
+            return None  # or the weight itself is computed from them
         found.add(node)
         stack.extend(u for u in node.users if u < anchor)
     return sorted(found)
