@@ -105,8 +105,10 @@ class History:
         return len(self._results)
 
 
-#: forward graphs a session keeps: a backward is compiled after its forward, usually right after it
-FORWARD_GRAPHS_KEPT = 16
+#: forward graphs a session keeps for backwards not compiled yet (each backward takes its own
+#: out): a backward compiles when the step unwinds, after every forward of the step (a forward per
+#: graph break, per compiled function, per recompile), so a step may hold many
+FORWARD_GRAPHS_KEPT = 256
 
 
 class _CollectionsPaused:
@@ -166,9 +168,11 @@ class PassSession:
 
         The forward graph remembered for this backward's compile id, if it provably is this
         backward's forward (:func:`saved_tensor_mismatch`); otherwise None, and the pass runs on
-        the backward alone (a wrong forward would make the pass see wrong saved values)."""
+        the backward alone (a wrong forward would make the pass see wrong saved values). The
+        backward takes it out: a compilation's backward compiles once, and what stays is bounded
+        by the forwards whose backward has not compiled yet."""
         key = _compile_id()
-        forward = self.forwards.get(key) if key is not None else None
+        forward = self.forwards.pop(key, None) if key is not None else None
         if forward is None:
             return None
         mismatch = saved_tensor_mismatch(forward, gm.graph)
@@ -489,9 +493,13 @@ def _run_round(rule: FusionRule, graph: fx.Graph, ctx: RuleContext) -> RoundRepo
     report = rule.find(graph, ctx)
     ctx.round_misses += report.misses
     for match in report.matches:
-        if not ctx.has_failed(match.dx):
-            with ctx.transaction(match.dx) as tx:
-                tx.outcome = rule.emit(ctx, match)
+        if ctx.has_failed(match.dx):
+            continue
+        if ctx.erased_under(match) is not None:  # an earlier site of this round took a node it reads
+            report.pending += 1  # found again in the rewritten graph next round
+            continue
+        with ctx.transaction(match.dx) as tx:
+            tx.outcome = rule.emit(ctx, match)
     return report
 
 
