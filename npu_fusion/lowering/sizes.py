@@ -21,7 +21,7 @@ from typing import Callable, List, Optional, Sequence
 import torch
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-from ..compat import guard_size_condition, guardable_example
+from ..compat import guard_size_condition, guardable_example, size_hint
 
 #: the size conditions the decision in progress keeps under a guard, or None where no guard may
 #: be installed (outside :func:`guarding_sizes`)
@@ -82,7 +82,7 @@ def limit_problem(a, b) -> Optional[str]:
         return "it does not hold"
     condition = a < b
     example = guardable_example(condition)
-    if example is False:
+    if example is False or (example is None and size_hint(condition) is False):
         return "the example sizes break it"
     pending = _PENDING_GUARDS.get()
     if example is None or pending is None:
