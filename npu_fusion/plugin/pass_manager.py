@@ -25,6 +25,7 @@ import torch
 import torch.fx as fx
 
 from ..compat import current_compile_id, dynamo_counters, empty_graph_like, specialize_size
+from ..lowering.sizes import guarding_sizes
 from ..patterns import RULES
 from ..patterns.evaluator import InferenceProvenance, JointProvenance, PartitionedForwardProvenance, Provenance
 from ..patterns.context import PassContext
@@ -467,10 +468,18 @@ def _rewrite_in_rounds(context: PassContext, options: FusionOptions, stages: Opt
     running = [rule for rule in RULES if options.enables(rule) and (stages is None or rule.stage in stages)]
     context.enabled = frozenset(rule.option for rule in running)
     rules: List[Tuple[FusionRule, RuleContext]] = [(rule, RuleContext(context, rule.op.name)) for rule in running]
-    if isinstance(context.provenance, JointProvenance):  # compiled now: a guard still reaches Dynamo
+    guarded = isinstance(context.provenance, JointProvenance)  # compiled now: a guard still reaches Dynamo
+    if guarded:
         for rule, _ in rules:
             for size in rule.static_sizes(graph):
                 specialize_size(size)
+    with guarding_sizes(guarded):  # the chips' size limits: proved, or kept under a guard
+        return _rounds(context, rules)
+
+
+def _rounds(context: PassContext, rules: List[Tuple[FusionRule, RuleContext]]):
+    """The rounds of :func:`_rewrite_in_rounds`, then what no form matched, recorded."""
+    graph = context.graph
     for _ in range(MAX_ROUNDS):
         fused = sum(len(ctx.sites) for _, ctx in rules)
         pending = 0
