@@ -28,7 +28,8 @@ instead of reaching for a private name that only some releases have:
 * The FX, fake-tensor and Dynamo internals the pass reads (:func:`is_erased`,
   :func:`empty_graph_like`, :func:`fake_tensor_type`, :func:`symbolic_expr`,
   :func:`size_hint`, :func:`current_compile_id`, :func:`dynamo_counters`, :func:`graph_argument`,
-  :func:`guard_constant`, :func:`specialize_size`): private names of
+  :func:`guard_constant`, :func:`specialize_size`, :func:`guardable_example`,
+  :func:`guard_size_condition`): private names of
   every supported torch, kept here so that a release that renames one is fixed in one place.
 """
 from __future__ import annotations
@@ -305,23 +306,47 @@ def specialize_size(size) -> bool:
     symbol). False where no Dynamo compilation owns the size's shape environment (a graph
     compiled later, after Dynamo made its guards, must not specialize) or where the user
     marked the size dynamic."""
+    if guardable_example(size) is None:
+        return False
+    symbolic_shapes.guard_int(size)
+    return True
+
+
+def guardable_example(value):
+    """The example value of a symbolic size or size condition whose guard would reach Dynamo, or None.
+
+    None where no Dynamo compilation owns its shape environment (a graph compiled later, after
+    Dynamo made its guards: a frozen environment ignores new guards), where a symbol has no
+    example (data dependent) or is one the user marked dynamic (``mark_dynamic``, a constraint
+    that a guard may violate: only duck-shaped symbols of ``dynamic=True`` are shared)."""
+    from sympy.logic.boolalg import BooleanAtom
     from torch._guards import TracingContext
 
     context = TracingContext.try_get()
     fake_mode = getattr(context, "fake_mode", None)
-    if fake_mode is None or fake_mode.shape_env is None or fake_mode.shape_env is not size.node.shape_env:
-        return False
-    env, expr = fake_mode.shape_env, size.node.expr
-    if size.node.hint is None:  # data dependent: no value to keep
-        return False
-    # only duck-shaped symbols (``dynamic=True``); one the user marked dynamic (``mark_dynamic``,
-    # a constraint that a specialization would violate) is created apart and never shared
+    env = getattr(fake_mode, "shape_env", None)
+    if env is None or env is not value.node.shape_env or getattr(env, "frozen", False):
+        return None
+    expr = value.node.expr
     values = getattr(env, "backed_var_to_val", None) or getattr(env, "var_to_val", {})
     ducks = getattr(env, "val_to_var", {})
     if not all(symbol in values and ducks.get(int(values[symbol])) == symbol for symbol in expr.free_symbols):
+        return None
+    example = expr.xreplace({symbol: values[symbol] for symbol in expr.free_symbols})
+    if isinstance(example, BooleanAtom):
+        return bool(example)
+    return int(example) if example.is_Integer else None
+
+
+def guard_size_condition(condition) -> bool:
+    """Guard the compilation in progress on a condition of symbolic sizes (a ``torch.SymBool``) that holds.
+
+    Dynamo then recompiles a call whose sizes break it (the shape environment also narrows
+    the symbols' ranges, so later checks prove it). False, with no guard, where
+    :func:`guardable_example` finds no guard can reach Dynamo or the example values break it."""
+    if guardable_example(condition) is not True:
         return False
-    symbolic_shapes.guard_int(size)
-    return True
+    return symbolic_shapes.guard_bool(condition) is True
 
 
 def dynamo_counters(name: str):

@@ -129,6 +129,83 @@ def test_random_programs_evaluate_exactly(source):
     torch.testing.assert_close(lanes_value(ev, lanes, values), expected.double(), msg=source)
 
 
+# -- runs of positions (lane_pieces) are a spelling of the same values ---------------------
+
+from npu_fusion.patterns import lane_polys  # noqa: E402
+from npu_fusion.patterns.evaluator import JointProvenance, Provenance  # noqa: E402
+
+
+def every_lane_value(graph, provenance, runs: bool, monkeypatch):
+    """Each node's lane value (materialized polynomials), why it is opaque, and the leaves, with
+    values over one axis kept as runs of positions (``runs``) or built position by position."""
+    monkeypatch.setattr(lane_polys, "RUNS", runs)
+    ev = LaneEvaluator(provenance, max_lanes=MAX_LANES)
+    out = {}
+    for node in graph.nodes:
+        try:
+            value = ev.value(node)
+        except Exception as exc:  # what the evaluator raises must be the same either way
+            out[node.name] = ("raised", type(exc).__name__)
+            continue
+        out[node.name] = None if value is None else (value.inner, value.polys, value.complex,
+                                                     None if value.reduction is None else repr(value.reduction))
+        if runs and value is not None and value.pieces is not None:
+            assert len(value.inner) == 1 and not value.complex
+    return out, dict(ev.unsupported), [n.name for n in ev.leaves], [(n.name, repr(e)) for n, e in ev.errors]
+
+
+WIDE_UNARY = [
+    "-({0})", "({0}) * 2.0", "({0}) / 4.0", "({0}) + 1.0",
+    "torch.cat((-({0})[4:], ({0})[:4]), -1)",                                     # rotate half
+    "torch.cat((-({0})[2:4], ({0})[:2], -({0})[6:], ({0})[4:6]), -1)",            # rotate quarters
+    "torch.stack((-({0})[1::2], ({0})[::2]), -1).flatten(-2)",                   # rotate pairs
+    "torch.cat((({0})[1:7], ({0})[:1], ({0})[7:]), -1)",
+    "torch.nn.functional.pad(({0})[2:6], (2, 2))",
+    "({0}).view(2, 4).transpose(0, 1).reshape(8)",
+    "({0}).view(2, 4).sum(-1, keepdim=True).expand(2, 4).reshape(8)",
+    "({0})[3:5].repeat(4)",
+]
+WIDE_BINARY = ["({0}) + ({1})", "({0}) - ({1})", "({0}) * ({1})",
+               "torch.cat((({0})[:4], ({1})[4:]), -1) * ({1})"]
+
+
+@settings(max_examples=120, deadline=None)
+@given(expressions(WIDE_UNARY, WIDE_BINARY, 4))
+def test_runs_of_positions_equal_the_per_position_values(source):
+    """Every node of a random program over 8-wide vectors has the same value, leaves and opaque nodes
+    whether the evaluator keeps values as runs of positions or builds them position by position."""
+    program = eval(f"lambda x, y: {source}", {"torch": torch})  # noqa: S307  (drawn from the lists above)
+    inputs = [torch.randn(8, dtype=torch.float64, generator=torch.Generator().manual_seed(i)) for i in range(2)]
+    gm = make_fx(program, tracing_mode="fake")(*inputs)
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        runs = every_lane_value(gm.graph, None, True, monkeypatch)
+        positions = every_lane_value(gm.graph, None, False, monkeypatch)
+    assert runs == positions, source
+    output = next(n for n in gm.graph.nodes if n.op == "output").args[0]
+    ev = LaneEvaluator(None, max_lanes=MAX_LANES)
+    lanes = ev.value(output)
+    if lanes is not None:  # and exact: the runs' values are the graph's
+        values = node_values(gm, inputs)
+        torch.testing.assert_close(lanes_value(ev, lanes, values), real_view(values[output]).reshape(-1).double(),
+                                   msg=source)
+
+
+@pytest.mark.parametrize("name", ["llama_fp32_backward", "llama_bf16_joint", "gptj_fp32_joint", "qwen3_bf16_joint"])
+def test_runs_of_positions_on_captured_graphs(name, monkeypatch):
+    """On captured training graphs (RoPE sites in half, pair and complex layouts, and everything around
+    them), every node's lane value is the same with runs of positions as position by position."""
+    import fx_corpus
+    entry = fx_corpus.load(name)
+    graph = entry.gm.graph
+    if entry.forward is not None:
+        provenance = Provenance(entry.forward, graph)
+    else:
+        from npu_fusion.plugin.joint import JointGraph
+        provenance = JointProvenance(graph, JointGraph(graph).backward)
+    assert every_lane_value(graph, provenance, True, monkeypatch) == \
+        every_lane_value(graph, provenance, False, monkeypatch)
+
+
 # -- the RMSNorm evaluator: symbolic over the normalized (last) axis, sums as symbols ------
 
 from npu_fusion.patterns.norm_algebra import NormEvaluator  # noqa: E402

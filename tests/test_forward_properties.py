@@ -311,7 +311,8 @@ def test_interleaved_rotation_of_a_symbolic_head_dim(target):
     """The same under ``dynamic=True`` in mode 1 (``stack((-x2, x1), -1).flatten(-2)``) on HF's BSND q
     transposed, found by the long profile as a silent miss (the sum is four uses from the element
     moves). With the head dim guarded it fuses; on A2 the batch stays symbolic, and the interleave
-    mode's batch limit cannot be proven for every batch: a miss naming that limit."""
+    mode's limit (B*N < 1000), which no symbolic batch can be proved to keep, is kept under a guard
+    the example sizes satisfy, so it fuses there too."""
     form = RopeForward(mode=1, layout="BSND_T", table_layout="1SD", tables="rebuilt", casts="tables_to_x",
                        head_dim=16, width=16, sizes=(3, 1, 2), dtype=torch.float32, table_dtype=torch.float32,
                        with_k=True, q_grad=False, after="none")
@@ -321,11 +322,7 @@ def test_interleaved_rotation_of_a_symbolic_head_dim(target):
     compiled = Compiled(program.build(), config)
     check_outputs_and_gradients(compiled, program, program.tensors(config.seed))
     misses = compiled.misses(ROPE_OP)
-    if target == "generic":
-        assert compiled.fused(ROPE_OP) == 2 and not misses, misses
-    else:
-        assert not compiled.fused(ROPE_OP) and len(misses) == 2, misses
-        assert all("B*N < 1000" in m.reason for m in misses), misses
+    assert compiled.fused(ROPE_OP) == 2 and not misses, misses
 
 
 # -- the fp16 example at the tables' scale of 3e4: the criterion's margin, measured -------------

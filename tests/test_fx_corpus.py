@@ -68,3 +68,20 @@ def _precision(inputs) -> torch.dtype:
     """The coarsest floating dtype the program's inputs come in: what its float32 outputs (a bf16
     model's loss) are computed from."""
     return max((t.dtype for t in inputs if t.dtype.is_floating_point), key=lambda d: torch.finfo(d).eps)
+
+
+@pytest.mark.parametrize("name", sorted(fx_corpus.PROGRAMS))
+def test_runs_of_positions_change_no_decision(name, monkeypatch):
+    """The pass decides the same with the lane values kept as runs of positions as position by position:
+    the same sites and misses, the same graph after it (the runs only make reading a head faster)."""
+    from npu_fusion.patterns import lane_polys
+
+    def run(runs: bool):
+        monkeypatch.setattr(lane_polys, "RUNS", runs)
+        entry = fx_corpus.load(name)
+        options = {"target": "generic", "rms_norm_forward": True, "rope_forward": True}
+        result = fuse_joint(entry.gm, options) if entry.stage == "joint" else \
+            fuse_backward(entry.gm, options, forward=entry.forward)
+        return result.sites, result.misses, entry.gm.code
+
+    assert run(True) == run(False)

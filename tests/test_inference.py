@@ -265,12 +265,11 @@ def test_static_cache_generation_fuses_prefill_and_decode_graphs():
 def test_static_cache_generation_with_dynamic_shapes(target):
     """``generate()`` with a static cache and the forward compiled with ``dynamic=True``: the prefill
     graph takes the batch and prompt length symbolic, the decode graph the cache length (the static
-    cache's buffers fix its batch). The same tokens as eager; every norm fused in both graphs; the
-    rotations fused at decode shapes on A2 too (batch 2, 4 and 2 heads, one position), and in the
-    prefill where the target takes a symbolic batch (generic), else one recorded miss each naming
-    A2's limit the symbolic sizes cannot be proven within; no recompile after the first decode step.
-    A second prompt of another batch and length reuses the prefill graph and compiles one decode
-    graph for the new cache, fused the same way."""
+    cache's buffers fix its batch). The same tokens as eager; every norm and rotation fused in both
+    graphs, on A2 too: the prefill's symbolic batch and prompt length are kept within A2's RoPE
+    limits (B < 1000, B < S for per-batch tables) by guards the example sizes satisfy; no recompile
+    after the first decode step. A second prompt of another batch and length, within the limits,
+    reuses the prefill graph and compiles one decode graph for the new cache, fused the same way."""
     model = tiny_causal_lm("llama", kv_heads=2).eval()
     generation = dict(max_new_tokens=8, do_sample=False, cache_implementation="static", pad_token_id=0)
     prompts = [torch.randint(3, 96, shape, generator=torch.Generator().manual_seed(1)) for shape in ((2, 8), (3, 5))]
@@ -291,12 +290,7 @@ def test_static_cache_generation_with_dynamic_shapes(target):
     symbolic = {str(d) for n in capture.after[0].nodes if n.op == "placeholder"
                 and isinstance(n.meta.get("val"), torch.Tensor) for d in n.meta["val"].shape if not str(d).isdigit()}
     assert len(symbolic) >= 2, symbolic  # the batch and the prompt length
-    rotations = prefill.fused("rotary_position_embedding")
-    assert rotations + len(prefill.misses) == 4 and all(m.op == "rotary_position_embedding" for m in prefill.misses)
-    if target == "generic":
-        assert rotations == 4
-    else:
-        assert all(m.reason.startswith("A2/A3") and any(s in m.reason for s in symbolic) for m in prefill.misses)
+    assert prefill.fused("rotary_position_embedding") == 4 and not prefill.misses
 
 
 def test_hugging_face_trainer_evaluation_step_is_fused(tmp_path):

@@ -84,6 +84,49 @@ def test_head_dim_is_specialized_under_a_guard_and_batch_and_sequence_stay_symbo
     assert results[0].fused("rotary_position_embedding") == results[0].fused("rotary_position_embedding_grad") == 1
 
 
+#: A2's RoPE limits on a symbolic batch (name: the tables' leading sizes for (b, s), the calls' (batch,
+#: sequence), the last beyond the limit, and how the miss for it begins)
+A2_LIMITS = {
+    "batch_below_1000": (lambda b, s: (), ((2, 6), (3, 9), (1000, 2)), "A2/A3 half mode needs B < 1000"),
+    "batch_below_sequence": (lambda b, s: (b, 1), ((2, 6), (3, 9), (7, 5)), "A2/A3 need B < S for B1SD"),
+}
+
+
+@pytest.mark.parametrize("limit", sorted(A2_LIMITS))
+def test_a2_limit_is_kept_under_a_guard_and_a_call_beyond_it_recompiles(limit):
+    """On A2 fused RoPE needs B < 1000 (half mode) and, with per-batch (B1SD) tables, B < S, which
+    symbolic sizes cannot be proved to keep: the pass keeps the limit under a guard the example
+    sizes satisfy, so the rotation fuses both ways and another batch and sequence within it reuse
+    the graph; a call beyond it recompiles instead of reaching the op, is right, and its rotation's
+    forward and backward are each one recorded miss naming the limit its example breaks."""
+    lead, shapes, reason = A2_LIMITS[limit]
+    results = []
+    options = FusionOptions.from_mapping({"strict": True, "target": "a2"})
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    compiled = torch.compile(rope, backend=aot_backend(options, lambda gm, run: results.append(run())), dynamic=True)
+    for seed, (b, s) in enumerate(shapes):
+        g = torch.Generator().manual_seed(seed)
+        q = torch.randn(b, 4, s, 16, generator=g).requires_grad_()
+        angles = torch.randn(*lead(b, s), s, 16, generator=g)
+        inputs = [q, angles.cos(), angles.sin()]
+        got, grad_outputs = run_grads(compiled, inputs)
+        eager, _ = run_grads(rope, inputs, (), grad_outputs)
+        for f, e, exact in zip(got, eager, float64_grads(rope, inputs, (), grad_outputs)):
+            assert f.dtype == e.dtype and f.shape == e.shape
+            assert_close_as_unfused(f, e, exact, factor=MODEL_FACTOR)
+        if seed == 1:
+            assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1, "a call within the limit recompiled"
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 2, "a call beyond the limit reused the graph"
+    within, beyond = results
+    assert not within.misses, within.misses
+    assert within.fused("rotary_position_embedding") == within.fused("rotary_position_embedding_grad") == 1
+    assert not beyond.fused("rotary_position_embedding") and not beyond.fused("rotary_position_embedding_grad")
+    assert sorted(m.op for m in beyond.misses) == ["rotary_position_embedding", "rotary_position_embedding_grad"]
+    assert all(m.reason.startswith(reason) and "the example sizes break it" in m.reason
+               for m in beyond.misses), beyond.misses
+
+
 def test_eps_passed_as_a_tensor_is_a_recorded_forward_miss():
     """An eps the caller passes as a tensor is data, not a constant: no guard can keep it, so the
     norm's forward stays (its backward, which reads no eps, fuses), recorded with the reason."""

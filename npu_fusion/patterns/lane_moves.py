@@ -1,13 +1,13 @@
 """The lanes evaluator's interpreters of the ops that move elements: slices, selects, scatters, fills, cat, stack, views, permutes, expands."""
 from __future__ import annotations
 
-import math
 
 from ..lowering.sizes import same_shape, static_int
 from .algebra import graph_constant
 from .evaluator import Unsupported
 from .nodes import axis_order, normalize_dim
-from .lane_polys import Lanes, index_argument, index_of_position, position_of_index, shape
+from . import lane_pieces
+from .lane_polys import Lanes, gather, index_argument, shape, strides, zeros
 
 
 class LaneMoves:
@@ -19,7 +19,7 @@ class LaneMoves:
         size = v.inner[axis]
         start, end, step = (list(args[2:5]) + [None, None, 1])[:3]
         start, end, step = (index_argument(x) for x in (start, end, step))
-        return self._select_positions(v, axis, list(range(size))[slice(start, end, step)])
+        return self._select_positions(v, axis, range(size)[slice(start, end, step)])
 
     def _select(self, node, args) -> Lanes:
         v = self._checked(args[0])
@@ -40,8 +40,7 @@ class LaneMoves:
                                          shape(grad)[:len(sizes) - len(v.inner)]):
             raise Unsupported("slice_backward sizes")
         inner = v.inner[:axis] + (full,) + v.inner[axis + 1:]
-        zero = Lanes(inner, [{} for _ in range(math.prod(inner))])
-        return self._scatter(zero, v, axis, list(range(full))[slice(start, end, step)])
+        return self._scatter(zeros(inner), v, axis, range(full)[slice(start, end, step)])
 
     def _slice_scatter(self, node, args) -> Lanes:
         kw = node.kwargs
@@ -53,7 +52,7 @@ class LaneMoves:
         start, end, step = (index_argument(x) for x in (start, end, step))
         axis = self._inner_dim(args[0], base, dim)
         base = self._broadcast(base, shape(args[0]), base.inner)
-        picks = list(range(base.inner[axis]))[slice(start, end, step)]
+        picks = range(base.inner[axis])[slice(start, end, step)]
         if src.inner[:axis] + src.inner[axis + 1:] != base.inner[:axis] + base.inner[axis + 1:] or \
                 src.inner[axis] != len(picks):
             raise Unsupported("slice_scatter sizes")
@@ -66,7 +65,7 @@ class LaneMoves:
         d = static_int(shape(node)[-1]) if shape(node) else None
         if d is None:
             raise Unsupported("a 0-dim or dynamic last axis")
-        return Lanes((d,), [({(): fill} if fill else {}) for _ in range(d)])
+        return Lanes((d,), pieces=lane_pieces.constant_pieces(fill, d))
 
     def _cat(self, node, args) -> Lanes:
         tensors = args[0]
@@ -78,12 +77,12 @@ class LaneMoves:
             raise Unsupported("cat ranks")
         total = sum(v.inner[axis] for v in vals)
         new_inner = inner[:axis] + (total,) + inner[axis + 1:]
-        out = Lanes(new_inner, [{} for _ in range(math.prod(new_inner))])
+        out = zeros(new_inner)
         offset = 0
         for v in vals:
             if v.inner[:axis] + v.inner[axis + 1:] != inner[:axis] + inner[axis + 1:]:
                 raise Unsupported("cat sizes")
-            out = self._scatter(out, v, axis, list(range(offset, offset + v.inner[axis])))
+            out = self._scatter(out, v, axis, range(offset, offset + v.inner[axis]))
             offset += v.inner[axis]
         return out
 
@@ -98,7 +97,7 @@ class LaneMoves:
             raise Unsupported("stack")
         axis = dim - (rank - len(inner) - 1)
         new_inner = inner[:axis] + (len(vals),) + inner[axis:]
-        out = Lanes(new_inner, [{} for _ in range(math.prod(new_inner))])
+        out = zeros(new_inner)
         for k, v in enumerate(vals):
             expanded = Lanes(inner[:axis] + (1,) + inner[axis:], v.polys)
             out = self._scatter(out, expanded, axis, [k])
@@ -122,14 +121,8 @@ class LaneMoves:
             raise Unsupported("permutes leading axes")
         perm = [d - first for d in order[first:]]
         new_inner = tuple(v.inner[p] for p in perm)
-        polys = []
-        for flat in range(math.prod(new_inner)):
-            idx = index_of_position(new_inner, flat)
-            src = [0] * len(perm)
-            for out_axis, in_axis in enumerate(perm):
-                src[in_axis] = idx[out_axis]
-            polys.append(v.polys[position_of_index(v.inner, src)])
-        return Lanes(new_inner, polys)
+        source = strides(v.inner)
+        return Lanes(new_inner, [v.polys[f] for f in gather(new_inner, [source[p] for p in perm])])
 
     def _expand(self, node, args) -> Lanes:
         v = self._checked(args[0])
@@ -154,6 +147,5 @@ class LaneMoves:
         inner = v.inner[:axis] + (full,) + v.inner[axis:]
         if self._too_wide(inner):
             raise Unsupported("select_backward too wide")
-        zero = Lanes(inner, [{} for _ in range(math.prod(inner))])
-        return self._scatter(zero, Lanes(v.inner[:axis] + (1,) + v.inner[axis:], v.polys), axis,
+        return self._scatter(zeros(inner), Lanes(v.inner[:axis] + (1,) + v.inner[axis:], v.polys), axis,
                              [index % full])

@@ -32,8 +32,9 @@ from ..lowering.sizes import same_shape, static_int
 from .algebra import exact_number, graph_constant
 from .evaluator import MemoEvaluator, Provenance, Unsupported
 from .nodes import aten, is_float_cast, meta_value, normalize_dim, val, shape as node_shape
-from .lane_polys import (DegreeExceeded, Lanes, MOVES_LANES, degree_of, position_of_index, index_of_position,
-                         index_argument, mul_polys, add_polys, shape)
+from . import lane_pieces
+from .lane_polys import (DegreeExceeded, Lanes, MOVES_LANES, along_axis, degree_of, gather, index_argument, mul_polys,
+                         add_polys, shape, step_one, strides, uniform)
 from .lane_moves import LaneMoves
 
 
@@ -87,6 +88,8 @@ class LaneEvaluator(LaneMoves, MemoEvaluator):
         if None in inner or self._too_wide(inner):
             return None
         lid = self.leaf_id(node)
+        if len(inner) == 1 and not v.dtype.is_complex:
+            return Lanes(inner, pieces=lane_pieces.leaf_pieces(lid, inner[0]))
         return Lanes(inner, [{((lid, i),): 1} for i in range(math.prod(inner))],
                      complex=v.dtype.is_complex)
 
@@ -98,15 +101,17 @@ class LaneEvaluator(LaneMoves, MemoEvaluator):
             d = static_int(out_shape[-1]) if out_shape else None
             if d is None:
                 raise Unsupported("dynamic last axis")
-            return Lanes((d,), [({(): s} if s else {}) for _ in range(d)])
+            return Lanes((d,), pieces=lane_pieces.constant_pieces(s, d))
         return self._checked(arg)
 
     def _broadcast(self, v: Lanes, node_shape, inner) -> Lanes:
         """Bring v, the value of a tensor shaped ``node_shape``, to trailing sizes ``inner``."""
         if v.inner == inner:
             return v
-        if v.is_constant() and all(p == v.polys[0] for p in v.polys):
-            return Lanes(inner, [dict(v.polys[0]) for _ in range(math.prod(inner))])
+        if v.is_constant() and uniform(v):
+            if len(inner) == 1:
+                return Lanes(inner, pieces=lane_pieces.constant_pieces(v.poly_at(0).get((), 0), inner[0]))
+            return Lanes(inner, [dict(v.poly_at(0)) for _ in range(math.prod(inner))])
         k, own = len(inner), len(v.inner)
         node_shape = tuple(node_shape)
         if len(node_shape) < k:
@@ -116,12 +121,8 @@ class LaneEvaluator(LaneMoves, MemoEvaluator):
         src_inner = (1,) * (k - own) + v.inner
         if own > k or tail != src_inner or any(s not in (1, i) for s, i in zip(src_inner, inner)):
             raise Unsupported("broadcast")
-        polys = []
-        for flat in range(math.prod(inner)):
-            idx = index_of_position(inner, flat)
-            src = [0 if sz == 1 else i for i, sz in zip(idx, src_inner)]
-            polys.append(v.polys[position_of_index(src_inner, src)])
-        return Lanes(inner, polys)
+        source_strides = [0 if sz == 1 else st for sz, st in zip(src_inner, strides(src_inner))]
+        return Lanes(inner, [v.polys[f] for f in gather(inner, source_strides)])
 
     def _elementwise(self, node, args, combine, cut=()) -> Lanes:
         """``combine`` position by position; the ``cut`` arguments are taken as leaves."""
@@ -135,6 +136,8 @@ class LaneEvaluator(LaneMoves, MemoEvaluator):
             raise Unsupported("inner sizes")
         shapes = [shape(a) if isinstance(a, fx.Node) else () for a in args]
         operands = [self._broadcast(o, s if s else out_shape, inner) for o, s in zip(operands, shapes)]
+        if all(o.pieces is not None for o in operands):  # once a run: the same sums and products
+            return Lanes(inner, pieces=lane_pieces.combine([o.pieces for o in operands], combine))
         return Lanes(inner, [combine(*ps) for ps in zip(*(o.polys for o in operands))])
 
     def _inner_dim(self, node_in, v: Lanes, dim) -> int:
@@ -145,22 +148,20 @@ class LaneEvaluator(LaneMoves, MemoEvaluator):
             raise Unsupported("leading-axis op")
         return dim - first
 
-    def _select_positions(self, v: Lanes, axis: int, picks: List[int]) -> Lanes:
+    def _select_positions(self, v: Lanes, axis: int, picks) -> Lanes:
+        if v.pieces is not None and step_one(picks):
+            return Lanes((len(picks),), pieces=lane_pieces.window(v.pieces, picks[0], picks[0] + len(picks)))
         inner = list(v.inner)
         new_inner = tuple(inner[:axis] + [len(picks)] + inner[axis + 1:])
-        polys = []
-        for flat in range(math.prod(new_inner)):
-            idx = index_of_position(new_inner, flat)
-            idx[axis] = picks[idx[axis]]
-            polys.append(v.polys[position_of_index(v.inner, idx)])
-        return Lanes(new_inner, polys)
+        return Lanes(new_inner, [v.polys[f] for f in along_axis(v.inner, axis, picks)])
 
-    def _scatter(self, base: Lanes, src: Lanes, axis: int, picks: List[int]) -> Lanes:
-        polys = [dict(p) for p in base.polys]
-        for flat in range(math.prod(src.inner)):
-            idx = index_of_position(src.inner, flat)
-            idx[axis] = picks[idx[axis]]
-            polys[position_of_index(base.inner, idx)] = src.polys[flat]
+    def _scatter(self, base: Lanes, src: Lanes, axis: int, picks) -> Lanes:
+        if base.pieces is not None and src.pieces is not None and step_one(picks) and \
+                lane_pieces.length(src.pieces) == len(picks) and picks[-1] < base.inner[0]:
+            return Lanes(base.inner, pieces=lane_pieces.placed(base.pieces, src.pieces, picks[0]))
+        polys = list(base.polys)  # polynomials are never changed in place: shared, not copied
+        for target, poly in zip(along_axis(base.inner, axis, picks), src.polys):
+            polys[target] = poly
         return Lanes(base.inner, polys)
 
     def _reshape(self, node, v: Lanes) -> Lanes:
@@ -177,6 +178,8 @@ class LaneEvaluator(LaneMoves, MemoEvaluator):
             lead_out = out_shape[:len(out_shape) - k]
             if math.prod(tail) == total and (same_shape(lead_out, lead_in) or single and all(
                     static_int(s) == 1 for s in lead_out)):
+                if v.pieces is not None and len(tail) == 1:
+                    return Lanes(tuple(tail), pieces=v.pieces)
                 return Lanes(tuple(tail), v.polys)
             if math.prod(tail) > total:
                 break
@@ -372,7 +375,7 @@ class LaneEvaluator(LaneMoves, MemoEvaluator):
                 step = index_argument(meta_value(pargs[1]))
                 sizes = [min(step, size - s) for s in range(0, size, step)]
             start = sum(sizes[:index])
-            return self._select_positions(v, axis, list(range(start, start + sizes[index])))
+            return self._select_positions(v, axis, range(start, start + sizes[index]))
         raise Unsupported("getitem")
 
     def _sum(self, node, _args) -> Lanes:
@@ -386,7 +389,7 @@ class LaneEvaluator(LaneMoves, MemoEvaluator):
         dims = sorted(normalize_dim(d, rank) for d in dims)
         if any(d >= rank - len(v.inner) for d in dims):
             raise Unsupported("sum over a tracked axis")
-        return Lanes(v.inner, v.polys, reduction=(src, tuple(dims), bool(keepdim)))
+        return Lanes(v.inner, v._polys, reduction=(src, tuple(dims), bool(keepdim)), pieces=v.pieces)
 
     def _reduced_view(self, node, v: Lanes) -> Lanes:
         """Unit-axis reshapes after a reduction keep its value (the matcher checks shapes);

@@ -81,6 +81,11 @@ def call(graph: fx.Graph, fake_mode, target, args, kwargs=None, value=None, crea
     ``value`` when the caller knows it (the node replaces one it equals), else computed.
     ``created``, a list, records the node (a transaction's inserted nodes)."""
     kwargs = kwargs or {}
+    erased = []
+    fx.node.map_arg((tuple(args), kwargs), lambda n: erased.append(n.name) if is_erased(n) else None)
+    if erased:  # a stale match: the candidate fails here, before anything is inserted or rewired
+        raise ValueError(f"{erased[0]}, an operand of the {target_name(target)} to insert, was erased by an "
+                         f"earlier rewrite")
     node = graph.call_function(target, tuple(args), kwargs)
     if created is not None:
         created.append(node)
@@ -323,6 +328,26 @@ class RuleContext:
         while node in self._replaced:
             node = self._replaced[node]
         return node
+
+    def erased_under(self, match) -> Optional[fx.Node]:
+        """A node ``match`` reads that an earlier rewrite of this round erased without a replacement, or None.
+
+        A node ``match`` reads (a node-valued field, one of its ``roles``, or the leaf of an
+        evaluator's role) that an earlier rewrite of this run erased and :meth:`current` does not
+        map to a replacement (one site's output extended through a cast that another site's input
+        was read before: a norm of a norm), or its key ``dx`` erased at all: the match is stale,
+        found again in the rewritten graph next round."""
+        if is_erased(match.dx):
+            return match.dx
+        fields = [getattr(match, f.name) for f in dataclasses.fields(match)] if dataclasses.is_dataclass(match) else []
+        nodes = [v for v in (*fields, *getattr(match, "roles", ())) if isinstance(v, fx.Node)]
+        leaves = getattr(getattr(match, "ev", None), "leaves", None)
+        if isinstance(leaves, list):  # roles as (leaf id, positions): the leaves the op's operands are read from
+            ids = [v[0] for v in fields if isinstance(v, tuple) and len(v) == 2 and isinstance(v[0], int)]
+            stale = [leaves[i] for i in ids if 0 <= i < len(leaves) and is_erased(leaves[i])]
+            if stale:
+                return stale[0]
+        return next((n for n in nodes if is_erased(n) and self.current(n) is n), None)
 
     def _failed_at(self, node, exc: Exception) -> None:
         name = node.name if isinstance(node, fx.Node) else str(node)

@@ -1,12 +1,14 @@
 """The RoPE rules' shared reading of rotations: the lanes evaluator's bounds, the terms and layouts of a rotation, and rotation-shaped sums."""
 from __future__ import annotations
 
+import functools
 from typing import Dict, List, Optional, Tuple
 
 import torch.fx as fx
 
 from ..lowering.ops.rope_grad import ROPE_MAX_D, rope_target_problem
 from ..lowering.sizes import static_int
+from . import lane_pieces
 from .evaluator import Provenance
 from .lanes import LaneEvaluator
 from .nodes import CAST_TARGETS, VIEWS, aten, axis_order, downstream, dtype, gradient_dependent, outermost, shape
@@ -32,8 +34,9 @@ def contiguous(lid: int, offset: int, d: int) -> Role:
 
 # -- docs/fused-ops.md#rotary_position_embedding_grad, position by position -------
 
+@functools.lru_cache(maxsize=256)
 def dx_terms(mode: int, d: int):
-    """For each position i of dx: [(coef, dy position, table, table position)]."""
+    """For each position i of dx: ((coef, dy position, table, table position), ...), cached per (mode, d)."""
     h, q = d // 2, d // 4
     out = []
     for i in range(d):
@@ -46,16 +49,17 @@ def dx_terms(mode: int, d: int):
         else:
             j = i // 2
             if i % 2 == 0:
-                out.append([(1, j, "cos", j), (1, j + h, "sin", j + h)])
+                out.append(((1, j, "cos", j), (1, j + h, "sin", j + h)))
             else:
-                out.append([(1, j + h, "cos", j + h), (-1, j, "sin", j)])
+                out.append(((1, j + h, "cos", j + h), (-1, j, "sin", j)))
             continue
-        out.append([(1, i, "cos", i), (other[0], other[1], "sin", other[1])])
-    return out
+        out.append(((1, i, "cos", i), (other[0], other[1], "sin", other[1])))
+    return tuple(out)
 
 
+@functools.lru_cache(maxsize=256)
 def table_terms(mode: int, d: int, which: str):
-    """For each position i of dcos's (``which="cos"``) or dsin's summand: (coef, x position)."""
+    """For each position i of dcos's (``which="cos"``) or dsin's summand: (coef, x position), cached."""
     h, q = d // 2, d // 4
     out = []
     for i in range(d):
@@ -69,7 +73,29 @@ def table_terms(mode: int, d: int, which: str):
             out.append((-1, i + q) if (i // q) % 2 == 0 else (1, i - q))
         else:
             out.append((-1, 2 * i + 1) if i < h else (1, 2 * (i - h)))
-    return out
+    return tuple(out)
+
+
+# -- the same formulas as runs of positions (:func:`~.lane_pieces.term_runs`; None: interleaved) --
+
+@functools.lru_cache(maxsize=256)
+def dx_runs(mode: int, d: int):
+    """:func:`dx_terms` as runs of positions: position i pairs dy's index with a table's."""
+    return lane_pieces.term_runs(dx_terms(mode, d))
+
+
+@functools.lru_cache(maxsize=256)
+def table_runs(mode: int, d: int, which: str):
+    """:func:`table_terms` as runs of positions: position i pairs dy's index i with x's."""
+    return lane_pieces.term_runs(tuple(((c, i, "x", xp),) for i, (c, xp) in enumerate(table_terms(mode, d, which))))
+
+
+@functools.lru_cache(maxsize=256)
+def y_runs(mode: int, d: int):
+    """The forward's y as runs of positions: position i pairs x's index a(i) with cos[i] and, times
+    s(i), x's index b(i) with sin[i]."""
+    return lane_pieces.term_runs(tuple(((1, a, "cos", i), (s, b, "sin", i)) for i, ((_, a), (s, b)) in
+                                       enumerate(zip(table_terms(mode, d, "cos"), table_terms(mode, d, "sin")))))
 
 
 def monomial(a, b):

@@ -25,6 +25,7 @@ import torch
 import torch.fx as fx
 
 from ..compat import current_compile_id, dynamo_counters, empty_graph_like, specialize_size
+from ..lowering.sizes import guarding_sizes
 from ..patterns import RULES
 from ..patterns.evaluator import InferenceProvenance, JointProvenance, PartitionedForwardProvenance, Provenance
 from ..patterns.context import PassContext
@@ -105,8 +106,10 @@ class History:
         return len(self._results)
 
 
-#: forward graphs a session keeps: a backward is compiled after its forward, usually right after it
-FORWARD_GRAPHS_KEPT = 16
+#: forward graphs a session keeps for backwards not compiled yet (each backward takes its own
+#: out): a backward compiles when the step unwinds, after every forward of the step (a forward per
+#: graph break, per compiled function, per recompile), so a step may hold many
+FORWARD_GRAPHS_KEPT = 256
 
 
 class _CollectionsPaused:
@@ -166,9 +169,11 @@ class PassSession:
 
         The forward graph remembered for this backward's compile id, if it provably is this
         backward's forward (:func:`saved_tensor_mismatch`); otherwise None, and the pass runs on
-        the backward alone (a wrong forward would make the pass see wrong saved values)."""
+        the backward alone (a wrong forward would make the pass see wrong saved values). The
+        backward takes it out: a compilation's backward compiles once, and what stays is bounded
+        by the forwards whose backward has not compiled yet."""
         key = _compile_id()
-        forward = self.forwards.get(key) if key is not None else None
+        forward = self.forwards.pop(key, None) if key is not None else None
         if forward is None:
             return None
         mismatch = saved_tensor_mismatch(forward, gm.graph)
@@ -463,10 +468,18 @@ def _rewrite_in_rounds(context: PassContext, options: FusionOptions, stages: Opt
     running = [rule for rule in RULES if options.enables(rule) and (stages is None or rule.stage in stages)]
     context.enabled = frozenset(rule.option for rule in running)
     rules: List[Tuple[FusionRule, RuleContext]] = [(rule, RuleContext(context, rule.op.name)) for rule in running]
-    if isinstance(context.provenance, JointProvenance):  # compiled now: a guard still reaches Dynamo
+    guarded = isinstance(context.provenance, JointProvenance)  # compiled now: a guard still reaches Dynamo
+    if guarded:
         for rule, _ in rules:
             for size in rule.static_sizes(graph):
                 specialize_size(size)
+    with guarding_sizes(guarded):  # the chips' size limits: proved, or kept under a guard
+        return _rounds(context, rules)
+
+
+def _rounds(context: PassContext, rules: List[Tuple[FusionRule, RuleContext]]):
+    """The rounds of :func:`_rewrite_in_rounds`, then what no form matched, recorded."""
+    graph = context.graph
     for _ in range(MAX_ROUNDS):
         fused = sum(len(ctx.sites) for _, ctx in rules)
         pending = 0
@@ -489,9 +502,13 @@ def _run_round(rule: FusionRule, graph: fx.Graph, ctx: RuleContext) -> RoundRepo
     report = rule.find(graph, ctx)
     ctx.round_misses += report.misses
     for match in report.matches:
-        if not ctx.has_failed(match.dx):
-            with ctx.transaction(match.dx) as tx:
-                tx.outcome = rule.emit(ctx, match)
+        if ctx.has_failed(match.dx):
+            continue
+        if ctx.erased_under(match) is not None:  # an earlier site of this round took a node it reads
+            report.pending += 1  # found again in the rewritten graph next round
+            continue
+        with ctx.transaction(match.dx) as tx:
+            tx.outcome = rule.emit(ctx, match)
     return report
 
 

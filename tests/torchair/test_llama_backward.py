@@ -69,10 +69,10 @@ def test_install_fuses_the_backward_ge_graph(ge, dtype, target):
 
 @pytest.mark.parametrize("target,dims", [("a2", (1,)), ("generic", (0, 1))], ids=["a2-seq", "generic-batch-seq"])
 def test_install_with_dynamic_shapes(ge, target, dims):
-    """Symbolic sequence (and batch) lengths. A2's RoPE limits (B < 1000, B < S for
-    per-batch tables) cannot be proven for a symbolic batch, so the pass leaves
-    RoPE unfused there: the A2 case keeps the batch static and shares cos/sin
-    across it ([1, s, d])."""
+    """Symbolic sequence (and batch) lengths, the sizes marked dynamic. A2's RoPE limits
+    (B < 1000, B < S for per-batch tables) cannot be proven for a batch marked dynamic (no
+    guard may narrow a size the user marked dynamic): the A2 case keeps the batch static and
+    shares cos/sin across it ([1, s, d])."""
     got, eager, exact = train_step(ge, install={"target": target}, dynamic_dims=dims, b=3, s=6, cos_batch=1)
     assert_grads_close(got, eager, exact)
     backward = ge.backward()

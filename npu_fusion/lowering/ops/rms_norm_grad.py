@@ -29,7 +29,7 @@ import torch
 
 from ..checks import require, require_dtype_like, require_float, require_one_device, same_shape, shown
 from ..fused_op import CountedSite, FusedOp, GeInput, GeIr, NpuBinding
-from ..sizes import provably_less, static_int
+from ..sizes import decided_under_guards, limit_problem, static_int
 
 #: RmsNormGrad tensors are ND with 1 to 8 axes (docs/fused-ops.md#rms_norm_grad).
 RMS_NORM_MAX_RANK = 8
@@ -111,6 +111,7 @@ def check_rms_norm_grad_inputs(op: str, dy, x, rstd, gamma) -> None:
 
 # -- what each target accepts ---------------------------------------------------------
 
+@decided_under_guards
 def rms_norm_target_problem(target: str, compute: torch.dtype, gamma_dtype: torch.dtype, x_shape, k: int,
                             ge_op: str = "RmsNormGrad") -> Optional[str]:
     """Why ``target`` cannot run ``ge_op`` (RmsNormGrad, or the forward RmsNorm: the same chips
@@ -143,7 +144,7 @@ def _empty(sizes) -> Optional[str]:
     """How ``sizes`` may hold no element (a size 0, or one not provably positive), or None."""
     if any(static_int(size) == 0 for size in sizes):
         return "has an empty axis"
-    if not all(provably_less(0, size) for size in sizes):
+    if any(limit_problem(0, size) for size in sizes):
         return "may have an empty axis (a size not provably > 0)"
     return None
 

@@ -40,7 +40,7 @@ from torch.fx.experimental import symbolic_shapes
 from ..checks import (FLOAT_DTYPES, broadcasts_to, case_shape, require, require_dtype_like, require_float,
                       require_one_device, same_shape, shown, size_equal)
 from ..fused_op import CountedSite, FusedOp, GeAttr, GeInput, GeIr, NpuBinding
-from ..sizes import provably_less, same_shape as provably_same_shape, same_size, static_int
+from ..sizes import decided_under_guards, limit_problem, same_shape as provably_same_shape, same_size, static_int
 
 #: RotaryPositionEmbeddingGrad ``mode`` attribute values.
 ROPE_MODES = {0: "half", 1: "interleave", 2: "quarter", 3: "interleave-half"}
@@ -119,9 +119,13 @@ def check_rope_grad_inputs(op: str, dy, cos, sin, x: Optional[torch.Tensor], mod
 
 # -- what each target accepts -------------------------------------------------------
 
+@decided_under_guards
 def rope_target_problem(target: str, mode: int, dy_shape, cos_shape, with_x: bool, compute_dtype) -> Optional[str]:
     """Why ``target`` cannot run RoPE (forward or backward) on these shapes, or None; ``with_x``:
-    the backward computes dcos/dsin (A2/A3 then need B*N <= 1024 in half mode)."""
+    the backward computes dcos/dsin (A2/A3 then need B*N <= 1024 in half mode).
+
+    A limit on symbolic sizes is proved, or kept under a guard where one can be installed
+    (:func:`~npu_fusion.lowering.sizes.limit_problem`)."""
     if compute_dtype not in FLOAT_DTYPES:
         return f"dtype {compute_dtype} is not float16, bfloat16 or float32"
     d = static_int(dy_shape[-1])
@@ -162,8 +166,8 @@ def _rope_a2_layout_problem(mode: int, dy_shape, cos_shape, with_x: bool) -> Opt
         for table in (tables[:1] if mode == 1 else tables):
             if not provably_same_shape(tuple(cos_shape[:3]), _table_lead(dy_layout, table, dy_shape)):
                 continue
-            if table in ROPE_A2_NEEDS_B_LESS_THAN_S and not provably_less(b, s):
-                problem = f"A2/A3 need B < S for {table} cos/sin with {dy_layout} dy (B={b}, S={s}; not provable)"
+            if table in ROPE_A2_NEEDS_B_LESS_THAN_S and (why := limit_problem(b, s)):
+                problem = f"A2/A3 need B < S for {table} cos/sin with {dy_layout} dy (B={b}, S={s}: {why})"
                 continue
             return _rope_a2_size_problem(mode, dy_layout, b, n, with_x)
     return problem or (
@@ -173,13 +177,19 @@ def _rope_a2_layout_problem(mode: int, dy_shape, cos_shape, with_x: bool) -> Opt
 
 
 def _rope_a2_size_problem(mode: int, dy_layout: str, b, n, with_x: bool) -> Optional[str]:
-    if mode == 0 and not (provably_less(b, ROPE_A2_HALF_MAX_B + 1) and provably_less(n, ROPE_A2_HALF_MAX_N + 1)
-                          and (not with_x or provably_less(b * n, ROPE_A2_HALF_MAX_BN_WITH_X + 1))):
+    if mode == 0:
+        limits = [("B", b, ROPE_A2_HALF_MAX_B + 1), ("N", n, ROPE_A2_HALF_MAX_N + 1)]
+        limits += [("B*N", b * n, ROPE_A2_HALF_MAX_BN_WITH_X + 1)] if with_x else []
+    else:
+        limits = [("B*N", b * n, ROPE_A2_INTERLEAVE_MAX_BN + 1)]
+    broken = [f"{name}={size}: {why}" for name, size, bound in limits if (why := limit_problem(size, bound))]
+    if not broken:
+        return None
+    if mode == 0:
         return (f"A2/A3 half mode needs B < {ROPE_A2_HALF_MAX_B + 1}, N < {ROPE_A2_HALF_MAX_N + 1} and "
-                f"(with x) B*N <= {ROPE_A2_HALF_MAX_BN_WITH_X} ({dy_layout}, B={b}, N={n})")
-    if mode == 1 and not provably_less(b * n, ROPE_A2_INTERLEAVE_MAX_BN + 1):
-        return f"A2/A3 interleave mode needs B*N < {ROPE_A2_INTERLEAVE_MAX_BN + 1} ({dy_layout}, B={b}, N={n})"
-    return None
+                f"(with x) B*N <= {ROPE_A2_HALF_MAX_BN_WITH_X} ({dy_layout}, B={b}, N={n}; {'; '.join(broken)})")
+    return (f"A2/A3 interleave mode needs B*N < {ROPE_A2_INTERLEAVE_MAX_BN + 1} ({dy_layout}, B={b}, N={n}; "
+            f"{'; '.join(broken)})")
 
 
 def _target_problem(target, dy, cos, sin, x=None, mode=0):

@@ -98,6 +98,26 @@ def _backward_readers_of_y(site: ForwardNormMatch, graph: fx.Graph, provenance) 
     return {u for u in site.y.users if u in gradient and u.op == "call_function" and u.target not in fused_ops}
 
 
+def _late_to_move(late: List[fx.Node], anchor: fx.Node) -> Optional[List[fx.Node]]:
+    """The nodes that read y or rstd before the weight is computed, and theirs, to move after the fused op; None if one cannot move.
+
+    The nodes that read the norm's y or rstd before its weight is computed (a partitioned training
+    forward's saved ``detach(rstd)`` and kept normalized value, placed before Gemma's
+    ``1 + weight``), and the nodes before the weight that read them: pure calls, moved after the
+    fused op in graph order, they read its outputs and compute what they computed. None where one
+    of them is not a pure call, or the weight reads one."""
+    found, stack = set(), list(late)
+    while stack:
+        node = stack.pop()
+        if node in found:
+            continue
+        if node.op != "call_function" or node.is_impure() or anchor in node.users:
+            return None  # or the weight itself is computed from them
+        found.add(node)
+        stack.extend(u for u in node.users if u < anchor)
+    return sorted(found)
+
+
 def _computing_y(site: ForwardNormMatch, region, readers, anchor: fx.Node) -> List[fx.Node]:
     """Where the backward reads y: y and what computes it from x inside the site, kept for those
     readers and reading the fused rstd. Min-cut recomputes them from x and rstd as it does unfused;
@@ -128,7 +148,8 @@ def emit(ctx: RuleContext, site: ForwardNormMatch):
     computing_y = _computing_y(site, region, readers, anchor)
     readers, kept = (readers, kept | set(computing_y)) if computing_y else (set(), kept)
     late = [u for out in (site.y, site.rstd) for u in out.users if (u not in region or u in kept) and u < anchor]
-    if problem is None and late:
+    moved_after = _late_to_move(late, anchor) if problem is None else None
+    if problem is None and late and moved_after is None:
         problem = f"{late[0].name} reads the norm's output before its weight is computed"
     # the op runs in y's memory order (a q/k norm of a transposed q); where the normalized axes are
     # not innermost in memory, in the shape's order, its outputs then copied into the program's layouts
@@ -148,6 +169,10 @@ def emit(ctx: RuleContext, site: ForwardNormMatch):
         return Miss(OP.name, site.y.name, f"{moved[0].name} has strides {list(val(moved[0]).stride())}, the fused "
                                           f"op's output in {site.y.name}'s memory order has others")
     added = inserted.nodes()
+    after = added[-1] if added else anchor
+    for node in moved_after or ():  # they read the fused outputs, inserted after the weight
+        after.append(node)
+        after = node
     as_forward_work(added, site.y)
     replaced = [n for n in region if n not in kept]
     fused_y = replacements.pop(site.y) if readers else None

@@ -12,6 +12,7 @@ from ...lowering.ops.rope_grad import ROPE_MODES
 from ...lowering.sizes import same_shape, static_int
 from ..evaluator import kept_precision, rounding_problem, saved_by_the_forward
 from ..lanes import LaneEvaluator, shape as lane_shape
+from ..lane_polys import position_forms
 from ..nodes import aten, dtype, last_of, outside_users, region_of, shape, val
 from ..rewrite import (Insertion, Miss, RuleContext, commit, exact_common_dtype, in_layout_of, input_problem,
                        replacement_of, as_forward_work)
@@ -19,10 +20,6 @@ from ..pairing import site_key
 from ..layout import memory_order, permuted, restored, same_layout
 from ..rotation import rope_layout_problem
 from .match import ForwardRopeMatch, Role, site_region
-
-
-def _identity(ev: LaneEvaluator, role: Role):
-    return [{((role[0], p),): 1} for p in role[1]]
 
 
 @dataclasses.dataclass
@@ -106,10 +103,9 @@ def _find_operand(ev: LaneEvaluator, region, role: Role, like) -> Optional[Opera
     the output (a table after its ``unsqueeze``, a partial rotary's slice of x); else a node
     whose values are the role's in pieces, nearest the output first (a half-width table read
     twice, x read as its even and odd lanes, a complex table's parts)."""
-    want = _identity(ev, role)
     read = {a for n in region for a in n.all_input_nodes} | set(region) | {ev.leaves[role[0]]}
     found = [n for n in read if ev.memo.get(n) is not None and ev.memo[n].reduction is None
-             and not ev.memo[n].complex and ev.memo[n].polys == want and like(shape(n))]
+             and not ev.memo[n].complex and ev.memo[n].reads(*role) and like(shape(n))]
     if found:
         return Operand(max(found), ev.memo[max(found)].inner)
     for node in sorted(read, reverse=True):
@@ -140,7 +136,7 @@ def _built(edit, ev: LaneEvaluator, operand: Operand, role: Role) -> Optional[fx
             pairs = edit.call(aten.stack.default, ([_sliced(edit, node, runs) for runs in plan[1:]], -1))
             node = edit.call(aten.flatten.using_ints, (pairs, -2, -1))
     value = ev.value(node)
-    return node if value is not None and not value.complex and value.polys == _identity(ev, role) else None
+    return node if value is not None and not value.complex and value.reads(*role) else None
 
 
 def _sliced(edit, node: fx.Node, runs) -> fx.Node:
@@ -248,10 +244,11 @@ def _picks_of_one_leaf(ev: LaneEvaluator, node: fx.Node, among=None) -> bool:
     """Each value of ``node`` is one element of one leaf (``among`` those, when given): a
     view's or a selection's value."""
     v = ev.memo.get(node)
-    lids = {lid for poly in v.polys for mono in poly for lid, _ in mono} if v is not None else set()
+    forms = position_forms(v) if v is not None else []
+    lids = {lid for poly in forms for mono in poly for lid, _ in mono}
     return v is not None and v.reduction is None and not v.complex and len(lids) == 1 and (
         among is None or lids <= set(among)) and all(
-        len(poly) == 1 and list(poly.values()) == [1] and len(next(iter(poly))) == 1 for poly in v.polys)
+        len(poly) == 1 and list(poly.values()) == [1] and len(next(iter(poly))) == 1 for poly in forms)
 
 
 def emit(ctx: RuleContext, site: ForwardRopeMatch):

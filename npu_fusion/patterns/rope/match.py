@@ -9,9 +9,10 @@ import torch.fx as fx
 from ...lowering.ops.rope_grad import ROPE_MODES, rope_divisor
 from ...lowering.sizes import same_shape
 from ..lanes import LaneEvaluator, shape as lane_shape
-from ..lane_polys import Lanes
+from .. import lane_pieces
+from ..lane_polys import Lanes, position_forms
 from ..nodes import region_of, shape
-from ..rotation import TABLE_SIGNS, table_terms
+from ..rotation import TABLE_SIGNS, table_terms, y_runs
 
 
 #: (leaf id, the leaf position that plays each position of the fused op's operand)
@@ -46,9 +47,32 @@ def expected_y(mode: int, d: int, x: Role, cos: Role, sin: Role, signs=(1, 1)):
     return polys
 
 
+def _equals_expected_y(v: Lanes, mode: int, d: int, x: Role, cos: Role, sin: Role, signs) -> bool:
+    """``v.polys == expected_y(...)``, once a run of positions where the value and the formula have runs."""
+    runs = y_runs(mode, d) if v.pieces is not None and d else None
+    if runs is not None:
+        sign = {"cos": signs[0], "sin": signs[1]}
+        equal = lane_pieces.equals_formula(v.pieces, runs, x, {"cos": cos, "sin": sin}, lambda c, t: c * sign[t])
+        if equal is not None:
+            return equal
+    return v.polys == expected_y(mode, d, x, cos, sin, signs)
+
+
 def _read_roles(v: Lanes, mode: int, x: Role):
     """(cos, sin, signs) read off the products with x's elements, or None."""
-    d = len(v.polys)
+    d = v.inner[0] if len(v.inner) == 1 else len(v.polys)
+    runs = y_runs(mode, d) if v.pieces is not None and d else None
+    if runs is not None:  # read once a run of positions: the same roles and signs
+        read = lane_pieces.read_partners(v.pieces, runs, x, ("cos", "sin"), d)
+        if read is None:
+            return None
+        roles, coefs = read
+        if any(coef not in (c, -c) for t in coefs for c, coef in coefs[t]):
+            return None
+        signs = {t: {coef * c for c, coef in coefs[t]} for t in coefs}
+        if any(len(s) != 1 for s in signs.values()):
+            return None
+        return roles["cos"], roles["sin"], (next(iter(signs["cos"])), next(iter(signs["sin"])))
     found = {"cos": [], "sin": []}
     signs = {"cos": set(), "sin": set()}
     for i, ((_, a), (s, b)) in enumerate(zip(table_terms(mode, d, "cos"), table_terms(mode, d, "sin"))):
@@ -71,13 +95,13 @@ def match_y(ev: LaneEvaluator, node: fx.Node) -> Optional[ForwardRopeMatch]:
     v = ev.memo.get(node)
     if v is None or v.reduction is not None or v.complex or len(v.inner) != 1 or v.inner[0] < 2 or v.inner[0] % 2:
         return None
-    if any(len(p) != 2 or any(len(m) != 2 for m in p) for p in v.polys):
+    if any(len(p) != 2 or any(len(m) != 2 for m in p) for p in position_forms(v)):
         return None
     d = v.inner[0]
-    lids = set.intersection(*({lid for lid, _ in m} for m in v.polys[0]))
+    lids = set.intersection(*({lid for lid, _ in m} for m in v.poly_at(0)))
     # a complex product is symmetric: x is the leaf over y's leading axes, not the broadcast table
     for x_lid in sorted(lids, key=lambda lid: (not _leads_like(ev.leaves[lid], node), lid)):
-        offset = min(p for poly in v.polys for m in poly for lid, p in m if lid == x_lid)
+        offset = v.lowest_position(x_lid)
         x = (x_lid, tuple(range(offset, offset + d)))
         for mode in ROPE_MODES:
             if d % rope_divisor(mode):
@@ -86,7 +110,7 @@ def match_y(ev: LaneEvaluator, node: fx.Node) -> Optional[ForwardRopeMatch]:
             if roles is None or x_lid in (roles[0][0], roles[1][0]):
                 continue
             cos, sin, signs = roles
-            if signs in TABLE_SIGNS and v.polys == expected_y(mode, d, x, cos, sin, signs):
+            if signs in TABLE_SIGNS and _equals_expected_y(v, mode, d, x, cos, sin, signs):
                 return ForwardRopeMatch(node, mode, x, cos, sin, signs, ev)
     return None
 
@@ -101,9 +125,9 @@ def looks_like_y(v: Optional[Lanes]) -> bool:
     """Two products of two leaf elements per position, one leaf read at two positions (over
     one tracked axis, or several: see :func:`_axis_makers`)."""
     if not (v is not None and v.reduction is None and not v.complex and v.inner and v.inner[-1] >= 2
-            and all(len(p) == 2 and all(len(m) == 2 for m in p) for p in v.polys)):
+            and all(len(p) == 2 and all(len(m) == 2 for m in p) for p in position_forms(v))):
         return False
-    a, b = v.polys[0]
+    a, b = v.poly_at(0)
     return any(l1 == l2 and p1 != p2 for l1, p1 in a for l2, p2 in b)
 
 

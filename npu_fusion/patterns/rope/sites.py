@@ -9,6 +9,7 @@ from ...lowering import ROPE as OP
 from ...lowering.sizes import static_int
 from ..evaluator import JointProvenance
 from ..lanes import LaneEvaluator
+from ..lane_polys import position_forms
 from ..nodes import (CAST_TARGETS, VIEWS, aten, downstream, dtype, gradient_dependent, is_float_cast, outermost,
                      region_of, shape)
 from ..rewrite import Miss, RuleContext
@@ -172,7 +173,7 @@ def _products_passed_on(ev: LaneEvaluator, unmatched, looks) -> set:
     found = set()
     for n in (n for n in region - after if n.target not in PASSES_ON):  # where the product is made
         v = ev.memo.get(n)
-        if v is not None and any(len(m) > 1 for p in v.polys for m in p) and _moved_later(n):
+        if v is not None and any(len(m) > 1 for p in position_forms(v) for m in p) and _moved_later(n):
             found.add(n)
     return found
 
@@ -315,9 +316,9 @@ def _reads_scaled_copy(ev: LaneEvaluator, node: fx.Node) -> bool:
     term reads ``c * x`` (a leaf of its own to the evaluator)."""
     v = ev.memo.get(node)
     if not (v is not None and v.reduction is None and not v.complex and v.inner and v.inner[-1] >= 2
-            and all(len(p) == 2 and all(len(m) == 2 for m in p) for p in v.polys)):
+            and all(len(p) == 2 and all(len(m) == 2 for m in p) for p in position_forms(v))):
         return False
-    a, b = v.polys[0]
+    a, b = v.poly_at(0)
     return any(l1 != l2 and p1 != p2 and unscaled(ev.leaves[l1]) is unscaled(ev.leaves[l2])
                for l1, p1 in a for l2, p2 in b)
 

@@ -8,10 +8,11 @@ import torch.fx as fx
 
 from ...lowering.ops.rope_grad import ROPE_MODES, rope_divisor
 from ...lowering.sizes import same_shape
-from ..lane_polys import Lanes
+from .. import lane_pieces
+from ..lane_polys import Lanes, position_forms
 from ..lanes import LaneEvaluator
 from ..nodes import region_of, shape
-from ..rotation import Role, TABLE_SIGNS, monomial, contiguous, dx_terms, table_terms
+from ..rotation import Role, TABLE_SIGNS, monomial, contiguous, dx_runs, dx_terms, table_runs, table_terms
 
 
 def expected_dx(mode: int, d: int, dy: Role, cos: Role, sin: Role, signs=(1, 1)):
@@ -29,6 +30,25 @@ def expected_table(mode: int, d: int, which: str, dy: Role, x: Role):
 def _polys_equal(a, b) -> bool:
     """Exact equality: the coefficients are rationals, never compared with a tolerance."""
     return len(a) == len(b) and all(pa == pb for pa, pb in zip(a, b))
+
+
+def _equals_expected_dx(v: Lanes, mode: int, d: int, dy: Role, cos: Role, sin: Role, signs) -> bool:
+    """``_polys_equal(v.polys, expected_dx(...))``, once a run of positions where the value and the
+    formula have runs, else position by position, stopping at the first difference."""
+    if v.inner != (d,):
+        return False
+    roles, sign = {"cos": cos, "sin": sin}, {"cos": signs[0], "sin": signs[1]}
+    runs = dx_runs(mode, d) if v.pieces is not None else None
+    if runs is not None:
+        equal = lane_pieces.equals_formula(v.pieces, runs, dy, roles, lambda c, t: c * sign[t])
+        if equal is not None:
+            return equal
+    dy_lid, dy_pos = dy
+    for poly, lane in zip(v.polys, dx_terms(mode, d)):
+        if poly != {monomial((dy_lid, dy_pos[yp]), (roles[t][0], roles[t][1][tp])): c * sign[t]
+                    for c, yp, t, tp in lane}:
+            return False
+    return True
 
 
 # -- matching -----------------------------------------------------------------
@@ -60,7 +80,7 @@ class RopeMatch:
 
 
 def _offsets(v: Lanes, lid: int) -> int:
-    return min(p for poly in v.polys for mono in poly for (l, p) in mono if l == lid)
+    return v.lowest_position(lid)
 
 
 def _read_tables(v: Lanes, mode: int, dy: Role) -> Optional[Tuple[Role, Role]]:
@@ -70,7 +90,11 @@ def _read_tables(v: Lanes, mode: int, dy: Role) -> Optional[Tuple[Role, Role]]:
     imaginary parts of a complex ``freqs_cis`` (Llama 4) both come out of one leaf.
     The caller still compares the whole polynomial, so this only proposes.
     """
-    d = len(v.polys)
+    d = v.inner[0] if len(v.inner) == 1 else len(v.polys)
+    runs = dx_runs(mode, d) if v.pieces is not None else None
+    if runs is not None:  # read once a run of positions: the same proposal
+        read = lane_pieces.read_partners(v.pieces, runs, dy, ("cos", "sin"), d)
+        return None if read is None else (read[0]["cos"], read[0]["sin"])
     found = {"cos": [None] * d, "sin": [None] * d}
     lids = {"cos": set(), "sin": set()}
     for poly, lane in zip(v.polys, dx_terms(mode, d)):
@@ -97,9 +121,9 @@ def match_dx(ev: LaneEvaluator, node: fx.Node, v: Optional[Lanes] = None) -> Opt
     d = v.inner[0]
     if d < 2 or d % 2:
         return None
-    if any(len(p) != 2 or any(len(m) != 2 for m in p) for p in v.polys):
+    if any(len(p) != 2 or any(len(m) != 2 for m in p) for p in position_forms(v)):
         return None
-    common = set.intersection(*({l for l, _ in m} for poly in v.polys[:1] + v.polys[-1:] for m in poly))
+    common = set.intersection(*({l for l, _ in m} for poly in (v.poly_at(0), v.poly_at(d - 1)) for m in poly))
     # dy and the tables enter a product symmetrically (a complex product most of all): try
     # first the leaves that carry the gradient in dx's own shape, the only ones dy can be
     for dy_lid in sorted(common, key=lambda lid: (not _can_be_dy(ev, ev.leaves[lid], node), lid)):
@@ -112,7 +136,7 @@ def match_dx(ev: LaneEvaluator, node: fx.Node, v: Optional[Lanes] = None) -> Opt
                 continue
             cos, sin = tables
             for signs in TABLE_SIGNS:
-                if _polys_equal(v.polys, expected_dx(mode, d, dy, cos, sin, signs)):
+                if _equals_expected_dx(v, mode, d, dy, cos, sin, signs):
                     return RopeMatch(mode, node, dy, cos, sin, signs=signs)
     return None
 
@@ -125,9 +149,9 @@ def match_table(ev: LaneEvaluator, node: fx.Node, site: RopeMatch, which: str) -
     """x's role when ``node`` is the site's dcos (``which="cos"``) or dsin, else None."""
     v = ev.memo.get(node)
     d = site_width(ev, site)
-    if v is None or v.inner != (d,) or any(len(p) != 1 for p in v.polys):
+    if v is None or v.inner != (d,) or any(len(p) != 1 for p in position_forms(v)):
         return None
-    mono = next(iter(v.polys[0]))
+    mono = next(iter(v.poly_at(0)))
     if len(mono) != 2:
         return None
     others = [var for var in mono if var != (site.dy[0], site.dy[1][0])]
@@ -136,6 +160,16 @@ def match_table(ev: LaneEvaluator, node: fx.Node, site: RopeMatch, which: str) -
     x_lid = others[0][0]
     if x_lid in (site.cos[0], site.sin[0]):  # dy * cos is part of dx, not dcos
         return None
+    runs = table_runs(site.mode, d, which) if v.pieces is not None else None
+    if runs is not None:  # read and compared once a run of positions: the same x, the same verdict
+        read = lane_pieces.read_partners(v.pieces, runs, site.dy, ("x",), d, squares=False)
+        if read is None or read[0]["x"][0] != x_lid:
+            return None
+        x = read[0]["x"]
+        equal = lane_pieces.equals_formula(v.pieces, runs, site.dy, {"x": x}, lambda c, _: c)
+        if equal is None:  # x not read along runs: compared position by position
+            equal = _polys_equal(v.polys, expected_table(site.mode, d, which, site.dy, x))
+        return x if equal and _is_reduced_table(ev, node, v, site, which) else None
     # which x position each lane reads (mode 3's tables read x de-interleaved, and a
     # partitioner may save that de-interleaved copy instead of x)
     positions = [None] * d
@@ -150,10 +184,12 @@ def match_table(ev: LaneEvaluator, node: fx.Node, site: RopeMatch, which: str) -
     x = (x_lid, tuple(positions))
     if not _polys_equal(v.polys, expected_table(site.mode, d, which, site.dy, x)):
         return None
+    return x if _is_reduced_table(ev, node, v, site, which) else None
+
+
+def _is_reduced_table(ev: LaneEvaluator, node: fx.Node, v: Lanes, site: RopeMatch, which: str) -> bool:
     table = ev.leaves[(site.cos if which == "cos" else site.sin)[0]]
-    if not _reduces_to(node, v, ev.leaves[site.dy[0]], table):
-        return None
-    return x
+    return _reduces_to(node, v, ev.leaves[site.dy[0]], table)
 
 
 def site_width(ev: LaneEvaluator, site: RopeMatch) -> int:

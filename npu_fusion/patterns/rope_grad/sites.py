@@ -10,7 +10,7 @@ import torch.fx as fx
 from ...lowering import ROPE_GRAD as OP
 from ...lowering.sizes import static_int
 from ..evaluator import JointProvenance, Unsupported
-from ..lane_polys import Lanes, add_polys
+from ..lane_polys import Lanes, add_polys, position_forms
 from ..lanes import LaneEvaluator
 from ..nodes import (CAST_TARGETS, VIEWS, aten, downstream, dtype, gradient_dependent, gradient_product, outermost,
                      region_of, shape)
@@ -57,16 +57,16 @@ def _looks_like_dx(v: Optional[Lanes], spanning: bool = False) -> bool:
     of one). Softmax's backward has two products but no rotation."""
     if not (v is not None and v.reduction is None and (len(v.inner) > 1 if spanning else len(v.inner) == 1)
             and v.inner[-1] >= 2 and v.inner[-1] % 2 == 0
-            and all(len(p) == 2 and all(len(m) == 2 for m in p) for p in v.polys)):
+            and all(len(p) == 2 and all(len(m) == 2 for m in p) for p in position_forms(v))):
         return False
-    a, b = v.polys[0]
+    a, b = v.poly_at(0)
     return any(l1 == l2 and p1 != p2 for l1, p1 in a for l2, p2 in b)
 
 
 def _looks_like_table(v: Optional[Lanes]) -> bool:
     """One product of two leaf elements per position: a dcos/dsin summand."""
     return (v is not None and len(v.inner) == 1 and v.inner[0] >= 2
-            and all(len(p) == 1 and all(len(m) == 2 for m in p) for p in v.polys))
+            and all(len(p) == 1 and all(len(m) == 2 for m in p) for p in position_forms(v)))
 
 
 def find_sites(graph: fx.Graph, rewrites: RuleContext) -> RoundReport:
@@ -208,7 +208,7 @@ def _match_table_gradients(examine, ev: LaneEvaluator, graph: fx.Graph, matches)
         ev.value(node)
         v = ev.memo.get(node)
         if _looks_like_table(v):
-            for lid in {var[0] for var in next(iter(v.polys[0]))}:
+            for lid in {var[0] for var in next(iter(v.poly_at(0)))}:
                 tables_by_leaf.setdefault(lid, []).append(node)
     for site in matches:
         if not all(r[1] == tuple(range(static_int(shape(ev.leaves[r[0]])[-1]))) for r in (site.cos, site.sin)):
