@@ -83,3 +83,18 @@ def test_silu_outside_a_site_compiles_and_stays_right_through_inductor(installed
     joint, inference = _compiled_check(LlamaMlp(dtype), dtype)
     assert (joint.fused(FORWARD), joint.fused(BACKWARD), inference.fused(FORWARD)) == (0, 0, 0)
     assert not joint.misses and not inference.misses
+
+
+def test_phi3_mlp_fuses_under_dynamic_shapes_through_inductor(installed):
+    """``dynamic=True`` (symbolic batch and sequence): one graph for two shapes, fused both ways and right."""
+    mlp = Phi3Mlp(torch.bfloat16)
+    params, mark = list(mlp.parameters()), HISTORY.mark()
+    compiled = torch.compile(mlp, dynamic=True)
+    for seed, lead in enumerate(((2, 3), (4, 5))):
+        x = torch.randn(*lead, 16, generator=torch.Generator().manual_seed(seed)).to(torch.bfloat16).requires_grad_()
+        fused, grad_outputs = run_grads(compiled, [x], params)
+        unfused, _ = run_grads(mlp, [x], params, grad_outputs)
+        for f, e, w in zip(fused, unfused, float64_grads(mlp, [x], params, grad_outputs)):
+            assert_close_as_unfused(f, e, w, factor=MODEL_FACTOR)
+    (joint,) = [r for r in HISTORY.since(mark) if r.graph == "joint"]
+    assert (joint.fused(FORWARD), joint.fused(BACKWARD)) == (1, 1) and not joint.misses, joint.misses
