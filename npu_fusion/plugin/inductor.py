@@ -19,6 +19,12 @@ Under ``dynamic=True`` Dynamo passes a norm's float ``eps`` as a 0-d tensor inpu
 hook, ``torch._inductor.config.pre_grad_custom_pass`` (run on Dynamo's graph before AOTAutograd),
 specializes it under a guard (:mod:`.specialize`) as the ``npu_fusion`` backend does.
 
+Inductor's table decomposes ``aten.silu`` and ``aten.silu_backward`` before its joint passes;
+with a SwiGLU option on, the pass first puts them back where the graph holds exactly the trace of
+their decomposition (:func:`recompose_decomposed`), and decomposes again into that trace what it
+leaves unfused (:func:`decompose_what_inductor_refuses`), so SwiGLU fuses here as on the
+``npu_fusion`` backend and the unfused graph is Inductor's own.
+
 A pass already in the slot keeps running, first; installing again replaces the earlier
 npu-fusion pass rather than stacking it. The pass is a ``CustomGraphPass`` whose ``uuid()``
 hashes the package's sources and the options, so the FX graph cache stays valid; a chained
@@ -199,6 +205,7 @@ def _decomposition_inputs(graph, name: str):
 
 
 def _same_argument(a, b) -> bool:
+    """Whether two call arguments are the same: the same nodes, equal constants of one type, alike sequences."""
     import torch.fx as fx
 
     if isinstance(a, (list, tuple)) or isinstance(b, (list, tuple)):
@@ -206,6 +213,33 @@ def _same_argument(a, b) -> bool:
     if isinstance(a, fx.Node) or isinstance(b, fx.Node):
         return a is b
     return type(a) is type(b) and a == b
+
+
+def _match_trace(traced, inputs):
+    """The graph's nodes that are, node for node, ``traced`` run on ``inputs``: (its output's node, the calls matched), or (None, [])."""
+    import torch.fx as fx
+
+    env, placeholders, matched, root = {}, iter(inputs), [], None
+    for inner in traced.nodes:
+        if inner.op == "placeholder":
+            env[inner] = next(placeholders)
+        elif inner.op == "output":
+            root = env.get(inner.args[0]) if isinstance(inner.args[0], fx.Node) else None
+        elif inner.op != "call_function":
+            return None, []
+        else:
+            args, kwargs = fx.node.map_arg((inner.args, inner.kwargs), env.__getitem__)
+            readers = inner.all_input_nodes
+            if not readers:
+                return None, []
+            found = next((u for u in env[readers[0]].users if u.op == "call_function" and u.target is inner.target
+                          and _same_argument(u.args, args) and _same_argument(dict(u.kwargs), dict(kwargs))
+                          and u not in matched), None)
+            if found is None:
+                return None, []
+            env[inner] = found
+            matched.append(found)
+    return root, matched
 
 
 def _recompose(gm, op, inputs, table: dict, fake_mode):
@@ -221,31 +255,12 @@ def _recompose(gm, op, inputs, table: dict, fake_mode):
 
     if any(not isinstance(i, fx.Node) or i.op == "output" or i.meta.get("val") is None for i in inputs):
         return None
-    try:
+    try:  # read-only until the match is whole: a failure costs only this candidate
         with fake_mode if fake_mode is not None else contextlib.nullcontext():
             traced = traced_decomposition(lambda *a: op(*a), [i.meta["val"] for i in inputs], table)
-    except Exception:  # inputs the op does not take (a dtype or shape it refuses): no decomposition of it here
+        root, matched = _match_trace(traced.graph, inputs)
+    except Exception:  # inputs the op does not take (a dtype or shape it refuses), or a graph it cannot read
         return None
-    env, placeholders, matched = {}, iter(inputs), []
-    for inner in traced.graph.nodes:
-        if inner.op == "placeholder":
-            env[inner] = next(placeholders)
-        elif inner.op == "output":
-            root = env.get(inner.args[0]) if isinstance(inner.args[0], fx.Node) else None
-        elif inner.op != "call_function":
-            return None
-        else:
-            args, kwargs = fx.node.map_arg((inner.args, inner.kwargs), env.__getitem__)
-            readers = inner.all_input_nodes
-            if not readers:
-                return None
-            found = next((u for u in env[readers[0]].users if u.op == "call_function" and u.target is inner.target
-                          and _same_argument(u.args, args) and _same_argument(dict(u.kwargs), dict(kwargs))
-                          and u not in matched), None)
-            if found is None:
-                return None
-            env[inner] = found
-            matched.append(found)
     if root is None or root in inputs:
         return None
     graph = gm.graph
