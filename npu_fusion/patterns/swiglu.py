@@ -531,6 +531,7 @@ class SwigluForwardRule(FusionRule):
     domain, rewritten into ``swiglu`` once no decomposed backward reads its intermediates."""
 
     stage = "joint"
+    reads_whole = ("silu",)
     domain = "lanes"
     ops = (OP,)
     enabled_by_default = False

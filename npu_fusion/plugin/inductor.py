@@ -138,10 +138,6 @@ def decompose_what_inductor_refuses(gm) -> int:
     return len(refused)
 
 
-#: the ops the rules read that Inductor's table decomposes before its joint passes, by the option that reads them
-RECOMPOSED = (("swiglu", "silu"), ("swiglu_forward", "silu"), ("swiglu", "silu_backward"))
-
-
 def recompose_decomposed(gm, options: FusionOptions) -> int:
     """Put ``aten.silu`` and ``aten.silu_backward`` back, in place, where the graph holds exactly their decomposition.
 
@@ -152,7 +148,9 @@ def recompose_decomposed(gm, options: FusionOptions) -> int:
     that same trace. Returns how many calls were recomposed."""
     import torch
 
-    wanted = {name for option, name in RECOMPOSED if getattr(options, option, False)}
+    from ..patterns import RULES
+
+    wanted = {name for rule in RULES if options.enables(rule) for name in rule.reads_whole}
     if not wanted:
         return 0
     from ..compat import inductor_decompositions
