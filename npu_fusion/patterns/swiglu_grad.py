@@ -238,7 +238,6 @@ class SwigluGradRule(FusionRule):
     stage = "backward"
     domain = "lanes"
     ops = (OP,)
-    enabled_by_default = False
     #: a dense MLP that calls one gate_up projection (Phi-3, GLM-4); not the MoE experts, whose calls
     #: per expert the counters cannot see
     site_probe = SiteProbe(kind=OP.option, source=r"self\.gate_up_proj\(")
