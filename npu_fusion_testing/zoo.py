@@ -84,7 +84,7 @@ FORWARD_OPTIONS = dict.fromkeys(forward_options(), True)
 #: dense MLP) or indexes one (MoE experts: one projection per expert)
 GATED_MLP_SOURCE = re.compile(SwigluGradRule.site_probe.source)
 #: the activation modules a gated MLP calls on the gate half: each call is one site
-GATE_ACTIVATION = re.compile(r"silu|swish", re.I)
+GATE_ACTIVATION = re.compile(SwigluGradRule.ops[0].counted_site.gate_activation)
 
 
 # -- discovery and tiny configs -------------------------------------------------------------

@@ -107,9 +107,10 @@ def expected_for(options, expected: Optional[Dict[str, int]]) -> Optional[Dict[s
 class SiteCounter:
     """Counts the sites of one eager run (a context manager; read ``counted`` afterwards).
 
-    ``modules``: by kind (:data:`COUNTED_SITES`: ``"rms_norm"``, ``"rope"``, each its op's
-    :attr:`~npu_fusion.lowering.FusedOp.option`), module classes whose every call is a site (a
-    RoPE module may return q and k: one site each); ``functions``: by kind, ``(namespace, name)``
+    ``modules``: by kind (:data:`COUNTED_SITES`: ``"rms_norm"``, ``"rope"``, ``"swiglu"``, each
+    its op's :attr:`~npu_fusion.lowering.FusedOp.option`), module classes (or module instances:
+    a gated MLP's gate activation) whose every call is a site (a RoPE module may return q and k:
+    one site each); ``functions``: by kind, ``(namespace, name)``
     pairs of functions (apply-RoPE), replaced by a counting wrapper while the counter is active."""
 
     def __init__(self, model: torch.nn.Module, modules: Optional[Mapping[str, Sequence[type]]] = None,
@@ -127,7 +128,10 @@ class SiteCounter:
 
     def module_types(self) -> Tuple[type, ...]:
         """Every module class the counter hooks, of any kind."""
-        return tuple(t for types in self.modules.values() for t in types)
+        return tuple(t for types in self.modules.values() for t in types if isinstance(t, type))
+
+    def _counts(self, module, hooked) -> bool:
+        return any(module is h or (isinstance(h, type) and isinstance(module, h)) for h in hooked)
 
     def _watch(self, kind: str, where: str, out) -> None:
         if not torch.is_grad_enabled():  # an inference step: each floating output is a forward site
@@ -159,7 +163,7 @@ class SiteCounter:
     def __enter__(self) -> "SiteCounter":
         for m in self.model.modules():
             for kind, types in self.modules.items():
-                if isinstance(m, types):
+                if self._counts(m, types):
                     self._undo.append(m.register_forward_hook(functools.partial(self._on_module, kind)).remove)
         for kind, pairs in self.functions.items():
             for namespace, name in pairs:

@@ -240,7 +240,7 @@ class SwigluGradRule(FusionRule):
     ops = (OP,)
     #: a module whose forward calls one gate_up projection (Phi-3's and GLM-4's MLPs) or indexes one
     #: per expert (transformers' MoE experts); each call of its gate activation is a site
-    site_probe = SiteProbe(kind=OP.option, source=r"self\.gate_up_proj\b")
+    site_probe = SiteProbe(kind=OP.option, source=OP.counted_site.gated_source)
     forms = tuple(Form(*row) for row in (
         ("`silu(gate) * up` of the two halves of one projection: `chunk(2, -1)`, `split`, slices, "
          "upcast to float32 and cast back; dx joined by `cat` or by `slice_backward` and `add`",
