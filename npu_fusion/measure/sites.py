@@ -120,6 +120,9 @@ class SiteCounter:
         if unknown:
             raise ValueError(f"SiteCounter: unknown site kind(s) {unknown}; the kinds are {sorted(COUNTED_SITES)}")
         self.model = model
+        #: the kinds the caller gave (a kind given with nothing to hook counts 0 sites; a kind not
+        #: given is not counted at all)
+        self.watched = tuple(kind for kind in COUNTED_SITES if kind in modules or kind in functions)
         self.modules = {kind: tuple(types) for kind, types in modules.items() if types}
         self.functions = {kind: list(pairs) for kind, pairs in functions.items() if pairs}
         self.names = {m: n for n, m in model.named_modules(remove_duplicate=False)}
@@ -188,8 +191,9 @@ class SiteCounter:
     @property
     def counts(self) -> Dict[str, int]:
         """Counted sites by fused-op name (what ``npu-fusion report`` expects), of the kinds counted
-        on their own: :func:`expected_for` adds the forward ops, whose sites these are too."""
-        return {op: self.total(kind) for kind, op in KINDS.items() if not PROBES[kind].same_sites_as}
+        on their own that the caller gave: :func:`expected_for` adds the forward ops, whose sites
+        these are too."""
+        return {KINDS[kind]: self.total(kind) for kind in self.watched}
 
 
 @dataclasses.dataclass
