@@ -1,15 +1,17 @@
 #!/usr/bin/env python
 """Model-zoo coverage of the npu-fusion pass on real transformers model code.
 
-Sweeps the causal-LM models of the installed transformers that use RoPE or
-RMSNorm, each built from a tiny random config (``AutoConfig.for_model`` shrunk;
+Sweeps the causal-LM models of the installed transformers that use RoPE,
+RMSNorm or a gate_up projection (SwiGLU), each built from a tiny random config (``AutoConfig.for_model`` shrunk;
 no downloads, no weights). For each model it
 
 1. counts, in an eager forward and backward and independently of the pass, the
    RMSNorm calls (forward hooks on modules whose class name contains ``RMSNorm``, or
    whose source is RMSNorm's, like Llama 4's ``L2Norm``) and the RoPE applications
    (a wrapper around the modeling module's apply-rotary functions: one per rotated
-   tensor returned); a site counts when its output receives a gradient;
+   tensor returned) and the SwiGLU products (forward hooks on the SiLU of modules whose
+   forward calls or indexes one ``gate_up_proj``: Phi-3's MLP, the MoE experts); a site
+   counts when its output receives a gradient; the kinds are the rules' site probes;
 2. compiles the model with ``npu_fusion_testing.capture.Capture``, which runs the
    real pass (``fuse_backward(bw_gm, options, forward=fw_graph)``), and runs forward
    and backward of the causal-LM loss (if torch.compile fails on the model without
@@ -17,12 +19,12 @@ no downloads, no weights). For each model it
 3. compares every parameter gradient against eager in the same dtype and against
    float64, with the tests' criterion (``npu_fusion.measure.grads.grad_failures``, factor 4);
 
-and prints a table per model (RoPE and RMSNorm sites fused/counted, the gradient
+and prints a table per model (RMSNorm, RoPE and SwiGLU sites fused/counted, the gradient
 verdict, decomposed RoPE/RMSNorm nodes left), then per model the counted sites left
 unfused (by module), the pass's ``FusionResult.misses`` reasons (with the module of
 the node) and notes; then the overall coverage and the wall time.
 
-    python -m benchmarks.zoo_coverage                       # every RoPE/RMSNorm model
+    python -m benchmarks.zoo_coverage                       # every RoPE/RMSNorm/SwiGLU model
     python -m benchmarks.zoo_coverage --models llama,gptj   # some
     python -m benchmarks.zoo_coverage --dtype bfloat16 --json out.json --limit 20
     python -m benchmarks.zoo_coverage --forward             # the forward rules too, their columns beside

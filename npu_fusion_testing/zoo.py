@@ -1,5 +1,7 @@
-"""The model-zoo sweep: every causal LM of the installed transformers that uses RoPE or RMSNorm,
-built from a tiny random config, compiled with the real pass and measured.
+"""The model-zoo sweep: every causal LM of the installed transformers that uses RoPE, RMSNorm or SwiGLU, measured.
+
+Each is built from a tiny random config and compiled with the real pass. The kinds of site
+(:data:`COUNTED_KINDS`) are the backward rules' site probes.
 
 For each model: the sites counted independently of the pass in an eager step
 (:func:`count_sites`), where they ended after the pass (fused, with a recorded miss, left
