@@ -78,7 +78,7 @@ BACKWARD_OP = {kind: KINDS[kind] for kind in COUNTED_KINDS}
 #: is a forward site and a backward site)
 FORWARD_OP = {probe.same_sites_as: KINDS[kind] for kind, probe in PROBES.items() if probe.same_sites_as}
 #: the table's and summary's name of each kind
-LABEL = {rule.site_probe.kind: rule.op.short_label.removesuffix(" grad") for rule in RULES
+LABEL = {rule.site_probe.kind: rule.op.short_label for rule in RULES
          if rule.site_probe is not None and rule.site_probe.kind in COUNTED_KINDS}
 #: the forward rules' switches, on (``--forward``)
 FORWARD_OPTIONS = dict.fromkeys(forward_options(), True)

@@ -71,7 +71,7 @@ def cases():
 
 OP = FusedOp(
     name="swiglu_grad", ge_op="SwiGluGrad", label="SwiGLU backward", option="swiglu",
-    spec_section="docs/fused-ops.md#swiglu_grad", short_label="SwiGLU grad",
+    spec_section="docs/fused-ops.md#swiglu_grad", short_label="SwiGLU",
     counted_site=CountedSite(gated_source=r"self\.gate_up_proj\b", gate_activation=r"(?i)silu|swish"),
     outputs=("dx",), checks=check_swiglu_grad_inputs,
     schema="(Tensor y_grad, Tensor x, int dim) -> Tensor",
