@@ -286,7 +286,7 @@ def test_command_line_json():
     assert {op: r["ops"][op]["fused"] for op in expected} == expected
     assert r["gradients"]["passed"]
     counted = collections.Counter(s["op"] for s in r["sites"])
-    assert dict(counted) == expected
+    assert dict(counted) == {op: n for op, n in expected.items() if n}  # Llama's MLP: no SwiGLU site
 
 
 def test_report_through_inductor(capsys):
