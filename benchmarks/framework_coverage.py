@@ -66,10 +66,10 @@ def run_one(name: str, dtype: str, target: str = "generic", forward: bool = Fals
 
 
 #: the table's site columns: (kind, header), the backward ops' then the forward ops', each in the
-#: registry's order reversed (RoPE's column has always come first); the forward columns show when
-#: their rule ran
+#: registry's order (RMSNorm, RoPE, SwiGLU: the zoo table's order too); the forward columns show
+#: when their rule ran
 COLUMNS = tuple((op.option, op.short_label or op.name)
-                for forward in (False, True) for op in reversed(FUSED_OPS)
+                for forward in (False, True) for op in FUSED_OPS
                 if (op.option in forward_options()) == forward)
 
 

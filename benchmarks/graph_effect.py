@@ -29,6 +29,11 @@ two tables: its nodes and whole traffic before and after, and per forward fused 
 node and the casts next to it) against the fused op's minimum. Compare the saved bytes with a
 run without ``--forward`` (the backward fused alone).
 
+``--mlp gate-up`` gives the MLP one ``gate_up`` projection chunked into the gate and the up
+(Phi-3's) instead of Llama-2's separate two: one SwiGLU site a layer, whose rows (``swiglu_grad``,
+with ``--forward`` ``swiglu``) show the MLP's modelled traffic before and after the fusion
+against the fused ops' minimum (docs/benchmarks.md, ``--write-docs graph-effect-swiglu``).
+
 ``--compare-partitioners`` traces the ``npu_fusion`` path once per partitioner (default and min-cut)
 and prints one table: the bytes saved for the backward without and with the pass, and the modelled
 traffic of the backward graph after the pass, min-cut's against default's (the table of
@@ -104,6 +109,9 @@ def _parse(argv):
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--dtype", choices=tuple(DTYPES), default="bfloat16")
     parser.add_argument("--rope", choices=("half", "interleave", "interleave_half"), default="half")
+    parser.add_argument("--mlp", choices=("separate", "gate-up"), default="separate",
+                        help="the MLP's projections: separate gate and up (Llama-2's: no SwiGLU site) or one "
+                             "gate_up projection chunked in two (Phi-3's: one SwiGLU site a layer)")
     parser.add_argument("--target", choices=("generic", "a2", "a3", "950"), default="generic")
     parser.add_argument("--partitioner", choices=("default", "min_cut"), default="default",
                         help="the npu_fusion path's partitioner (torchair's is default, Inductor's min-cut)")
@@ -127,7 +135,7 @@ def _parse(argv):
 
 
 def _build(args):
-    config = TinyConfig(**dict(LLAMA_7B, num_layers=args.layers, rope=args.rope))
+    config = TinyConfig(**dict(LLAMA_7B, num_layers=args.layers, rope=args.rope, mlp=args.mlp.replace("-", "_")))
     fake_mode = FakeTensorMode()
     default_dtype = torch.get_default_dtype()
     torch.set_default_dtype(DTYPES[args.dtype])  # .to(dtype) cannot swap fake parameters
@@ -239,7 +247,8 @@ def _print_effect(args, config, captured, expected, traced) -> int:
     result = captured["result"]
     partitioner = PATHS[args.path][1] or args.partitioner
     print(f"Llama-7B-shaped decoder: {args.layers} layer(s), hidden {config.hidden_size}, "
-          f"{config.num_heads} heads x {config.head_dim}, MLP {config.intermediate_size}, vocab {config.vocab_size}, "
+          f"{config.num_heads} heads x {config.head_dim}, MLP {config.intermediate_size} ({args.mlp} projections), "
+          f"vocab {config.vocab_size}, "
           f"batch {args.batch} x seq {args.seq}, {args.dtype}, target {args.target}, path {args.path} "
           f"(pass on the {result.graph} graph), partitioner {partitioner}, "
           f"forward fusion {'on' if args.forward else 'off'}\n")
@@ -288,7 +297,7 @@ def _print_sites_table(result, after, ops, expected) -> None:
         m = sum(s.bytes_minimum for s in sites)
         nodes = sum(len(s.replaced_nodes) for s in sites)
         ratio = f"{a / m:.2f}" if m else "-"
-        print(f"| {op} | {len(sites)} ({expected[op]}) | {nodes} | {gib(b)} | {gib(a)} | {gib(m)} | {ratio} | "
+        print(f"| {op} | {len(sites)} ({expected.get(op, 0)}) | {nodes} | {gib(b)} | {gib(a)} | {gib(m)} | {ratio} | "
               f"{gib(b - a)} |")
 
 

@@ -1,15 +1,17 @@
 #!/usr/bin/env python
 """Model-zoo coverage of the npu-fusion pass on real transformers model code.
 
-Sweeps the causal-LM models of the installed transformers that use RoPE or
-RMSNorm, each built from a tiny random config (``AutoConfig.for_model`` shrunk;
+Sweeps the causal-LM models of the installed transformers that use RoPE,
+RMSNorm or a gate_up projection (SwiGLU), each built from a tiny random config (``AutoConfig.for_model`` shrunk;
 no downloads, no weights). For each model it
 
 1. counts, in an eager forward and backward and independently of the pass, the
    RMSNorm calls (forward hooks on modules whose class name contains ``RMSNorm``, or
    whose source is RMSNorm's, like Llama 4's ``L2Norm``) and the RoPE applications
    (a wrapper around the modeling module's apply-rotary functions: one per rotated
-   tensor returned); a site counts when its output receives a gradient;
+   tensor returned) and the SwiGLU products (forward hooks on the SiLU of modules whose
+   forward calls or indexes one ``gate_up_proj``: Phi-3's MLP, the MoE experts); a site
+   counts when its output receives a gradient; the kinds are the rules' site probes;
 2. compiles the model with ``npu_fusion_testing.capture.Capture``, which runs the
    real pass (``fuse_backward(bw_gm, options, forward=fw_graph)``), and runs forward
    and backward of the causal-LM loss (if torch.compile fails on the model without
@@ -17,12 +19,12 @@ no downloads, no weights). For each model it
 3. compares every parameter gradient against eager in the same dtype and against
    float64, with the tests' criterion (``npu_fusion.measure.grads.grad_failures``, factor 4);
 
-and prints a table per model (RoPE and RMSNorm sites fused/counted, the gradient
+and prints a table per model (RMSNorm, RoPE and SwiGLU sites fused/counted, the gradient
 verdict, decomposed RoPE/RMSNorm nodes left), then per model the counted sites left
 unfused (by module), the pass's ``FusionResult.misses`` reasons (with the module of
 the node) and notes; then the overall coverage and the wall time.
 
-    python -m benchmarks.zoo_coverage                       # every RoPE/RMSNorm model
+    python -m benchmarks.zoo_coverage                       # every RoPE/RMSNorm/SwiGLU model
     python -m benchmarks.zoo_coverage --models llama,gptj   # some
     python -m benchmarks.zoo_coverage --dtype bfloat16 --json out.json --limit 20
     python -m benchmarks.zoo_coverage --forward             # the forward rules too, their columns beside
@@ -41,21 +43,21 @@ import time
 import torch
 
 from npu_fusion_testing.generated import publishing, script_command
-from npu_fusion_testing.zoo import discover, print_details, print_table, run_model, summary
+from npu_fusion_testing.zoo import COUNTED_KINDS, FORWARD_OP, LABEL, discover, print_details, print_table, run_model, summary
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--models", help="comma-separated model types (default: every RoPE/RMSNorm causal LM)")
+    parser.add_argument("--models", help="comma-separated model types (default: every RoPE/RMSNorm/SwiGLU causal LM)")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     parser.add_argument("--json", metavar="PATH", help="also write the results as JSON")
     parser.add_argument("--limit", type=int, help="run at most this many (buildable) models")
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--dynamic", action="store_true", help="mark batch and sequence of input_ids dynamic")
     parser.add_argument("--forward", action="store_true",
-                        help="also fuse the forward (options rope_forward and rms_norm_forward on): each counted "
-                             "site is a forward site too, shown in the RoPE fw and RMSNorm fw columns")
+                        help="also fuse the forward (the forward rules' options on): each counted site is a "
+                             "forward site too, shown in the fw columns")
     parser.add_argument("--show-skipped", action="store_true")
     parser.add_argument("--write-docs", metavar="NAME",
                         help="also write what this prints into block NAME of its docs/ page")
@@ -88,9 +90,9 @@ def sweep(args: argparse.Namespace) -> list:
         if outcome.status != "skipped":
             ran += 1
             print(f"[{ran}] {outcome.model_type}: {outcome.status} "
-                  f"rope {outcome.rope_fused}/{outcome.rope_present} norm {outcome.norm_fused}/{outcome.norm_present}"
-                  + (f" forward rope {outcome.rope_forward_fused} (missed {outcome.rope_forward_missed}) norm "
-                     f"{outcome.norm_forward_fused} (missed {outcome.norm_forward_missed})" if args.forward else "")
+                  + " ".join(f"{kind} {outcome.fused[kind]}/{outcome.present[kind]}" for kind in COUNTED_KINDS)
+                  + ("".join(f" forward {kind} {outcome.forward_fused[kind]} (missed {outcome.forward_missed[kind]})"
+                             for kind in FORWARD_OP) if args.forward else "")
                   + f" grads {'ok' if outcome.grads_ok else 'FAIL'}"
                   + f" ({outcome.seconds:.1f}s) {outcome.reason}", file=sys.stderr, flush=True)
     return outcomes
@@ -98,18 +100,18 @@ def sweep(args: argparse.Namespace) -> list:
 
 def print_summary(s) -> None:
     print(f"\nmodels: {s['models_ran']} ran, {s['models_error']} failed to build/run, "
-          f"{s['models_skipped']} skipped (no RoPE/RMSNorm, composite, duplicate or unbuildable)")
-    print(f"RoPE sites fused:    {s['rope_sites'][0]}/{s['rope_sites'][1]}"
-          f" ({100.0 * s['rope_sites'][0] / max(1, s['rope_sites'][1]):.1f}%),"
-          f" models fully fused {s['rope_models_fully_fused'][0]}/{s['rope_models_fully_fused'][1]}")
-    print(f"RMSNorm sites fused: {s['rms_norm_sites'][0]}/{s['rms_norm_sites'][1]}"
-          f" ({100.0 * s['rms_norm_sites'][0] / max(1, s['rms_norm_sites'][1]):.1f}%),"
-          f" models fully fused {s['rms_norm_models_fully_fused'][0]}/{s['rms_norm_models_fully_fused'][1]}")
-    if "rope_forward_sites" in s:
-        for key, label in (("rope", "RoPE forward sites fused:   "), ("rms_norm", "RMSNorm forward sites fused:")):
-            fused, counted = s[f"{key}_forward_sites"]
-            print(f"{label} {fused}/{counted} ({100.0 * fused / max(1, counted):.1f}%), recorded misses "
-                  f"{s[f'{key}_forward_missed']}")
+          f"{s['models_skipped']} skipped (no RoPE/RMSNorm/SwiGLU, composite, duplicate or unbuildable)")
+    width = max(len(label) for label in LABEL.values()) + len(" forward")
+    for kind in COUNTED_KINDS:
+        fused, counted = s[f"{kind}_sites"]
+        models = s[f"{kind}_models_fully_fused"]
+        print(f"{LABEL[kind] + ' sites fused:':<{width + 13}} {fused}/{counted} ({100.0 * fused / max(1, counted):.1f}%),"
+              f" models fully fused {models[0]}/{models[1]}")
+    if "forward_silent" in s:
+        for kind in FORWARD_OP:
+            fused, counted = s[f"{kind}_forward_sites"]
+            print(f"{LABEL[kind] + ' forward sites fused:':<{width + 13}} {fused}/{counted} "
+                  f"({100.0 * fused / max(1, counted):.1f}%), recorded misses {s[f'{kind}_forward_missed']}")
         print(f"forward sites neither fused nor recorded (silent): {s['forward_silent']}; models with every "
               f"forward site fused {s['models_forward_fully_fused'][0]}/{s['models_forward_fully_fused'][1]}")
     print(f"models with every site fused: {s['models_fully_fused'][0]}/{s['models_fully_fused'][1]}; "
@@ -134,7 +136,7 @@ def report(args, transformers) -> int:
     print(f"\nnpu-fusion zoo coverage: transformers {transformers.__version__}, torch {torch.__version__}, "
           f"dtype {args.dtype}, {args.layers} layers{', dynamic shapes' if args.dynamic else ''}\n")
     print_table(outcomes)
-    print("\n(RoPE/RMSNorm: fused/counted sites; grads: every parameter gradient as close to float64 as "
+    print(f"\n({'/'.join(LABEL.values())}: fused/counted sites; grads: every parameter gradient as close to float64 as "
           "eager's; left: decomposed RoPE/RMSNorm nodes left after the pass; bw: backward graphs; "
           "unrecognized: no matcher reported the site, missed: a matcher gave a Miss reason)\n")
     print_details(outcomes)

@@ -30,6 +30,9 @@ class TinyConfig:
     #: activation checkpointing of each block: "none", "full" (recompute the whole block in the
     #: backward) or "selective" (save the matmul outputs, recompute the rest)
     checkpoint: str = "none"
+    #: the MLP's projections: "separate" (Llama's gate and up) or "gate_up" (Phi-3's one projection
+    #: chunked into the gate and the up: a SwiGLU site)
+    mlp: str = "separate"
 
     @property
     def head_dim(self) -> int:
@@ -119,14 +122,18 @@ class Block(nn.Module):
         self.input_norm = RMSNorm(config.hidden_size, config.eps)
         self.attn = Attention(config)
         self.post_norm = RMSNorm(config.hidden_size, config.eps)
-        self.gate = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
-        self.up = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        if config.mlp == "gate_up":
+            self.gate_up = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
+        else:
+            self.gate = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+            self.up = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
         self.down = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
 
     def forward(self, x, cos, sin):
         x = x + self.attn(self.input_norm(x), cos, sin)
         h = self.post_norm(x)
-        return x + self.down(F.silu(self.gate(h)) * self.up(h))
+        gate, up = self.gate_up(h).chunk(2, -1) if hasattr(self, "gate_up") else (self.gate(h), self.up(h))
+        return x + self.down(F.silu(gate) * up)
 
 
 class TinyDecoder(nn.Module):
@@ -165,10 +172,13 @@ class TinyDecoder(nn.Module):
 
     @property
     def expected_sites(self):
-        """RMSNorm calls and RoPE applications of one forward, by construction."""
+        """RMSNorm calls, RoPE applications and SwiGLU products of one forward, by construction."""
         from .lowering import RMS_NORM_GRAD, ROPE_GRAD
+        from .lowering.ops.swiglu_grad import OP as SWIGLU_GRAD
 
-        return {RMS_NORM_GRAD.name: 2 * self.config.num_layers + 1, ROPE_GRAD.name: 2 * self.config.num_layers}
+        layers = self.config.num_layers
+        return {RMS_NORM_GRAD.name: 2 * layers + 1, ROPE_GRAD.name: 2 * layers,
+                SWIGLU_GRAD.name: layers if self.config.mlp == "gate_up" else 0}
 
 
 def _save_matmuls():
@@ -188,6 +198,7 @@ BUNDLED = {
     "llama": TinyConfig(rope="half"),
     "gptj": TinyConfig(rope="interleave"),
     "deepseek": TinyConfig(rope="interleave_half"),
+    "phi3": TinyConfig(rope="half", mlp="gate_up"),  # Llama's, with Phi-3's one gate_up projection
 }
 
 

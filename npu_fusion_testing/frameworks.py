@@ -2,9 +2,10 @@
 
 Each :class:`Framework` builds one library's own model code (torchtitan, torchtune, Megatron-core;
 2 layers, head_dim 16 where the library lets us choose, random weights, nothing downloaded), runs it
-forward and gives the causal-LM loss, and counts its RoPE and RMSNorm sites independently of the
-pass (:class:`~npu_fusion.measure.sites.SiteCounter` on the library's own norm and RoPE classes or
-apply-RoPE function). :func:`measure` runs one training step eagerly (counting), in float64 (the
+forward and gives the causal-LM loss, and counts its RoPE, RMSNorm and SwiGLU sites independently
+of the pass (:class:`~npu_fusion.measure.sites.SiteCounter` on the library's own norm and RoPE
+classes, apply-RoPE function or gated linear unit's activation; torchtitan's and torchtune's MLPs
+have separate gate and up projections: no SwiGLU site). :func:`measure` runs one training step eagerly (counting), in float64 (the
 reference), and compiled with the real pass (:class:`~npu_fusion_testing.capture.Capture`), and
 returns where every counted site ended and whether the gradients meet the criterion.
 
@@ -24,10 +25,11 @@ from .capture import Capture
 from .cpu_workarounds import cpu_workarounds_megatron, cpu_workarounds_torchtitan
 from npu_fusion.measure.grads import grad_failures
 from npu_fusion.lowering import RMS_NORM_GRAD, ROPE_GRAD
+from npu_fusion.lowering.ops.swiglu_grad import OP as SWIGLU_GRAD
 from npu_fusion.measure.sites import Accounting, SiteCounter, account
 
 #: the counter's kinds of the sites the frameworks' norm and RoPE classes and functions run
-NORM, ROPE = RMS_NORM_GRAD.option, ROPE_GRAD.option
+NORM, ROPE, SWIGLU = RMS_NORM_GRAD.option, ROPE_GRAD.option, SWIGLU_GRAD.option
 
 VOCAB = 128  # token ids are drawn below this; every model's vocabulary is at least this large
 
@@ -128,9 +130,11 @@ def _megatron_forward(model, ids):
 def _megatron_sites(model) -> SiteCounter:
     import megatron.core.transformer.attention as attention
 
-    # the local spec's RMSNorm is torch.nn.RMSNorm; RoPE is a function the attention calls by name
+    # the local spec's RMSNorm is torch.nn.RMSNorm; RoPE is a function the attention calls by name;
+    # with gated linear units the MLP calls the config's activation on fc1's first half (a site)
+    gated = [(model.config, "activation_func")] if model.config.gated_linear_unit else []
     return SiteCounter(model, modules={NORM: (torch.nn.RMSNorm,)},
-                       functions={ROPE: [(attention, "apply_rotary_pos_emb")]})
+                       functions={ROPE: [(attention, "apply_rotary_pos_emb")], SWIGLU: gated})
 
 
 def _megatron(name: str, interleaved: bool, qk_norm: bool) -> Framework:
@@ -205,7 +209,7 @@ class Coverage:
     check, and the capture with every backward graph before and after the pass."""
     name: str
     dtype: torch.dtype
-    sites: Dict[str, Accounting]     # by kind: "rope", "rms_norm"
+    sites: Dict[str, Accounting]     # by kind: "rope", "rms_norm", "swiglu" (and the forward kinds)
     grad_failures: List[str]
     capture: Capture
 

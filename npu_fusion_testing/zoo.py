@@ -1,5 +1,7 @@
-"""The model-zoo sweep: every causal LM of the installed transformers that uses RoPE or RMSNorm,
-built from a tiny random config, compiled with the real pass and measured.
+"""The model-zoo sweep: every causal LM of the installed transformers that uses RoPE, RMSNorm or SwiGLU, measured.
+
+Each is built from a tiny random config and compiled with the real pass. The kinds of site
+(:data:`COUNTED_KINDS`) are the backward rules' site probes.
 
 For each model: the sites counted independently of the pass in an eager step
 (:func:`count_sites`), where they ended after the pass (fused, with a recorded miss, left
@@ -29,9 +31,9 @@ import torch
 
 from .capture import Capture, decomposed_leftovers
 from npu_fusion.measure.grads import grad_failures
-from npu_fusion.lowering import RMS_NORM, ROPE
-from npu_fusion.measure.sites import NORM_OP, ROPE_OP, grad_tensors
-from npu_fusion.patterns import RmsNormGradRule, RopeGradRule
+from npu_fusion.measure.sites import KINDS, PROBES, ROPE_OP, grad_tensors
+from npu_fusion.patterns import RULES, RmsNormGradRule, RopeGradRule, SwigluGradRule
+from npu_fusion.plugin.options import forward_options
 
 #: the tiny sizes; an attribute is set only when the config has it (directly or via attribute_map)
 SHRINK = {
@@ -68,10 +70,23 @@ TOKEN_IDS = ("pad_token_id", "bos_token_id", "eos_token_id", "sep_token_id", "de
 ROPE_FUNCTION = re.compile(RopeGradRule.site_probe.functions)
 NOT_TEXT_ROPE = re.compile(RopeGradRule.site_probe.excluded)
 ROPE_CLASS = re.compile(RopeGradRule.site_probe.module_classes)
-#: the forward ops (options ``rope_forward``, ``rms_norm_forward``): their sites are the counted
-#: backward sites (each rotation and norm call is a forward site and a backward site)
-ROPE_FORWARD_OP, NORM_FORWARD_OP = ROPE.name, RMS_NORM.name
-FORWARD_OPTIONS = {"rope_forward": True, "rms_norm_forward": True}
+#: the kinds the zoo counts on its own (the backward rules' site probes: ``rope``, ``rms_norm``,
+#: ``swiglu``), in rule order, and the fused backward op each one's sites become
+COUNTED_KINDS = tuple(kind for kind, probe in PROBES.items() if not probe.same_sites_as)
+BACKWARD_OP = {kind: KINDS[kind] for kind in COUNTED_KINDS}
+#: the forward op whose sites are each counted kind's (each rotation, norm call and gated product
+#: is a forward site and a backward site)
+FORWARD_OP = {probe.same_sites_as: KINDS[kind] for kind, probe in PROBES.items() if probe.same_sites_as}
+#: the table's and summary's name of each kind
+LABEL = {rule.site_probe.kind: rule.op.short_label for rule in RULES
+         if rule.site_probe is not None and rule.site_probe.kind in COUNTED_KINDS}
+#: the forward rules' switches, on (``--forward``)
+FORWARD_OPTIONS = dict.fromkeys(forward_options(), True)
+#: the SwiGLU rule's site probe: modules whose forward's source calls one gate_up projection (a
+#: dense MLP) or indexes one (MoE experts: one projection per expert)
+GATED_MLP_SOURCE = re.compile(SwigluGradRule.site_probe.source)
+#: the activation modules a gated MLP calls on the gate half: each call is one site
+GATE_ACTIVATION = re.compile(SwigluGradRule.ops[0].counted_site.gate_activation)
 
 
 # -- discovery and tiny configs -------------------------------------------------------------
@@ -85,6 +100,7 @@ class Entry:
     rope_functions: List[str] = dataclasses.field(default_factory=list)
     norm_classes: List[str] = dataclasses.field(default_factory=list)
     uses_rope: bool = False
+    gated_mlp_classes: List[str] = dataclasses.field(default_factory=list)
     skip: Optional[str] = None
 
 
@@ -238,6 +254,22 @@ def norm_class_names(module) -> List[str]:
     return sorted(names)
 
 
+def gated_mlp_class_names(module) -> List[str]:
+    """Modules of ``module`` whose forward calls or indexes one ``gate_up_proj`` (the SwiGLU rule's
+    site probe): Phi-3's and GLM-4's MLPs, the MoE experts of Mixtral, Qwen3-MoE, DeepSeek-V3."""
+    names = []
+    for n, c in vars(module).items():
+        if not (inspect.isclass(c) and issubclass(c, torch.nn.Module)) or c.__module__ != module.__name__:
+            continue
+        try:
+            source = inspect.getsource(c.forward)
+        except (OSError, TypeError):
+            continue
+        if GATED_MLP_SOURCE.search(source):
+            names.append(n)
+    return sorted(names)
+
+
 def discover(model_types: Optional[List[str]] = None, layers: int = 2) -> List[Entry]:
     """The causal-LM entries, tiny-configured; those that cannot be built carry a skip reason."""
     import transformers
@@ -286,8 +318,9 @@ def _configure(entry: Entry, cls, layers: int) -> None:
     entry.norm_classes = own_norms + ([] if "RMSNorm" in own_norms else ["RMSNorm"])
     entry.uses_rope = bool(entry.rope_functions) or any(
         inspect.isclass(c) and ROPE_CLASS.search(n) for n, c in vars(entry.module).items())
-    if not entry.uses_rope and not own_norms:
-        entry.skip = "uses neither RoPE nor RMSNorm"
+    entry.gated_mlp_classes = gated_mlp_class_names(entry.module)
+    if not entry.uses_rope and not own_norms and not entry.gated_mlp_classes:
+        entry.skip = "uses neither RoPE nor RMSNorm nor a gate_up projection"
         return
     try:
         with torch.device("meta"):
@@ -339,16 +372,19 @@ def build(entry: Entry, dtype=torch.float32, seed: int = 0):
 
 @contextlib.contextmanager
 def count_sites(model, entry: Entry):
-    """Count RMSNorm calls and RoPE applications of an eager forward and backward, independently
-    of the pass: forward hooks on the norm modules and a wrapper around the apply-rotary
-    functions put a gradient hook on each output; a site counts when its output receives a
-    gradient (so a RoPE whose result only feeds a top-k index, as in DeepSeek-V4's indexer,
-    does not: it has no backward to fuse).
+    """Count RMSNorm calls, RoPE applications and SwiGLU products of an eager forward and backward.
 
-    Yields ``{"rms_norm": n, "rope": n, "where": Counter, "forward": {...}}``; ``where`` counts the
-    sites by ``(kind, module path)``: the norm module, or the module whose forward called the
-    apply function (the attention), so unfused sites can be named; ``forward`` counts the calls
-    of the forward whether or not a gradient reached them.
+    Independently of the pass: forward hooks on the norm modules and on the gate activations
+    of the gated MLPs (:data:`GATED_MLP_SOURCE`), and a wrapper around the apply-rotary functions,
+    put a gradient hook on each output; a site counts when its output receives a gradient (so a
+    RoPE whose result only feeds a top-k index, as in DeepSeek-V4's indexer, does not: it has no
+    backward to fuse).
+
+    Yields ``{kind: n for kind in COUNTED_KINDS, "where": Counter, "forward": {...}}``; ``where``
+    counts the sites by ``(kind, module path)``: the norm module, the module whose forward called
+    the apply function (the attention), or the gated MLP whose activation ran, so unfused sites
+    can be named; ``forward`` counts the calls of the forward whether or not a gradient reached
+    them.
 
     Not :class:`~npu_fusion.measure.sites.SiteCounter`, whose counts would differ here: this one
     finds the norm classes by name or source in any model, counts only the innermost of nested
@@ -356,12 +392,12 @@ def count_sites(model, entry: Entry):
     another once, names the caller from a module stack rather than frames, hooks each output
     itself rather than a view's base, and also counts forward calls that get no gradient.
     """
-    counts = {"rms_norm": 0, "rope": 0, "where": collections.Counter(),
-              "forward": {"rms_norm": 0, "rope": 0}}
+    counts = {**dict.fromkeys(COUNTED_KINDS, 0), "where": collections.Counter(),
+              "forward": dict.fromkeys(COUNTED_KINDS, 0)}
     stack = []  # module paths of the forwards running now
     names = {m: n for n, m in model.named_modules()}
     watch = functools.partial(_watch_output, counts)
-    hooks = _norm_hooks(model, entry, counts, watch, names)
+    hooks = _norm_hooks(model, entry, counts, watch, names) + _gate_hooks(model, entry, watch, names)
     hooks += [m.register_forward_pre_hook(functools.partial(_push, stack, names)) for m in model.modules()]
     hooks += [m.register_forward_hook(functools.partial(_pop, stack), always_call=True) for m in model.modules()]
     originals = {}
@@ -409,6 +445,21 @@ def _norm_hooks(model, entry: Entry, counts, watch, names) -> list:
 
     return [m.register_forward_hook(on_norm) for m in model.modules()
             if is_norm(m) and not any(is_norm(c) for c in m.modules() if c is not m)]
+
+
+def _gate_hooks(model, entry: Entry, watch, names) -> list:
+    """Forward hooks on the gate activations (SiLU) of the gated MLPs: each call, one SwiGLU site
+    of the MLP (a dense MLP calls it once, MoE experts once per expert that got tokens)."""
+    hooks = []
+    for mlp in model.modules():
+        if type(mlp).__name__ not in entry.gated_mlp_classes:
+            continue
+        for child in mlp.children():
+            if GATE_ACTIVATION.search(type(child).__name__):
+                where = names.get(mlp, "?")
+                hooks.append(child.register_forward_hook(
+                    lambda _m, _i, out, where=where: watch("swiglu", where, out)))
+    return hooks
 
 
 def _push(stack, names, module, *_):
@@ -459,15 +510,20 @@ def fused_where(capture, entry: Entry) -> collections.Counter:
     # once per layer: count each site per run, as the eager counter does
     for before, result, runs in zip(capture.before, capture.results, capture.runs):
         by_name = {n.name: n for n in before.nodes}
-        for site in (s for s in result.sites if s.op in (ROPE_OP, NORM_OP)):  # backward sites
-            kind = "rope" if site.op == ROPE_OP else "rms_norm"
+        for site in (s for s in result.sites if s.op in KIND_OF_BACKWARD_OP):  # backward sites
+            kind = KIND_OF_BACKWARD_OP[site.op]
             found = [_innermost_module(by_name[n]) for n in site.replaced_nodes if n in by_name]
             found = [f for f in found if f is not None]
             if kind == "rms_norm":
                 found = [f for f in found if f[1] in entry.norm_classes] or found
+            if kind == "swiglu":  # the MLP, not its activation
+                found = [f for f in found if f[1] in entry.gated_mlp_classes] or found
             paths = collections.Counter(f[0] for f in found)
             where[(kind, paths.most_common(1)[0][0] if paths else "?")] += runs
     return where
+
+
+KIND_OF_BACKWARD_OP = {op: kind for kind, op in BACKWARD_OP.items()}
 
 
 def missed_runs(capture, op: str) -> int:
@@ -611,39 +667,38 @@ class Outcome:
     class_name: str
     status: str = "ok"          # ok | skipped | error
     reason: str = ""
-    rope_present: int = 0
-    rope_fused: int = 0
-    norm_present: int = 0
-    norm_fused: int = 0
+    #: by kind (:data:`COUNTED_KINDS`): the counted sites, and of them those the backward op replaced
+    present: Dict[str, int] = dataclasses.field(default_factory=lambda: dict.fromkeys(COUNTED_KINDS, 0))
+    fused: Dict[str, int] = dataclasses.field(default_factory=lambda: dict.fromkeys(COUNTED_KINDS, 0))
     grads_ok: Optional[bool] = None
     grad_failures: List[str] = dataclasses.field(default_factory=list)
     misses: List[str] = dataclasses.field(default_factory=list)
     unfused: List[str] = dataclasses.field(default_factory=list)   # counted sites left unfused, by module
     pass_errors: List[str] = dataclasses.field(default_factory=list)
-    leftovers: int = 0          # decomposed RoPE/RMSNorm nodes left (or of unknown origin)
+    leftovers: int = 0          # decomposed RoPE/RMSNorm nodes left (or of unknown origin; SwiGLU's are not told)
     leftovers_other: int = 0    # decomposed_leftovers of other code (GELU-tanh's pow, ...)
     backward_graphs: int = 0
     forward: bool = False       # the forward rules ran too (the forward_* fields are theirs)
-    rope_forward_fused: int = 0
-    rope_forward_missed: int = 0    # recorded misses of the forward op
-    norm_forward_fused: int = 0
-    norm_forward_missed: int = 0
+    #: by kind: the forward op's fused sites and recorded misses
+    forward_fused: Dict[str, int] = dataclasses.field(default_factory=lambda: dict.fromkeys(COUNTED_KINDS, 0))
+    forward_missed: Dict[str, int] = dataclasses.field(default_factory=lambda: dict.fromkeys(COUNTED_KINDS, 0))
     variant: str = "default"    # the AOTAutograd variant the model was compiled with
     notes: List[str] = dataclasses.field(default_factory=list)
     seconds: float = 0.0
 
     def forward_silent(self, kind: str) -> int:
-        """Counted forward sites of ``kind`` (``rope``, ``rms_norm``) neither fused nor recorded
-        as a miss (negative when the pass accounted for more than were counted)."""
-        if kind == "rope":
-            return self.rope_present - self.rope_forward_fused - self.rope_forward_missed
-        return self.norm_present - self.norm_forward_fused - self.norm_forward_missed
+        """Counted forward sites of ``kind`` (one of :data:`COUNTED_KINDS`) neither fused nor
+        recorded as a miss (negative when the pass accounted for more than were counted)."""
+        return self.present[kind] - self.forward_fused[kind] - self.forward_missed[kind]
+
+    def fully_fused(self, kind: str) -> bool:
+        return self.fused[kind] == self.present[kind]
 
 
 def _count_forward(out: Outcome, capture) -> None:
     """The forward ops' fused sites and recorded misses, each once per run of its graph."""
-    out.rope_forward_fused, out.norm_forward_fused = capture.fused_runs(ROPE_FORWARD_OP), capture.fused_runs(NORM_FORWARD_OP)
-    out.rope_forward_missed, out.norm_forward_missed = missed_runs(capture, ROPE_FORWARD_OP), missed_runs(capture, NORM_FORWARD_OP)
+    for kind, op in FORWARD_OP.items():
+        out.forward_fused[kind], out.forward_missed[kind] = capture.fused_runs(op), missed_runs(capture, op)
 
 
 def _compiled_or_with_core_decompositions(out: Outcome, model, ids, dynamic, switches):
@@ -654,7 +709,8 @@ def _compiled_or_with_core_decompositions(out: Outcome, model, ids, dynamic, swi
     except Exception as exc:
         first = _describe(exc)
         try:
-            compiled_grads(model, ids, dynamic, rope=False, rms_norm=False)
+            compiled_grads(model, ids, dynamic, **dict.fromkeys(COUNTED_KINDS, False), **{
+                option: False for option in forward_options()})
         except Exception:
             out.variant = "decompositions=core"
             out.notes.append(f"default compile fails without the pass too ({first})")
@@ -677,18 +733,18 @@ def run_model(entry: Entry, dtype=torch.float32, batch=2, seq=12, dynamic=False,
         ids = torch.randint(0, entry.config.vocab_size, (batch, seq), generator=torch.Generator().manual_seed(1))
         with count_sites(model, entry) as counts:
             eager = param_grads(model, ids)
-        out.rope_present, out.norm_present = counts["rope"], counts["rms_norm"]
+        out.present = {kind: counts[kind] for kind in COUNTED_KINDS}
         if counts.get("statistic_only"):
             out.notes.append(f"{counts['statistic_only']} *RMSNorm call(s) return only rsqrt(mean(x^2)+eps) "
                              f"(not counted: no RmsNormGrad form)")
-        for kind, label in (("rope", "RoPE"), ("rms_norm", "RMSNorm")):
+        for kind in COUNTED_KINDS:
             idle = counts["forward"][kind] - counts[kind]
             if idle:
-                out.notes.append(f"{idle} {label} output(s) get no gradient (no backward site; not counted)")
+                out.notes.append(f"{idle} {LABEL[kind]} output(s) get no gradient (no backward site; not counted)")
         exact = param_grads(copy.deepcopy(model).double(), ids)
 
         fused, capture = _compiled_or_with_core_decompositions(out, model, ids, dynamic, switches)
-        out.rope_fused, out.norm_fused = capture.fused_runs(ROPE_OP), capture.fused_runs(NORM_OP)
+        out.fused = {kind: capture.fused_runs(op) for kind, op in BACKWARD_OP.items()}
         _count_forward(out, capture)
         out.backward_graphs = len(capture.after)
         out.grad_failures = grad_failures(fused, eager, exact)
@@ -720,16 +776,14 @@ def _frac(fused, present):
 def unfused_note(o: Outcome) -> str:
     """The table's short note; :func:`print_details` has the full story."""
     notes = []
-    if o.rope_fused < o.rope_present or o.norm_fused < o.norm_present:
-        explained = {m.split(" at ")[0] for m in o.misses}
-        missing = [(ROPE_OP, "RoPE", o.rope_present - o.rope_fused), (NORM_OP, "RMSNorm", o.norm_present - o.norm_fused)]
-        notes += [f"{n} {label} " + ("missed" if op in explained else "unrecognized")
-                  for op, label, n in missing if n > 0]
-    if o.rope_fused > o.rope_present or o.norm_fused > o.norm_present:
+    explained = {m.split(" at ")[0] for m in o.misses}
+    notes += [f"{o.present[kind] - o.fused[kind]} {LABEL[kind]} "
+              + ("missed" if BACKWARD_OP[kind] in explained else "unrecognized")
+              for kind in COUNTED_KINDS if o.fused[kind] < o.present[kind]]
+    if any(o.fused[kind] > o.present[kind] for kind in COUNTED_KINDS):
         notes.append("more fused than counted")
     if o.forward:
-        silent = [(n, label) for n, label in ((o.forward_silent("rope"), "RoPE"), (o.forward_silent("rms_norm"), "RMSNorm"))
-                  if n]
+        silent = [(o.forward_silent(kind), LABEL[kind]) for kind in FORWARD_OP if o.forward_silent(kind)]
         notes += [f"{n} {label} forward " + ("unrecognized" if n > 0 else "more than counted") for n, label in silent]
     if o.misses:
         notes.append(f"{len(o.misses)} Miss")
@@ -742,31 +796,33 @@ def unfused_note(o: Outcome) -> str:
     return ", ".join(notes)
 
 
-def _forward_cells(o: Outcome, forward: bool, blank: bool = False) -> str:
-    """The forward columns (``RoPE fw``, ``RMSNorm fw``: fused/counted) when the sweep ran them."""
-    if not forward:
-        return ""
-    if blank:
-        return f" {'':>7} {'':>10}"
-    return f" {_frac(o.rope_forward_fused, o.rope_present):>7} {_frac(o.norm_forward_fused, o.norm_present):>10}"
+def _columns(forward: bool) -> List[tuple]:
+    """The table's site columns: ``(header, kind, forward)`` per counted kind, then per forward kind."""
+    columns = [(LABEL[kind], kind, False) for kind in COUNTED_KINDS]
+    return columns + ([(f"{LABEL[kind]} fw", kind, True) for kind in FORWARD_OP] if forward else [])
+
+
+def _cells(o: Outcome, columns: List[tuple], blank: bool = False) -> str:
+    """fused/counted per column (the forward op's fused sites in a forward column)."""
+    return "".join(f" {'' if blank else _frac((o.forward_fused if fw else o.fused)[kind], o.present[kind]):>{max(7, len(h))}}"
+                   for h, kind, fw in columns)
 
 
 def print_table(outcomes: List[Outcome], file=None):
     file = file or sys.stdout  # looked up at the call: --write-docs redirects it
     rows = [o for o in outcomes if o.status != "skipped"]
-    forward = any(o.forward for o in rows)
-    header = (f"{'model':<20} {'RoPE':>7} {'RMSNorm':>8}" + (f" {'RoPE fw':>7} {'RMSNorm fw':>10}" if forward else "")
+    columns = _columns(any(o.forward for o in rows))
+    header = (f"{'model':<20}" + "".join(f" {h:>{max(7, len(h))}}" for h, _, _ in columns)
               + f" {'grads':>5} {'left':>4} {'bw':>3} {'s':>5}  notes")
     print(header, file=file)
-    print("-" * 100, file=file)
+    print("-" * max(100, len(header) + 10), file=file)
     for o in rows:
         if o.status == "error":
-            print(f"{o.model_type:<20} {'':>7} {'':>8}{_forward_cells(o, forward, True)} {'':>5} {'':>4} {'':>3} "
+            print(f"{o.model_type:<20}{_cells(o, columns, True)} {'':>5} {'':>4} {'':>3} "
                   f"{o.seconds:5.1f}  ERROR {o.reason[:120]}", file=file)
             continue
         grads = "ok" if o.grads_ok else "FAIL"
-        print(f"{o.model_type:<20} {_frac(o.rope_fused, o.rope_present):>7} "
-              f"{_frac(o.norm_fused, o.norm_present):>8}{_forward_cells(o, forward)} {grads:>5} {o.leftovers:>4} "
+        print(f"{o.model_type:<20}{_cells(o, columns)} {grads:>5} {o.leftovers:>4} "
               f"{o.backward_graphs:>3} {o.seconds:5.1f}  {unfused_note(o)}", file=file)
 
 
@@ -790,26 +846,22 @@ def print_details(outcomes: List[Outcome], file=None):
 
 
 def summary(outcomes: List[Outcome]) -> Dict[str, Any]:
+    """Totals of a sweep: per counted kind ``<kind>_sites`` (fused, counted) and
+    ``<kind>_models_fully_fused`` (models, models with a site of the kind), and over all kinds."""
     ran = [o for o in outcomes if o.status == "ok"]
-    rope_p = sum(o.rope_present for o in ran)
-    rope_f = sum(min(o.rope_fused, o.rope_present) for o in ran)
-    norm_p = sum(o.norm_present for o in ran)
-    norm_f = sum(min(o.norm_fused, o.norm_present) for o in ran)
-    rope_models = [o for o in ran if o.rope_present]
-    norm_models = [o for o in ran if o.norm_present]
-    return {
+    out: Dict[str, Any] = {
         "models_ran": len(ran),
         "models_error": sum(o.status == "error" for o in outcomes),
         "models_skipped": sum(o.status == "skipped" for o in outcomes),
-        "rope_sites": [rope_f, rope_p], "rms_norm_sites": [norm_f, norm_p],
-        "rope_models_fully_fused": [sum(o.rope_fused == o.rope_present for o in rope_models), len(rope_models)],
-        "rms_norm_models_fully_fused": [sum(o.norm_fused == o.norm_present for o in norm_models),
-                                        len(norm_models)],
-        "models_fully_fused": [sum(o.rope_fused == o.rope_present and o.norm_fused == o.norm_present
-                                   for o in ran), len(ran)],
-        "grads_ok": [sum(bool(o.grads_ok) for o in ran), len(ran)],
-        **_forward_summary(ran),
     }
+    for kind in COUNTED_KINDS:
+        having = [o for o in ran if o.present[kind]]
+        out[f"{kind}_sites"] = [sum(min(o.fused[kind], o.present[kind]) for o in ran), sum(o.present[kind] for o in ran)]
+        out[f"{kind}_models_fully_fused"] = [sum(o.fully_fused(kind) for o in having), len(having)]
+    out["models_fully_fused"] = [sum(all(o.fully_fused(kind) for kind in COUNTED_KINDS) for o in ran), len(ran)]
+    out["grads_ok"] = [sum(bool(o.grads_ok) for o in ran), len(ran)]
+    out.update(_forward_summary(ran))
+    return out
 
 
 def _forward_summary(ran: List[Outcome]) -> Dict[str, Any]:
@@ -817,13 +869,12 @@ def _forward_summary(ran: List[Outcome]) -> Dict[str, Any]:
     ran = [o for o in ran if o.forward]
     if not ran:
         return {}
-    rope_p, norm_p = sum(o.rope_present for o in ran), sum(o.norm_present for o in ran)
-    return {
-        "rope_forward_sites": [sum(min(o.rope_forward_fused, o.rope_present) for o in ran), rope_p],
-        "rms_norm_forward_sites": [sum(min(o.norm_forward_fused, o.norm_present) for o in ran), norm_p],
-        "rope_forward_missed": sum(o.rope_forward_missed for o in ran),
-        "rms_norm_forward_missed": sum(o.norm_forward_missed for o in ran),
-        "forward_silent": sum(max(0, o.forward_silent(k)) for o in ran for k in ("rope", "rms_norm")),
-        "models_forward_fully_fused": [sum(o.rope_forward_fused == o.rope_present and o.norm_forward_fused
-                                           == o.norm_present for o in ran), len(ran)],
-    }
+    out: Dict[str, Any] = {}
+    for kind in FORWARD_OP:
+        out[f"{kind}_forward_sites"] = [sum(min(o.forward_fused[kind], o.present[kind]) for o in ran),
+                                        sum(o.present[kind] for o in ran)]
+        out[f"{kind}_forward_missed"] = sum(o.forward_missed[kind] for o in ran)
+    out["forward_silent"] = sum(max(0, o.forward_silent(k)) for o in ran for k in FORWARD_OP)
+    out["models_forward_fully_fused"] = [sum(all(o.forward_fused[k] == o.present[k] for k in FORWARD_OP)
+                                             for o in ran), len(ran)]
+    return out

@@ -102,8 +102,8 @@ def test_framework_accounting_leaves_out_forward_kinds_when_their_rules_are_off(
     frameworks = pytest.importorskip("npu_fusion_testing.frameworks")
     pytest.importorskip("torchtitan")
     coverage = frameworks.measure(frameworks.FRAMEWORKS["torchtitan:llama3"], torch.float32, strict=False,
-                                  target="generic", rms_norm_forward=False, rope_forward=False)
-    assert set(coverage.sites) == {"rope", "rms_norm"}
+                                  target="generic", **dict.fromkeys(forward_options(), False))
+    assert set(coverage.sites) == {"rope", "rms_norm", "swiglu"}
 
 
 def test_report_forward_rows_expect_the_counted_sites(capsys):

@@ -1,6 +1,6 @@
 """Tiny random models of torchtitan, torchtune and Megatron-core, compiled with the pass.
 
-For each library's own model code: the RoPE and RMSNorm sites an independent counter sees in an
+For each library's own model code: the RoPE, RMSNorm and SwiGLU sites an independent counter sees in an
 eager step (checked against the architecture's own numbers), every one of them that ran inside a
 compiled graph replaced by its fused op, and every parameter gradient within the float64
 criterion (``assert_close_as_unfused``, factor 4). The CPU-only workarounds these libraries need
@@ -25,6 +25,9 @@ EXPECTED_SITES = {
     "torchtune:llama3": (4, 5), "torchtune:llama3_1": (4, 5), "torchtune:gemma": (4, 5),
     "torchtune:gemma2": (4, 9), "megatron:gpt": (4, 5), "megatron:gpt-interleaved-qknorm": (4, 9),
 }
+#: SwiGLU sites per eager step: Megatron's gated linear unit (one fc1 chunked in two) in each layer;
+#: torchtitan's and torchtune's MLPs have separate gate and up projections (w1, w3): no site
+SWIGLU_SITES = {name: 2 if name.startswith("megatron:") else 0 for name in EXPECTED_SITES}
 
 #: forms the matchers do not fuse yet, by model: xfail(strict=True) with the reason, so that a fix
 #: shows as XPASS (every model fuses every site as of the RoPE matcher reading select_backward and
@@ -60,7 +63,8 @@ def test_framework_model_fuses_every_site_in_compiled_graphs(name, dtype):
     assert not coverage.grad_failures, coverage.grad_failures
     rope, norm = coverage.sites["rope"], coverage.sites["rms_norm"]
     assert (rope.counted, norm.counted) == EXPECTED_SITES[name]
-    for sites in (rope, norm):
+    assert coverage.sites["swiglu"].counted == SWIGLU_SITES[name]
+    for sites in coverage.sites.values():  # every kind, forward ones too (their rules are on by default)
         assert sites.fused == sites.inside, (sites.op, sites.fused, sites.inside, sites.misses, sites.outside)
         assert sites.missed == 0 and sites.unexplained == 0
 

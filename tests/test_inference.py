@@ -215,7 +215,9 @@ def test_explain_an_inference_step():
     assert report["ops"]["rms_norm"]["fused"] == report["ops"]["rms_norm"]["expected"] == expected["rms_norm"]
     assert report["ops"]["rotary_position_embedding"]["fused"] == expected["rope"]
     assert report["ops"]["rms_norm_grad"]["found"] == 0 and report["misses"] == []
-    assert set(report["accounting"]) == {"rms_norm", "rotary_position_embedding"}
+    # the forward kinds (SwiGLU's too, on by default: Qwen3's MLP has separate gate and up, 0 sites)
+    assert set(report["accounting"]) == {"rms_norm", "rotary_position_embedding", "swiglu"}
+    assert report["accounting"]["swiglu"]["expected"] == report["accounting"]["swiglu"]["fused"] == 0
     assert all(row["unexplained"] == 0 and row["fused"] == row["expected"] for row in report["accounting"].values())
     assert report["gradients"]["passed"] and report["gradients"]["per_dtype"]["bfloat16"]["params"] == 1
     # the page names what was checked (outputs) and the graph the pass ran on, and no saved set

@@ -62,15 +62,16 @@ def test_rule_list_is_ordered_and_typed():
     # every rule counts its sites; the forward rules' sites are their backward's
     assert all(r.site_probe is not None and r.site_probe.kind == r.option for r in RULES)
     assert [r.site_probe.same_sites_as for r in RULES] == [None, None, None, "rms_norm", "rope", "swiglu"]
-    # SwiGLU is off until the sweeps show it sound
-    assert [r.enabled_by_default for r in RULES] == [True, True, False, True, True, False]
+    # every rule on by default (SwiGLU's since the sweeps fused every counted site)
+    assert [r.enabled_by_default for r in RULES] == [True] * 6
 
 
 def test_forms_and_options_derive_from_the_rules():
     assert FORMS == [(r.op.name, f.form, f.seen_in) for r in RULES for f in r.forms]
     fields = {f.name for f in FusionOptions.__dataclass_fields__.values()}
     assert {"rope", "rms_norm"} <= fields and all(r.option in fields for r in RULES)
-    off = FusionOptions.from_mapping({"rope": False, "rms_norm_forward": False, "rope_forward": False})
+    off = FusionOptions.from_mapping({"rope": False, "rms_norm_forward": False, "rope_forward": False,
+                                      "swiglu": False, "swiglu_forward": False})
     assert [r.op.name for r in RULES if off.enables(r)] == [RMS]
     with pytest.raises(ValueError, match="unknown npu_fusion option"):
         FusionOptions.from_mapping({"rotary": False})

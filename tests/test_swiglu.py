@@ -141,11 +141,13 @@ def test_backward_alone_fuses_and_the_forward_waits_for_it():
     assert "decomposed backward" in miss.reason
 
 
-def test_off_by_default():
+def test_on_by_default_and_off_when_switched_off():
+    """Both rules on by default (the sweeps fused every counted site); switched off, nothing fuses
+    and nothing is recorded."""
     capture = check(chunked, _inputs(torch.float32), swiglu=False, swiglu_forward=False)
     assert not _joint(capture).misses and (_fused(capture, FORWARD), _fused(capture, BACKWARD)) == (0, 0)
     from npu_fusion.plugin.options import FusionOptions
-    assert FusionOptions().swiglu is False and FusionOptions().swiglu_forward is False
+    assert FusionOptions().swiglu is True and FusionOptions().swiglu_forward is True
 
 
 # -- near misses: recorded, never rewritten ----------------------------------------------

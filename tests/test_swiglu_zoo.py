@@ -45,3 +45,17 @@ def test_transformers_mlps(model_type, sites):
     assert (capture.fused_runs("swiglu"), capture.fused_runs("swiglu_grad")) == (sites, sites)
     assert not [m for r in capture.results for m in r.misses if m.op.startswith("swiglu")]
     assert not [r.error for r in capture.results if r.error]
+
+
+@pytest.mark.parametrize("model_type", ["phi3", "mixtral"])
+def test_zoo_sweep_counts_swiglu_sites_on_their_own(model_type):
+    """The zoo sweep counts SwiGLU sites as their own kind (a dense MLP's gate activation, the MoE
+    experts' once per expert that got tokens); with the options' defaults every one fuses backward
+    and forward, nothing missed, gradients by the float64 criterion."""
+    (entry,) = zoo.discover([model_type], layers=2)
+    out, _ = zoo.run_model(entry)
+    assert out.status == "ok", out.reason
+    assert out.present["swiglu"] > 0
+    assert out.fused["swiglu"] == out.forward_fused["swiglu"] == out.present["swiglu"], out
+    assert out.grads_ok and not out.misses and not out.pass_errors, out
+    assert "SwiGLU" in zoo.LABEL.values() and zoo.summary([out])["swiglu_sites"] == [out.present["swiglu"]] * 2

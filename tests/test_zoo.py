@@ -21,7 +21,6 @@ from npu_fusion_testing import zoo  # noqa: E402
 from npu_fusion_testing.capture import Capture  # noqa: E402
 from npu_fusion.measure.grads import assert_close_as_unfused  # noqa: E402
 
-ROPE, NORM = "rotary_position_embedding_grad", "rms_norm_grad"
 F32, BF16 = torch.float32, torch.bfloat16
 
 #: model type -> the runs (dtype, dynamic batch and sequence)
@@ -85,11 +84,10 @@ def _check(entry, dtype, dynamic):
 
     where = f"{entry.model_type} {dtype} {'dynamic' if dynamic else 'static'}"
     misses = [f"{m.op} at {m.node}: {m.reason}" for m in capture.misses()]
-    assert capture.fused(ROPE) == expected["rope"], (where, "RoPE", capture.fused(ROPE), expected, misses)
-    assert capture.fused(NORM) == expected["rms_norm"], (where, "RMSNorm", capture.fused(NORM), expected, misses)
     after = capture.after_counts()
-    assert after[f"{ROPE}.default"] == expected["rope"]
-    assert after[f"{NORM}.default"] == expected["rms_norm"]
+    for kind, op in zoo.BACKWARD_OP.items():  # RoPE, RMSNorm and SwiGLU (each rule on by default)
+        assert capture.fused(op) == expected[kind], (where, zoo.LABEL[kind], capture.fused(op), expected, misses)
+        assert after.get(f"{op}.default", 0) == expected[kind]
     for graph in capture.after:
         left = zoo.site_leftovers(graph, entry)
         assert not (left["rope"] or left["rms_norm"] or left["unknown"]), (where, left)

@@ -123,6 +123,11 @@ class CountedSite:
     #: a site's module path is that of the module whose forward made the call, not the called
     #: module's own (a module of this kind is often one instance shared by every layer)
     path_of_caller: bool = False
+    #: the convention's gated MLPs: modules whose ``forward`` source matches this regular
+    #: expression; each call of their gate activation (a child whose class name matches
+    #: :attr:`gate_activation`) is a site (a dense MLP calls it once, MoE experts once per expert)
+    gated_source: str = ""
+    gate_activation: str = ""
 
 
 @dataclasses.dataclass(frozen=True)

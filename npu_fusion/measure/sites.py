@@ -107,9 +107,10 @@ def expected_for(options, expected: Optional[Dict[str, int]]) -> Optional[Dict[s
 class SiteCounter:
     """Counts the sites of one eager run (a context manager; read ``counted`` afterwards).
 
-    ``modules``: by kind (:data:`COUNTED_SITES`: ``"rms_norm"``, ``"rope"``, each its op's
-    :attr:`~npu_fusion.lowering.FusedOp.option`), module classes whose every call is a site (a
-    RoPE module may return q and k: one site each); ``functions``: by kind, ``(namespace, name)``
+    ``modules``: by kind (:data:`COUNTED_SITES`: ``"rms_norm"``, ``"rope"``, ``"swiglu"``, each
+    its op's :attr:`~npu_fusion.lowering.FusedOp.option`), module classes (or module instances:
+    a gated MLP's gate activation) whose every call is a site (a RoPE module may return q and k:
+    one site each); ``functions``: by kind, ``(namespace, name)``
     pairs of functions (apply-RoPE), replaced by a counting wrapper while the counter is active."""
 
     def __init__(self, model: torch.nn.Module, modules: Optional[Mapping[str, Sequence[type]]] = None,
@@ -119,6 +120,9 @@ class SiteCounter:
         if unknown:
             raise ValueError(f"SiteCounter: unknown site kind(s) {unknown}; the kinds are {sorted(COUNTED_SITES)}")
         self.model = model
+        #: the kinds the caller gave (a kind given with nothing to hook counts 0 sites; a kind not
+        #: given is not counted at all)
+        self.watched = tuple(kind for kind in COUNTED_SITES if kind in modules or kind in functions)
         self.modules = {kind: tuple(types) for kind, types in modules.items() if types}
         self.functions = {kind: list(pairs) for kind, pairs in functions.items() if pairs}
         self.names = {m: n for n, m in model.named_modules(remove_duplicate=False)}
@@ -127,7 +131,10 @@ class SiteCounter:
 
     def module_types(self) -> Tuple[type, ...]:
         """Every module class the counter hooks, of any kind."""
-        return tuple(t for types in self.modules.values() for t in types)
+        return tuple(t for types in self.modules.values() for t in types if isinstance(t, type))
+
+    def _counts(self, module, hooked) -> bool:
+        return any(module is h or (isinstance(h, type) and isinstance(module, h)) for h in hooked)
 
     def _watch(self, kind: str, where: str, out) -> None:
         if not torch.is_grad_enabled():  # an inference step: each floating output is a forward site
@@ -159,7 +166,7 @@ class SiteCounter:
     def __enter__(self) -> "SiteCounter":
         for m in self.model.modules():
             for kind, types in self.modules.items():
-                if isinstance(m, types):
+                if self._counts(m, types):
                     self._undo.append(m.register_forward_hook(functools.partial(self._on_module, kind)).remove)
         for kind, pairs in self.functions.items():
             for namespace, name in pairs:
@@ -184,8 +191,9 @@ class SiteCounter:
     @property
     def counts(self) -> Dict[str, int]:
         """Counted sites by fused-op name (what ``npu-fusion report`` expects), of the kinds counted
-        on their own: :func:`expected_for` adds the forward ops, whose sites these are too."""
-        return {op: self.total(kind) for kind, op in KINDS.items() if not PROBES[kind].same_sites_as}
+        on their own that the caller gave: :func:`expected_for` adds the forward ops, whose sites
+        these are too."""
+        return {KINDS[kind]: self.total(kind) for kind in self.watched}
 
 
 @dataclasses.dataclass

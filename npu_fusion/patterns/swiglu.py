@@ -534,7 +534,6 @@ class SwigluForwardRule(FusionRule):
     reads_whole = ("silu",)
     domain = "lanes"
     ops = (OP,)
-    enabled_by_default = False
     site_probe = SiteProbe(kind=OP.option, same_sites_as="swiglu")
     forms = tuple(Form(*row) for row in (
         ("forward on the joint graph, after its fused backward: `silu(gate) * up` of the two halves of one "

@@ -254,10 +254,9 @@ class SwigluGradRule(FusionRule):
     reads_whole = ("silu", "silu_backward")
     domain = "lanes"
     ops = (OP,)
-    enabled_by_default = False
-    #: a dense MLP that calls one gate_up projection (Phi-3, GLM-4); not the MoE experts, whose calls
-    #: per expert the counters cannot see
-    site_probe = SiteProbe(kind=OP.option, source=r"self\.gate_up_proj\(")
+    #: a module whose forward calls one gate_up projection (Phi-3's and GLM-4's MLPs) or indexes one
+    #: per expert (transformers' MoE experts); each call of its gate activation is a site
+    site_probe = SiteProbe(kind=OP.option, source=OP.counted_site.gated_source)
     forms = tuple(Form(*row) for row in (
         ("`silu(gate) * up` of the two halves of one projection: `chunk(2, -1)`, `split`, slices, "
          "upcast to float32 and cast back; dx joined by `cat` or by `slice_backward` and `add`",

@@ -9,8 +9,9 @@ The switches derive from :data:`npu_fusion.patterns.RULES`: each rule's
 another: ``rope`` fuses RoPE backward subgraphs into ``npu_fusion.rotary_position_embedding_grad``,
 ``rms_norm`` RMSNorm backward subgraphs into ``npu_fusion.rms_norm_grad``, ``rms_norm_forward``
 forward RMSNorm into ``npu_fusion.rms_norm``, ``rope_forward`` forward RoPE into
-``npu_fusion.rotary_position_embedding``), on by default unless the rule says otherwise (all four
-are on); a rule's older option names (:attr:`~npu_fusion.patterns.FusionRule.option_aliases`) are
+``npu_fusion.rotary_position_embedding``, ``swiglu`` and ``swiglu_forward`` SwiGLU's backward and
+forward into ``npu_fusion.swiglu_grad`` and ``npu_fusion.swiglu``), on by default unless the rule
+says otherwise (all six are on); a rule's older option names (:attr:`~npu_fusion.patterns.FusionRule.option_aliases`) are
 still taken.
 """
 from __future__ import annotations

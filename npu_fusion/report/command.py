@@ -25,6 +25,7 @@ from typing import Any, Dict, Sequence
 
 import torch
 
+from ..models import BUNDLED
 from ..plugin.options import TARGETS, FusionOptions, forward_ops, forward_options
 from .analysis import analyse, progress
 from .subjects import DTYPES, SubjectSource, UsageError, bundled_subject, hf_subject
@@ -54,8 +55,9 @@ def add_arguments(parser: argparse.ArgumentParser, sources: Sequence[SubjectSour
     parser.description = __doc__.split("\n\n")[0].replace("``", "")
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
     model = parser.add_mutually_exclusive_group()
-    model.add_argument("--model", choices=("llama", "gptj", "deepseek"), default="llama",
-                       help="bundled decoder (RoPE mode 0, 1 or 3 respectively); default llama")
+    model.add_argument("--model", choices=tuple(BUNDLED), default="llama",
+                       help="bundled decoder (llama, gptj, deepseek: RoPE mode 0, 1 or 3; phi3: llama with one "
+                            "gate_up projection, a SwiGLU site a layer); default llama")
     model.add_argument("--hf", metavar="MODEL_TYPE",
                        help="a transformers architecture (e.g. llama, qwen2, mistral, gptj) with a tiny "
                             "random config; needs transformers, downloads nothing")

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import inspect
+import re
 import sys
 from typing import Any, Callable, ContextManager, Dict, Optional, Sequence
 
@@ -150,11 +151,26 @@ class FunctionModule(torch.nn.Module):
         return self.fn(*(getattr(self, f"input{i}") if i in self.positions else next(rest) for i in range(count)))
 
 
+def gate_activations(model: torch.nn.Module, site) -> tuple:
+    """The gate activations of ``model``'s gated MLPs (:attr:`~npu_fusion.lowering.CountedSite.gated_source`)."""
+    gated = {t for t in {type(m) for m in model.modules()} if _source_matches(t.forward, site.gated_source)}
+    return tuple(child for m in model.modules() if type(m) in gated for child in m.children()
+                 if re.search(site.gate_activation, type(child).__name__))
+
+
+def _source_matches(fn, pattern: str) -> bool:
+    try:
+        return bool(re.search(pattern, inspect.getsource(fn)))
+    except (OSError, TypeError):
+        return False
+
+
 def conventional_counter(model: torch.nn.Module) -> SiteCounter:
     """A site counter for the transformers naming convention each counted op declares.
 
     A site counter for the transformers naming convention each counted op declares
-    (:class:`~npu_fusion.lowering.CountedSite`): calls of module classes named ``*RMSNorm``, and
+    (:class:`~npu_fusion.lowering.CountedSite`): calls of module classes named ``*RMSNorm``,
+    calls of the SiLU of modules whose forward calls or indexes a ``gate_up_proj``, and
     tensors returned by functions named ``apply_rotary_pos_emb*`` in the modules that define the
     model's classes (Llama's rotates q and k in one call, GPT-J's one tensor per call). A plain
     function (:class:`FunctionModule`) is counted through the attribute that holds it, itself such
@@ -167,6 +183,8 @@ def conventional_counter(model: torch.nn.Module) -> SiteCounter:
         if site.class_suffix:
             classes[kind] = tuple({type(m) for m in model.modules()
                                    if type(m).__name__.lower().endswith(site.class_suffix)})
+        if site.gated_source:
+            classes[kind] = gate_activations(model, site)
         if site.function_prefix:
             functions[kind] = [(module, attr) for module in modules if module is not None for attr in dir(module)
                                if attr.startswith(site.function_prefix) and callable(getattr(module, attr))]

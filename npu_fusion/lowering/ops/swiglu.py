@@ -103,7 +103,7 @@ def cases():
 
 OP = FusedOp(
     name="swiglu", ge_op="SwiGlu", label="SwiGLU forward", option="swiglu_forward",
-    spec_section="docs/fused-ops.md#swiglu", short_label="SwiGLU",
+    spec_section="docs/fused-ops.md#swiglu", short_label="SwiGLU fw",
     outputs=("y",), checks=check_swiglu_inputs,
     schema="(Tensor x, int dim) -> Tensor",
     reference=reference_kernel, meta=meta_kernel, unfused=unfused, target_problem=_target_problem, cases=cases,

@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 
 from ..checks import require, require_dtype_like, require_float, require_one_device, same_shape, shown
-from ..fused_op import FusedOp, GeAttr, GeInput, GeIr, NpuBinding
+from ..fused_op import CountedSite, FusedOp, GeAttr, GeInput, GeIr, NpuBinding
 from .swiglu import SWIGLU_KINDS, halved, require_swiglu_split, swiglu_case_inputs, swiglu_target_problem
 
 
@@ -71,7 +71,8 @@ def cases():
 
 OP = FusedOp(
     name="swiglu_grad", ge_op="SwiGluGrad", label="SwiGLU backward", option="swiglu",
-    spec_section="docs/fused-ops.md#swiglu_grad", short_label="SwiGLU grad",
+    spec_section="docs/fused-ops.md#swiglu_grad", short_label="SwiGLU",
+    counted_site=CountedSite(gated_source=r"self\.gate_up_proj\b", gate_activation=r"(?i)silu|swish"),
     outputs=("dx",), checks=check_swiglu_grad_inputs,
     schema="(Tensor y_grad, Tensor x, int dim) -> Tensor",
     reference=reference_kernel, meta=meta_kernel, unfused=unfused, target_problem=_target_problem, cases=cases,
