@@ -364,6 +364,28 @@ def test_norm_over_a_unit_axis_fuses_forward_and_backward(norm, dtype):
     assert_paired(fw, bw, 1)
 
 
+class _SignFlippedUnitNorm(torch.autograd.Function):
+    """An RMSNorm over a unit axis whose dx has its second term's sign flipped: no RMSNorm backward."""
+
+    @staticmethod
+    def forward(ctx, x, w):
+        rstd = torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + EPS)
+        ctx.save_for_backward(x, w, rstd)
+        return x * rstd * w
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, w, rstd = ctx.saved_tensors
+        return rstd * dy * w + rstd ** 3 * x * (dy * w * x), (dy * x * rstd).sum((0, 1))
+
+
+def test_norm_over_a_unit_axis_with_a_sign_flipped_dx_keeps_its_dx():
+    """No sum tells dx's terms apart over a unit axis: the whole formula does, and a flipped sign fails it."""
+    w = _weight(torch.float32, d=1)
+    result, fw, bw = check(lambda x: _SignFlippedUnitNorm.apply(x, w), [_input(torch.float32, 2, 16, 1)], [w], **ON)
+    assert not any("dx" in s.outputs for s in result.sites) and not calls(fw, FORWARD), result.sites
+
+
 @pytest.mark.parametrize("near_miss", ["power_minus_0.4", "division_by_sqrt_eps_outside"])
 def test_norm_over_a_unit_axis_near_miss_stays_unfused(near_miss):
     """One step from an RMSNorm over a unit axis (no sum tells the roles apart there): unfused both ways."""

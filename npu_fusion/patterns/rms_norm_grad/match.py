@@ -89,7 +89,7 @@ def _match_over_unit_axes(ev: NormEvaluator, node: fx.Node, expr: Expr) -> Optio
     nodes = [ev.node_of[s] for s in sorted(expr.free_symbols) if s in ev.node_of]
     full = shape(node)
     fulls = [n for n in nodes if same_shape(shape(n), full)]
-    gammas = [n for n in nodes if len(shape(n)) == ev.k] + [None]
+    gammas = [n for n in nodes if len(shape(n)) == ev.k and all(static_int(x) == 1 for x in shape(n))] + [None]
     stats = list(dict.fromkeys(p for m, _ in expr.split_terms() for p in statistic_powers(ev, m)))
     for (r, power), dy, g, x in itertools.product(stats, fulls, gammas, fulls):
         if len({r, dy, g, x}) == 4 and ev.depends_on_gradient(dy) and not ev.depends_on_gradient(r) \

@@ -82,7 +82,10 @@ def find_sites(graph: fx.Graph, rewrites: RuleContext) -> RoundReport:
     near = RoundReport()
     gradient = gradient_dependent(graph)
     with_dx = set()  # the statistics of the norms whose dx the graph computes (matched or not)
-    for norm_shape, reductions in [*_norm_reductions(graph), *_unit_axis_seeds(graph, provenance, gradient)]:
+    seeds = {tuple(size_key(x) for x in tail): (tail, list(nodes)) for tail, nodes in _norm_reductions(graph)}
+    for tail, nodes in _unit_axis_seeds(graph, provenance, gradient):  # one evaluator per normalized shape
+        seeds.setdefault(tuple(size_key(x) for x in tail), (tail, []))[1].extend(nodes)
+    for norm_shape, reductions in seeds.values():
         try:
             ev = norm_evaluator(norm_shape, provenance)
         except Unsupported:  # a symbolic N that is not a product of sizes
