@@ -134,16 +134,28 @@ def norm_divided_by_its_root():
     return [x, w], fn
 
 
+def gate_up_swiglu():
+    """Phi-3's MLP in bf16 (``gate_up_proj(x).chunk(2, -1)``): ``swiglu`` and ``swiglu_grad``, on the
+    SiLU the pass puts back where Inductor decomposed it."""
+    x = _randn(B, 8, 32, dtype=torch.bfloat16, seed=19)
+    w = (_randn(32, 64, seed=20, grad=False) / 4).to(torch.bfloat16).requires_grad_()
+
+    def fn(x, w):
+        gate, up = (x @ w).chunk(2, dim=-1)
+        return torch.nn.functional.silu(gate) * up
+    return [x, w], fn
+
+
 PROGRAMS = {f.__name__: f for f in (frozen_input_norm, complex_rope_s5, complex_rope_s1, norm_divided_by_its_root,
                                       norms_without_weight_or_input_gradient, rotations_of_rebuilt_tables,
-                                      norm_and_rope_in_another_memory_order)}
+                                      norm_and_rope_in_another_memory_order, gate_up_swiglu)}
 
 
 @pytest.fixture(scope="module")
 def installed():
     """The pass installed in Inductor, the compile caches off (a cache hit would skip the pass)."""
     before = inductor_config().joint_custom_pre_pass
-    npu_fusion.install_inductor(target="generic", strict=True)
+    npu_fusion.install_inductor(target="generic", strict=True, swiglu=True, swiglu_forward=True)
     with no_compile_caches():
         yield
     uninstall_inductor()

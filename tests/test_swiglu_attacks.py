@@ -1,7 +1,8 @@
 """SwiGLU against near misses and tricky programs: each site fuses, outputs and gradients by the
 float64 criterion, or is ONE recorded miss per fused op with a reason, never silence; SwiGLU-like
 sites the lanes domain cannot read (halves along another axis, a scale or a sign inside the
-product, interleaved halves, Inductor's decomposed SiLU) are recorded misses too."""
+product, interleaved halves, a SiLU decomposed by a table the pass does not undo) are recorded misses
+too; through ``install_inductor`` the SiLU Inductor decomposed is put back and fuses."""
 import pytest
 import torch
 import torch.nn.functional as F
@@ -99,20 +100,28 @@ def test_silu_by_hand_is_one_miss_and_a_cat_of_two_projections_is_no_site():
     assert _outcome(capture) == (0, 0) and not _joint(capture).misses, _joint(capture).misses
 
 
-def test_inductor_path_leaves_swiglu_unfused_and_right():
-    """Through ``install_inductor`` the program compiles, runs and keeps its gradients."""
+def test_inductor_path_fuses_swiglu_and_keeps_it_right():
+    """Through ``install_inductor`` the pass puts back the SiLU Inductor decomposed: the program
+    fuses both ways, compiles, runs and keeps its gradients."""
+    from npu_fusion.compat import no_compile_caches
     from npu_fusion.plugin.inductor import uninstall_inductor
+    from npu_fusion.plugin.pass_manager import HISTORY
 
     npu_fusion.install_inductor(target="generic", strict=True, **ON)
     try:
         torch._dynamo.reset()
         inputs = _inputs(torch.bfloat16)
-        fused, grad_outputs = run_grads(torch.compile(chunked), inputs)
+        mark = HISTORY.mark()
+        with no_compile_caches():
+            fused, grad_outputs = run_grads(torch.compile(chunked), inputs)
         unfused, _ = run_grads(chunked, inputs, (), grad_outputs)
         for f, e, x in zip(fused, unfused, float64_grads(chunked, inputs, (), grad_outputs)):
             assert_close_as_unfused(f, e, x, factor=MODEL_FACTOR)
+        (joint,) = [r for r in HISTORY.since(mark) if r.graph == "joint"]
+        assert (joint.fused(FORWARD), joint.fused(BACKWARD)) == (1, 1) and not joint.misses, joint.misses
     finally:
         uninstall_inductor()
+        torch._dynamo.reset()
 
 
 # -- near misses the lanes domain reads: one recorded miss per op ------------------------------

@@ -121,6 +121,9 @@ class FusionRule:
     #: ``dynamic=True`` the backend specializes such floats under a guard
     #: (:mod:`npu_fusion.plugin.specialize`)
     reads_constant_floats: ClassVar[bool] = False
+    #: the aten ops (by name) it reads as leaves that Inductor's table decomposes before its joint
+    #: passes; ``install_inductor`` puts their exact decompositions back for it (SwiGLU's silu)
+    reads_whole: ClassVar[Tuple[str, ...]] = ()
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)

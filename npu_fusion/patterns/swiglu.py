@@ -505,10 +505,10 @@ def _halves_source(ev: LaneEvaluator, operand) -> Optional[fx.Node]:
 def decomposed_silu_misses(graph: fx.Graph, op: str, misses) -> List[Miss]:
     """The misses for SiLUs of a half of one projection decomposed into ``x * sigmoid(x)`` or ``x / (1 + exp(-x))``.
 
-    No silent misses: under the core ATen decompositions, and always in Inductor's graphs (its
-    own table decomposes ``silu``), such a SiLU is a site the rules do not read (they read
-    ``silu`` and ``silu_backward``); one miss per projection, unless a recorded miss is at it
-    already."""
+    No silent misses: under the core ATen decompositions, in Inductor's table where
+    ``install_inductor`` did not put ``silu`` back (only its exact decomposition is recomposed), or
+    spelled so by the program, such a SiLU is a site the rules do not read (they read ``silu`` and
+    ``silu_backward``); one miss per projection, unless a recorded miss is at it already."""
     ev = swiglu_evaluator()
     seen, out = {m.node for m in misses}, []
     for node in graph.nodes:
@@ -520,8 +520,9 @@ def decomposed_silu_misses(graph: fx.Graph, op: str, misses) -> List[Miss]:
         out.append(Miss(op, source.name, f"silu of half of {source.name} is spelled with {node.target.__name__.split('.')[0]} "
                                          f"({node.name}): the rules read aten.silu and aten.silu_backward; write "
                                          f"F.silu and compile with the npu_fusion backend, which keeps them "
-                                         f"(decompositions='none'); the core ATen decompositions and Inductor's "
-                                         f"(install_inductor) decompose SiLU"))
+                                         f"(decompositions='none'), or install_inductor, which puts back SiLU where it is "
+                                         f"exactly Inductor's decomposition; the core ATen decompositions and Inductor's "
+                                         f"own table decompose SiLU"))
     return out
 
 
@@ -530,6 +531,7 @@ class SwigluForwardRule(FusionRule):
     domain, rewritten into ``swiglu`` once no decomposed backward reads its intermediates."""
 
     stage = "joint"
+    reads_whole = ("silu",)
     domain = "lanes"
     ops = (OP,)
     enabled_by_default = False

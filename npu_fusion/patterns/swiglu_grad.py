@@ -251,6 +251,7 @@ class SwigluGradRule(FusionRule):
     """SwiGLU's backward, matched by value in the lanes domain, rewritten into ``swiglu_grad``."""
 
     stage = "backward"
+    reads_whole = ("silu", "silu_backward")
     domain = "lanes"
     ops = (OP,)
     enabled_by_default = False

@@ -19,6 +19,12 @@ Under ``dynamic=True`` Dynamo passes a norm's float ``eps`` as a 0-d tensor inpu
 hook, ``torch._inductor.config.pre_grad_custom_pass`` (run on Dynamo's graph before AOTAutograd),
 specializes it under a guard (:mod:`.specialize`) as the ``npu_fusion`` backend does.
 
+Inductor's table decomposes ``aten.silu`` and ``aten.silu_backward`` before its joint passes;
+with a SwiGLU option on, the pass first puts them back where the graph holds exactly the trace of
+their decomposition (:func:`recompose_decomposed`), and decomposes again into that trace what it
+leaves unfused (:func:`decompose_what_inductor_refuses`), so SwiGLU fuses here as on the
+``npu_fusion`` backend and the unfused graph is Inductor's own.
+
 A pass already in the slot keeps running, first; installing again replaces the earlier
 npu-fusion pass rather than stacking it. The pass is a ``CustomGraphPass`` whose ``uuid()``
 hashes the package's sources and the options, so the FX graph cache stays valid; a chained
@@ -61,13 +67,14 @@ def _make_pass_class():
             gm = graph.owning_module
             if gm is None:
                 return
+            recomposed = recompose_decomposed(gm, self.options)
             if is_joint_graph(graph):
                 result = fuse_joint(gm, self.options, copy_op=_copy_by_multiplying, partitioner="min_cut")
             elif in_compiled_autograd():  # the whole backward, compiled as an inference graph
                 result = fuse_backward(gm, self.options)
             else:  # Inductor runs these passes on no other graph: an inference graph (no backward)
                 result = fuse_inference(gm, self.options)
-            if result.sites:
+            if result.sites or recomposed:
                 decompose_what_inductor_refuses(gm)
 
         def uuid(self) -> Optional[bytes]:
@@ -129,6 +136,142 @@ def decompose_what_inductor_refuses(gm) -> int:
         gm.graph.lint()
         gm.recompile()
     return len(refused)
+
+
+def recompose_decomposed(gm, options: FusionOptions) -> int:
+    """Put ``aten.silu`` and ``aten.silu_backward`` back, in place, where the graph holds exactly their decomposition.
+
+    Inductor's table decomposes them before its joint passes run, and the SwiGLU rules read them
+    as leaves. A subgraph is recomposed only where it is, node for node, the trace of the op's
+    decomposition (Inductor's own table) on the same inputs, so the op has its value bit for bit;
+    one the pass leaves unfused is decomposed again (:func:`decompose_what_inductor_refuses`) into
+    that same trace. Returns how many calls were recomposed."""
+    import torch
+
+    from ..patterns import RULES
+
+    wanted = {name for rule in RULES if options.enables(rule) for name in rule.reads_whole}
+    if not wanted:
+        return 0
+    from ..compat import inductor_decompositions
+    from ..patterns.context import fake_mode_of
+
+    table, fake_mode, aten, count = inductor_decompositions(), fake_mode_of(gm.graph), torch.ops.aten, 0
+    for name in sorted(wanted):
+        op = getattr(aten, name).default
+        if op not in table:
+            continue
+        erased = set()
+        for inputs in list(_decomposition_inputs(gm.graph, name)):
+            if not erased.intersection(inputs):
+                done = _recompose(gm, op, inputs, table, fake_mode)
+                count += done is not None
+                erased.update(done or ())
+    if count:
+        gm.graph.lint()
+        gm.recompile()
+    return count
+
+
+def _uncast(node):
+    """What ``node`` converts, where it is a dtype conversion (the decompositions upcast their inputs), then ``node``.
+
+    The source first: the op recomposed on it is the one the program called, casts included."""
+    import torch
+
+    out = [node]
+    if getattr(node, "target", None) is torch.ops.prims.convert_element_type.default:
+        out.insert(0, node.args[0])
+    return out
+
+
+def _decomposition_inputs(graph, name: str):
+    """Candidate inputs of a decomposed ``name`` (``silu``: ``exp(neg(x))``; ``silu_backward``: ``dy * sigmoid(x)``)."""
+    import torch
+
+    aten = torch.ops.aten
+    for node in list(graph.nodes):
+        if name == "silu" and node.target is aten.neg.default:
+            for x in _uncast(node.args[0]):
+                yield (x,)
+        elif name == "silu_backward" and node.target is aten.sigmoid.default:
+            for user in node.users:
+                if user.target is aten.mul.Tensor and len(user.args) == 2 and user.args[1] is node:
+                    for dy in _uncast(user.args[0]):
+                        for x in _uncast(node.args[0]):
+                            yield (dy, x)
+
+
+def _same_argument(a, b) -> bool:
+    """Whether two call arguments are the same: the same nodes, equal constants of one type, alike sequences."""
+    import torch.fx as fx
+
+    if isinstance(a, (list, tuple)) or isinstance(b, (list, tuple)):
+        return type(a) is type(b) and len(a) == len(b) and all(_same_argument(x, y) for x, y in zip(a, b))
+    if isinstance(a, fx.Node) or isinstance(b, fx.Node):
+        return a is b
+    return type(a) is type(b) and a == b
+
+
+def _match_trace(traced, inputs):
+    """The graph's nodes that are, node for node, ``traced`` run on ``inputs``: (its output's node, the calls matched), or (None, [])."""
+    import torch.fx as fx
+
+    env, placeholders, matched, root = {}, iter(inputs), [], None
+    for inner in traced.nodes:
+        if inner.op == "placeholder":
+            env[inner] = next(placeholders)
+        elif inner.op == "output":
+            root = env.get(inner.args[0]) if isinstance(inner.args[0], fx.Node) else None
+        elif inner.op != "call_function":
+            return None, []
+        else:
+            args, kwargs = fx.node.map_arg((inner.args, inner.kwargs), env.__getitem__)
+            readers = inner.all_input_nodes
+            if not readers:
+                return None, []
+            found = next((u for u in env[readers[0]].users if u.op == "call_function" and u.target is inner.target
+                          and _same_argument(u.args, args) and _same_argument(dict(u.kwargs), dict(kwargs))
+                          and u not in matched), None)
+            if found is None:
+                return None, []
+            env[inner] = found
+            matched.append(found)
+    return root, matched
+
+
+def _recompose(gm, op, inputs, table: dict, fake_mode):
+    """Replace the subgraph that is the trace of ``op(*inputs)``'s decomposition by one call of ``op``.
+
+    Returns the nodes it erased (None where the subgraph is not there). An intermediate that
+    something else reads stays for that reader: the call has the root's value whatever reads it."""
+    import contextlib
+
+    import torch.fx as fx
+
+    from ..compat import traced_decomposition
+
+    if any(not isinstance(i, fx.Node) or i.op == "output" or i.meta.get("val") is None for i in inputs):
+        return None
+    try:  # read-only until the match is whole: a failure costs only this candidate
+        with fake_mode if fake_mode is not None else contextlib.nullcontext():
+            traced = traced_decomposition(lambda *a: op(*a), [i.meta["val"] for i in inputs], table)
+        root, matched = _match_trace(traced.graph, inputs)
+    except Exception:  # inputs the op does not take (a dtype or shape it refuses), or a graph it cannot read
+        return None
+    if root is None or root in inputs:
+        return None
+    graph = gm.graph
+    with graph.inserting_before(root):
+        call = graph.call_function(op, tuple(inputs))
+    call.meta = dict(root.meta)
+    root.replace_all_uses_with(call)
+    erased = []
+    for node in reversed(matched):
+        if not node.users:
+            graph.erase_node(node)
+            erased.append(node)
+    return erased
 
 
 #: node meta that describes a call's value (the trace of its decomposition has its own)
