@@ -83,9 +83,10 @@ def match_dx(ev: NormEvaluator, node: fx.Node, expr: Expr) -> Optional[NormMatch
 
 
 def _match_over_unit_axes(ev: NormEvaluator, node: fx.Node, expr: Expr) -> Optional[NormMatch]:
-    """dx of a norm over axes of static size 1, ``r*dy*g - r**3*x*(dy*g*x)``: autograd elides the
-    sum over them (a sum over unit axes is its summand), so no sum tells the roles apart; each
-    assignment of the leaves (dy a gradient, rstd none) is checked against the whole formula."""
+    """dx of a norm over axes of static size 1: ``r*dy*g - r**3*x*(dy*g*x)``.
+
+    Autograd elides the sum over unit axes (it is its summand), so no sum tells the roles apart;
+    each assignment of the leaves (dy a gradient, rstd and x none) is checked against the whole formula."""
     nodes = [ev.node_of[s] for s in sorted(expr.free_symbols) if s in ev.node_of]
     full = shape(node)
     fulls = [n for n in nodes if same_shape(shape(n), full)]

@@ -42,9 +42,10 @@ def _norm_reductions(graph: fx.Graph):
 
 
 def _unit_axis_seeds(graph: fx.Graph, provenance: Optional[Provenance], gradient) -> list:
-    """[(normalized trailing shape, [gradient products by an RMS statistic])] for norms over axes of
-    static size 1: autograd writes their backward with no sum over those axes (a sum over unit
-    axes is elided), so :func:`_norm_reductions` finds none; dx is a few uses after the product."""
+    """[(normalized trailing shape, [gradient products by an RMS statistic])] of norms over unit axes.
+
+    Autograd writes the backward of a norm over axes of static size 1 with no sum over them (a sum
+    over unit axes is elided), so :func:`_norm_reductions` finds none; dx is a few uses after the product."""
     found: Dict[tuple, tuple] = {}
     for node in graph.nodes if gradient is not None else ():
         product = gradient_product(node, gradient)
