@@ -343,12 +343,53 @@ def test_learned_tables_of_a_constant_q_sign_flipped_stay_unfused():
 
 # -- a norm over a last axis of size 1 ----------------------------------------------------------------
 
+UNIT_AXIS_NORMS = {  # name: a norm of x over its last axis of size 1 with a weight w of shape [1]
+    "functional": lambda x, w: F.rms_norm(x, (1,), w, EPS),
+    "rsqrt_of_mean": lambda x, w: x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + EPS) * w,
+    "hf_division_by_sqrt": _hf(RMS_SPELLINGS["division_by_sqrt"]),
+}
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
-def test_norm_over_a_unit_axis_is_one_backward_miss_naming_the_axis(dtype):
-    """hidden = 1: autograd writes the backward without the sum over the normalized axis, which the
-    algebra reads a dx by; the dx is one recorded miss that names the axis, never a wrong result."""
+@pytest.mark.parametrize("norm", UNIT_AXIS_NORMS)
+def test_norm_over_a_unit_axis_fuses_forward_and_backward(norm, dtype):
+    """hidden = 1: autograd writes the backward without the sum over the normalized axis (a sum over
+    one element is elided), which the algebra reads as that sum (its summand): both ways fuse."""
     w = _weight(dtype, d=1)
-    result, fw, bw = check(lambda x: F.rms_norm(x, (1,), w, EPS), [_input(dtype, 2, 3, 1)], [w], **ON)
-    backward = [m for m in result.misses if m.op == BACKWARD]
-    assert len(backward) == 1 and "last axis of size 1" in backward[0].reason, result.misses
-    assert not any("dx" in s.outputs for s in result.sites if s.op == BACKWARD), result.sites
+    result, fw, bw = check(lambda x: UNIT_AXIS_NORMS[norm](x, w), [_input(dtype, 2, 3, 1)], [w], **ON)
+    assert not result.misses, result.misses
+    assert result.fused(FORWARD) == 1 and result.fused(BACKWARD) == 1
+    [site] = [s for s in result.sites if s.op == BACKWARD]
+    assert set(site.outputs) == {"dx", "dgamma"}
+    assert_paired(fw, bw, 1)
+
+
+class _SignFlippedUnitNorm(torch.autograd.Function):
+    """An RMSNorm over a unit axis whose dx has its second term's sign flipped: no RMSNorm backward."""
+
+    @staticmethod
+    def forward(ctx, x, w):
+        rstd = torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + EPS)
+        ctx.save_for_backward(x, w, rstd)
+        return x * rstd * w
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, w, rstd = ctx.saved_tensors
+        return rstd * dy * w + rstd ** 3 * x * (dy * w * x), (dy * x * rstd).sum((0, 1))
+
+
+def test_norm_over_a_unit_axis_with_a_sign_flipped_dx_keeps_its_dx():
+    """No sum tells dx's terms apart over a unit axis: the whole formula does, and a flipped sign fails it."""
+    w = _weight(torch.float32, d=1)
+    result, fw, bw = check(lambda x: _SignFlippedUnitNorm.apply(x, w), [_input(torch.float32, 2, 16, 1)], [w], **ON)
+    assert not any("dx" in s.outputs for s in result.sites) and not calls(fw, FORWARD), result.sites
+
+
+@pytest.mark.parametrize("near_miss", ["power_minus_0.4", "division_by_sqrt_eps_outside"])
+def test_norm_over_a_unit_axis_near_miss_stays_unfused(near_miss):
+    """One step from an RMSNorm over a unit axis (no sum tells the roles apart there): unfused both ways."""
+    w = _weight(torch.float32, d=1)
+    norm = _hf(RMS_NEAR_MISSES[near_miss])
+    result, fw, bw = check(lambda x: norm(x, w), [_input(torch.float32, 2, 16, 1)], [w], **ON)
+    assert not result.sites and not calls(fw, FORWARD) and not calls(bw, BACKWARD), result.sites

@@ -92,6 +92,9 @@ class NormEvaluator(MemoEvaluator):
         self.norm_shape = tuple(norm_shape)  # ints or SymInts
         self.norm_key = tuple(size_key(x) for x in norm_shape)
         self.k = len(norm_shape)
+        #: every normalized axis has static size 1 (a norm over one element): nothing varies along
+        #: them, so every value is constant there and a sum over them is its summand
+        self.unit = all(static_int(x) == 1 for x in norm_shape)
         super().__init__(provenance, forced_leaves)
         self.symbol_of: Dict[fx.Node, int] = {}
         self.node_of: Dict[int, fx.Node] = {}
@@ -183,6 +186,11 @@ class NormEvaluator(MemoEvaluator):
                         self._by_body.setdefault(self.varying_part(next(iter(v.expr.terms))), []).append(n)
         return self._by_value, self._by_body
 
+    def is_full(self, s) -> bool:
+        """Whether a shape can be x's: it spans the normalized axes, or they are unit axes and it
+        keeps them (with a leading axis)."""
+        return bool(self.spans(s)) or (self.unit and len(s) > self.k and self.spans(s) is False)
+
     def spans(self, s) -> Optional[bool]:
         """Whether a shape spans the normalized axes (True), is 1 along them (False), or neither (None).
 
@@ -195,6 +203,8 @@ class NormEvaluator(MemoEvaluator):
         return self._spans[tail]
 
     def _tail_spans(self, tail) -> Optional[bool]:
+        if self.unit and all(static_int(x) == 1 for x in tail):
+            return False  # over unit axes, a value spanning them is also constant along them
         if len(tail) == self.k and tuple(size_key(x) for x in tail) == self.norm_key:
             return True
         if all(static_int(x) == 1 for x in tail):
@@ -468,7 +478,7 @@ class NormEvaluator(MemoEvaluator):
             raise Unsupported("reduction")
         dims = tuple(sorted(normalize_dim(d, rank) for d in dims))
         body = self._arg(src)
-        if dims == tuple(range(rank - self.k, rank)) and self.spans(shape(src)):
+        if dims == tuple(range(rank - self.k, rank)) and self.is_full(shape(src)):
             total = self.sum_over_normalized(body)
             if node.target is aten.mean.dim:
                 total = total / self.n

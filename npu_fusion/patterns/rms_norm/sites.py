@@ -105,16 +105,18 @@ def _statistic_inputs(ev: NormEvaluator, rstd: fx.Node, argument: Expr, eps) -> 
     first (through exact casts), then any other node of that value, the least rounded first."""
     rest = argument - eps
     sums = [s for s in rest.free_symbols if s in ev.sum_body]
-    if len(sums) != 1 or len(rest.terms) != 1:
+    if len(rest.terms) != 1 or len(sums) != (0 if ev.unit else 1):
         return []
-    body = ev.sum_body[sums[0]]
+    # over unit axes the mean is its summand (x*x itself): no sum's body names x, what is squared does
+    body = ev.sum_body[sums[0]] if sums else ()
     if any(e % 2 for _, e in body):
         return []
     half = tuple((s, e // 2) for s, e in body)
     kept = ev.k - ev.memo[rstd].dropped  # the normalized axes rstd keeps (of size 1)
     x_shape = tuple(shape(rstd)[:len(shape(rstd)) - kept]) + tuple(ev.norm_shape)
     squared = [n for n in _squared_operands(rstd) if ev.memo.get(n) is not None and same_shape(shape(n), x_shape)]
-    return [x for x in dict.fromkeys(squared + ev.nodes_varying_as(half, x_shape))
+    by_value = ev.nodes_varying_as(half, x_shape) if half else []
+    return [x for x in dict.fromkeys(squared + by_value)
             if len(shape(x)) > ev.k and rest == ev.sum_over_normalized(ev.value_of(x) ** 2) / ev.n]
 
 
@@ -140,7 +142,7 @@ def _squared_operands(rstd: fx.Node, depth: int = 5) -> List[fx.Node]:
 
 def _gamma_candidates(ev: NormEvaluator, expr: Expr) -> List[Optional[fx.Node]]:
     """Leaves of ``expr`` over exactly the normalized axes (a weight), then None (no weight)."""
-    leaves = [ev.node_of[s] for s in sorted(expr.free_symbols) if s in ev.node_of and s in ev.varying]
+    leaves = [ev.node_of[s] for s in sorted(expr.free_symbols) if s in ev.node_of and (s in ev.varying or ev.unit)]
     return [g for g in leaves if isinstance(val(g), torch.Tensor) and len(shape(g)) == ev.k
             and same_shape(shape(g), ev.norm_shape)] + [None]
 
@@ -313,7 +315,7 @@ def _forward_inputs(ev: NormEvaluator, graph: fx.Graph, forward) -> set:
       expanded, ``c*c`` is a sum of cross terms no single tensor is seen to square."""
     def spanning(arg):
         return isinstance(arg, fx.Node) and isinstance(val(arg), torch.Tensor) and len(shape(arg)) > 0 \
-            and ev.spans(shape(arg)) is True
+            and ev.is_full(shape(arg))
 
     def tensor_sum(n):
         return n.target in (aten.add.Tensor, aten.sub.Tensor) and spanning(n.args[0]) and spanning(n.args[1])

@@ -56,6 +56,8 @@ def symbols_of(mono) -> set:
 
 def match_dx(ev: NormEvaluator, node: fx.Node, expr: Expr) -> Optional[NormMatch]:
     """Read the roles off the two terms of ``r*dy*g - r**3*x*S[dy*g*x]/N``, then check equality."""
+    if ev.unit:
+        return _match_over_unit_axes(ev, node, expr)
     sums = {s for s in expr.free_symbols if s in ev.sum_body}
     terms = [mono for mono, _ in expr.split_terms()]
     plain = [m for m in terms if not (symbols_of(m) & sums)]
@@ -78,6 +80,24 @@ def match_dx(ev: NormEvaluator, node: fx.Node, expr: Expr) -> Optional[NormMatch
                                                            ev.value_of(g)):
             return NormMatch(node, dy, x, r, g, ev, rstd_power=power)
     return _match_expression_roles(ev, node, expr, stats, gammas, sums)
+
+
+def _match_over_unit_axes(ev: NormEvaluator, node: fx.Node, expr: Expr) -> Optional[NormMatch]:
+    """dx of a norm over axes of static size 1: ``r*dy*g - r**3*x*(dy*g*x)``.
+
+    Autograd elides the sum over unit axes (it is its summand), so no sum tells the roles apart;
+    each assignment of the leaves (dy a gradient, rstd and x none) is checked against the whole formula."""
+    nodes = [ev.node_of[s] for s in sorted(expr.free_symbols) if s in ev.node_of]
+    full = shape(node)
+    fulls = [n for n in nodes if same_shape(shape(n), full)]
+    gammas = [n for n in nodes if len(shape(n)) == ev.k and all(static_int(x) == 1 for x in shape(n))] + [None]
+    stats = list(dict.fromkeys(p for m, _ in expr.split_terms() for p in statistic_powers(ev, m)))
+    for (r, power), dy, g, x in itertools.product(stats, fulls, gammas, fulls):
+        if len({r, dy, g, x}) == 4 and ev.depends_on_gradient(dy) and not ev.depends_on_gradient(r) \
+                and not ev.depends_on_gradient(x) and expr == expected_dx(
+                    ev, ev.symbol(dy), ev.symbol(x), ev.value_of(r) ** power, ev.value_of(g)):
+            return NormMatch(node, dy, x, r, g, ev, rstd_power=power)
+    return None
 
 
 def statistic_powers(ev: NormEvaluator, term) -> List[tuple]:

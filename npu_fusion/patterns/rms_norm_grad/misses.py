@@ -54,9 +54,10 @@ def unexplained(graph: fx.Graph, provenance: Optional[Provenance], misses: List[
 
 
 #: why an RMSNorm over a last axis of size 1 keeps its backward decomposed
-UNIT_AXIS_REASON = ("a norm over a last axis of size 1 (hidden size 1): autograd writes its backward without the sum "
-                    "over that axis, and the pass reads an RMSNorm backward by its sums over the normalized axes, so "
-                    "no form matches; per element the norm is x * rsqrt(x*x + eps) * w, cheap as it is")
+UNIT_AXIS_REASON = ("a norm over a last axis of size 1 (hidden size 1) whose backward matched no RMSNorm form: "
+                    "autograd writes it without the sum over that axis, so the pass reads it as "
+                    "rstd*dy*g - rstd**3*x*(dy*g*x) per element, and this one differs (another statistic, a "
+                    "missing term); per element the norm is x * rsqrt(x*x + eps) * w, cheap as it is")
 
 
 def _over_a_unit_axis(node: fx.Node) -> bool:

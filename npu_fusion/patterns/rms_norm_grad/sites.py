@@ -3,13 +3,14 @@ from __future__ import annotations
 
 from typing import Dict, List, Optional
 
+import torch
 import torch.fx as fx
 
 from ...lowering import RMS_NORM_GRAD as OP
 from ...lowering.sizes import same_shape, static_int
 from ..evaluator import Provenance, Unsupported
 from ..norm_algebra import NormEvaluator, size_key
-from ..nodes import aten, downstream, gradient_dependent, normalize_dim, outermost, shape, val
+from ..nodes import aten, downstream, gradient_dependent, gradient_product, normalize_dim, outermost, shape, val
 from ..rewrite import Miss, RuleContext, gradient_accumulation
 from ..rule import RoundReport
 from .match import NormMatch, dgamma_summand, match_root, site_region, stat_leaves, symbols_of, match_dgamma
@@ -40,6 +41,24 @@ def _norm_reductions(graph: fx.Graph):
     return found.values()
 
 
+def _unit_axis_seeds(graph: fx.Graph, provenance: Optional[Provenance], gradient) -> list:
+    """[(normalized trailing shape, [gradient products by an RMS statistic])] of norms over unit axes.
+
+    Autograd writes the backward of a norm over axes of static size 1 with no sum over them (a sum
+    over unit axes is elided), so :func:`_norm_reductions` finds none; dx is a few uses after the product."""
+    found: Dict[tuple, tuple] = {}
+    for node in graph.nodes if gradient is not None else ():
+        product = gradient_product(node, gradient)
+        stat = product and (rms_statistic_operand(product[1], provenance)
+                            or fused_statistic_operand(product[1], provenance))
+        if not stat or not isinstance(val(stat[0]), torch.Tensor):
+            continue
+        tail = tuple(shape(stat[0])[len(shape(stat[0])) - stat[1]:])
+        if stat[1] and all(static_int(x) == 1 for x in tail):
+            found.setdefault(tail, (tail, []))[1].append(node)
+    return list(found.values())
+
+
 #: uses between a site's roles and its dgamma's sum (``sum(dy * (x * rstd))``, casts between)
 DGAMMA_REACH = 6
 
@@ -64,7 +83,10 @@ def find_sites(graph: fx.Graph, rewrites: RuleContext) -> RoundReport:
     near = RoundReport()
     gradient = gradient_dependent(graph)
     with_dx = set()  # the statistics of the norms whose dx the graph computes (matched or not)
-    for norm_shape, reductions in _norm_reductions(graph):
+    seeds = {tuple(size_key(x) for x in tail): (tail, list(nodes)) for tail, nodes in _norm_reductions(graph)}
+    for tail, nodes in _unit_axis_seeds(graph, provenance, gradient):  # one evaluator per normalized shape
+        seeds.setdefault(tuple(size_key(x) for x in tail), (tail, []))[1].extend(nodes)
+    for norm_shape, reductions in seeds.values():
         try:
             ev = norm_evaluator(norm_shape, provenance)
         except Unsupported:  # a symbolic N that is not a product of sizes
@@ -78,7 +100,7 @@ def find_sites(graph: fx.Graph, rewrites: RuleContext) -> RoundReport:
         lead_sums = _lead_sums_by_leaves(ev, _lead_sums(graph, len(norm_shape)))
         found, stop = [], set()
         for n in nodes:
-            if ev.spans(shape(n)) and ev.depends_on_gradient(n):
+            if ev.is_full(shape(n)) and ev.depends_on_gradient(n):
                 m = rewrites.examine(n, match_root, ev, n, stop)
                 if m is not None:
                     found.append(m)
