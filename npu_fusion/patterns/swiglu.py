@@ -86,8 +86,15 @@ def piece_of(ev: LaneEvaluator, node) -> Optional[Piece]:
     if not isinstance(node, fx.Node):
         return None
     v = ev.value(node)
-    if v is None or v.reduction is not None or v.complex or len(v.inner) != 1 or not v.polys:
+    if v is None or v.reduction is not None or v.complex or len(v.inner) != 1 or not v.inner[0]:
         return None
+    runs = run_monomials(v)
+    if runs is not None:  # position i of a run reads (leaf, i + offset): one leaf, one offset for all of them
+        variables = {mono for _, _, mono in runs}
+        if len(variables) != 1 or len(next(iter(variables))) != 1:
+            return None
+        (lid, start), = variables.pop()
+        return _piece(ev, lid, start, v.inner[0])
     vars_ = []
     for poly in v.polys:
         if len(poly) != 1:
@@ -99,11 +106,34 @@ def piece_of(ev: LaneEvaluator, node) -> Optional[Piece]:
     lid, start = vars_[0]
     if any(var != (lid, start + i) for i, var in enumerate(vars_)):
         return None
+    return _piece(ev, lid, start, len(vars_))
+
+
+def _piece(ev: LaneEvaluator, lid: int, start: int, size: int) -> Optional[Piece]:
     leaf = ev.leaves[lid]
     width = ev.value(leaf).inner[-1] if ev.value(leaf) is not None else None
     if width is None:
         return None
-    return Piece(leaf, lid, start, len(vars_), width)
+    return Piece(leaf, lid, start, size, width)
+
+
+def run_monomials(v) -> Optional[List[Tuple[int, int, tuple]]]:
+    """``v``'s runs of positions as ``(lo, hi, monomial)`` where each run's template is one monomial of
+    coefficient 1 (position i reads it with every offset plus i), or None (no runs, or a run that is not).
+
+    The same question the per-position polynomials answer, asked once a run, so that a piece of a
+    wide projection costs the same as a narrow one."""
+    if v.pieces is None:
+        return None
+    runs = []
+    for lo, hi, template in v.pieces:
+        if len(template) != 1:
+            return None
+        (mono, coef), = template.items()
+        if coef != 1:
+            return None
+        runs.append((lo, hi, mono))
+    return runs
 
 
 def numel(node: fx.Node):

@@ -35,7 +35,7 @@ from .nodes import aten, dtype, gradient_dependent, is_float_cast, last_of, shap
 from .rewrite import Insertion, Miss, RuleContext, commit, emit_fused_op, exact_common_dtype
 from .rule import Form, FusionRule, RoundReport, SiteProbe
 from .swiglu import (Piece, dead_region, decomposed_silu_misses, glu_problem, is_silu, numel, order_problem,
-                     piece_of, precision_problem, swiglu_evaluator, unread_glu_problem)
+                     piece_of, precision_problem, run_monomials, swiglu_evaluator, unread_glu_problem)
 
 
 #: how far below the silu_backward node dx may lie (cat, slice_backward and add, casts, a view)
@@ -72,6 +72,23 @@ def _factors(ev: LaneEvaluator, node) -> Optional[List[Tuple[Tuple[int, int], Tu
 
 def _up_and_dy(ev: LaneEvaluator, grad: fx.Node, gate: Piece) -> Optional[Tuple[Piece, Tuple[int, int]]]:
     """The up (a piece of the gate's x) and dy (leaf id, start) of ``grad = dy * up``, or None."""
+    v = ev.value(grad) if isinstance(grad, fx.Node) else None
+    if v is None or v.reduction is not None or v.complex or len(v.inner) != 1:
+        return None
+    runs = run_monomials(v)
+    if runs is not None:  # once a run: position i reads (up leaf, i + o) * (dy leaf, i + o'), the same o, o' in all
+        if v.inner[0] != gate.size:
+            return None
+        pairs = set()
+        for _, _, mono in runs:
+            ups = [u for u in mono if u[0] == gate.lid]
+            if len(mono) != 2 or len(ups) != 1:
+                return None
+            pairs.add((ups[0], next(u for u in mono if u != ups[0])))
+        if len(pairs) != 1:
+            return None
+        (up_lid, up_start), dy = pairs.pop()
+        return Piece(gate.x, gate.lid, up_start, gate.size, gate.width), dy
     factors = _factors(ev, grad)
     if factors is None or len(factors) != gate.size:
         return None
