@@ -40,6 +40,7 @@ import torch.fx as fx
 
 from ..lowering import FUSED_OPS
 from ..lowering.ops.swiglu import OP, swiglu_target_problem
+from ..lowering.ops.swiglu_grad import OP as GRAD_OP
 from .evaluator import kept_precision, rounding_problem, saved_by_the_forward
 from .lanes import LaneEvaluator, Lanes
 from ..lowering.checks import numel as product_of, size_equal
@@ -564,7 +565,7 @@ class SwigluForwardRule(FusionRule):
     reads_whole = ("silu",)
     domain = "lanes"
     ops = (OP,)
-    site_probe = SiteProbe(kind=OP.option, same_sites_as="swiglu")
+    site_probe = SiteProbe(kind=OP.option, same_sites_as=GRAD_OP.option)
     forms = tuple(Form(*row) for row in (
         ("forward on the joint graph, after its fused backward: `silu(gate) * up` of the two halves of one "
          "projection (`chunk`, `split`, slices), the product in the halves' dtype or upcast and cast back",
