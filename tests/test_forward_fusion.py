@@ -11,7 +11,8 @@ import torch.nn.functional as F
 from npu_fusion.models import bundled
 from npu_fusion.plugin.backend import aot_backend
 from npu_fusion.plugin.options import FusionOptions, forward_options
-from npu_fusion.measure.grads import MODEL_FACTOR, assert_close_as_unfused, float64_grads, grad_failures, run_grads
+from npu_fusion.measure.grads import (MODEL_FACTOR, assert_close_as_unfused, float64_grads, float64_output, grad_failures,
+                                      run_grads)
 
 FORWARD, BACKWARD = "rms_norm", "rms_norm_grad"
 ON = {"rms_norm_forward": True}
@@ -32,23 +33,12 @@ def _compile(fn, options):
     return torch.compile(fn, backend=aot_backend(options, around)), seen
 
 
-def _float64_output(fn, inputs, params):
-    saved = [p.data for p in params]
-    try:
-        for p in params:
-            p.data = p.data.double()
-        return fn(*[t.detach().double() for t in inputs])
-    finally:
-        for p, s in zip(params, saved):
-            p.data = s
-
-
 def check(fn, inputs, params=(), **options):
     """Compile ``fn`` with the pass; its output and every gradient pass the float64 criterion
     against eager. Returns (the pass's result, forward graph, backward graph)."""
     compiled, seen = _compile(fn, options)
     with torch.no_grad():
-        eager, exact = fn(*inputs), _float64_output(fn, inputs, params)
+        eager, exact = fn(*inputs), float64_output(fn, inputs, params)
     got = compiled(*inputs)
     assert got.dtype == eager.dtype and got.shape == eager.shape
     assert_close_as_unfused(got.detach(), eager, exact, factor=MODEL_FACTOR)

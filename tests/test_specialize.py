@@ -60,6 +60,20 @@ def rope(q, cos, sin):
     return q * cos + rotate_half(q) * sin
 
 
+def _assert_rope_right(compiled, b, s, seed, table_lead=()):
+    """``compiled`` (of :func:`rope`) on q ``[b, 4, s, 16]`` and tables ``[*table_lead, s, 16]``: its
+    output and gradients, in eager's dtypes and shapes, pass the float64 criterion."""
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(b, 4, s, 16, generator=g).requires_grad_()
+    angles = torch.randn(*table_lead, s, 16, generator=g)
+    inputs = [q, angles.cos(), angles.sin()]
+    got, grad_outputs = run_grads(compiled, inputs)
+    eager, _ = run_grads(rope, inputs, (), grad_outputs)
+    for f, e, exact in zip(got, eager, float64_grads(rope, inputs, (), grad_outputs)):
+        assert f.dtype == e.dtype and f.shape == e.shape
+        assert_close_as_unfused(f, e, exact, factor=MODEL_FACTOR)
+
+
 def test_head_dim_is_specialized_under_a_guard_and_batch_and_sequence_stay_symbolic():
     """``dynamic=True`` makes q's head dim symbolic: the pass guards it to its value (the fused op
     is proved per position of a static head dim), so the rotation fuses both ways, and another
@@ -70,15 +84,7 @@ def test_head_dim_is_specialized_under_a_guard_and_batch_and_sequence_stay_symbo
     torch._dynamo.utils.counters.clear()
     compiled = torch.compile(rope, backend=aot_backend(options, lambda gm, run: results.append(run())), dynamic=True)
     for seed, (b, s) in enumerate(((2, 6), (3, 9))):
-        g = torch.Generator().manual_seed(seed)
-        q = torch.randn(b, 4, s, 16, generator=g).requires_grad_()
-        angles = torch.randn(s, 16, generator=g)
-        inputs = [q, angles.cos(), angles.sin()]
-        got, grad_outputs = run_grads(compiled, inputs)
-        eager, _ = run_grads(rope, inputs, (), grad_outputs)
-        for f, e, exact in zip(got, eager, float64_grads(rope, inputs, (), grad_outputs)):
-            assert f.dtype == e.dtype and f.shape == e.shape
-            assert_close_as_unfused(f, e, exact, factor=MODEL_FACTOR)
+        _assert_rope_right(compiled, b, s, seed)
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1, "another batch and sequence recompiled"
     assert len(results) == 1 and not results[0].misses, results[0].misses
     assert results[0].fused("rotary_position_embedding") == results[0].fused("rotary_position_embedding_grad") == 1
@@ -106,15 +112,7 @@ def test_a2_limit_is_kept_under_a_guard_and_a_call_beyond_it_recompiles(limit):
     torch._dynamo.utils.counters.clear()
     compiled = torch.compile(rope, backend=aot_backend(options, lambda gm, run: results.append(run())), dynamic=True)
     for seed, (b, s) in enumerate(shapes):
-        g = torch.Generator().manual_seed(seed)
-        q = torch.randn(b, 4, s, 16, generator=g).requires_grad_()
-        angles = torch.randn(*lead(b, s), s, 16, generator=g)
-        inputs = [q, angles.cos(), angles.sin()]
-        got, grad_outputs = run_grads(compiled, inputs)
-        eager, _ = run_grads(rope, inputs, (), grad_outputs)
-        for f, e, exact in zip(got, eager, float64_grads(rope, inputs, (), grad_outputs)):
-            assert f.dtype == e.dtype and f.shape == e.shape
-            assert_close_as_unfused(f, e, exact, factor=MODEL_FACTOR)
+        _assert_rope_right(compiled, b, s, seed, lead(b, s))
         if seed == 1:
             assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1, "a call within the limit recompiled"
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 2, "a call beyond the limit reused the graph"
@@ -248,15 +246,7 @@ def test_head_dim_through_inductor_dynamic_true(inductor_installed):
     compiled = torch.compile(rope, dynamic=True)
     with no_compile_caches():
         for seed, (b, s) in enumerate(((2, 6), (3, 9))):
-            g = torch.Generator().manual_seed(seed)
-            q = torch.randn(b, 4, s, 16, generator=g).requires_grad_()
-            angles = torch.randn(s, 16, generator=g)
-            inputs = [q, angles.cos(), angles.sin()]
-            got, grad_outputs = run_grads(compiled, inputs)
-            eager, _ = run_grads(rope, inputs, (), grad_outputs)
-            for f, e, exact in zip(got, eager, float64_grads(rope, inputs, (), grad_outputs)):
-                assert f.dtype == e.dtype and f.shape == e.shape
-                assert_close_as_unfused(f, e, exact, factor=MODEL_FACTOR)
+            _assert_rope_right(compiled, b, s, seed)
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1, "another batch and sequence recompiled"
     assert dict(torch._dynamo.utils.counters[COUNTER]) == {"rotary_position_embedding": 1,
                                                            "rotary_position_embedding_grad": 1}

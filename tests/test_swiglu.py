@@ -6,23 +6,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from npu_fusion.measure.grads import MODEL_FACTOR, assert_close_as_unfused, float64_grads, run_grads
+from npu_fusion.measure.grads import MODEL_FACTOR, assert_close_as_unfused, float64_grads, float64_output, run_grads
 from npu_fusion_testing.capture import Capture
 
 ON = {"swiglu": True, "swiglu_forward": True}
 FORWARD, BACKWARD = "swiglu", "swiglu_grad"
 H = 8  # the width of each half
-
-
-def _float64(fn, inputs, params=()):
-    saved = [p.data for p in params]
-    try:
-        for p in params:
-            p.data = p.data.double()
-        return fn(*[t.detach().double() for t in inputs])
-    finally:
-        for p, data in zip(params, saved):
-            p.data = data
 
 
 def check(fn, inputs, params=(), **options):
@@ -32,7 +21,7 @@ def check(fn, inputs, params=(), **options):
     torch._dynamo.reset()
     compiled = torch.compile(fn, backend=capture)
     with torch.no_grad():
-        got, eager, exact = compiled(*inputs), fn(*inputs), _float64(fn, inputs, params)
+        got, eager, exact = compiled(*inputs), fn(*inputs), float64_output(fn, inputs, params)
     assert got.dtype == eager.dtype and got.shape == eager.shape
     assert_close_as_unfused(got, eager, exact, factor=MODEL_FACTOR)
     fused, grad_outputs = run_grads(compiled, inputs, params)
@@ -207,7 +196,7 @@ def test_inference_graph_fuses_the_forward():
     torch._dynamo.reset()
     with torch.no_grad():
         got = torch.compile(chunked, backend=capture)(x, w)
-        eager, exact = chunked(x, w), _float64(chunked, [x, w])
+        eager, exact = chunked(x, w), float64_output(chunked, [x, w])
     assert_close_as_unfused(got, eager, exact, factor=MODEL_FACTOR)
     assert capture.fused(FORWARD) == 1 and not capture.misses()
 

@@ -8,11 +8,11 @@ import torch.nn.functional as F
 
 import npu_fusion
 from npu_fusion.compat import no_compile_caches
-from npu_fusion.measure.grads import MODEL_FACTOR, assert_close_as_unfused, float64_grads, run_grads
+from npu_fusion.measure.grads import MODEL_FACTOR, assert_close_as_unfused, float64_grads, float64_output, run_grads
 from npu_fusion.plugin.inductor import uninstall_inductor
 from npu_fusion.plugin.pass_manager import HISTORY
 
-from test_swiglu import BACKWARD, FORWARD, H, ON, Phi3Mlp, _float64
+from test_swiglu import BACKWARD, FORWARD, H, ON, Phi3Mlp
 
 
 @pytest.fixture
@@ -41,7 +41,7 @@ def _compiled_check(mlp, dtype):
     mark = HISTORY.mark()
     compiled = torch.compile(mlp)  # backend="inductor"
     with torch.no_grad():
-        got, eager, exact = compiled(x), mlp(x), _float64(mlp, [x], params)
+        got, eager, exact = compiled(x), mlp(x), float64_output(mlp, [x], params)
     assert got.dtype == eager.dtype and got.shape == eager.shape
     assert_close_as_unfused(got, eager, exact, factor=MODEL_FACTOR)
     fused, grad_outputs = run_grads(compiled, [x], params)

@@ -7,6 +7,8 @@ program does and the compiled run dropped); the helpers that compute the gradien
 :func:`compare_gradients`, the per-parameter table the report prints."""
 from __future__ import annotations
 
+import contextlib
+
 import dataclasses
 import math
 from typing import Any, Dict, List
@@ -112,19 +114,32 @@ def run_grads(fn, inputs, params=(), grad_outputs=None):
     return grads, grad_outputs
 
 
-def float64_grads(fn, inputs, params, grad_outputs):
-    """:func:`run_grads` of ``fn`` with the inputs, the parameters and the output gradients in
-    float64 (the parameters are restored afterwards)."""
+@contextlib.contextmanager
+def parameters_in_float64(params):
+    """The parameters' data in float64 inside the block, restored after it."""
     params = list(params)
     saved = [p.data for p in params]
     try:
         for p in params:
             p.data = p.data.double()
-        wide = [t.detach().double().requires_grad_(t.requires_grad) for t in inputs]
-        grads, _ = run_grads(fn, wide, params, [g.double() for g in grad_outputs])
+        yield params
     finally:
         for p, s in zip(params, saved):
             p.data = s
+
+
+def float64_output(fn, inputs, params=()):
+    """``fn``'s output with the inputs and the parameters in float64 (the parameters are restored afterwards)."""
+    with parameters_in_float64(params):
+        return fn(*[t.detach().double() for t in inputs])
+
+
+def float64_grads(fn, inputs, params, grad_outputs):
+    """:func:`run_grads` of ``fn`` with the inputs, the parameters and the output gradients in
+    float64 (the parameters are restored afterwards)."""
+    with parameters_in_float64(params) as params:
+        wide = [t.detach().double().requires_grad_(t.requires_grad) for t in inputs]
+        grads, _ = run_grads(fn, wide, params, [g.double() for g in grad_outputs])
     return grads
 
 
