@@ -10,11 +10,11 @@ import pytest
 import torch
 import torch.fx as fx
 
-from npu_fusion.measure.grads import MODEL_FACTOR, assert_close_as_unfused
+from npu_fusion.measure.grads import MODEL_FACTOR, assert_close_as_unfused, float64_output
 from npu_fusion.patterns.layout import memory_order
 from npu_fusion.patterns.pairing import source
 from npu_fusion.plugin.options import forward_options
-from test_forward_fusion import _compile, _float64_output, calls, check_gradients
+from test_forward_fusion import _compile, calls, check_gradients
 
 NORM, NORM_GRAD = "rms_norm", "rms_norm_grad"
 ROPE, ROPE_GRAD = "rotary_position_embedding", "rotary_position_embedding_grad"
@@ -36,7 +36,7 @@ def check(fn, inputs, params=(), mark_dynamic=(), **options):
         for dim in dims:
             torch._dynamo.mark_dynamic(tensor, dim)
     with torch.no_grad():
-        eager, exact = _outputs(fn(*inputs)), _outputs(_float64_output(fn, inputs, params))
+        eager, exact = _outputs(fn(*inputs)), _outputs(float64_output(fn, inputs, params))
         got = _outputs(compiled(*inputs))
     for g, e, x in zip(got, eager, exact):
         assert g.dtype == e.dtype and g.shape == e.shape and g.stride() == e.stride(), (g.stride(), e.stride())

@@ -20,7 +20,8 @@ from npu_fusion.measure.grads import MODEL_FACTOR, assert_close_as_unfused
 from npu_fusion.plugin.inductor import uninstall_inductor
 from npu_fusion.plugin.pass_manager import HISTORY
 from npu_fusion_testing.emits import emittable_targets, scan
-from test_forward_fusion import _float64_output, check_gradients
+from npu_fusion.measure.grads import float64_output
+from test_forward_fusion import check_gradients
 
 EPS = 1e-6
 B, H, D = 2, 4, 16
@@ -173,7 +174,7 @@ def compiled_run(name: str):
     mark = HISTORY.mark()
     compiled = torch.compile(fn, backend="inductor")
     with torch.no_grad():
-        eager, exact, got = fn(*inputs), _float64_output(fn, inputs, ()), compiled(*inputs)
+        eager, exact, got = fn(*inputs), float64_output(fn, inputs, ()), compiled(*inputs)
     as_tuple = lambda o: o if isinstance(o, (tuple, list)) else (o,)  # noqa: E731
     for g, e, x in zip(as_tuple(got), as_tuple(eager), as_tuple(exact)):
         assert g.dtype == e.dtype and g.shape == e.shape, (g.dtype, e.dtype, g.shape, e.shape)
