@@ -140,6 +140,13 @@ def test_supported_forms_table_is_rendered_from_the_rules():
     assert table == render_forms()
 
 
+def test_readme_schemas_are_the_registry():
+    from npu_fusion.lowering.ops import render_schemas
+
+    block = README.read_text().split("<!-- schemas -->")[1].split("<!-- /schemas -->")[0]
+    assert block.strip().strip("`").strip() == render_schemas()
+
+
 # -- generated blocks -------------------------------------------------------------------
 
 def test_generated_blocks_are_closed_and_named_once():

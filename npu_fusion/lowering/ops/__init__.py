@@ -17,3 +17,8 @@ FUSED_OPS = (
     swiglu_grad.OP,
     swiglu.OP,
 )
+
+
+def render_schemas() -> str:
+    """Every fused op's full schema, one a line, as the README lists them (``tests/test_docs.py``)."""
+    return "\n".join(f"torch.ops.npu_fusion.{op.name}{op.schema}" for op in FUSED_OPS)
