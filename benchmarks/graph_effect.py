@@ -22,8 +22,9 @@ compiler is assumed, so "before" is what an op-by-op (eager-like) backend moves.
 
 * the activation bytes the forward saves for the backward, without and with the pass.
 
-With ``--forward`` (the forward rules' options, ``rms_norm_forward`` and ``rope_forward``;
-joint-graph paths only, a backward graph has no forward to fuse) the forward graph gets the same
+With ``--forward`` (the forward rules' options: ``rms_norm_forward``, ``rope_forward``,
+``swiglu_forward``; on the torchair path the partitioned training forward is fused after the
+backward, as ``install``'s hook does, its saved tensors kept) the forward graph gets the same
 two tables: its nodes and whole traffic before and after, and per forward fused op (``rms_norm``,
 ``rotary_position_embedding``) its sites and their modelled traffic after the pass (the fused
 node and the casts next to it) against the fused op's minimum. Compare the saved bytes with a
@@ -39,9 +40,13 @@ and prints one table: the bytes saved for the backward without and with the pass
 traffic of the backward graph after the pass, min-cut's against default's (the table of
 docs/usage.md, written there with ``--write-docs partitioners``).
 
+``--compare-paths`` traces the three paths and prints one table, the paths side by side (the
+blocks ``graph-effect-paths`` and, with ``--forward``, ``graph-effect-forward`` of docs/benchmarks.md).
+
     python -m benchmarks.graph_effect [--layers 1] [--path npu_fusion|torchair|inductor] [--partitioner default]
                                       [--forward]
     python -m benchmarks.graph_effect --compare-partitioners --forward
+    python -m benchmarks.graph_effect --layers 32 --compare-paths [--forward]
 """
 from __future__ import annotations
 
@@ -63,6 +68,7 @@ from npu_fusion.compat import inductor_decompositions
 from npu_fusion.plugin.backend import aot_backend
 from npu_fusion.plugin.saved_activations import saved_set
 from npu_fusion.plugin.options import FusionOptions, forward_ops, forward_options
+from npu_fusion.plugin.pass_manager import fuse_forward
 
 from npu_fusion_testing.generated import publishing, script_command
 
@@ -124,11 +130,12 @@ def _parse(argv):
     parser.add_argument("--compare-partitioners", action="store_true",
                         help="trace the npu_fusion path under each partitioner and print their saved bytes "
                              "and backward traffic side by side (instead of --partitioner's tables)")
+    parser.add_argument("--compare-paths", action="store_true",
+                        help="trace every path and print one table, the paths side by side (with --forward "
+                             "the forward graph's rows too) instead of --path's tables")
     parser.add_argument("--write-docs", metavar="NAME",
                         help="also write what this prints into block NAME of its docs/ page")
     args = parser.parse_args(argv)
-    if args.forward and PATHS[args.path][0] != "joint":
-        parser.error(f"--forward needs a joint-graph path; {args.path} runs the pass on the backward graph")
     if args.compare_partitioners and args.path != "npu_fusion":
         parser.error("--compare-partitioners compares the npu_fusion path's partitioners")
     return args
@@ -179,11 +186,22 @@ def _backend(args, captured):
         # after the compile: the partition of the fused joint graph, or the rewritten backward
         captured["after"] = (lambda: run.partitioned[1].graph) if joint else (lambda: gm.graph)
         captured["forward_after"] = (lambda: run.partitioned[0].graph) if joint else (lambda: run.forward)
+        captured["forward_result"] = captured["result"]  # the joint graph's pass fuses both
+        if not joint and args.forward:  # torchair's hook: the partitioned forward, after the backward
+            run.after_partition.append(lambda fw_gm, bw_gm: _fuse_partitioned_forward(fw_gm, options, captured))
 
     backend = aot_backend(options, around_pass, stage=stage)
     if decompositions == "inductor":
         backend.kwargs["decompositions"] = inductor_decompositions()
     return backend
+
+
+def _fuse_partitioned_forward(fw_gm, options, captured) -> None:
+    """The forward rules on the partitioned training forward, as ``install``'s hook runs them
+    (``fuse_forward``: what it saves for the backward kept), the graph before kept."""
+    captured["forward_before"] = copy.deepcopy(fw_gm.graph)
+    captured["forward_result"] = fuse_forward(fw_gm, options)
+    captured["forward_after"] = lambda: fw_gm.graph
 
 
 def _trace(args):
@@ -206,6 +224,10 @@ def _trace(args):
 
 def main(argv=None) -> int:
     args = _parse(argv)
+    if args.compare_paths:
+        runs = {path: _trace(argparse.Namespace(**dict(vars(args), path=path))) for path in PATHS}
+        with publishing(args.write_docs, script_command(__file__, argv), fenced=False):
+            return _print_paths(args, runs)
     if args.compare_partitioners:
         runs = {p: _trace(argparse.Namespace(**dict(vars(args), partitioner=p))) for p in ("default", "min_cut")}
         with publishing(args.write_docs, script_command(__file__, argv), fenced=False):
@@ -243,6 +265,56 @@ def _print_partitioners(args, runs) -> int:
     return 0
 
 
+def _graph_row(before, after) -> tuple:
+    """Nodes and modelled traffic of a graph before and after the pass, as two cells."""
+    b, a = (sum(node_traffic(n) for n in g.nodes) for g in (before, after))
+    return (f"{len(before.nodes)} -> {len(after.nodes)}",
+            f"{b / 2**30:.1f} -> {a / 2**30:.1f} GiB, {100 * (a - b) / b:+.1f}%")
+
+
+def _op_row(result, after, op, expected) -> str:
+    """One fused op's cell: sites fused / expected, traffic before -> after / the fused-op minimum."""
+    sites = [s for s in result.sites if s.op == op]
+    minimum = sum(s.bytes_minimum for s in sites)
+    after_bytes = fused_traffic(after).get(op, 0)
+    ratio = f", {after_bytes / minimum:.2f}x" if minimum else ""
+    return (f"{len(sites)}/{expected.get(op, 0)}, {gib(sum(s.bytes_before for s in sites))} -> "
+            f"{gib(after_bytes)} / {gib(minimum)}{ratio}")
+
+
+def _print_paths(args, runs) -> int:
+    """Every path side by side: backward (and with ``--forward`` forward) nodes, traffic and sites, and the saved set."""
+    config = next(iter(runs.values()))[0]
+    print(f"Llama-7B-shaped decoder: {args.layers} layer(s), hidden {config.hidden_size}, {config.num_heads} heads "
+          f"x {config.head_dim}, MLP {config.intermediate_size} ({args.mlp} projections), batch {args.batch} x seq "
+          f"{args.seq}, {args.dtype}, target {args.target}, forward fusion {'on' if args.forward else 'off'}\n")
+    heads = {"npu_fusion": "joint, default", "torchair": "after the partition", "inductor": "joint, min-cut"}
+    print("| | " + " | ".join(f"`{path}` ({heads[path]})" for path in runs) + " |")
+    print("|---|" + "---:|" * len(runs))
+    rows = collections.defaultdict(list)
+    graphs = [("backward", "result", "before", "after", [op for op in KINDS.values() if op not in FORWARD_OPS])]
+    if args.forward:
+        graphs.append(("forward", "forward_result", "forward_before", "forward_after", list(forward_ops())))
+    for _, captured, expected, _ in runs.values():
+        for kind, result_key, before_key, after_key, ops in graphs:
+            after = captured[after_key]()
+            nodes, traffic = _graph_row(captured[before_key], after)
+            rows[f"{kind} nodes before -> after"].append(nodes)
+            rows[f"modelled traffic, whole {kind} graph"].append(traffic)
+            for op in ops:
+                if expected.get(op, 0) or any(s.op == op for s in captured[result_key].sites):
+                    rows[f"`{op}`: sites, traffic before -> after / fused-op minimum"].append(
+                        _op_row(captured[result_key], after, op, expected))
+        result, unfused = captured["result"], captured["unfused_saved"]
+        rows["saved for the backward: without -> with the pass"].append(
+            f"{gib(unfused.bytes)} -> {gib(result.saved.bytes)}" if unfused else f"{gib(result.saved.bytes)}, unchanged")
+        rows["float32 `[B, S, H]` tensors saved, with the pass"].append(
+            str(result.saved.count(torch.float32, (args.batch, args.seq, config.hidden_size))))
+    for label, cells in rows.items():
+        print(f"| {label} | " + " | ".join(cells) + " |")
+    return 0
+
+
 def _print_effect(args, config, captured, expected, traced) -> int:
     result = captured["result"]
     partitioner = PATHS[args.path][1] or args.partitioner
@@ -254,18 +326,20 @@ def _print_effect(args, config, captured, expected, traced) -> int:
           f"forward fusion {'on' if args.forward else 'off'}\n")
     print(f"traced and compiled in {traced:.1f} s; the pass took {result.seconds * 1e3:.0f} ms\n")
     backward_ops = tuple(op for op in KINDS.values() if op not in FORWARD_OPS)
-    graphs = [("backward", captured["before"], captured["after"](), backward_ops)]
+    graphs = [("backward", result, captured["before"], captured["after"](), backward_ops)]
     if args.forward:
-        graphs.append(("forward", captured["forward_before"], captured["forward_after"](), forward_ops()))
-    for kind, before, after, ops in graphs:
+        graphs.append(("forward", captured["forward_result"], captured["forward_before"], captured["forward_after"](),
+                       forward_ops()))
+    for kind, graph_result, before, after, ops in graphs:
         _print_graph_table(kind, before, after)
-        _print_sites_table(result, after, ops, expected)
+        _print_sites_table(graph_result, after, ops, expected)
     unfused = captured["unfused_saved"]
     print(f"\nsaved for the backward (activations: graph inputs and their views not counted): "
           f"{_saved(unfused.bytes) if unfused else 'the same'} without the pass, {_saved(result.saved.bytes)} with it; "
           f"float32 [B, S, H] tensors saved: "
           f"{result.saved.count(torch.float32, (args.batch, args.seq, config.hidden_size))}")
-    for miss in result.misses:
+    forward_misses = captured["forward_result"].misses if captured["forward_result"] is not result else []
+    for miss in [*result.misses, *forward_misses]:
         print(f"\nunfused: {miss.op} at {miss.node}: {miss.reason}")
     return 0
 

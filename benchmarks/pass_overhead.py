@@ -60,9 +60,15 @@ call the backend makes in the first step) at each head dim.
 
     python benchmarks/pass_overhead.py --widths 16 128 [--layers 2 8] [--profile 8]
 
+``--net`` measures each size twice in the same process, side by side, on the chosen path (the
+backend, ``--inductor`` or ``--torchair``): every rule off, then the default options, and prints
+the first step's wall and CPU time with the pass against without it: the pass's own time against
+what the fused graph saves the later stages (``--repeat`` pairs, medians).
+
+Every mode but ``--forward`` runs the default options (the forward rules on).
+
 ``--forward`` measures each size twice in the same process, side by side: the backward rules
-alone (the default options), then with the forward rules too (``rms_norm_forward`` and
-``rope_forward``; joint-graph paths only), and prints the ratio of the pass's CPU times.
+alone, then with the forward rules too (``rms_norm_forward``, ``rope_forward``, ``swiglu_forward``), and prints the ratio of the pass's CPU times.
 """
 from __future__ import annotations
 
@@ -86,7 +92,7 @@ import npu_fusion  # noqa: F401  (registers the ops)
 from npu_fusion.measure.sites import expected_for
 from npu_fusion.models import bundled
 from npu_fusion.plugin.backend import aot_backend
-from npu_fusion.plugin.options import FusionOptions, forward_options
+from npu_fusion.plugin.options import FusionOptions, forward_options, rule_options
 from npu_fusion_testing.generated import publishing, script_command
 
 
@@ -140,14 +146,17 @@ class Clocked:
         self.gc_full += gc_time.full
 
 
-def fusion_options(target: str, forward: bool) -> dict:
-    """The run's options: the forward rules' switches all ``forward``."""
-    return {"target": target, **dict.fromkeys(forward_options(), forward)}
+def fusion_options(target: str, forward: bool = None, off: bool = False) -> dict:
+    """The run's options: the defaults, with the forward rules' switches all ``forward`` unless it is
+    None, or with ``off`` every rule's switch off (the compile without the pass's rewrites)."""
+    if off:
+        return {"target": target, **dict.fromkeys(rule_options(), False)}
+    return {"target": target, **({} if forward is None else dict.fromkeys(forward_options(), forward))}
 
 
-def expected_sites(model, forward: bool) -> dict:
-    """The model's sites by fused op: each backward site, and with ``forward`` its forward too."""
-    return expected_for(FusionOptions.from_mapping(fusion_options("generic", forward)), model.expected_sites)
+def expected_sites(model, forward: bool = None, off: bool = False) -> dict:
+    """The model's sites by fused op under :func:`fusion_options` (none with every rule ``off``)."""
+    return expected_for(FusionOptions.from_mapping(fusion_options("generic", forward, off)), model.expected_sites)
 
 
 def widths(head_dim: int, heads: int = 4, kv_heads: int = 2) -> dict:
@@ -158,14 +167,14 @@ def widths(head_dim: int, heads: int = 4, kv_heads: int = 2) -> dict:
 
 
 def measure(layers: int, dtype=torch.float32, seq: int = 16, batch: int = 2, target: str = "generic",
-            forward: bool = False, width: dict = None, profiler=None) -> dict:
+            forward: bool = None, width: dict = None, profiler=None, off: bool = False) -> dict:
     """The first compiled step of a bundled Llama on the backend, with the pass timed (and, given a
     ``cProfile.Profile``, profiled: only the ``fuse_joint`` call runs under it)."""
     model = bundled("llama", num_layers=layers, dtype=dtype, **(width or {}))
     ids = torch.randint(0, model.config.vocab_size, (batch, seq), generator=torch.Generator().manual_seed(0))
     torch._dynamo.reset()
     gc.collect()
-    backend = Clocked(fusion_options(target, forward), profiler)
+    backend = Clocked(fusion_options(target, forward, off), profiler)
     step = torch.compile(lambda i: model.loss(i), backend=backend)
     wall, cpu = time.perf_counter(), time.process_time()
     step(ids).backward()
@@ -176,7 +185,7 @@ def measure(layers: int, dtype=torch.float32, seq: int = 16, batch: int = 2, tar
     assert len(backend.results) == 1, f"expected one backward graph, got {len(backend.results)}"
     r = backend.results[0]
     assert not r.error, r.error
-    expected = expected_sites(model, forward)
+    expected = expected_sites(model, forward, off)
     assert {op: r.fused(op) for op in expected} == expected, ({op: r.fused(op) for op in expected}, expected)
     return {"layers": layers, "first_call": first, "first_call_cpu": first_cpu, "second_call": second,
             "pass": r.seconds, "pass_cpu": backend.cpu, "pass_gc": backend.gc, "gc_full": backend.gc_full,
@@ -186,7 +195,7 @@ def measure(layers: int, dtype=torch.float32, seq: int = 16, batch: int = 2, tar
 
 
 def measure_inductor(layers: int, target: str = "generic", dtype=torch.float32, seq: int = 16,
-                     batch: int = 2, forward: bool = False) -> dict:
+                     batch: int = 2, forward: bool = None, off: bool = False) -> dict:
     """``measure`` through stock Inductor with ``npu_fusion.install_inductor``: the first call is
     Dynamo, AOTAutograd, Inductor's joint passes (the npu-fusion pass among them), its partition,
     code generation and C++ compilation of both graphs. The pass's CPU time is taken around its
@@ -199,7 +208,7 @@ def measure_inductor(layers: int, target: str = "generic", dtype=torch.float32, 
     ids = torch.randint(0, model.config.vocab_size, (batch, seq), generator=torch.Generator().manual_seed(0))
     torch._dynamo.reset()
     gc.collect()
-    installed = npu_fusion.install_inductor(**fusion_options(target, forward))
+    installed = npu_fusion.install_inductor(**fusion_options(target, forward, off))
     clock = {"cpu": 0.0, "gc": 0.0, "gc_full": 0}
     real_call = type(installed).__call__
 
@@ -227,7 +236,7 @@ def measure_inductor(layers: int, target: str = "generic", dtype=torch.float32, 
         uninstall_inductor()
     (r,) = [r for r in pass_manager.HISTORY.since(history) if r.graph == "joint"]
     assert not r.error, r.error
-    expected = expected_sites(model, forward)
+    expected = expected_sites(model, forward, off)
     assert {op: r.fused(op) for op in expected} == expected, ({op: r.fused(op) for op in expected}, expected)
     return {"layers": layers, "first_call": first, "first_call_cpu": first_cpu, "second_call": second,
             "pass": r.seconds, "pass_cpu": clock["cpu"], "pass_gc": clock["gc"], "gc_full": clock["gc_full"],
@@ -298,7 +307,7 @@ def torchair_probes(stats: dict):
 
 
 def measure_torchair(torchair, layers: int, target: str = "a2", dtype=torch.float32, seq: int = 16,
-                     batch: int = 2) -> dict:
+                     batch: int = 2, forward: bool = None, off: bool = False) -> dict:
     """``measure`` through ``torchair.get_npu_backend`` with ``npu_fusion.install`` (see the module doc)."""
     from torch._decomp import get_decompositions
     from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -311,7 +320,7 @@ def measure_torchair(torchair, layers: int, target: str = "a2", dtype=torch.floa
     gc.collect()
     config = torchair.CompilerConfig()
     config.debug.run_eagerly = True  # build the GE graph, then run the FX graph on CPU
-    npu_fusion.install(config, target=target)
+    npu_fusion.install(config, **fusion_options(target, forward, off))
     clock = HookClock(config.post_grad_custom_pre_pass.value)
     config.post_grad_custom_pre_pass = clock
     backend = torchair.get_npu_backend(compiler_config=config,
@@ -336,13 +345,14 @@ def measure_torchair(torchair, layers: int, target: str = "a2", dtype=torch.floa
     assert len(stats.get("ge_ops", ())) == 2, f"expected two GE graphs, torchair built {stats.get('ge_ops')}"
     r = results[1]
     assert not any(x.error for x in results), [x.error for x in results]
-    assert {op: r.fused(op) for op in model.expected_sites} == model.expected_sites, \
-        ({op: r.fused(op) for op in model.expected_sites}, model.expected_sites)
+    expected = expected_sites(model, forward, off)
+    fused = {op: sum(x.fused(op) for x in results) for op in expected}  # a forward op's sites: the forward graph's
+    assert fused == expected, (fused, expected)
     return {"layers": layers, "first_call": first, "first_call_cpu": first_cpu, "second_call": second,
             "pass": sum(x.seconds for x in results), "pass_cpu": clock.cpu, "pass_gc": clock.gc,
             "gc_full": clock.gc_full, "torchair_graph_compile": stats["torchair_graph_compile"],
             "ge_ops": stats["ge_ops"], "objects": len(gc.get_objects()), "nodes_before": r.nodes_before,
-            "nodes_after": r.nodes_after, "sites": len(r.sites)}
+            "nodes_after": r.nodes_after, "sites": sum(len(x.sites) for x in results)}
 
 
 def fit(xs, ys):
@@ -455,6 +465,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="npu-fusion target (default: generic, or a2 with --torchair)")
     parser.add_argument("--forward", action="store_true",
                         help="each size twice, side by side: the backward rules alone, then the forward rules too")
+    parser.add_argument("--net", action="store_true",
+                        help="each size twice, side by side, on the chosen path: every rule off, then the "
+                             "default options; the first step's time with the pass against without it")
     parser.add_argument("--widths", type=int, nargs="+", metavar="HEAD_DIM",
                         help="measure these head dims (hidden = heads x head_dim, MLP twice that) at each of "
                              "--layers on the backend, and with --profile profile the pass at each of them")
@@ -463,10 +476,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--write-docs", metavar="NAME",
                         help="also write what this prints into block NAME of its docs/ page")
     args = parser.parse_args(argv)
-    if args.widths and (args.forward or args.torchair or args.inductor):
+    if args.widths and (args.forward or args.net or args.torchair or args.inductor):
         parser.error("--widths measures the npu_fusion backend's joint graph alone")
-    if args.forward and args.torchair:
-        parser.error("--forward needs a joint graph; through torchair the pass sees the backward graph")
     return args
 
 
@@ -475,13 +486,15 @@ def chosen_path(args: argparse.Namespace):
     if args.torchair:
         torchair = load_torchair()
         target = args.target or "a2"
-        return (lambda layers: measure_torchair(torchair, layers, target=target),
+        return (lambda layers, forward=None, off=False: measure_torchair(torchair, layers, target=target,
+                                                                         forward=forward, off=off),
                 f"torchair {os.path.dirname(torchair.__file__)}, target {target}")
     target = args.target or "generic"
     if args.inductor:
-        return (lambda layers, forward=False: measure_inductor(layers, target=target, forward=forward),
+        return (lambda layers, forward=None, off=False: measure_inductor(layers, target=target, forward=forward,
+                                                                         off=off),
                 f"stock Inductor with install_inductor, target {target}")
-    return (lambda layers, forward=False: measure(layers, target=target, forward=forward),
+    return (lambda layers, forward=None, off=False: measure(layers, target=target, forward=forward, off=off),
             f"aot_autograd CPU backend, target {target}")
 
 
@@ -560,6 +573,39 @@ def print_forward_comparison(alone, both) -> None:
               f"{100 * b['pass_cpu'] / b['first_call_cpu']:.1f}% |")
 
 
+def measure_net(run, args: argparse.Namespace) -> list:
+    """Per size, ``--repeat`` pairs of first steps, every rule off then the defaults, one after the
+    other (a busy machine disturbs both alike): ``(off, on)`` rows of medians."""
+    pairs = []
+    for layers in args.layers:
+        runs = [(run(layers, off=True), run(layers)) for _ in range(args.repeat)]
+        median = []
+        for side in zip(*runs):
+            row = dict(side[0])
+            for key in ("first_call", "first_call_cpu", "pass", "pass_cpu"):
+                row[key] = statistics.median(r[key] for r in side)
+            median.append(row)
+        pairs.append(tuple(median))
+        off, on = median
+        print(f"{layers} layers: first step CPU {off['first_call_cpu']:.2f} s without, {on['first_call_cpu']:.2f} s "
+              f"with the pass", file=sys.stderr, flush=True)
+    return pairs
+
+
+def print_net(pairs) -> None:
+    """The first step with every rule off beside the defaults, per size (``--net``)."""
+    print("| layers | nodes before | sites fused | first step, every rule off: wall (CPU) | with the pass: wall (CPU) "
+          "| net change: wall (CPU) | pass CPU | pass / first step, CPU |")
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for off, on in pairs:
+        print(f"| {on['layers']} | {on['nodes_before']} | {on['sites']} | "
+              f"{off['first_call']:.2f} s ({off['first_call_cpu']:.2f} s) | "
+              f"{on['first_call']:.2f} s ({on['first_call_cpu']:.2f} s) | "
+              f"{100 * (on['first_call'] / off['first_call'] - 1):+.1f}% "
+              f"({100 * (on['first_call_cpu'] / off['first_call_cpu'] - 1):+.1f}%) | "
+              f"{on['pass_cpu'] * 1e3:.0f} ms | {100 * on['pass_cpu'] / on['first_call_cpu']:.1f}% |")
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -577,6 +623,9 @@ def measure_and_print(run, args) -> int:
             for head_dim in args.widths:
                 text = profile_joint(args.profile, widths(head_dim, args.heads, args.kv_heads), args.target or "generic")
                 print(f"\n```\n{text}```")
+        return 0
+    if args.net:
+        print_net(measure_net(run, args))
         return 0
     if args.forward:  # each size alone and too, one after the other, so a busy machine disturbs both alike
         pairs = [(measure_sizes(run, sized, False)[0], measure_sizes(run, sized, True)[0])

@@ -78,6 +78,11 @@ FusionOptions = dataclasses.make_dataclass(
         "its switch (a bool, on unless the rule says otherwise).")})
 
 
+def rule_options() -> Tuple[str, ...]:
+    """Every rule's switch, in rule order (all off: the compile without the pass's rewrites)."""
+    return tuple(rule.option for rule in RULES)
+
+
 def forward_options() -> Tuple[str, ...]:
     """The switches of the rules that fuse the forward (stage ``joint`` or ``forward``), in rule order."""
     return tuple(rule.option for rule in RULES if rule.stage != "backward")
