@@ -76,6 +76,10 @@ def test_mla_and_moe_trace_on_meta_and_a2_refuses_interleave_half():
 def test_overrides_and_usage_errors(capsys):
     assert fullsize.run(parse("--hf-config", "no_such_model_type")) == report.EXIT_USAGE
     assert "does not know the model type" in capsys.readouterr().err
+    assert fullsize.run(parse("--hf-config", "lama")) == report.EXIT_USAGE
+    assert "the closest it knows: llama" in capsys.readouterr().err
+    assert fullsize.run(parse("--hf-config", "examples/configs/no-such.json")) == report.EXIT_USAGE
+    assert "no such file 'examples/configs/no-such.json'" in capsys.readouterr().err
     assert fullsize.run(parse("--hf-config", "llama", "hidden_size")) == report.EXIT_USAGE
     assert "not key=value" in capsys.readouterr().err
     assert fullsize.run(parse("--hf-config", "llama", "--dynamic")) == report.EXIT_USAGE

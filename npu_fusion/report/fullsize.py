@@ -41,7 +41,7 @@ from ..measure.timing import Clock
 from ..plugin.options import FusionOptions
 from . import analysis, command
 from .analysis import progress, recorder_for
-from .subjects import DTYPES, Subject, UsageError, conventional_counter
+from .subjects import DTYPES, Subject, UsageError, conventional_counter, unknown_model_type
 from .text import format_accounting, format_ops, format_saved, format_traffic, pass_share_line, table, write_report
 
 EXIT_UNEXPLAINED = 1  # a counted site neither fused nor recorded as a miss
@@ -70,6 +70,9 @@ def load_config(spec: str, overrides: List[str], layers: int):
         model_type = data.pop("model_type", None)
         if model_type is None:
             raise UsageError(f"{spec} has no model_type")
+    elif spec.endswith(".json") or os.sep in spec:
+        raise UsageError(f"--hf-config: no such file {spec!r} (give a config.json's path, or a model type such as "
+                         f"'llama')")
     else:
         model_type = spec
     for item in overrides:
@@ -81,7 +84,7 @@ def load_config(spec: str, overrides: List[str], layers: int):
     try:
         return AutoConfig.for_model(model_type, **data)
     except (ValueError, KeyError) as exc:
-        raise UsageError(f"transformers does not know the model type {model_type!r}: {exc}") from None
+        raise unknown_model_type(model_type) from None
 
 
 def _value(text: str):

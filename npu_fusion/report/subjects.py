@@ -88,6 +88,17 @@ _HF_SMALL = {"vocab_size": 128, "hidden_size": 64, "intermediate_size": 128, "nu
              "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}
 
 
+def unknown_model_type(model_type: str) -> UsageError:
+    """The error for a model type transformers does not know, naming the known ones spelled closest."""
+    import difflib
+
+    from transformers import CONFIG_MAPPING
+
+    close = difflib.get_close_matches(model_type, list(CONFIG_MAPPING.keys()), n=5)
+    return UsageError(f"transformers does not know the model type {model_type!r}"
+                      + (f"; the closest it knows: {', '.join(close)}" if close else ""))
+
+
 def tiny_hf_config(model_type: str, layers: int):
     """A small random config of a transformers architecture, built offline."""
     from transformers import AutoConfig
@@ -95,7 +106,7 @@ def tiny_hf_config(model_type: str, layers: int):
     try:
         config_class = type(AutoConfig.for_model(model_type))
     except (ValueError, KeyError) as exc:
-        raise UsageError(f"transformers does not know the model type {model_type!r}: {exc}") from None
+        raise unknown_model_type(model_type) from None
     accepted = set(inspect.signature(config_class.__init__).parameters) | set(getattr(config_class, "attribute_map", {}))
     wanted = dict(_HF_SMALL, num_hidden_layers=layers, **_HF_OVERRIDES.get(model_type, {}))
     return AutoConfig.for_model(model_type, **{k: v for k, v in wanted.items() if k in accepted})
