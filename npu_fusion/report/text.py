@@ -99,7 +99,9 @@ def format_ops(report: Dict[str, Any]) -> str:
                      r["unfused"], modes])
     out.append(table(["op", "expected", "found", "fused", "unfused", "modes fused"], rows))
     for op, r in report["ops"].items():
-        if r["expected"] is not None and r["fused"] == r["expected"]:
+        if r["expected"] == 0 and not r["fused"]:
+            out.append(f"{op}: no sites in this model\n")
+        elif r["expected"] is not None and r["fused"] == r["expected"]:
             out.append(f"{op}: all {r['expected']} sites fused\n")
         elif r["expected"] is not None:
             out.append(f"{op}: {r['fused']} of {r['expected']} sites fused\n")
