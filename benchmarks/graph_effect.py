@@ -180,10 +180,8 @@ def _backend(args, captured):
         captured["after"] = (lambda: run.partitioned[1].graph) if joint else (lambda: gm.graph)
         captured["forward_after"] = (lambda: run.partitioned[0].graph) if joint else (lambda: run.forward)
 
-    backend = aot_backend(options, around_pass, stage=stage)
-    if decompositions == "inductor":
-        backend.kwargs["decompositions"] = inductor_decompositions()
-    return backend
+    table = inductor_decompositions() if decompositions == "inductor" else None
+    return aot_backend(options, around_pass, stage=stage, decompositions=table)
 
 
 def _trace(args):
