@@ -533,16 +533,16 @@ def _halves_source(ev: LaneEvaluator, operand) -> Optional[fx.Node]:
     return found[0] if isinstance(pieces, (list, tuple)) and len(pieces) == 2 else None
 
 
-def decomposed_silu_misses(graph: fx.Graph, op: str, misses) -> List[Miss]:
+def decomposed_silu_misses(graph: fx.Graph, op: str, misses, nodes=None) -> List[Miss]:
     """The misses for SiLUs of a half of one projection decomposed into ``x * sigmoid(x)`` or ``x / (1 + exp(-x))``.
 
-    No silent misses: under the core ATen decompositions, in Inductor's table where
-    ``install_inductor`` did not put ``silu`` back (only its exact decomposition is recomposed), or
-    spelled so by the program, such a SiLU is a site the rules do not read (they read ``silu`` and
-    ``silu_backward``); one miss per projection, unless a recorded miss is at it already."""
+    No silent misses: a SiLU the program spelled so, or a table's decomposition the pass did not
+    put back (it recomposes only the exact trace of the table the path traced with), is a site
+    the rules do not read (they read ``silu`` and ``silu_backward``); one miss per projection,
+    unless a recorded miss is at it already. ``nodes``: where to look (every node when None)."""
     ev = swiglu_evaluator()
     seen, out = {m.node for m in misses}, []
-    for node in graph.nodes:
+    for node in graph.nodes if nodes is None else [n for n in graph.nodes if n in nodes]:
         operand = _decomposed_silu_operand(node)
         source = _halves_source(ev, operand) if operand is not None else None
         if source is None or source.name in seen:
@@ -550,10 +550,9 @@ def decomposed_silu_misses(graph: fx.Graph, op: str, misses) -> List[Miss]:
         seen.add(source.name)
         out.append(Miss(op, source.name, f"silu of half of {source.name} is spelled with {node.target.__name__.split('.')[0]} "
                                          f"({node.name}): the rules read aten.silu and aten.silu_backward; write "
-                                         f"F.silu and compile with the npu_fusion backend, which keeps them "
-                                         f"(decompositions='none'), or install_inductor, which puts back SiLU where it is "
-                                         f"exactly Inductor's decomposition; the core ATen decompositions and Inductor's "
-                                         f"own table decompose SiLU"))
+                                         f"F.silu (the npu_fusion backend and install_inductor put SiLU back where "
+                                         f"the graph holds exactly the trace of their decomposition table, core ATen's "
+                                         f"or Inductor's, and nothing else)"))
     return out
 
 
@@ -579,9 +578,11 @@ class SwigluForwardRule(FusionRule):
         return emit(ctx, match)
 
     def unexplained(self, graph: fx.Graph, ctx: RuleContext, misses) -> List[Miss]:
-        """A SwiGLU-like forward no form read; on an inference graph (no backward rule to record it)
-        also a decomposed SiLU of a half."""
+        """A SwiGLU-like forward no form read, and a decomposed SiLU of a half in the forward: one miss each.
+
+        The forward's own miss, on a joint graph too (its backward records the backward's), so
+        each direction of the site ends fused or as one recorded miss."""
         unread = unread_forward_misses(graph, misses)
-        if gradient_dependent(graph) is not None:
-            return unread
-        return unread + decomposed_silu_misses(graph, OP.name, [*misses, *unread])
+        gradient = gradient_dependent(graph)
+        forward = None if gradient is None else {n for n in graph.nodes if n not in gradient}
+        return unread + decomposed_silu_misses(graph, OP.name, [*misses, *unread], forward)
