@@ -219,15 +219,22 @@ def precision_problem(ev: LaneEvaluator, output: fx.Node, name: str, roles, leav
     if problem is not None:
         return problem
     kept = kept_precision(output)
+    x, working = roles[-1], dtype(roles[0])
+    read = frozenset().union(*(ev.rounded.get(role, frozenset()) for role in roles))
     for leaf in leaves:
         for operand in leaf.all_input_nodes:
             ev.value(operand)
-            coarse = sorted(str(d) for d in ev.rounded.get(operand, ()) if not holds(d, kept))
+            rounded = ev.rounded.get(operand, frozenset())
+            coarse = sorted(str(d) for d in rounded if not holds(d, kept))
             if coarse:
                 return (f"the program rounds {operand.name}, an operand of {leaf.name}, to {', '.join(coarse)} "
                         f"inside the site, more coarsely than it keeps {name} ({output.name}, {kept}); the "
                         f"fused op would not round it")
-    x = roles[-1]
+            # the halves of a rounded copy of x, read where the fused op reads x as it is: another function
+            copies = sorted(str(d) for d in rounded - read if not holds(d, working))
+            if copies:
+                return (f"{leaf.name} reads {operand.name}, a piece of a copy of {x.name} rounded to "
+                        f"{', '.join(copies)}, where the fused op would read {x.name} as it is ({dtype(x)})")
     if not holds(dtype(x), kept):
         return (f"the program keeps {name} ({output.name}) in {kept}, finer than x's {dtype(x)} in which the fused "
                 f"op rounds it (a product of {dtype(x)} halves computed and kept in {kept})")
