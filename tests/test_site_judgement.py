@@ -187,7 +187,8 @@ SWIGLU_SITES = {  # name: (the program of x [2, 3, 16], (forward fuses, backward
 def test_swiglu_is_judged_once(name, partitioner):
     """A SwiGLU site with a rounding in one of its values: outputs and every gradient pass the
     float64 criterion whatever each rule decides, a forward fuses only with its backward fused
-    (the forward waits for it), and each direction ends fused or as one recorded miss."""
+    (the forward waits for it), each direction ends fused or as one recorded miss, and a site
+    refused both ways says why in both (the backward's verdict binds the forward)."""
     program, (forward_fuses, backward_fuses) = SWIGLU_SITES[name]
     x, w = _seeded(8, 2, 3, 16).requires_grad_(), (_seeded(7, 16, 16) / 4).requires_grad_()
     result, fw, bw = check(program, [x, w], **GLU_ON, partitioner=partitioner)
@@ -195,3 +196,5 @@ def test_swiglu_is_judged_once(name, partitioner):
     assert len(calls(bw, SWIGLU_GRAD)) == result.fused(SWIGLU_GRAD) == int(backward_fuses), (result.sites, result.misses)
     for op, fuses in ((SWIGLU, forward_fuses), (SWIGLU_GRAD, backward_fuses)):
         assert len(_misses(result, op)) == int(not fuses), result.misses
+    if not forward_fuses and not backward_fuses:  # the site's own reason both ways, not "waits for its backward"
+        assert not any("decomposed backward" in m for m in _misses(result, SWIGLU)), result.misses

@@ -26,7 +26,9 @@ order.
 
 Pairing: the rule runs after the backward rule (:mod:`.swiglu_grad`) in each round; a forward
 whose ``silu`` or halves a decomposed backward still reads stays as it is this round (a miss,
-decided again in the next), so the backward rule always sees the forward it was written for.
+decided again in the next), so the backward rule always sees the forward it was written for. The
+backward's verdict on a site (:class:`~.context.SiteJudgements`, keyed by x) binds the forward: a
+site the backward refused is refused for the same reason both ways.
 The fused backward reads x itself, so the partition saves x instead of the halves and silu.
 """
 from __future__ import annotations
@@ -46,6 +48,7 @@ from .lanes import LaneEvaluator, Lanes
 from ..lowering.checks import numel as product_of, size_equal
 from ..lowering.sizes import static_int
 from .nodes import aten, dtype, gradient_dependent, holds, is_float_cast, shape, val
+from .pairing import site_key
 from .rewrite import Insertion, Miss, RuleContext, as_forward_work, commit, emit_fused_op
 from .rule import Form, FusionRule, RoundReport, SiteProbe
 
@@ -366,7 +369,10 @@ def emit(ctx: RuleContext, match: SwigluMatch):
     path = _region(match.y, match.x)
     ev = swiglu_evaluator()
     ev.value(match.y)
-    problem = precision_problem(ev, match.y, "y", [match.x, match.x], [match.silu]) or _pairing_problem(match, path, gradient, ctx.provenance)
+    # the verdict its backward was given first (the site's), then its own roundings, then its pairing
+    problem = ctx.context.judgements.binding(site_key(GRAD_OP.option, match.x)) or \
+        precision_problem(ev, match.y, "y", [match.x, match.x], [match.silu]) or \
+        _pairing_problem(match, path, gradient, ctx.provenance)
     problem = problem or swiglu_target_problem(ctx.target, OP.ge_op, tuple(shape(match.x)))
     if problem is not None:
         return Miss(OP.name, match.y.name, problem)
