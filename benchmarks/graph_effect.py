@@ -190,10 +190,8 @@ def _backend(args, captured):
         if not joint and args.forward:  # torchair's hook: the partitioned forward, after the backward
             run.after_partition.append(lambda fw_gm, bw_gm: _fuse_partitioned_forward(fw_gm, options, captured))
 
-    backend = aot_backend(options, around_pass, stage=stage)
-    if decompositions == "inductor":
-        backend.kwargs["decompositions"] = inductor_decompositions()
-    return backend
+    table = inductor_decompositions() if decompositions == "inductor" else None
+    return aot_backend(options, around_pass, stage=stage, decompositions=table)
 
 
 def _fuse_partitioned_forward(fw_gm, options, captured) -> None:

@@ -31,7 +31,7 @@ import torch
 
 from .capture import Capture, decomposed_leftovers
 from npu_fusion.measure.grads import grad_failures
-from npu_fusion.measure.sites import KINDS, PROBES, ROPE_OP, grad_tensors
+from npu_fusion.measure.sites import KINDS, PROBES, ROPE_OP, GatedProducts, grad_tensors
 from npu_fusion.patterns import RULES, RmsNormGradRule, RopeGradRule, SwigluGradRule
 from npu_fusion.plugin.options import forward_options
 
@@ -448,18 +448,12 @@ def _norm_hooks(model, entry: Entry, counts, watch, names) -> list:
 
 
 def _gate_hooks(model, entry: Entry, watch, names) -> list:
-    """Forward hooks on the gate activations (SiLU) of the gated MLPs: each call, one SwiGLU site
-    of the MLP (a dense MLP calls it once, MoE experts once per expert that got tokens)."""
-    hooks = []
-    for mlp in model.modules():
-        if type(mlp).__name__ not in entry.gated_mlp_classes:
-            continue
-        for child in mlp.children():
-            if GATE_ACTIVATION.search(type(child).__name__):
-                where = names.get(mlp, "?")
-                hooks.append(child.register_forward_hook(
-                    lambda _m, _i, out, where=where: watch("swiglu", where, out)))
-    return hooks
+    """Hooks that find each SwiGLU product of the gate activations (SiLU) by value: each call whose
+    input is the first half of a tensor and whose output is multiplied by its second half is one
+    site of the module that holds the activation (:class:`~npu_fusion.measure.sites.GatedProducts`;
+    a dense MLP calls it once, MoE experts once per expert that got tokens)."""
+    activations = [m for m in model.modules() if GATE_ACTIVATION.search(type(m).__name__)]
+    return GatedProducts(model, activations, lambda parent, out: watch("swiglu", names.get(parent, "?"), out)).hooks()
 
 
 def _push(stack, names, module, *_):

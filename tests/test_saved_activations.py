@@ -197,8 +197,7 @@ def test_inductors_partition_saves_no_more_than_for_the_unfused_graph():
         captured["result"], _, captured["unfused_saved"] = run_keeping_unfused(gm, run)
 
     options = FusionOptions(partitioner="min_cut", target="generic")
-    backend = aot_backend(options, around_pass, stage="joint")
-    backend.kwargs["decompositions"] = inductor_decompositions()
+    backend = aot_backend(options, around_pass, stage="joint", decompositions=inductor_decompositions())
     torch._dynamo.reset()
     ids = torch.randint(0, config.vocab_size, (B, S), generator=torch.Generator().manual_seed(1))
     torch.compile(model, backend=backend)(input_ids=ids, labels=ids).loss.backward()

@@ -21,14 +21,17 @@ def test_every_op_of_a_kind_counted_on_its_own_declares_how_its_sites_are_seen()
     for kind, site in COUNTED_SITES.items():
         # the report's counter can find it: by class name, function name, or (SwiGLU: a Phi-3 MLP
         # and a Llama MLP are both "...MLP", only the first a site) the gated module's source
-        assert site.class_suffix or site.function_prefix or (site.gated_source and site.gate_activation), kind
+        assert site.class_suffix or site.function_prefix or site.gate_activation, kind
 
 
-@pytest.mark.parametrize("model_type, sites", [("phi3", 2), ("mixtral", 2), ("llama", 0)])
-def test_conventional_counter_counts_the_gate_activations_of_gate_up_modules(model_type, sites):
-    """The report's counter of transformers models counts a SwiGLU site per call of the SiLU of a
-    module that calls (Phi-3's MLP) or indexes (Mixtral's experts) one gate_up projection, and none
-    in Llama's MLP (separate gate and up); 2 layers."""
+@pytest.mark.parametrize("model_type, sites", [("phi3", 2), ("mixtral", 2), ("llama", 0), ("jetmoe", 2),
+                                               ("granitemoehybrid", 4), ("deepseek_v4", 0)])
+def test_conventional_counter_counts_the_swiglu_products_of_gate_activations(model_type, sites):
+    """The report's counter of transformers models counts a SwiGLU site per call of a SiLU that
+    computes SwiGLU's value, whatever the projection is called: Phi-3's MLP, Mixtral's experts,
+    JetMoE's ``input_linear`` experts, GraniteMoE-Hybrid's shared MLP beside its experts; none in
+    Llama's MLP (separate gate and up) nor DeepSeek-V4's (its halves clamped before the product:
+    not SwiGLU's value); 2 layers. The zoo's own counter counts the same."""
     pytest.importorskip("transformers")
     from npu_fusion_testing import zoo
 
@@ -37,8 +40,48 @@ def test_conventional_counter_counts_the_gate_activations_of_gate_up_modules(mod
     ids = torch.randint(0, entry.config.vocab_size, (2, 8), generator=torch.Generator().manual_seed(1))
     with conventional_counter(model) as counter:
         zoo.param_grads(model, ids)
-    swiglu = next(kind for kind, site in COUNTED_SITES.items() if site.gated_source)
+    swiglu = next(kind for kind, site in COUNTED_SITES.items() if site.gate_activation)
     assert counter.counts[KINDS[swiglu]] == sites
+    with zoo.count_sites(model, entry) as counts:
+        zoo.param_grads(model, ids)
+    assert counts[swiglu] == sites
+
+
+class GatedMlp(torch.nn.Module):
+    """A gate activation applied to ``halves(projection)``, multiplied as ``product`` says."""
+
+    def __init__(self, product, halves=lambda h: h.chunk(2, dim=-1)):
+        super().__init__()
+        self.proj, self.act, self.product, self.halves = torch.nn.Linear(4, 8), torch.nn.SiLU(), product, halves
+
+    def forward(self, x):
+        gate, up = self.halves(self.proj(x))
+        return self.product(self.act, gate, up)
+
+
+GATED = {  # name: (the module, whether each call is a SwiGLU site)
+    "chunk": (GatedMlp(lambda act, g, u: act(g) * u), True),
+    "up_first": (GatedMlp(lambda act, g, u: u * act(g)), True),
+    "slices": (GatedMlp(lambda act, g, u: act(g) * u, lambda h: (h[..., :4], h[..., 4:])), True),
+    "clamped_gate": (GatedMlp(lambda act, g, u: act(g.clamp(max=1.0)) * u), False),
+    "clamped_up": (GatedMlp(lambda act, g, u: act(g) * u.clamp(-1.0, 1.0)), False),
+    "swapped": (GatedMlp(lambda act, g, u: act(u) * g), False),
+    "scaled_up": (GatedMlp(lambda act, g, u: act(g) * (2 * u)), False),
+    "not_halves": (GatedMlp(lambda act, g, u: act(g) * u, lambda h: (h[..., :3], h[..., 5:])), False),
+    "two_projections": (GatedMlp(lambda act, g, u: act(g) * u, lambda h: (h[..., :4], h[..., :4] * 1)), False),
+}
+
+
+@pytest.mark.parametrize("name", GATED)
+def test_a_gate_activation_is_a_site_where_it_computes_swiglus_value(name):
+    """By value, not by names: the SiLU of the first half of one tensor times its second half is a
+    site (at the path of the module that holds the SiLU); a clamp, a scale, swapped or unequal
+    halves, or an up that is no half of the gate's tensor is none."""
+    model, fuses = GATED[name]
+    wrapped = torch.nn.Sequential(model)
+    with SiteCounter(wrapped, gated={"swiglu": (model.act,)}) as counter:
+        wrapped(torch.randn(3, 4)).sum().backward()
+    assert counter.sites_of("swiglu") == ([("0", 1)] if fuses else [])
 
 
 @pytest.mark.parametrize("op", FUSED_OPS, ids=lambda op: op.name)

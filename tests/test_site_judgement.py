@@ -154,3 +154,47 @@ def test_rotation_is_judged_once_by_the_target(name):
     if refused is not None:
         forward, backward = _misses(result, ROPE), _misses(result, ROPE_GRAD)
         assert len(forward) == len(backward) == 1 and refused in forward[0] and forward == backward, result.misses
+
+
+SWIGLU, SWIGLU_GRAD = "swiglu", "swiglu_grad"
+GLU_ON = {"swiglu": True, "swiglu_forward": True}
+
+
+def _glu(gate=lambda g: g, up=lambda u: u, silu=lambda s: s, product=lambda y: y, projection=lambda h: h):
+    """``silu(gate) * up`` of the halves of the projection ``x @ w``, each value passed through its function."""
+    def program(x, w):
+        g, u = projection(x @ w).chunk(2, dim=-1)
+        return product(silu(torch.nn.functional.silu(gate(g))) * up(u))
+    return program
+
+
+SWIGLU_SITES = {  # name: (the program of x [2, 3, 16], (forward fuses, backward fuses))
+    "gate_rounded_in_half_of_its_lanes": (_glu(gate=halves), (False, False)),
+    "gate_rounded_whole": (_glu(gate=rnd), (False, False)),
+    "up_rounded_whole": (_glu(up=rnd), (False, False)),
+    "up_rounded_in_half_of_its_lanes": (_glu(up=halves), (False, False)),
+    "silu_rounded": (_glu(silu=rnd), (False, False)),
+    "product_rounded": (_glu(product=rnd), (False, False)),
+    # the halves of a rounded copy of the projection: the rules read the projection before the
+    # copy (casts are identities of the lanes domain), so both refuse it (both fused it, reading
+    # the unrounded projection, and the output and the gradients were off by bf16's rounding)
+    "projection_rounded_whole": (_glu(projection=rnd), (False, False)),
+}
+
+
+@pytest.mark.parametrize("partitioner", PARTITIONERS)
+@pytest.mark.parametrize("name", SWIGLU_SITES)
+def test_swiglu_is_judged_once(name, partitioner):
+    """A SwiGLU site with a rounding in one of its values: outputs and every gradient pass the
+    float64 criterion whatever each rule decides, a forward fuses only with its backward fused
+    (the forward waits for it), each direction ends fused or as one recorded miss, and a site
+    refused both ways says why in both (the backward's verdict binds the forward)."""
+    program, (forward_fuses, backward_fuses) = SWIGLU_SITES[name]
+    x, w = _seeded(8, 2, 3, 16).requires_grad_(), (_seeded(7, 16, 16) / 4).requires_grad_()
+    result, fw, bw = check(program, [x, w], **GLU_ON, partitioner=partitioner)
+    assert len(calls(fw, SWIGLU)) == result.fused(SWIGLU) == int(forward_fuses), (result.sites, result.misses)
+    assert len(calls(bw, SWIGLU_GRAD)) == result.fused(SWIGLU_GRAD) == int(backward_fuses), (result.sites, result.misses)
+    for op, fuses in ((SWIGLU, forward_fuses), (SWIGLU_GRAD, backward_fuses)):
+        assert len(_misses(result, op)) == int(not fuses), result.misses
+    if not forward_fuses and not backward_fuses:  # the site's own reason both ways, not "waits for its backward"
+        assert not any("decomposed backward" in m for m in _misses(result, SWIGLU)), result.misses

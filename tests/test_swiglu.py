@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from npu_fusion.measure.grads import MODEL_FACTOR, assert_close_as_unfused, float64_grads, float64_output, run_grads
+from npu_fusion.measure.recording import op_counts
 from npu_fusion_testing.capture import Capture
 
 ON = {"swiglu": True, "swiglu_forward": True}
@@ -201,16 +202,40 @@ def test_inference_graph_fuses_the_forward():
     assert capture.fused(FORWARD) == 1 and not capture.misses()
 
 
-@pytest.mark.parametrize("partitioner, decompositions", [("min_cut", "none"), ("min_cut", "core")])
-def test_partitioners_and_decompositions(partitioner, decompositions):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("partitioner, decompositions", [("min_cut", "none"), ("default", "core"), ("min_cut", "core")])
+def test_partitioners_and_decompositions(partitioner, decompositions, dtype):
     """min-cut fuses as the default partitioner; under the core ATen decompositions SiLU is
-    ``x * sigmoid(x)``, which the rules do not read: one recorded miss, never silence."""
-    capture = check(chunked, _inputs(torch.bfloat16), partitioner=partitioner, decompositions=decompositions)
-    if decompositions == "none":
-        assert (_fused(capture, FORWARD), _fused(capture, BACKWARD)) == (1, 1), _joint(capture).misses
-    else:
-        (miss,) = _joint(capture).misses
-        assert "sigmoid" in miss.reason and _fused(capture, BACKWARD) == 0
+    ``x * sigmoid(x)`` and its backward its formula, which the backend puts back where the graph
+    holds exactly that table's trace of them (``npu_fusion.plugin.recompose``): fused both ways."""
+    capture = check(chunked, _inputs(dtype), partitioner=partitioner, decompositions=decompositions)
+    assert (_fused(capture, FORWARD), _fused(capture, BACKWARD)) == (1, 1), _joint(capture).misses
+    assert not _joint(capture).misses
+
+
+def _two_projections(x, w):  # Llama's MLP: gate_proj and up_proj, two weights (no site)
+    return F.silu(x @ w[:, :H]) * (x @ w[:, H:])
+
+
+@pytest.mark.parametrize("form, reason", [(swapped, "second half"), (rounded_inside, "rounds"),
+                                          (_two_projections, None)], ids=["swapped", "rounded_inside", "no_site"])
+def test_core_decompositions_leave_what_stays_unfused_as_the_table_made_it(form, reason):
+    """Under the core ATen decompositions the SiLU put back for the rules is decomposed again where
+    the site stays unfused: one miss per fused op for a near miss (none for no site), and every
+    graph after the pass holds the table's trace again, op for op (no ``silu`` left)."""
+    capture = check(form, _inputs(torch.float32), decompositions="core")
+    assert (_fused(capture, FORWARD), _fused(capture, BACKWARD)) == (0, 0)
+    if reason is None:
+        assert not _joint(capture).misses, _joint(capture).misses
+    for op in (FORWARD, BACKWARD) if reason is not None else ():
+        misses = _misses(capture, op)
+        assert len(misses) == 1 and reason in misses[0].reason, _joint(capture).misses
+    after = capture.after
+    for graph in after:
+        assert not [n for n in graph.nodes if n.target in (torch.ops.aten.silu.default,
+                                                           torch.ops.aten.silu_backward.default)], graph
+    (inference,) = [i for i, r in enumerate(capture.results) if r.graph == "inference"]
+    assert op_counts(after[inference]) == capture.before_counts()[inference]
 
 
 def test_dynamic_batch_and_sequence():

@@ -123,11 +123,16 @@ class CountedSite:
     #: a site's module path is that of the module whose forward made the call, not the called
     #: module's own (a module of this kind is often one instance shared by every layer)
     path_of_caller: bool = False
-    #: the convention's gated MLPs: modules whose ``forward`` source matches this regular
-    #: expression; each call of their gate activation (a child whose class name matches
-    #: :attr:`gate_activation`) is a site (a dense MLP calls it once, MoE experts once per expert)
-    gated_source: str = ""
+    #: gated products: every module whose class name matches this regular expression, anywhere
+    #: in the model, is a gate activation; each call of it is a site where it computes SwiGLU's
+    #: value, checked in the eager run (its input the first half of a tensor along the last axis,
+    #: its output multiplied by the second half: :class:`~npu_fusion.measure.sites.GatedProducts`),
+    #: at the path of the module that holds it (a dense MLP calls it once, MoE experts once per expert)
     gate_activation: str = ""
+    #: the modules that usually hold such a site, by their ``forward`` source (a regular
+    #: expression): where a sweep looks for models with a site (the rule's site probe), and how it
+    #: names one; no part of counting, which reads values
+    gated_source: str = ""
 
 
 @dataclasses.dataclass(frozen=True)

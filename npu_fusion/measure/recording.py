@@ -78,10 +78,7 @@ class Recorder:
 
     def backend(self):
         """The AOTAutograd backend (``.kwargs`` are its compilers, partitioner and decompositions)."""
-        backend = aot_backend(self.options, self._around_pass, stage=self.stage)
-        if self.table is not None:
-            backend.kwargs["decompositions"] = self.table
-        return backend
+        return aot_backend(self.options, self._around_pass, stage=self.stage, decompositions=self.table)
 
     def __call__(self, gm, example_inputs):
         self.forwards.append(gm.graph)

@@ -104,6 +104,114 @@ def expected_for(options, expected: Optional[Dict[str, int]]) -> Optional[Dict[s
     return out
 
 
+def first_half_of(gate) -> Optional[torch.Tensor]:
+    """The tensor whose first half along the last axis ``gate`` can be, in memory, or None.
+
+    Read off the storage, not the program: ``gate`` is a view (of a projection: ``chunk``,
+    ``split``, a slice), and ``gate`` widened to twice its last axis, with its strides, is a
+    tensor whose rows do not overlap, inside the same storage."""
+    if not isinstance(gate, torch.Tensor) or gate.dim() == 0 or gate._base is None or not gate.numel():
+        return None
+    width, step = gate.shape[-1], gate.stride(-1)
+    if step < 1 or any(size > 1 and stride < 2 * width * step for size, stride in zip(gate.shape[:-1], gate.stride()[:-1])):
+        return None
+    shape = (*gate.shape[:-1], 2 * width)
+    last = gate.storage_offset() + sum((size - 1) * stride for size, stride in zip(shape, gate.stride()))
+    if last * gate.element_size() >= gate.untyped_storage().nbytes():
+        return None
+    return gate.as_strided(shape, gate.stride(), gate.storage_offset())
+
+
+def second_half_of(up, gate) -> bool:
+    """Whether ``up`` is, in memory, the half of the tensor that follows ``gate`` on the last axis."""
+    return (isinstance(up, torch.Tensor) and up.shape == gate.shape and up.stride() == gate.stride()
+            and up.untyped_storage().data_ptr() == gate.untyped_storage().data_ptr()
+            and up.storage_offset() - gate.storage_offset() == gate.shape[-1] * gate.stride(-1))
+
+
+def _saved(node, name):
+    try:
+        return getattr(node, name)
+    except (AttributeError, RuntimeError):  # nothing saved under that name, or freed by a backward
+        return None
+
+
+def gated_product_reached(outputs, gate, gated) -> bool:
+    """Whether ``outputs`` were computed from ``gated * up`` (either order), with ``up`` the half after ``gate``.
+
+    Read off the autograd graph that leads to ``outputs``: a product node that saved ``gated``
+    and the other half of ``gate``'s tensor. Only nodes made after ``gated`` can read it, so the
+    walk stops at older ones (autograd numbers its nodes in the order it makes them)."""
+    made = gated.grad_fn._sequence_nr()
+    stack = [t.grad_fn for t in floating_tensors(outputs) if t.grad_fn is not None]
+    seen = set()
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen or node._sequence_nr() <= made:
+            continue
+        seen.add(node)
+        if type(node).__name__ == "MulBackward0":
+            a, b = _saved(node, "_saved_self"), _saved(node, "_saved_other")
+            if (a is gated and second_half_of(b, gate)) or (b is gated and second_half_of(a, gate)):
+                return True
+        stack.extend(n for n, _ in node.next_functions)
+    return False
+
+
+class GatedProducts:
+    """Finds SwiGLU's value where gate activation modules run: ``act(x[..., :H]) * x[..., H:]``.
+
+    A call of one of ``activations`` (module instances, a SiLU) is a site when, in the forward of
+    a module that holds it as a child, its input is the first half of a tensor along the last
+    axis (:func:`first_half_of`) and its output is multiplied by the second half of that tensor
+    (:func:`gated_product_reached`, checked when that forward returns). Read by value in the eager
+    run, not by names or by the pass's matcher: a projection named otherwise is counted, a gate
+    or an up transformed before the product (clamped, scaled, cast) is not. In an inference step
+    (no autograd graph) a call whose input is a first half is one. ``on_site(parent, output)``
+    is called once per site, with the activation's output."""
+
+    def __init__(self, model: torch.nn.Module, activations: Sequence[torch.nn.Module], on_site):
+        self.model, self.on_site = model, on_site
+        wanted = {id(a) for a in activations}
+        self.parents = {m: [c for c in m.children() if id(c) in wanted] for m in model.modules()}
+        self.parents = {m: children for m, children in self.parents.items() if children}
+        self.frames: List[Tuple[torch.nn.Module, list]] = []  # the parents' forwards running now
+
+    def hooks(self) -> List:
+        """Register the hooks; returns their handles (``.remove()`` each to take it off)."""
+        handles, activations = [], {c for children in self.parents.values() for c in children}
+        for parent in self.parents:
+            handles.append(parent.register_forward_pre_hook(self._enter))
+            handles.append(parent.register_forward_hook(self._leave, always_call=True))
+        for activation in activations:
+            handles.append(activation.register_forward_hook(self._on_activation))
+        return handles
+
+    def _enter(self, parent, _inputs):
+        if not torch.compiler.is_compiling():
+            self.frames.append((parent, []))
+
+    def _on_activation(self, activation, inputs, out):
+        if torch.compiler.is_compiling() or not inputs or first_half_of(inputs[0]) is None:
+            return
+        for parent, calls in self.frames:
+            if activation in self.parents[parent]:
+                calls.append((inputs[0], out))
+
+    def _leave(self, parent, _inputs, outputs):
+        if torch.compiler.is_compiling() or not self.frames or self.frames[-1][0] is not parent:
+            return
+        _, calls = self.frames.pop()
+        for gate, out in calls:
+            if not isinstance(out, torch.Tensor):
+                continue
+            if out.grad_fn is None:  # no autograd graph (an inference step, or nothing to differentiate)
+                if not torch.is_grad_enabled():
+                    self.on_site(parent, out)
+            elif gated_product_reached(outputs, gate, out):
+                self.on_site(parent, out)
+
+
 class SiteCounter:
     """Counts the sites of one eager run (a context manager; read ``counted`` afterwards).
 
@@ -111,19 +219,23 @@ class SiteCounter:
     its op's :attr:`~npu_fusion.lowering.FusedOp.option`), module classes (or module instances:
     a gated MLP's gate activation) whose every call is a site (a RoPE module may return q and k:
     one site each); ``functions``: by kind, ``(namespace, name)``
-    pairs of functions (apply-RoPE), replaced by a counting wrapper while the counter is active."""
+    pairs of functions (apply-RoPE), replaced by a counting wrapper while the counter is active;
+    ``gated``: by kind, gate activation modules (instances) whose calls are a site where they
+    compute SwiGLU's value (:class:`GatedProducts`), at the path of the module that holds them."""
 
     def __init__(self, model: torch.nn.Module, modules: Optional[Mapping[str, Sequence[type]]] = None,
-                 functions: Optional[Mapping[str, Sequence[Tuple[object, str]]]] = None):
-        modules, functions = dict(modules or {}), dict(functions or {})
-        unknown = sorted((set(modules) | set(functions)) - set(COUNTED_SITES))
+                 functions: Optional[Mapping[str, Sequence[Tuple[object, str]]]] = None,
+                 gated: Optional[Mapping[str, Sequence[torch.nn.Module]]] = None):
+        modules, functions, gated = dict(modules or {}), dict(functions or {}), dict(gated or {})
+        unknown = sorted((set(modules) | set(functions) | set(gated)) - set(COUNTED_SITES))
         if unknown:
             raise ValueError(f"SiteCounter: unknown site kind(s) {unknown}; the kinds are {sorted(COUNTED_SITES)}")
         self.model = model
         #: the kinds the caller gave (a kind given with nothing to hook counts 0 sites; a kind not
         #: given is not counted at all)
-        self.watched = tuple(kind for kind in COUNTED_SITES if kind in modules or kind in functions)
+        self.watched = tuple(kind for kind in COUNTED_SITES if kind in modules or kind in functions or kind in gated)
         self.modules = {kind: tuple(types) for kind, types in modules.items() if types}
+        self.gated = {kind: tuple(activations) for kind, activations in gated.items() if activations}
         self.functions = {kind: list(pairs) for kind, pairs in functions.items() if pairs}
         self.names = {m: n for n, m in model.named_modules(remove_duplicate=False)}
         self.counted: collections.Counter = collections.Counter()   # (kind, path) -> sites
@@ -173,7 +285,13 @@ class SiteCounter:
                 original = getattr(namespace, name)
                 setattr(namespace, name, self._wrap(kind, original))
                 self._undo.append(functools.partial(setattr, namespace, name, original))
+        for kind, activations in self.gated.items():
+            self._undo += [h.remove for h in GatedProducts(self.model, activations,
+                                                            functools.partial(self._on_gated, kind)).hooks()]
         return self
+
+    def _on_gated(self, kind, parent, out) -> None:
+        self._watch(kind, self.names.get(parent, "?"), out)
 
     def __exit__(self, *exc) -> None:
         while self._undo:

@@ -13,6 +13,7 @@ evaluator sees through them and remembers which ones rounded
 """
 from __future__ import annotations
 
+import operator
 from typing import Any, Dict, Iterable, List, Mapping, Optional
 
 import torch
@@ -270,7 +271,16 @@ class MemoEvaluator:
         return result
 
     def _rounding(self, definition: fx.Node) -> frozenset:
-        """The dtypes a value was rounded to on its way, by narrowing casts seen through."""
+        """The dtypes a value was rounded to on its way, by narrowing casts seen through.
+
+        A piece of a split, chunk or unbind is read from the parent's own arguments, which the
+        domain evaluates in the parent's stead: the parent's rounding is theirs, recorded for it
+        here so that the roundings above the split count (and :meth:`roundings_inside` walks
+        through it)."""
+        if definition.target is operator.getitem:
+            for parent in definition.all_input_nodes:
+                if parent not in self.rounded and parent.op == "call_function":
+                    self.rounded[parent] = self._rounding(parent)
         out = frozenset().union(*(self.rounded.get(a, frozenset()) for a in definition.all_input_nodes))
         if is_float_cast(definition) and not is_value_preserving_cast(definition):
             out |= {dtype(definition)}

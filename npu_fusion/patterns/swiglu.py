@@ -26,7 +26,9 @@ order.
 
 Pairing: the rule runs after the backward rule (:mod:`.swiglu_grad`) in each round; a forward
 whose ``silu`` or halves a decomposed backward still reads stays as it is this round (a miss,
-decided again in the next), so the backward rule always sees the forward it was written for.
+decided again in the next), so the backward rule always sees the forward it was written for. The
+backward's verdict on a site (:class:`~.context.SiteJudgements`, keyed by x) binds the forward: a
+site the backward refused is refused for the same reason both ways.
 The fused backward reads x itself, so the partition saves x instead of the halves and silu.
 """
 from __future__ import annotations
@@ -46,6 +48,7 @@ from .lanes import LaneEvaluator, Lanes
 from ..lowering.checks import numel as product_of, size_equal
 from ..lowering.sizes import static_int
 from .nodes import aten, dtype, gradient_dependent, holds, is_float_cast, shape, val
+from .pairing import site_key
 from .rewrite import Insertion, Miss, RuleContext, as_forward_work, commit, emit_fused_op
 from .rule import Form, FusionRule, RoundReport, SiteProbe
 
@@ -219,15 +222,22 @@ def precision_problem(ev: LaneEvaluator, output: fx.Node, name: str, roles, leav
     if problem is not None:
         return problem
     kept = kept_precision(output)
+    x, working = roles[-1], dtype(roles[0])
+    read = frozenset().union(*(ev.rounded.get(role, frozenset()) for role in roles))
     for leaf in leaves:
         for operand in leaf.all_input_nodes:
             ev.value(operand)
-            coarse = sorted(str(d) for d in ev.rounded.get(operand, ()) if not holds(d, kept))
+            rounded = ev.rounded.get(operand, frozenset())
+            coarse = sorted(str(d) for d in rounded if not holds(d, kept))
             if coarse:
                 return (f"the program rounds {operand.name}, an operand of {leaf.name}, to {', '.join(coarse)} "
                         f"inside the site, more coarsely than it keeps {name} ({output.name}, {kept}); the "
                         f"fused op would not round it")
-    x = roles[-1]
+            # the halves of a rounded copy of x, read where the fused op reads x as it is: another function
+            copies = sorted(str(d) for d in rounded - read if not holds(d, working))
+            if copies:
+                return (f"{leaf.name} reads {operand.name}, a piece of a copy of {x.name} rounded to "
+                        f"{', '.join(copies)}, where the fused op would read {x.name} as it is ({dtype(x)})")
     if not holds(dtype(x), kept):
         return (f"the program keeps {name} ({output.name}) in {kept}, finer than x's {dtype(x)} in which the fused "
                 f"op rounds it (a product of {dtype(x)} halves computed and kept in {kept})")
@@ -359,7 +369,10 @@ def emit(ctx: RuleContext, match: SwigluMatch):
     path = _region(match.y, match.x)
     ev = swiglu_evaluator()
     ev.value(match.y)
-    problem = precision_problem(ev, match.y, "y", [match.x, match.x], [match.silu]) or _pairing_problem(match, path, gradient, ctx.provenance)
+    # the verdict its backward was given first (the site's), then its own roundings, then its pairing
+    problem = ctx.context.judgements.binding(site_key(GRAD_OP.option, match.x)) or \
+        precision_problem(ev, match.y, "y", [match.x, match.x], [match.silu]) or \
+        _pairing_problem(match, path, gradient, ctx.provenance)
     problem = problem or swiglu_target_problem(ctx.target, OP.ge_op, tuple(shape(match.x)))
     if problem is not None:
         return Miss(OP.name, match.y.name, problem)
@@ -533,16 +546,16 @@ def _halves_source(ev: LaneEvaluator, operand) -> Optional[fx.Node]:
     return found[0] if isinstance(pieces, (list, tuple)) and len(pieces) == 2 else None
 
 
-def decomposed_silu_misses(graph: fx.Graph, op: str, misses) -> List[Miss]:
+def decomposed_silu_misses(graph: fx.Graph, op: str, misses, nodes=None) -> List[Miss]:
     """The misses for SiLUs of a half of one projection decomposed into ``x * sigmoid(x)`` or ``x / (1 + exp(-x))``.
 
-    No silent misses: under the core ATen decompositions, in Inductor's table where
-    ``install_inductor`` did not put ``silu`` back (only its exact decomposition is recomposed), or
-    spelled so by the program, such a SiLU is a site the rules do not read (they read ``silu`` and
-    ``silu_backward``); one miss per projection, unless a recorded miss is at it already."""
+    No silent misses: a SiLU the program spelled so, or a table's decomposition the pass did not
+    put back (it recomposes only the exact trace of the table the path traced with), is a site
+    the rules do not read (they read ``silu`` and ``silu_backward``); one miss per projection,
+    unless a recorded miss is at it already. ``nodes``: where to look (every node when None)."""
     ev = swiglu_evaluator()
     seen, out = {m.node for m in misses}, []
-    for node in graph.nodes:
+    for node in graph.nodes if nodes is None else [n for n in graph.nodes if n in nodes]:
         operand = _decomposed_silu_operand(node)
         source = _halves_source(ev, operand) if operand is not None else None
         if source is None or source.name in seen:
@@ -550,10 +563,9 @@ def decomposed_silu_misses(graph: fx.Graph, op: str, misses) -> List[Miss]:
         seen.add(source.name)
         out.append(Miss(op, source.name, f"silu of half of {source.name} is spelled with {node.target.__name__.split('.')[0]} "
                                          f"({node.name}): the rules read aten.silu and aten.silu_backward; write "
-                                         f"F.silu and compile with the npu_fusion backend, which keeps them "
-                                         f"(decompositions='none'), or install_inductor, which puts back SiLU where it is "
-                                         f"exactly Inductor's decomposition; the core ATen decompositions and Inductor's "
-                                         f"own table decompose SiLU"))
+                                         f"F.silu (the npu_fusion backend and install_inductor put SiLU back where "
+                                         f"the graph holds exactly the trace of their decomposition table, core ATen's "
+                                         f"or Inductor's, and nothing else)"))
     return out
 
 
@@ -579,9 +591,11 @@ class SwigluForwardRule(FusionRule):
         return emit(ctx, match)
 
     def unexplained(self, graph: fx.Graph, ctx: RuleContext, misses) -> List[Miss]:
-        """A SwiGLU-like forward no form read; on an inference graph (no backward rule to record it)
-        also a decomposed SiLU of a half."""
+        """A SwiGLU-like forward no form read, and a decomposed SiLU of a half in the forward: one miss each.
+
+        The forward's own miss, on a joint graph too (its backward records the backward's), so
+        each direction of the site ends fused or as one recorded miss."""
         unread = unread_forward_misses(graph, misses)
-        if gradient_dependent(graph) is not None:
-            return unread
-        return unread + decomposed_silu_misses(graph, OP.name, [*misses, *unread])
+        gradient = gradient_dependent(graph)
+        forward = None if gradient is None else {n for n in graph.nodes if n not in gradient}
+        return unread + decomposed_silu_misses(graph, OP.name, [*misses, *unread], forward)

@@ -32,6 +32,7 @@ from ..lowering.sizes import same_shape
 from .evaluator import JointProvenance
 from .lanes import LaneEvaluator
 from .nodes import aten, dtype, gradient_dependent, is_float_cast, last_of, shape, val
+from .pairing import site_key
 from .rewrite import Insertion, Miss, RuleContext, commit, emit_fused_op, exact_common_dtype
 from .rule import Form, FusionRule, RoundReport, SiteProbe
 from .swiglu import (Piece, dead_region, decomposed_silu_misses, glu_problem, is_silu, numel, order_problem,
@@ -235,6 +236,8 @@ def emit(ctx: RuleContext, match: GradMatch):
     lead = list(shape(dy)[:-1])
     if problem is None and not same_shape(shape(x)[:-1], lead) and not val(x).is_contiguous():
         problem = f"{x.name} is not contiguous: it cannot be viewed in dy's leading shape {lead}"
+    # the site's verdict binds its forward (which waits for a fused backward): one reason both ways
+    ctx.context.judgements.record(site_key(OP.option, x), problem)
     if problem is not None:
         return Miss(OP.name, dx.name, problem)
     with Insertion(graph, last_of(graph, [dy, x])) as inserted:

@@ -18,6 +18,7 @@ from ..compat import aot_autograd, core_aten_decompositions, make_boxed_func, pa
 from ..fallback import warn_fallback
 from .options import FusionOptions
 from .pass_manager import fuse_backward, fuse_inference, fuse_joint, in_compiled_autograd
+from .recompose import decompose_again, recompose_decomposed
 from .saved_activations import saved_set
 from .specialize import specializing
 
@@ -70,12 +71,16 @@ def aot_backend(options: FusionOptions, around_pass: Optional[Callable] = None, 
 
     ``compiler(gm, example_inputs)`` compiles the forward, backward and inference graphs
     (default: run them as they are); ``decompositions`` replaces the table the ``decompositions``
-    option names; ``aot_options`` go to ``aot_autograd`` (the torchair path's, below).
+    option names; ``aot_options`` go to ``aot_autograd`` (the torchair path's, below). Where the
+    table decomposes an op the SwiGLU rules read whole (``silu``, ``silu_backward``), the pass
+    puts it back where the graph holds exactly that table's trace of it, and decomposes again
+    what it leaves unfused (:mod:`.recompose`).
     """
     if stage not in ("joint", "backward"):
         raise ValueError(f"stage must be 'joint' or 'backward', got {stage!r}")
     partition = partition_function(options.partitioner)
-    fuse = _fuser(options, stage, around_pass)
+    table = decompositions if decompositions is not None else _decompositions(options.decompositions)
+    fuse = _fuser(options, stage, around_pass, table)
 
     def partition_fn(joint, joint_inputs, **kwargs):
         def split(gm):
@@ -103,28 +108,32 @@ def aot_backend(options: FusionOptions, around_pass: Optional[Callable] = None, 
             fuse(gm, None, inference=True)
         return fw_compiler(gm, inputs)
 
-    table = decompositions if decompositions is not None else _decompositions(options.decompositions)
     aot = aot_autograd(fw_compiler=fw_compiler, bw_compiler=bw_compiler, inference_compiler=inference_compiler,
                        partition_fn=partition_fn, decompositions=table, **aot_options)
     return specializing(aot, options)
 
 
-def _fuser(options: FusionOptions, stage: str, around_pass: Optional[Callable]):
+def _fuser(options: FusionOptions, stage: str, around_pass: Optional[Callable], table: Optional[dict] = None):
     """The function that runs the pass on a graph, through ``around_pass`` when there is one.
 
     ``fuse(gm, forward, split=None, inference=False) -> (result, run)``: the pass on ``gm`` (a
     joint graph when ``split``, the partition function, is given on the joint stage; an inference
-    graph with ``inference``; else a backward graph)."""
+    graph with ``inference``; else a backward graph). ``table`` is the decomposition table
+    AOTAutograd traced ``gm`` with: the ops the rules read whole that it decomposed are put back
+    before the pass where the graph holds exactly their decomposition, and those left unfused
+    decomposed again after it (:mod:`.recompose`)."""
     def fuse(gm, forward, split=None, inference=False):
         result = []
 
         def run():
+            recomposed = recompose_decomposed(gm, options, table)
             if inference:
                 result.append(fuse_inference(gm, options))
             elif stage == "joint" and split is not None:
                 result.append(fuse_joint(gm, options))
             else:
                 result.append(fuse_backward(gm, options, forward=forward))
+            decompose_again(gm, recomposed, table)
             return result[-1]
         run.stage = "inference" if inference else stage
         run.forward, run.split, run.partitioned = forward, split, None

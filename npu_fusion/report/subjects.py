@@ -163,17 +163,8 @@ class FunctionModule(torch.nn.Module):
 
 
 def gate_activations(model: torch.nn.Module, site) -> tuple:
-    """The gate activations of ``model``'s gated MLPs (:attr:`~npu_fusion.lowering.CountedSite.gated_source`)."""
-    gated = {t for t in {type(m) for m in model.modules()} if _source_matches(t.forward, site.gated_source)}
-    return tuple(child for m in model.modules() if type(m) in gated for child in m.children()
-                 if re.search(site.gate_activation, type(child).__name__))
-
-
-def _source_matches(fn, pattern: str) -> bool:
-    try:
-        return bool(re.search(pattern, inspect.getsource(fn)))
-    except (OSError, TypeError):
-        return False
+    """The gate activations of ``model``: its modules whose class name matches :attr:`~npu_fusion.lowering.CountedSite.gate_activation`."""
+    return tuple(m for m in model.modules() if re.search(site.gate_activation, type(m).__name__))
 
 
 def conventional_counter(model: torch.nn.Module) -> SiteCounter:
@@ -181,7 +172,8 @@ def conventional_counter(model: torch.nn.Module) -> SiteCounter:
 
     A site counter for the transformers naming convention each counted op declares
     (:class:`~npu_fusion.lowering.CountedSite`): calls of module classes named ``*RMSNorm``,
-    calls of the SiLU of modules whose forward calls or indexes a ``gate_up_proj``, and
+    calls of a SiLU module that compute SwiGLU's value (the SiLU of the first half of a tensor
+    times its second half: :class:`~npu_fusion.measure.sites.GatedProducts`), and
     tensors returned by functions named ``apply_rotary_pos_emb*`` in the modules that define the
     model's classes (Llama's rotates q and k in one call, GPT-J's one tensor per call). A plain
     function (:class:`FunctionModule`) is counted through the attribute that holds it, itself such
@@ -189,16 +181,16 @@ def conventional_counter(model: torch.nn.Module) -> SiteCounter:
     modules = {sys.modules.get(type(m).__module__) for m in model.modules()}
     if isinstance(model, FunctionModule):
         modules.add(sys.modules.get(getattr(model.fn, "__module__", None)))
-    classes, functions = {}, {}
+    classes, functions, gated = {}, {}, {}
     for kind, site in COUNTED_SITES.items():
         if site.class_suffix:
             classes[kind] = tuple({type(m) for m in model.modules()
                                    if type(m).__name__.lower().endswith(site.class_suffix)})
-        if site.gated_source:
-            classes[kind] = gate_activations(model, site)
+        if site.gate_activation:
+            gated[kind] = gate_activations(model, site)
         if site.function_prefix:
             functions[kind] = [(module, attr) for module in modules if module is not None for attr in dir(module)
                                if attr.startswith(site.function_prefix) and callable(getattr(module, attr))]
             if isinstance(model, FunctionModule) and getattr(model.fn, "__name__", "").startswith(site.function_prefix):
                 functions[kind].append((model, "fn"))
-    return SiteCounter(model, modules=classes, functions=functions)
+    return SiteCounter(model, modules=classes, functions=functions, gated=gated)
