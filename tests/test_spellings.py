@@ -364,6 +364,37 @@ def test_norm_over_a_unit_axis_fuses_forward_and_backward(norm, dtype):
     assert_paired(fw, bw, 1)
 
 
+UNIT_AXIS_READERS = {  # name: what the program computes from a unit-axis norm's output y (dy is no leaf)
+    "squared": lambda y: y.pow(2),
+    "exp_times_two": lambda y: (y * 2).exp(),
+    "head_and_auxiliary_loss": lambda y: F.linear(y, HEAD[:, :1].to(y.dtype)).float().sum(-1) + y.float().pow(2).sum(-1),
+}
+
+
+#: (norm, dtype) of the unit-axis tests with a computed dy: a bf16 statistic (``rsqrt_of_mean`` in bf16)
+#: makes dx = rstd*dy*g*(1 - (rstd*x)**2) nothing but the rounding error of rstd (eps/x**2 is
+#: far below bf16's step), which the fused and the unfused backward each give by chance
+UNIT_AXIS_CONDITIONED = [(norm, dtype) for norm in UNIT_AXIS_NORMS for dtype in (torch.bfloat16, torch.float32)
+                         if not (norm == "rsqrt_of_mean" and dtype == torch.bfloat16)]
+
+
+@pytest.mark.parametrize("reader", UNIT_AXIS_READERS)
+@pytest.mark.parametrize("norm,dtype", UNIT_AXIS_CONDITIONED, ids=str)
+def test_norm_over_a_unit_axis_with_a_computed_dy_fuses_forward_and_backward(norm, dtype, reader):
+    """hidden = 1 and the output read again: dy is computed from y and the incoming gradient, no
+    leaf of the backward. Its roles are found among the nodes dx is computed from, each assignment
+    checked against the whole formula (a weight first: ``dy * g`` with no weight is the same
+    value), so dx, dgamma and the forward fuse (they were one recorded miss each way)."""
+    w = _weight(dtype, d=1)
+    result, fw, bw = check(lambda x: UNIT_AXIS_READERS[reader](UNIT_AXIS_NORMS[norm](x, w)),
+                           [_input(dtype, 2, 3, 1)], [w], **ON)
+    assert not result.misses, result.misses
+    assert result.fused(FORWARD) == 1 and result.fused(BACKWARD) == 1
+    [site] = [s for s in result.sites if s.op == BACKWARD]
+    assert set(site.outputs) == {"dx", "dgamma"}
+    assert_paired(fw, bw, 1)
+
+
 class _SignFlippedUnitNorm(torch.autograd.Function):
     """An RMSNorm over a unit axis whose dx has its second term's sign flipped: no RMSNorm backward."""
 
