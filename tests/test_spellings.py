@@ -120,6 +120,40 @@ def test_norm_whose_statistic_a_loss_reads_stays_unfused():
     assert not calls(bw, BACKWARD) and not calls(fw, FORWARD), result.sites
 
 
+# -- a norm feeding one projection that is then split into q, k and v --------------------------------
+
+QKV = torch.randn(48, 16, generator=torch.Generator().manual_seed(6))
+
+
+def _one_projection_unbound(x, w):
+    """An HF-style norm read by one q/k/v projection, viewed as [B, S, 3, N, D] and unbound into q, k, v."""
+    xf = x.float()
+    y = w * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + EPS)).to(x.dtype)
+    q, k, v = F.linear(y, QKV.to(x.dtype)).view(*x.shape[:-1], 3, 4, 4).unbind(-3)
+    return ((q * k).sum(-1, keepdim=True) * v).flatten(-2)
+
+
+def _one_projection_indexed(x, w):
+    """The same projection permuted to [3, B, N, S, D] and indexed (``qkv[0]``, ``qkv[1]``, ``qkv[2]``: selects)."""
+    xf = x.float()
+    y = w * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + EPS)).to(x.dtype)
+    qkv = F.linear(y, QKV.to(x.dtype)).view(*x.shape[:-1], 3, 4, 4).permute(2, 0, 3, 1, 4)
+    return ((qkv[0] * qkv[1]).sum(-1, keepdim=True) * qkv[2]).transpose(1, 2).flatten(-2)
+
+
+@pytest.mark.parametrize("partitioner", ["default", "min_cut"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+@pytest.mark.parametrize("split", [_one_projection_unbound, _one_projection_indexed], ids=lambda f: f.__name__[1:])
+def test_norm_read_by_one_projection_split_into_q_k_v_fuses(split, dtype, partitioner):
+    w = _weight(dtype)
+    result, fw, bw = check(lambda x: split(x, w), [_input(dtype)], [w], partitioner=partitioner, **ON)
+    assert not result.misses, result.misses
+    assert result.fused(FORWARD) == 1 and result.fused(BACKWARD) == 1
+    [site] = [s for s in result.sites if s.op == BACKWARD]
+    assert set(site.outputs) == {"dx", "dgamma"}
+    assert_paired(fw, bw, 1)
+
+
 # -- RoPE ----------------------------------------------------------------------------------------------
 
 ROPE_ON = dict.fromkeys(forward_options(), True)  # the forward rules' switches
