@@ -313,7 +313,7 @@ def specialize_size(size) -> bool:
 
 
 def _user_constraints(env) -> dict:
-    """``{symbol: [(source name, constraint)]}``: the sizes the user constrained, as Dynamo checks them.
+    """The sizes the user constrained, as Dynamo checks them: ``{symbol: [(source name, constraint)]}``.
 
     Read from the shape environment's tracked inputs, as ``produce_guards`` reads them: a
     ``mark_dynamic`` size has a constraint that is not ``warn_only`` (``RelaxedUnspecConstraint``:
