@@ -29,7 +29,7 @@ instead of reaching for a private name that only some releases have:
   :func:`empty_graph_like`, :func:`fake_tensor_type`, :func:`symbolic_expr`,
   :func:`size_hint`, :func:`current_compile_id`, :func:`dynamo_counters`, :func:`graph_argument`,
   :func:`guard_constant`, :func:`specialize_size`, :func:`guardable_example`,
-  :func:`guard_size_condition`): private names of
+  :func:`guard_size_condition`, :func:`marked_dynamic_source`): private names of
   every supported torch, kept here so that a release that renames one is fixed in one place.
 """
 from __future__ import annotations
@@ -305,10 +305,63 @@ def specialize_size(size) -> bool:
     The size then reads as that number (``guard_int``: the shape environment replaces the
     symbol). False where no Dynamo compilation owns the size's shape environment (a graph
     compiled later, after Dynamo made its guards, must not specialize) or where the user
-    marked the size dynamic."""
+    marked the size dynamic with ``mark_dynamic`` (:func:`marked_dynamic_source`)."""
     if guardable_example(size) is None:
         return False
     symbolic_shapes.guard_int(size)
+    return True
+
+
+def _user_constraints(env) -> dict:
+    """The sizes the user constrained, as Dynamo checks them: ``{symbol: [(source name, constraint)]}``.
+
+    Read from the shape environment's tracked inputs, as ``produce_guards`` reads them: a
+    ``mark_dynamic`` size has a constraint that is not ``warn_only`` (``RelaxedUnspecConstraint``:
+    no guard may pin it to one value; ``StrictMinMaxConstraint``, from ``mark_dynamic(min=, max=)``:
+    no guard its range does not imply). ``maybe_mark_dynamic``, ``dynamic=True`` and automatic
+    dynamic sizes have none (or a ``warn_only`` one), and may be guarded."""
+    constrained = {}
+    for tracked in getattr(env, "tracked_fakes", None) or ():
+        constraints = getattr(tracked.symbolic_context, "constraint_sizes", None) or ()
+        sizes = tracked.fake.size() if isinstance(tracked.fake, torch.Tensor) else ()
+        for axis, (size, constraint) in enumerate(zip(sizes, constraints)):
+            if constraint is None or getattr(constraint, "warn_only", False) or not isinstance(size, torch.SymInt):
+                continue
+            constrained.setdefault(size.node.expr, []).append((f"{tracked.source.name}.size()[{axis}]", constraint))
+    return constrained
+
+
+def marked_dynamic_source(value) -> Optional[str]:
+    """Where the user marked a symbol of a size or size condition dynamic with ``mark_dynamic`` (``"L['q'].size()[3]"``), or None.
+
+    The first input axis one of the symbols of ``value`` (a ``torch.SymInt`` or ``torch.SymBool``)
+    stands for whose constraint limits the guards on it (:func:`_user_constraints`); None for a
+    number, a shape environment no longer tracking its inputs, or sizes nobody constrained."""
+    if not isinstance(value, (torch.SymInt, torch.SymBool)):
+        return None
+    constrained = _user_constraints(value.node.shape_env)
+    marks = [mark for symbol in sorted(value.node.expr.free_symbols, key=str) for mark in constrained.get(symbol, ())]
+    return marks[0][0] if marks else None
+
+
+def _may_guard(env, expr, values, specializing: bool) -> bool:
+    """Whether a guard on ``expr`` (pinning it to its example where ``specializing``) keeps the user's constraints.
+
+    A symbol marked dynamic (:func:`_user_constraints`) may take no specialization; one
+    with a range takes no other guard (the guards its range implies were proved already); one with
+    no range takes a condition that at least one other value of it also meets (Dynamo's
+    ``RelaxedUnspecConstraint``: a guard that leaves it one value is a violation)."""
+    constrained = _user_constraints(env)
+    for symbol in expr.free_symbols:
+        marks = constrained.get(symbol, ())
+        if marks and (specializing or any(not isinstance(c, symbolic_shapes.RelaxedUnspecConstraint)
+                                          for _, c in marks)):
+            return False
+        if marks:
+            others = {s: values[s] for s in expr.free_symbols if s is not symbol}
+            if not any(bool(expr.xreplace({**others, symbol: values[symbol] + step})) for step in (-1, 1)
+                       if int(values[symbol]) + step > 1):
+                return False
     return True
 
 
@@ -317,8 +370,9 @@ def guardable_example(value):
 
     None where no Dynamo compilation owns its shape environment (a graph compiled later, after
     Dynamo made its guards: a frozen environment ignores new guards), where a symbol has no
-    example (data dependent) or is one the user marked dynamic (``mark_dynamic``, a constraint
-    that a guard may violate: only duck-shaped symbols of ``dynamic=True`` are shared)."""
+    example (data dependent), or where the guard would break a constraint the user put on a size
+    with ``mark_dynamic`` (:func:`_may_guard`: a size is specialized by its guard, a condition only
+    narrows it). ``maybe_mark_dynamic`` sizes and ``dynamic=True``'s carry no constraint."""
     from sympy.logic.boolalg import BooleanAtom
     from torch._guards import TracingContext
 
@@ -329,8 +383,9 @@ def guardable_example(value):
         return None
     expr = value.node.expr
     values = getattr(env, "backed_var_to_val", None) or getattr(env, "var_to_val", {})
-    ducks = getattr(env, "val_to_var", {})
-    if not all(symbol in values and ducks.get(int(values[symbol])) == symbol for symbol in expr.free_symbols):
+    if not all(symbol in values for symbol in expr.free_symbols):
+        return None
+    if not _may_guard(env, expr, values, specializing=not isinstance(value, torch.SymBool)):
         return None
     example = expr.xreplace({symbol: values[symbol] for symbol in expr.free_symbols})
     if isinstance(example, BooleanAtom):

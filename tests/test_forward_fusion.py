@@ -722,22 +722,26 @@ def test_rope_forward_of_a_key_broadcast_over_heads_fuses_before_the_broadcast()
 def test_dynamic_shapes(dynamic):
     """Symbolic batch and sequence: every forward fused (the rotation's layout read off symbolic
     strides, no guard). ``dynamic=True`` passes eps as a tensor: the backend specializes it under
-    a guard, so the norms' forward fuses too."""
+    a guard, so the norms' forward fuses too. A second step at another batch and sequence length
+    runs the same compiled graph (Dynamo's counters), its gradients by the float64 criterion too."""
     model = bundled("llama", num_layers=1, dtype=torch.bfloat16)
-    ids = torch.randint(0, model.config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(1))
     options = FusionOptions.from_mapping(dict(target="generic", strict=True, **BOTH))
-    seen = {}
+    seen = []
     torch._dynamo.reset()
-    compiled = torch.compile(model.loss, backend=aot_backend(options, lambda gm, run: seen.update(result=run())),
+    torch._dynamo.utils.counters.clear()
+    compiled = torch.compile(model.loss, backend=aot_backend(options, lambda gm, run: seen.append(run())),
                              dynamic=dynamic == "all")
-    if dynamic != "all":
-        torch._dynamo.mark_dynamic(ids, 0)
-        torch._dynamo.mark_dynamic(ids, 1)
-    model.zero_grad(set_to_none=True)
-    compiled(ids).backward()
-    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
-    assert not grad_failures(grads, *_eager_and_exact(model, ids))
-    result, sites = seen["result"], model.expected_sites
+    for seed, shape in enumerate(((2, 16), (3, 11)), start=1):
+        ids = torch.randint(0, model.config.vocab_size, shape, generator=torch.Generator().manual_seed(seed))
+        if dynamic != "all":
+            torch._dynamo.mark_dynamic(ids, 0)
+            torch._dynamo.mark_dynamic(ids, 1)
+        model.zero_grad(set_to_none=True)
+        compiled(ids).backward()
+        grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+        assert not grad_failures(grads, *_eager_and_exact(model, ids))
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1, "another batch and sequence recompiled"
+    (result,), sites = seen, model.expected_sites
     assert result.fused(ROPE) == result.fused(ROPE_GRAD) == sites[ROPE_GRAD]
     assert result.fused(BACKWARD) == sites[BACKWARD]
     assert result.fused(FORWARD) == sites[BACKWARD] and not result.misses

@@ -7,7 +7,8 @@ site (a norm whose input takes a gradient fuses its forward only after its backw
 import pytest
 import torch
 
-from npu_fusion.patterns.rope.sites import SYMBOLIC_REASON
+from npu_fusion.patterns.rope.sites import SYMBOLIC_MOVES
+from npu_fusion.patterns.rotation import symbolic_head_dim_reason
 from npu_fusion_testing.capture import compile_and_compare
 from npu_fusion.plugin.options import forward_options
 from test_forward_fusion import calls, check
@@ -183,7 +184,8 @@ def test_complex_rotation_of_a_symbolic_head_dim_is_a_recorded_forward_miss():
     x = _seeded(1, 2, 6, 4, 16).requires_grad_()
     capture = compile_and_compare(_complex_rotation, [x, COS_SIN], dynamic_dims={0: [0, 1, 2, 3], 1: [0, 1]},
                                   **BOTH)
-    assert not capture.fused(ROPE) and [m.reason for m in capture.misses() if m.op == ROPE] == [SYMBOLIC_REASON]
+    marked = symbolic_head_dim_reason(SYMBOLIC_MOVES, "L['x'].size()[3]")  # the pairs' axis, marked dynamic
+    assert not capture.fused(ROPE) and [m.reason for m in capture.misses() if m.op == ROPE] == [marked]
 
 
 def test_complex_rotation_of_a_symbolic_head_dim_is_a_recorded_backward_miss():
@@ -215,7 +217,8 @@ def test_rotation_spellings_of_a_symbolic_head_dim_are_recorded_forward_misses(n
     angles = _seeded(2, 6, width)
     capture = compile_and_compare(rotate, [_seeded(1, 2, 4, 6, 16).requires_grad_(), angles.cos(), angles.sin()],
                                   dynamic_dims={0: [0, 1, 2, 3], 1: [0, 1], 2: [0, 1]}, **BOTH)
-    assert not capture.fused(ROPE) and SYMBOLIC_REASON in {m.reason for m in capture.misses() if m.op == ROPE}
+    marked = symbolic_head_dim_reason(SYMBOLIC_MOVES, "L['q'].size()[3]")
+    assert not capture.fused(ROPE) and marked in {m.reason for m in capture.misses() if m.op == ROPE}
 
 
 @pytest.mark.parametrize("name", ["difference_along_the_last_axis", "shift_along_the_sequence"])

@@ -154,6 +154,19 @@ def test_bfloat16_dynamic_min_cut(capsys):
     assert row["as_close_to_fp64_as_eager"]
 
 
+@pytest.mark.parametrize("target", ["a2", "950"])
+def test_dynamic_batch_and_sequence_fuse_every_site_on_each_chip(capsys, target):
+    """``--dynamic`` marks batch and sequence with ``mark_dynamic``: on A2 RoPE's ``B < 1000`` is kept
+    under a guard (the mark forbids only a guard that pins the batch to one value; every RoPE site was a
+    recorded miss), and on the 950 RMSNorm fuses over the symbolic leading axes; every site fuses both
+    ways with gradients by the float64 criterion."""
+    status, r, _ = run_json(capsys, "--dynamic", "--layers", "1", "--target", target)
+    assert status == 0 and r["settings"]["dynamic"] and r["misses"] == []
+    for op, count in bundled("llama", 1).expected_sites.items():
+        assert r["ops"][op]["fused"] == count, (op, r["ops"][op])
+    assert r["gradients"]["passed"]
+
+
 def test_transformers_model_counted_independently(capsys):
     pytest.importorskip("transformers")
     status, r, _ = run_json(capsys, "--hf", "llama", "--layers", "1")

@@ -60,18 +60,37 @@ def rope(q, cos, sin):
     return q * cos + rotate_half(q) * sin
 
 
-def _assert_rope_right(compiled, b, s, seed, table_lead=()):
+def _assert_rope_right(compiled, b, s, seed, table_lead=(), mark=None):
     """``compiled`` (of :func:`rope`) on q ``[b, 4, s, 16]`` and tables ``[*table_lead, s, 16]``: its
-    output and gradients, in eager's dtypes and shapes, pass the float64 criterion."""
+    output and gradients, in eager's dtypes and shapes, pass the float64 criterion. ``mark(q, cos,
+    sin)``, where given, marks their sizes dynamic before the call."""
     g = torch.Generator().manual_seed(seed)
     q = torch.randn(b, 4, s, 16, generator=g).requires_grad_()
     angles = torch.randn(*table_lead, s, 16, generator=g)
     inputs = [q, angles.cos(), angles.sin()]
+    if mark is not None:
+        mark(*inputs)
     got, grad_outputs = run_grads(compiled, inputs)
     eager, _ = run_grads(rope, inputs, (), grad_outputs)
     for f, e, exact in zip(got, eager, float64_grads(rope, inputs, (), grad_outputs)):
         assert f.dtype == e.dtype and f.shape == e.shape
         assert_close_as_unfused(f, e, exact, factor=MODEL_FACTOR)
+
+
+def marking(mark, head_dim=False, **range_of_batch):
+    """A ``mark`` of :func:`_assert_rope_right`: Dynamo's ``mark`` (``mark_dynamic``, ``maybe_mark_dynamic``)
+    on q's batch and sequence and the tables' (per-batch tables: their batch too), with ``head_dim``
+    the head dim of all three; ``range_of_batch`` (``min``, ``max``) goes to q's batch's mark."""
+    def mark_sizes(q, cos, sin):
+        mark(q, 0, **range_of_batch)
+        for tensor in (q, cos, sin):
+            mark(tensor, tensor.dim() - 2)
+            if head_dim:
+                mark(tensor, tensor.dim() - 1)
+        for table in (cos, sin):
+            if table.dim() == 4:
+                mark(table, 0, **range_of_batch)
+    return mark_sizes
 
 
 def test_head_dim_is_specialized_under_a_guard_and_batch_and_sequence_stay_symbolic():
@@ -90,6 +109,51 @@ def test_head_dim_is_specialized_under_a_guard_and_batch_and_sequence_stay_symbo
     assert results[0].fused("rotary_position_embedding") == results[0].fused("rotary_position_embedding_grad") == 1
 
 
+def _compiled_rope(target, results, dynamic=None):
+    """:func:`rope` compiled by the pass for ``target``, each graph's result appended to ``results``; Dynamo's counters cleared."""
+    options = FusionOptions.from_mapping({"strict": True, "target": target})
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    return torch.compile(rope, backend=aot_backend(options, lambda gm, run: results.append(run())), dynamic=dynamic)
+
+
+def test_head_dim_marked_with_maybe_mark_dynamic_is_guarded():
+    """``maybe_mark_dynamic`` lets a compiler specialize the size it marks (``mark_dynamic`` does not):
+    the pass guards a head dim marked so, as under ``dynamic=True``; the rotation fuses both ways and
+    another batch and sequence length, marked the same way, reuse the graph."""
+    results = []
+    compiled = _compiled_rope("generic", results)
+    for seed, (b, s) in enumerate(((2, 6), (3, 9))):
+        _assert_rope_right(compiled, b, s, seed, mark=marking(torch._dynamo.maybe_mark_dynamic, head_dim=True))
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1, "another batch and sequence recompiled"
+    assert len(results) == 1 and not results[0].misses, results[0].misses
+    assert results[0].fused("rotary_position_embedding") == results[0].fused("rotary_position_embedding_grad") == 1
+
+
+def test_head_dim_marked_dynamic_is_one_recorded_miss_naming_the_axis():
+    """``mark_dynamic`` forbids the guard that would keep the head dim static (Dynamo raises on one
+    that pins the size to a value), and the pass proves RoPE per position of a static head dim: the
+    rotation stays, its forward and its backward each one recorded miss that names the axis marked
+    and what to change. No guard is made (the compile does not fail), the results are right, and
+    another batch and sequence length reuse the graph."""
+    from npu_fusion.patterns.rope.sites import SYMBOLIC_MOVES as FORWARD_MOVES
+    from npu_fusion.patterns.rope_grad.sites import SYMBOLIC_MOVES as BACKWARD_MOVES
+    from npu_fusion.patterns.rotation import symbolic_head_dim_reason
+
+    results = []
+    compiled = _compiled_rope("generic", results)
+    for seed, (b, s) in enumerate(((2, 6), (3, 9))):
+        _assert_rope_right(compiled, b, s, seed, mark=marking(torch._dynamo.mark_dynamic, head_dim=True))
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1, "another batch and sequence recompiled"
+    (result,) = results
+    assert not result.fused("rotary_position_embedding") and not result.fused("rotary_position_embedding_grad")
+    marked = "L['q'].size()[3]"
+    assert sorted((m.op, m.reason) for m in result.misses) == [
+        ("rotary_position_embedding", symbolic_head_dim_reason(FORWARD_MOVES, marked)),
+        ("rotary_position_embedding_grad", symbolic_head_dim_reason(BACKWARD_MOVES, marked))]
+    assert "drop mark_dynamic on that axis, or mark it with maybe_mark_dynamic" in result.misses[0].reason
+
+
 #: A2's RoPE limits on a symbolic batch (name: the tables' leading sizes for (b, s), the calls' (batch,
 #: sequence), the last beyond the limit, and how the miss for it begins)
 A2_LIMITS = {
@@ -98,21 +162,27 @@ A2_LIMITS = {
 }
 
 
+#: how a test makes the batch and sequence symbolic: ``torch.compile``'s ``dynamic``, and a mark of the inputs
+DYNAMIC_SIZES = {"dynamic_true": (True, None), "mark_dynamic": (None, marking(torch._dynamo.mark_dynamic)),
+                 "maybe_mark_dynamic": (None, marking(torch._dynamo.maybe_mark_dynamic))}
+
+
+@pytest.mark.parametrize("sizes", sorted(DYNAMIC_SIZES))
 @pytest.mark.parametrize("limit", sorted(A2_LIMITS))
-def test_a2_limit_is_kept_under_a_guard_and_a_call_beyond_it_recompiles(limit):
+def test_a2_limit_is_kept_under_a_guard_and_a_call_beyond_it_recompiles(limit, sizes):
     """On A2 fused RoPE needs B < 1000 (half mode) and, with per-batch (B1SD) tables, B < S, which
     symbolic sizes cannot be proved to keep: the pass keeps the limit under a guard the example
     sizes satisfy, so the rotation fuses both ways and another batch and sequence within it reuse
     the graph; a call beyond it recompiles instead of reaching the op, is right, and its rotation's
-    forward and backward are each one recorded miss naming the limit its example breaks."""
+    forward and backward are each one recorded miss naming the limit its example breaks. Sizes
+    marked with ``mark_dynamic`` take the guard too: their constraint forbids a guard that pins
+    them to one value, and these leave them many."""
     lead, shapes, reason = A2_LIMITS[limit]
+    dynamic, mark = DYNAMIC_SIZES[sizes]
     results = []
-    options = FusionOptions.from_mapping({"strict": True, "target": "a2"})
-    torch._dynamo.reset()
-    torch._dynamo.utils.counters.clear()
-    compiled = torch.compile(rope, backend=aot_backend(options, lambda gm, run: results.append(run())), dynamic=True)
+    compiled = _compiled_rope("a2", results, dynamic)
     for seed, (b, s) in enumerate(shapes):
-        _assert_rope_right(compiled, b, s, seed, lead(b, s))
+        _assert_rope_right(compiled, b, s, seed, lead(b, s), mark)
         if seed == 1:
             assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1, "a call within the limit recompiled"
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 2, "a call beyond the limit reused the graph"
@@ -123,6 +193,29 @@ def test_a2_limit_is_kept_under_a_guard_and_a_call_beyond_it_recompiles(limit):
     assert sorted(m.op for m in beyond.misses) == ["rotary_position_embedding", "rotary_position_embedding_grad"]
     assert all(m.reason.startswith(reason) and "the example sizes break it" in m.reason
                for m in beyond.misses), beyond.misses
+
+
+@pytest.mark.parametrize("most", [999, 5000])
+def test_a2_limit_on_a_batch_marked_dynamic_with_a_range(most):
+    """``mark_dynamic(q, 0, min=2, max=most)`` forbids every guard its range does not imply: a range
+    within A2's B < 1000 proves the limit, and the rotation fuses both ways with no guard; a wider
+    one leaves the rotation one recorded miss each way naming the axis marked and what to change.
+    Either way the results are right and another batch and sequence length reuse the graph."""
+    results = []
+    compiled = _compiled_rope("a2", results)
+    for seed, (b, s) in enumerate(((2, 6), (3, 9))):
+        _assert_rope_right(compiled, b, s, seed, mark=marking(torch._dynamo.mark_dynamic, min=2, max=most))
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1, "another batch and sequence recompiled"
+    (result,) = results
+    if most < 1000:
+        assert not result.misses, result.misses
+        assert result.fused("rotary_position_embedding") == result.fused("rotary_position_embedding_grad") == 1
+        return
+    assert not result.fused("rotary_position_embedding") and not result.fused("rotary_position_embedding_grad")
+    assert sorted(m.op for m in result.misses) == ["rotary_position_embedding", "rotary_position_embedding_grad"]
+    assert all(m.reason.startswith("A2/A3 half mode needs B < 1000") and "L['q'].size()[0] is marked dynamic "
+               "(mark_dynamic) with a range a guard on it would narrow: give mark_dynamic a min and max within "
+               "the limit" in m.reason for m in result.misses), result.misses
 
 
 def test_eps_passed_as_a_tensor_is_a_recorded_forward_miss():

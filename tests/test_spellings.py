@@ -120,6 +120,40 @@ def test_norm_whose_statistic_a_loss_reads_stays_unfused():
     assert not calls(bw, BACKWARD) and not calls(fw, FORWARD), result.sites
 
 
+# -- a norm feeding one projection that is then split into q, k and v --------------------------------
+
+QKV = torch.randn(48, 16, generator=torch.Generator().manual_seed(6))
+
+
+def _one_projection_unbound(x, w):
+    """An HF-style norm read by one q/k/v projection, viewed as [B, S, 3, N, D] and unbound into q, k, v."""
+    xf = x.float()
+    y = w * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + EPS)).to(x.dtype)
+    q, k, v = F.linear(y, QKV.to(x.dtype)).view(*x.shape[:-1], 3, 4, 4).unbind(-3)
+    return ((q * k).sum(-1, keepdim=True) * v).flatten(-2)
+
+
+def _one_projection_indexed(x, w):
+    """The same projection permuted to [3, B, N, S, D] and indexed (``qkv[0]``, ``qkv[1]``, ``qkv[2]``: selects)."""
+    xf = x.float()
+    y = w * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + EPS)).to(x.dtype)
+    qkv = F.linear(y, QKV.to(x.dtype)).view(*x.shape[:-1], 3, 4, 4).permute(2, 0, 3, 1, 4)
+    return ((qkv[0] * qkv[1]).sum(-1, keepdim=True) * qkv[2]).transpose(1, 2).flatten(-2)
+
+
+@pytest.mark.parametrize("partitioner", ["default", "min_cut"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+@pytest.mark.parametrize("split", [_one_projection_unbound, _one_projection_indexed], ids=lambda f: f.__name__[1:])
+def test_norm_read_by_one_projection_split_into_q_k_v_fuses(split, dtype, partitioner):
+    w = _weight(dtype)
+    result, fw, bw = check(lambda x: split(x, w), [_input(dtype)], [w], partitioner=partitioner, **ON)
+    assert not result.misses, result.misses
+    assert result.fused(FORWARD) == 1 and result.fused(BACKWARD) == 1
+    [site] = [s for s in result.sites if s.op == BACKWARD]
+    assert set(site.outputs) == {"dx", "dgamma"}
+    assert_paired(fw, bw, 1)
+
+
 # -- RoPE ----------------------------------------------------------------------------------------------
 
 ROPE_ON = dict.fromkeys(forward_options(), True)  # the forward rules' switches
@@ -357,6 +391,37 @@ def test_norm_over_a_unit_axis_fuses_forward_and_backward(norm, dtype):
     one element is elided), which the algebra reads as that sum (its summand): both ways fuse."""
     w = _weight(dtype, d=1)
     result, fw, bw = check(lambda x: UNIT_AXIS_NORMS[norm](x, w), [_input(dtype, 2, 3, 1)], [w], **ON)
+    assert not result.misses, result.misses
+    assert result.fused(FORWARD) == 1 and result.fused(BACKWARD) == 1
+    [site] = [s for s in result.sites if s.op == BACKWARD]
+    assert set(site.outputs) == {"dx", "dgamma"}
+    assert_paired(fw, bw, 1)
+
+
+UNIT_AXIS_READERS = {  # name: what the program computes from a unit-axis norm's output y (dy is no leaf)
+    "squared": lambda y: y.pow(2),
+    "exp_times_two": lambda y: (y * 2).exp(),
+    "head_and_auxiliary_loss": lambda y: F.linear(y, HEAD[:, :1].to(y.dtype)).float().sum(-1) + y.float().pow(2).sum(-1),
+}
+
+
+#: (norm, dtype) of the unit-axis tests with a computed dy: a bf16 statistic (``rsqrt_of_mean`` in bf16)
+#: makes dx = rstd*dy*g*(1 - (rstd*x)**2) nothing but the rounding error of rstd (eps/x**2 is
+#: far below bf16's step), which the fused and the unfused backward each give by chance
+UNIT_AXIS_CONDITIONED = [(norm, dtype) for norm in UNIT_AXIS_NORMS for dtype in (torch.bfloat16, torch.float32)
+                         if not (norm == "rsqrt_of_mean" and dtype == torch.bfloat16)]
+
+
+@pytest.mark.parametrize("reader", UNIT_AXIS_READERS)
+@pytest.mark.parametrize("norm,dtype", UNIT_AXIS_CONDITIONED, ids=str)
+def test_norm_over_a_unit_axis_with_a_computed_dy_fuses_forward_and_backward(norm, dtype, reader):
+    """hidden = 1 and the output read again: dy is computed from y and the incoming gradient, no
+    leaf of the backward. Its roles are found among the nodes dx is computed from, each assignment
+    checked against the whole formula (a weight first: ``dy * g`` with no weight is the same
+    value), so dx, dgamma and the forward fuse (they were one recorded miss each way)."""
+    w = _weight(dtype, d=1)
+    result, fw, bw = check(lambda x: UNIT_AXIS_READERS[reader](UNIT_AXIS_NORMS[norm](x, w)),
+                           [_input(dtype, 2, 3, 1)], [w], **ON)
     assert not result.misses, result.misses
     assert result.fused(FORWARD) == 1 and result.fused(BACKWARD) == 1
     [site] = [s for s in result.sites if s.op == BACKWARD]

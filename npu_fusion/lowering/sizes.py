@@ -21,7 +21,7 @@ from typing import Callable, List, Optional, Sequence
 import torch
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-from ..compat import guard_size_condition, guardable_example, size_hint
+from ..compat import guard_size_condition, guardable_example, marked_dynamic_source, size_hint
 
 #: the size conditions the decision in progress keeps under a guard, or None where no guard may
 #: be installed (outside :func:`guarding_sizes`)
@@ -85,6 +85,11 @@ def limit_problem(a, b) -> Optional[str]:
     if example is False or (example is None and size_hint(condition) is False):
         return "the example sizes break it"
     pending = _PENDING_GUARDS.get()
+    marked = marked_dynamic_source(condition) if example is None and pending is not None else None
+    if marked is not None:
+        return (f"not provable for symbolic sizes, and {marked} is marked dynamic (mark_dynamic) with a range a "
+                f"guard on it would narrow: give mark_dynamic a min and max within the limit, or mark it with "
+                f"maybe_mark_dynamic (the pass then keeps the limit under a guard)")
     if example is None or pending is None:
         return "not provable for symbolic sizes, and no guard can keep it in this graph"
     pending.append(condition)

@@ -6,6 +6,7 @@ from typing import Dict, List, Optional, Tuple
 
 import torch.fx as fx
 
+from ..compat import marked_dynamic_source
 from ..lowering.ops.rope_grad import ROPE_MAX_D, rope_target_problem
 from ..lowering.sizes import static_int
 from . import lane_pieces
@@ -151,6 +152,28 @@ def rotation_seeds(seeds, is_rotation_sum, symbolic_only: bool = True) -> Dict[f
             if user is not None:
                 sums.setdefault(user, seed)
     return sums
+
+
+def symbolic_head_dim_reason(what: str, marked: Optional[str] = None) -> str:
+    """Why a rotation-shaped sum over a symbolic head dim stays: ``what`` was found, and why the head dim is not static.
+
+    ``marked``: the input axis the user marked dynamic with ``mark_dynamic``
+    (:func:`~npu_fusion.compat.marked_dynamic_source`), whose constraint forbids the guard that
+    would keep the head dim static; None: the graph was compiled where no guard reaches Dynamo
+    (after Dynamo made its guards)."""
+    proof = "the pass proves RoPE per position of a static head dim"
+    if marked is not None:
+        return (f"{what}: {proof}, and the head dim {marked} is marked dynamic (mark_dynamic), which forbids "
+                f"the guard that would keep it static: drop mark_dynamic on that axis, or mark it with "
+                f"maybe_mark_dynamic (the pass then guards it to its value)")
+    return (f"{what}: {proof}, and this one was compiled after Dynamo made its guards, where no guard can "
+            f"keep it static: keep the head dim static")
+
+
+def head_dim_mark(node: fx.Node) -> Optional[str]:
+    """The input axis marked dynamic (``mark_dynamic``) that a node's symbolic last axis stands for, or None."""
+    size = shape(node)[-1] if shape(node) else None
+    return marked_dynamic_source(size)
 
 
 def symbolic_head_dims(graph: fx.Graph, gradient: bool, is_rotation_sum) -> list:

@@ -142,7 +142,8 @@ def test_head_dim_of_an_input(ge, grad):
     guards) guards it and fuses, with no recompile at another batch and sequence length. In training
     the forward, fused by torchair's post-partition hook while Dynamo still makes guards, guards the
     head dim, so the backward compiled later reads it static and fuses too; another head dim
-    recompiles, stays right, and is one recorded miss a graph (Dynamo keeps it symbolic then)."""
+    recompiles (Dynamo's automatic dynamic: the head dim symbolic again, with no constraint a guard
+    could break), is guarded to its new value and fuses the same way, and stays right."""
     from npu_fusion.measure.grads import float64_grads, run_grads
 
     compiled = _compile(ge, rope)
@@ -168,13 +169,11 @@ def test_head_dim_of_an_input(ge, grad):
     results = pass_manager.HISTORY.since(mark)
     fused = [(r.graph, r.fused("rotary_position_embedding"), r.fused("rotary_position_embedding_grad")) for r in results]
     first, second = results[:len(results) // 2], results[len(results) // 2:]
-    fused = [(r.graph, r.fused("rotary_position_embedding"), r.fused("rotary_position_embedding_grad")) for r in first]
-    assert fused == ([("inference", 1, 0)] if not grad else [("forward", 1, 0), ("backward", 0, 1)]), fused
-    assert [m for r in first for m in r.misses] == []
-    # the recompile for the new head dim keeps it symbolic: the rotation stays, one recorded miss a graph
-    assert not any(r.fused("rotary_position_embedding") or r.fused("rotary_position_embedding_grad") for r in second)
-    assert [len(r.misses) for r in second] == [1] * len(second)
-    assert all("static head dim" in r.misses[0].reason for r in second)
+    for compiled_graphs in (first, second):  # the recompile for the new head dim guards it again
+        fused = [(r.graph, r.fused("rotary_position_embedding"), r.fused("rotary_position_embedding_grad"))
+                 for r in compiled_graphs]
+        assert fused == ([("inference", 1, 0)] if not grad else [("forward", 1, 0), ("backward", 0, 1)]), fused
+        assert [m for r in compiled_graphs for m in r.misses] == []
 
 
 def test_get_npu_backend_needs_the_pass_installed(torchair):

@@ -67,12 +67,13 @@ def test_install_fuses_the_backward_ge_graph(ge, dtype, target):
     assert ops == [("forward", target, 1, 2, 0, 0, 0), ("backward", target, 0, 0, 1, 2, 0)]
 
 
-@pytest.mark.parametrize("target,dims", [("a2", (1,)), ("generic", (0, 1))], ids=["a2-seq", "generic-batch-seq"])
+@pytest.mark.parametrize("target,dims", [("a2", (1,)), ("a2", (0, 1)), ("generic", (0, 1))],
+                         ids=["a2-seq", "a2-batch-seq", "generic-batch-seq"])
 def test_install_with_dynamic_shapes(ge, target, dims):
-    """Symbolic sequence (and batch) lengths, the sizes marked dynamic. A2's RoPE limits
-    (B < 1000, B < S for per-batch tables) cannot be proven for a batch marked dynamic (no
-    guard may narrow a size the user marked dynamic): the A2 case keeps the batch static and
-    shares cos/sin across it ([1, s, d])."""
+    """Symbolic sequence (and batch) lengths, the sizes marked dynamic (cos/sin shared across the
+    batch, [1, s, d]). A2's RoPE limit B < 1000 is not provable for a batch marked dynamic: the
+    forward's hook keeps it under a guard (``mark_dynamic`` forbids only a guard that pins the
+    batch to one value), and the backward proves it from the shape environment."""
     got, eager, exact = train_step(ge, install={"target": target}, dynamic_dims=dims, b=3, s=6, cos_batch=1)
     assert_grads_close(got, eager, exact)
     backward = ge.backward()

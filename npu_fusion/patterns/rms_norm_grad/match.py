@@ -86,18 +86,38 @@ def _match_over_unit_axes(ev: NormEvaluator, node: fx.Node, expr: Expr) -> Optio
     """dx of a norm over axes of static size 1: ``r*dy*g - r**3*x*(dy*g*x)``.
 
     Autograd elides the sum over unit axes (it is its summand), so no sum tells the roles apart;
-    each assignment of the leaves (dy a gradient, rstd and x none) is checked against the whole formula."""
+    each assignment of the roles (dy a gradient, rstd and x none) is checked against the whole
+    formula. dy and x are leaves, or nodes dx is computed from (:func:`_computed_roles`): the
+    gradient of an output read again (``y * y``, ``exp(y)``, ``2 * y``) is no leaf."""
     nodes = [ev.node_of[s] for s in sorted(expr.free_symbols) if s in ev.node_of]
     full = shape(node)
     fulls = [n for n in nodes if same_shape(shape(n), full)]
+    computed = _computed_roles(ev, node, full)
+    dys = list(dict.fromkeys(n for n in fulls + computed if ev.depends_on_gradient(n)))
+    xs = list(dict.fromkeys(n for n in fulls + computed if not ev.depends_on_gradient(n)))
     gammas = [n for n in nodes if len(shape(n)) == ev.k and all(static_int(x) == 1 for x in shape(n))] + [None]
     stats = list(dict.fromkeys(p for m, _ in expr.split_terms() for p in statistic_powers(ev, m)))
-    for (r, power), dy, g, x in itertools.product(stats, fulls, gammas, fulls):
-        if len({r, dy, g, x}) == 4 and ev.depends_on_gradient(dy) and not ev.depends_on_gradient(r) \
-                and not ev.depends_on_gradient(x) and expr == expected_dx(
-                    ev, ev.symbol(dy), ev.symbol(x), ev.value_of(r) ** power, ev.value_of(g)):
+    # a weight first: with none, ``dy * g`` would pass for dy and dgamma be left unmatched
+    for g, (r, power), dy, x in itertools.product(gammas, stats, dys, xs):
+        if len({r, dy, g, x}) == 4 and not ev.depends_on_gradient(r) and expr == expected_dx(
+                ev, ev.value_of(dy), ev.value_of(x), ev.value_of(r) ** power, ev.value_of(g)):
             return NormMatch(node, dy, x, r, g, ev, rstd_power=power)
     return None
+
+
+#: uses between a unit-axis dx and the computed dy or x it is made of (``dy * g``, ``* rstd``, the
+#: second term's products, the subtraction, casts)
+UNIT_ROLE_REACH = 8
+
+
+def _computed_roles(ev: NormEvaluator, node: fx.Node, full) -> List[fx.Node]:
+    """The evaluated nodes of shape ``full`` that ``node`` is computed from, within :data:`UNIT_ROLE_REACH` uses."""
+    found, frontier = [], [node]
+    for _ in range(UNIT_ROLE_REACH):
+        frontier = list(dict.fromkeys(a for n in frontier for a in n.all_input_nodes
+                                      if ev.memo.get(a) is not None and a.op != "placeholder"))
+        found += [a for a in frontier if same_shape(shape(a), full) and ev.memo[a].lead_sum is None]
+    return list(dict.fromkeys(found))
 
 
 def statistic_powers(ev: NormEvaluator, term) -> List[tuple]:

@@ -14,7 +14,8 @@ from ..nodes import (CAST_TARGETS, VIEWS, aten, downstream, dtype, gradient_depe
                      region_of, shape)
 from ..rewrite import Miss, RuleContext
 from ..pairing import source
-from ..rotation import DX_DEPTH, MAX_LANES, moves_elements, lane_evaluator, rotation_sums, unscaled, varying_product
+from ..rotation import (DX_DEPTH, MAX_LANES, head_dim_mark, lane_evaluator, moves_elements, rotation_sums,
+                        symbolic_head_dim_reason, unscaled, varying_product)
 from ..rule import RoundReport
 from .match import ForwardRopeMatch, looks_like_y, site_region, match_y
 
@@ -280,9 +281,8 @@ def _innermost_where_shared(matches: List[ForwardRopeMatch]) -> List[ForwardRope
 
 
 #: why a rotation of a symbolic head dim (``dynamic=True``) stays as it is
-SYMBOLIC_REASON = ("elements moved along a symbolic last axis and summed, as a RoPE forward does: the pass proves "
-                   "RoPE per position of a static head dim, and this one was marked dynamic (mark_dynamic) or "
-                   "compiled where no guard can fix it: keep the head dim static")
+SYMBOLIC_MOVES = "elements moved along a symbolic last axis and summed, as a RoPE forward does"
+SYMBOLIC_REASON = symbolic_head_dim_reason(SYMBOLIC_MOVES)
 
 
 def _symbolic_last_axis(seeds, gradient) -> List[Miss]:
@@ -295,7 +295,7 @@ def _symbolic_last_axis(seeds, gradient) -> List[Miss]:
     along that axis (``x * cos + rotate(x) * sin``), or a product of complex pairs (``freqs_cis``);
     a difference, a causal convolution's taps or a sequence shift is no RoPE."""
     sums = rotation_sums(seeds, lambda u: u not in gradient and sums_rotation_terms(u))
-    return [Miss(OP.name, n.name, SYMBOLIC_REASON) for n in sums]
+    return [Miss(OP.name, n.name, symbolic_head_dim_reason(SYMBOLIC_MOVES, head_dim_mark(n))) for n in sums]
 
 
 def sums_rotation_terms(node: fx.Node) -> bool:

@@ -18,7 +18,8 @@ from ..rewrite import Miss, RuleContext, gradient_accumulation
 from ..pairing import calls, source
 from ..rule import RoundReport
 from ..rope.sites import forward_rotations
-from ..rotation import DX_DEPTH, MAX_LANES, Role, moves_elements, sums_dx_terms, lane_evaluator, rotation_sums
+from ..rotation import (DX_DEPTH, MAX_LANES, Role, head_dim_mark, lane_evaluator, moves_elements, rotation_sums,
+                        sums_dx_terms, symbolic_head_dim_reason)
 from .match import RopeMatch, keeps_tables, site_region, match_dx, match_table
 
 
@@ -45,10 +46,11 @@ def _symbolic_last_axis(ev: LaneEvaluator, seeds) -> List[Miss]:
     cannot fuse; say so rather than leave it unexplained. A difference or a shift of a gradient
     (its moves summed with no product) is no RoPE."""
     sums = rotation_sums([s for s in seeds if ev.depends_on_gradient(s)], sums_dx_terms)
-    return [Miss(OP.name, n.name, "gradients moved along a symbolic last axis, as a RoPE dx does: the pass "
-                             "proves RoPE per position of a static head dim, and this one was marked dynamic "
-                             "(mark_dynamic) or compiled where no guard can fix it: keep the head dim static")
-            for n in sums]
+    return [Miss(OP.name, n.name, symbolic_head_dim_reason(SYMBOLIC_MOVES, head_dim_mark(n))) for n in sums]
+
+
+#: what the backward scan finds along a symbolic last axis (:func:`_symbolic_last_axis`)
+SYMBOLIC_MOVES = "gradients moved along a symbolic last axis, as a RoPE dx does"
 
 
 def _looks_like_dx(v: Optional[Lanes], spanning: bool = False) -> bool:
