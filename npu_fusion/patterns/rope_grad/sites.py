@@ -24,8 +24,9 @@ from .match import RopeMatch, keeps_tables, site_region, match_dx, match_table
 
 # -- the pass -----------------------------------------------------------------
 
-def _candidates(graph: fx.Graph):
-    for node in graph.nodes:
+def _candidates(nodes):
+    """The float calls among ``nodes`` whose last axis is static and no wider than any RoPE head dim."""
+    for node in nodes:
         if node.op != "call_function":
             continue
         s, dt = shape(node), dtype(node)
@@ -74,8 +75,7 @@ def find_sites(graph: fx.Graph, rewrites: RuleContext) -> RoundReport:
     misses and pending candidates; an internal error while examining one candidate is a miss
     in ``rewrites``."""
     seeds = [n for n in graph.nodes if moves_elements(n)]
-    near = set(downstream(graph, seeds, DX_DEPTH))
-    nodes = [n for n in _candidates(graph) if n in near]
+    nodes = list(_candidates(downstream(graph, seeds, DX_DEPTH)))
     ev = _evaluated(rewrites, graph, nodes)
     makers = _gradient_axis_makers(ev, nodes)
     if makers:
