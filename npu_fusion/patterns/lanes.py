@@ -39,7 +39,8 @@ from .lane_moves import LaneMoves
 
 
 def _is_complex(node) -> bool:
-    return isinstance(node, fx.Node) and val(node) is not None and val(node).dtype.is_complex
+    v = val(node) if isinstance(node, fx.Node) else None
+    return v is not None and v.dtype.is_complex
 
 
 CONJ_TARGETS = {aten._conj.default, aten.conj.default, aten.conj_physical.default}
@@ -186,8 +187,7 @@ class LaneEvaluator(LaneMoves, MemoEvaluator):
         """Read ``node`` through :attr:`INTERPRETERS`, after the checks that hold for every op."""
         t = node.target
         # tensors stay nodes; symbolic sizes and indices become their SymInt values
-        args = tuple(a if isinstance(a, fx.Node) and isinstance(val(a), torch.Tensor) else meta_value(a)
-                     for a in node.args)
+        args = tuple(a if isinstance(a, fx.Node) and val(a) is not None else meta_value(a) for a in node.args)
         if t in (aten.cat.default, aten.stack.default):
             args = (list(node.args[0]),) + args[1:]
         if is_float_cast(node):

@@ -286,7 +286,7 @@ def _tables_of_a_dx(graph: fx.Graph, gradient: set) -> set:
     is no site of table gradients alone, even while its dx waits for a site below it to fuse; a
     reduced table gradient times the table (the chain rule into learned angles) is none of them."""
     tables = set()
-    for node in graph.nodes:
+    for node in graph.find_nodes(op="call_function", target=aten.mul.Tensor):  # the only products gradient_product reads
         product = gradient_product(node, gradient) if node in gradient else None
         if product is None:
             continue
