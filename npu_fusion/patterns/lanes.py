@@ -25,7 +25,6 @@ import operator
 from fractions import Fraction
 from typing import Dict, List, Optional
 
-import torch
 import torch.fx as fx
 
 from ..lowering.sizes import same_shape, static_int
