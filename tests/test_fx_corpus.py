@@ -85,3 +85,26 @@ def test_runs_of_positions_change_no_decision(name, monkeypatch):
         return result.sites, result.misses, entry.gm.code
 
     assert run(True) == run(False)
+
+
+@pytest.mark.parametrize("name", sorted(fx_corpus.PROGRAMS))
+def test_shared_forward_read_changes_no_decision(name, monkeypatch):
+    """The RoPE rules decide the same when the forward rule reuses the backward rule's read of the forward
+    in a round (:class:`~npu_fusion.patterns.rope.sites._ForwardRead`) as when every rule reads it again."""
+    from npu_fusion.patterns.rope import sites
+
+    holds = sites._ForwardRead.holds
+    reused = []
+
+    def run(shared: bool):
+        monkeypatch.setattr(sites._ForwardRead, "holds", lambda self, gradient, nodes: reused.append(
+            holds(self, gradient, nodes)) or reused[-1] if shared else False)
+        entry = fx_corpus.load(name)
+        options = {"target": "generic", "rms_norm_forward": True, "rope_forward": True}
+        result = fuse_joint(entry.gm, options) if entry.stage == "joint" else \
+            fuse_backward(entry.gm, options, forward=entry.forward)
+        return result.sites, result.misses, entry.gm.code
+
+    assert run(True) == run(False)
+    if name == "llama_bf16_joint":  # both RoPE rules read its forward: the second read is the first's
+        assert any(reused)

@@ -276,3 +276,27 @@ def test_leading_axes_moved_inside_is_a_near_miss():
     capture = check(transposed, _inputs(torch.float32))
     fused = (_fused(capture, FORWARD), _fused(capture, BACKWARD))
     assert fused == (0, 0) or not [m for m in _joint(capture).misses if "leading axes" not in m.reason], fused
+
+
+# -- runs of positions are a spelling of the same values -----------------------------------
+
+@pytest.mark.parametrize("form, width", [(chunked, 2 * H), (split, 2 * H), (sliced, 2 * H), (megatron, 2 * H),
+                                         (swapped, 2 * H), (odd, 15)],
+                         ids=["chunked", "split", "sliced", "megatron", "swapped", "odd"])
+def test_runs_of_positions_change_no_decision(form, width, monkeypatch):
+    """Both rules decide the same with the lane values kept as runs of positions as position by position
+    (the forward compares its product, the backward its dx, once a run): the same sites and misses."""
+    from npu_fusion.patterns import lane_polys
+
+    def decided(runs: bool):
+        monkeypatch.setattr(lane_polys, "RUNS", runs)
+        capture = Capture(**ON)
+        torch._dynamo.reset()
+        torch.compile(form, backend=capture)(*_inputs(torch.float32, width=width)).sum().backward()
+        result = _joint(capture)
+        return ([(s.op, s.outputs, s.replaced_nodes) for s in result.sites],
+                [(m.op, m.node, m.reason) for m in result.misses])
+
+    with_runs = decided(True)
+    assert with_runs == decided(False)
+    assert with_runs[0] or with_runs[1]  # each form is a site or a recorded near miss

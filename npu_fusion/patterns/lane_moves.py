@@ -28,7 +28,7 @@ class LaneMoves:
         inner = picked.inner[:axis] + picked.inner[axis + 1:]
         if not inner:
             raise Unsupported("select removes the last tracked axis")
-        return Lanes(inner, picked.polys)
+        return Lanes(inner, picked._polys, pieces=picked.flat)
 
     def _slice_backward(self, node, args) -> Lanes:
         grad, sizes, dim, start, end, step = args
@@ -99,7 +99,7 @@ class LaneMoves:
         new_inner = inner[:axis] + (len(vals),) + inner[axis:]
         out = zeros(new_inner)
         for k, v in enumerate(vals):
-            expanded = Lanes(inner[:axis] + (1,) + inner[axis:], v.polys)
+            expanded = Lanes(inner[:axis] + (1,) + inner[axis:], v._polys, pieces=v.flat)
             out = self._scatter(out, expanded, axis, [k])
         return out
 
@@ -120,6 +120,8 @@ class LaneMoves:
         if order[:first] != list(range(first)):
             raise Unsupported("permutes leading axes")
         perm = [d - first for d in order[first:]]
+        if perm == sorted(perm):  # the tracked axes stay in place (the heads and the sequence swapped): the value
+            return v
         new_inner = tuple(v.inner[p] for p in perm)
         source = strides(v.inner)
         return Lanes(new_inner, [v.polys[f] for f in gather(new_inner, [source[p] for p in perm])])
@@ -147,5 +149,5 @@ class LaneMoves:
         inner = v.inner[:axis] + (full,) + v.inner[axis:]
         if self._too_wide(inner):
             raise Unsupported("select_backward too wide")
-        return self._scatter(zeros(inner), Lanes(v.inner[:axis] + (1,) + v.inner[axis:], v.polys), axis,
-                             [index % full])
+        return self._scatter(zeros(inner), Lanes(v.inner[:axis] + (1,) + v.inner[axis:], v._polys, pieces=v.flat),
+                             axis, [index % full])

@@ -35,10 +35,13 @@ RUNS = True
 class Lanes:
     """A tensor value: ``inner`` are its tracked trailing sizes, ``polys`` one per position.
 
-    A value over one tracked axis may be given as :mod:`.lane_pieces` runs (``pieces``) instead:
-    its ``polys`` are then built from them when first read, equal to the per-position ones."""
+    A value may be given as :mod:`.lane_pieces` runs over its flat (row-major) positions instead
+    (``flat``): its ``polys`` are then built from them when first read, equal to the per-position ones.
+    Over one tracked axis of a real tensor those runs are also ``pieces``, which the interpreters and
+    matchers compute on; over several axes (a head dim viewed as heads, a complex value's pairs) they
+    only defer building the polynomials, which a value read as a leaf further on never needs."""
 
-    __slots__ = ("inner", "_polys", "reduction", "complex", "pieces")
+    __slots__ = ("inner", "_polys", "reduction", "complex", "pieces", "flat")
 
     def __init__(self, inner: Tuple[int, ...], polys: Optional[List[Poly]] = None, reduction: Optional[tuple] = None,
                  complex: bool = False, pieces: Optional[lane_pieces.Pieces] = None):
@@ -48,9 +51,11 @@ class Lanes:
         self.reduction = reduction
         #: a complex tensor: the last tracked axis holds (real, imaginary)
         self.complex = complex
-        #: the value as runs of positions (one tracked axis only), or None
-        self.pieces = pieces if RUNS and len(inner) == 1 and not complex else None
-        if polys is None and self.pieces is None:
+        #: the value as runs of flat positions (any tracked axes), or None
+        self.flat = pieces if RUNS else None
+        #: the value as runs of positions (one tracked axis of a real tensor only), or None
+        self.pieces = self.flat if len(inner) == 1 and not complex else None
+        if polys is None and self.flat is None:
             if pieces is None:
                 raise ValueError("a lane value needs its polynomials or its runs")
             self._polys = lane_pieces.materialize(pieces)
@@ -58,13 +63,13 @@ class Lanes:
     @property
     def polys(self) -> List[Poly]:
         if self._polys is None:
-            self._polys = lane_pieces.materialize(self.pieces)
+            self._polys = lane_pieces.materialize(self.flat)
         return self._polys
 
     def poly_at(self, i: int) -> Poly:
         """The polynomial of position ``i`` (flat), without building the others."""
         if self._polys is None:
-            return lane_pieces.at(self.pieces, i)
+            return lane_pieces.at(self.flat, i)
         return self._polys[i]
 
     def __eq__(self, other) -> bool:
@@ -72,30 +77,30 @@ class Lanes:
             return NotImplemented
         if (self.inner, self.reduction, self.complex) != (other.inner, other.reduction, other.complex):
             return False
-        if self.pieces is not None and other.pieces is not None:
-            return lane_pieces.equal(self.pieces, other.pieces)
+        if self.flat is not None and other.flat is not None:
+            return lane_pieces.equal(self.flat, other.flat)
         return self.polys == other.polys
 
     __hash__ = None
 
     def lowest_position(self, lid: int) -> int:
         """The lowest position of the leaf ``lid`` that the value reads."""
-        if self.pieces is not None:  # a run's first position reads each of its variables' lowest
-            return min(lo + p for lo, _, t in self.pieces for mono in t for (l, p) in mono if l == lid)
+        if self.flat is not None:  # a run's first position reads each of its variables' lowest
+            return min(lo + p for lo, _, t in self.flat for mono in t for (l, p) in mono if l == lid)
         return min(p for poly in self.polys for mono in poly for (l, p) in mono if l == lid)
 
     def reads(self, lid: int, positions) -> bool:
         """Whether the value is the leaf ``lid``'s elements at ``positions``, position by position."""
-        if self.pieces is not None:
-            return lane_pieces.reads_run(self.pieces, lid, positions)
+        if self.flat is not None:
+            return lane_pieces.reads_run(self.flat, lid, positions)
         return self.polys == [{((lid, p),): 1} for p in positions]
 
     def __repr__(self) -> str:
         return f"Lanes(inner={self.inner}, reduction={self.reduction}, complex={self.complex}, polys={self.polys})"
 
     def is_constant(self) -> bool:
-        if self.pieces is not None:
-            return lane_pieces.is_constant(self.pieces)
+        if self.flat is not None:
+            return lane_pieces.is_constant(self.flat)
         return all(all(m == () for m in p) for p in self.polys)
 
 
@@ -104,8 +109,8 @@ def position_forms(v: Lanes) -> List[Poly]:
 
     For checks of how many terms a polynomial has, their degrees, coefficients and leaf ids, never
     positions: a run renames its variables one to one at every position, so those are its positions'."""
-    if v.pieces is not None:
-        return [t for _, _, t in v.pieces]
+    if v.flat is not None:
+        return [t for _, _, t in v.flat]
     return v.polys
 
 
@@ -118,8 +123,8 @@ def zeros(inner) -> Lanes:
 
 def uniform(v: Lanes) -> bool:
     """Whether every position holds the same polynomial."""
-    if v.pieces is not None:
-        return all(t == v.pieces[0][2] for _, _, t in v.pieces)
+    if v.flat is not None and lane_pieces.is_constant(v.flat):  # a constant template reads alike everywhere
+        return all(t == v.flat[0][2] for _, _, t in v.flat)
     return all(p == v.polys[0] for p in v.polys)
 
 
@@ -188,8 +193,8 @@ def along_axis(inner, axis: int, picks) -> List[int]:
 
 
 def degree_of(v: Lanes) -> int:
-    if v.pieces is not None:
-        return lane_pieces.max_degree(v.pieces)
+    if v.flat is not None:
+        return lane_pieces.max_degree(v.flat)
     return max((len(m) for p in v.polys for m in p), default=0)
 
 

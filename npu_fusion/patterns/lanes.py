@@ -25,7 +25,6 @@ import operator
 from fractions import Fraction
 from typing import Dict, List, Optional
 
-import torch
 import torch.fx as fx
 
 from ..lowering.sizes import same_shape, static_int
@@ -39,7 +38,8 @@ from .lane_moves import LaneMoves
 
 
 def _is_complex(node) -> bool:
-    return isinstance(node, fx.Node) and val(node) is not None and val(node).dtype.is_complex
+    v = val(node) if isinstance(node, fx.Node) else None
+    return v is not None and v.dtype.is_complex
 
 
 CONJ_TARGETS = {aten._conj.default, aten.conj.default, aten.conj_physical.default}
@@ -87,10 +87,8 @@ class LaneEvaluator(LaneMoves, MemoEvaluator):
         inner = tuple(static_int(x) for x in s[len(s) - (2 if v.dtype.is_complex else 1):])
         if None in inner or self._too_wide(inner):
             return None
-        lid = self.leaf_id(node)
-        if len(inner) == 1 and not v.dtype.is_complex:
-            return Lanes(inner, pieces=lane_pieces.leaf_pieces(lid, inner[0]))
-        return Lanes(inner, [{((lid, i),): 1} for i in range(math.prod(inner))],
+        # position i (flat, over every tracked axis) is the leaf's element i
+        return Lanes(inner, pieces=lane_pieces.leaf_pieces(self.leaf_id(node), math.prod(inner)),
                      complex=v.dtype.is_complex)
 
     def _operand(self, arg, out_node) -> Lanes:
@@ -136,8 +134,8 @@ class LaneEvaluator(LaneMoves, MemoEvaluator):
             raise Unsupported("inner sizes")
         shapes = [shape(a) if isinstance(a, fx.Node) else () for a in args]
         operands = [self._broadcast(o, s if s else out_shape, inner) for o, s in zip(operands, shapes)]
-        if all(o.pieces is not None for o in operands):  # once a run: the same sums and products
-            return Lanes(inner, pieces=lane_pieces.combine([o.pieces for o in operands], combine))
+        if all(o.flat is not None for o in operands):  # once a run: the same sums and products
+            return Lanes(inner, pieces=lane_pieces.combine([o.flat for o in operands], combine))
         return Lanes(inner, [combine(*ps) for ps in zip(*(o.polys for o in operands))])
 
     def _inner_dim(self, node_in, v: Lanes, dim) -> int:
@@ -178,9 +176,8 @@ class LaneEvaluator(LaneMoves, MemoEvaluator):
             lead_out = out_shape[:len(out_shape) - k]
             if math.prod(tail) == total and (same_shape(lead_out, lead_in) or single and all(
                     static_int(s) == 1 for s in lead_out)):
-                if v.pieces is not None and len(tail) == 1:
-                    return Lanes(tuple(tail), pieces=v.pieces)
-                return Lanes(tuple(tail), v.polys)
+                # row-major order is kept: the same flat positions
+                return Lanes(tuple(tail), v._polys, pieces=v.flat)
             if math.prod(tail) > total:
                 break
         raise Unsupported("reshape crosses leading axes")
@@ -189,8 +186,7 @@ class LaneEvaluator(LaneMoves, MemoEvaluator):
         """Read ``node`` through :attr:`INTERPRETERS`, after the checks that hold for every op."""
         t = node.target
         # tensors stay nodes; symbolic sizes and indices become their SymInt values
-        args = tuple(a if isinstance(a, fx.Node) and isinstance(val(a), torch.Tensor) else meta_value(a)
-                     for a in node.args)
+        args = tuple(a if isinstance(a, fx.Node) and val(a) is not None else meta_value(a) for a in node.args)
         if t in (aten.cat.default, aten.stack.default):
             args = (list(node.args[0]),) + args[1:]
         if is_float_cast(node):
@@ -250,7 +246,7 @@ class LaneEvaluator(LaneMoves, MemoEvaluator):
         t = node.target
         if t in COMPLEX_VIEWS or is_float_cast(node):
             v = self._checked(args[0])
-            return Lanes(v.inner, v.polys, complex=_is_complex(node))
+            return Lanes(v.inner, v._polys, complex=_is_complex(node), pieces=v.flat)
         if t in CONJ_TARGETS:
             v = self._checked(args[0])
             return Lanes(v.inner, [p if i % 2 == 0 else add_polys({}, p, -1) for i, p in enumerate(v.polys)],
@@ -263,7 +259,7 @@ class LaneEvaluator(LaneMoves, MemoEvaluator):
                 return self._complex_product(node, args[:2], cut=wide)
         if t in (aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.flatten.using_ints):
             v = self._checked(args[0])
-            return Lanes(self._reshape(node, v).inner, v.polys, complex=_is_complex(node))
+            return Lanes(self._reshape(node, v).inner, v._polys, complex=_is_complex(node), pieces=v.flat)
         raise Unsupported(f"complex op {t}")
 
     def _complex_product(self, node, args, cut=()) -> Lanes:
@@ -361,7 +357,7 @@ class LaneEvaluator(LaneMoves, MemoEvaluator):
             inner = picked.inner[:axis] + picked.inner[axis + 1:]
             if not inner:
                 raise Unsupported("unbind removes the last tracked axis")
-            return Lanes(inner, picked.polys)
+            return Lanes(inner, picked._polys, pieces=picked.flat)
         if t in (aten.split.Tensor, aten.split_with_sizes.default, aten.chunk.default):
             dim = pargs[2] if len(pargs) > 2 else 0
             axis = self._inner_dim(pargs[0], v, dim)
@@ -389,7 +385,7 @@ class LaneEvaluator(LaneMoves, MemoEvaluator):
         dims = sorted(normalize_dim(d, rank) for d in dims)
         if any(d >= rank - len(v.inner) for d in dims):
             raise Unsupported("sum over a tracked axis")
-        return Lanes(v.inner, v._polys, reduction=(src, tuple(dims), bool(keepdim)), pieces=v.pieces)
+        return Lanes(v.inner, v._polys, reduction=(src, tuple(dims), bool(keepdim)), pieces=v.flat)
 
     def _reduced_view(self, node, v: Lanes) -> Lanes:
         """Unit-axis reshapes after a reduction keep its value (the matcher checks shapes);

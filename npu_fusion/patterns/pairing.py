@@ -40,7 +40,8 @@ def site_key(kind: str, *values: fx.Node) -> tuple:
 
 
 def calls(graph: fx.Graph, op: FusedOp) -> List[fx.Node]:
-    return [n for n in graph.nodes if n.op == "call_function" and n.target == op.overload]
+    """The calls of ``op`` in ``graph``, in graph order (from the graph's index of nodes by target)."""
+    return graph.find_nodes(op="call_function", target=op.overload)
 
 
 def forward_is_complex(graph: fx.Graph, gradient: set) -> bool:

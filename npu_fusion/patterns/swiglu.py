@@ -44,6 +44,7 @@ from ..lowering import FUSED_OPS
 from ..lowering.ops.swiglu import OP, swiglu_target_problem
 from ..lowering.ops.swiglu_grad import OP as GRAD_OP
 from .evaluator import kept_precision, rounding_problem, saved_by_the_forward
+from . import lane_pieces
 from .lanes import LaneEvaluator, Lanes
 from ..lowering.checks import numel as product_of, size_equal
 from ..lowering.sizes import static_int
@@ -168,6 +169,16 @@ def product_value(ev: LaneEvaluator, a: Tuple[int, int], b_lid: int, b_start: in
     return [{tuple(sorted(((a[0], a[1] + i), (b_lid, b_start + i)))): 1} for i in range(size)]
 
 
+def is_product_value(v, a: Tuple[int, int], b_lid: int, b_start: int, size: int) -> bool:
+    """Whether ``v``'s lanes are :func:`product_value`'s, compared once a run where ``v`` has runs.
+
+    Position i of a run reads its template's variables ``(leaf, offset)`` as ``(leaf, i + offset)``, so the
+    product's lanes are the one run of ``a[i] * b[b_start + i]``: offsets ``a``'s start and ``b_start``."""
+    if v.flat is not None:
+        return lane_pieces.equal(v.flat, ((0, size, {tuple(sorted(((a[0], a[1]), (b_lid, b_start)))): 1}),))
+    return v.polys == product_value(None, a, b_lid, b_start, size)
+
+
 def glu_problem(gate: Piece, up: Piece) -> Optional[str]:
     """Why a gate and an up read from one x are not SwiGlu's halves (first gated, second up), or None."""
     if gate.width % 2:
@@ -288,7 +299,7 @@ def _examine(ev: LaneEvaluator, silu: fx.Node, gradient) -> Tuple[List[SwigluMat
     if gate is None:
         return [], []
     silu_v = ev.value(silu)
-    if silu_v is None or silu_v.polys[0] != {((ev.leaf_id(silu), 0),): 1}:
+    if silu_v is None or silu_v.poly_at(0) != {((ev.leaf_id(silu), 0),): 1}:
         return [], []
     matches, misses = [], []
     for product in _gated_products(silu):
@@ -303,8 +314,7 @@ def _examine(ev: LaneEvaluator, silu: fx.Node, gradient) -> Tuple[List[SwigluMat
         y = outermost_cast(product)
         if problem is None:
             v = ev.value(product)
-            expected = product_value(ev, (ev.leaf_id(silu), 0), gate.lid, gate.size, gate.size)
-            if v is None or v.polys != expected:
+            if v is None or not is_product_value(v, (ev.leaf_id(silu), 0), gate.lid, gate.size, gate.size):
                 problem = f"{product.name} is not silu(gate) * up position by position"
         problem = problem or order_problem([product], {gate.x}, [(numel(product), numel(gate.x) // 2)])
         if problem is not None:

@@ -108,24 +108,50 @@ def _is_dx(ev: LaneEvaluator, node: fx.Node, sb_lid: int, dy: Tuple[int, int], g
     """Whether ``node`` holds ``cat(silu_backward, dy * silu(gate))`` position by position."""
     v = ev.value(node)
     h = gate.size
-    if v is None or v.reduction is not None or v.complex or len(v.inner) != 1 or len(v.polys) != 2 * h:
+    if v is None or v.reduction is not None or v.complex or len(v.inner) != 1 or v.inner[0] != 2 * h:
         return False
+    silu_lids = _dx_silu_leaves(v, sb_lid, dy, h)
+    if silu_lids is None or len(silu_lids) != 1:
+        return False
+    silu = ev.leaves[silu_lids.pop()]
+    return is_silu(silu) and piece_of(ev, silu.args[0]) == gate
+
+
+def _dx_silu_leaves(v, sb_lid: int, dy: Tuple[int, int], h: int) -> Optional[set]:
+    """The leaves read as silu(gate) in ``v``'s second half where ``v`` is ``cat(silu_backward, dy * s)``
+    position by position (the first half ``sb_lid``'s elements, the second ``dy[i] * s[i]``), else None.
+
+    Once a run where the halves are runs of their own: position ``p`` reads a template's ``(leaf, offset)``
+    as ``(leaf, p + offset)``, so the first half's template is ``sb_lid`` at offset 0 and the second
+    half's, at ``p = h + i``, ``dy`` at offset ``dy[1] - h`` times a leaf at offset ``-h``."""
+    if v.pieces is not None and all(hi <= h or lo >= h for lo, hi, _ in v.pieces):
+        silu_lids = set()
+        for lo, hi, template in v.pieces:
+            if hi <= h:
+                if template != {((sb_lid, 0),): 1}:
+                    return None
+                continue
+            if len(template) != 1:
+                return None
+            (mono, coef), = template.items()
+            others = [u for u in mono if u != (dy[0], dy[1] - h)]
+            if coef != 1 or len(mono) != 2 or len(others) != 1 or others[0][1] != -h:
+                return None
+            silu_lids.add(others[0][0])
+        return silu_lids
     if any(v.polys[i] != {((sb_lid, i),): 1} for i in range(h)):
-        return False
+        return None
     silu_lids = set()
     for i in range(h):
         poly = v.polys[h + i]
         if len(poly) != 1:
-            return False
+            return None
         (mono, coef), = poly.items()
         others = [u for u in mono if u != (dy[0], dy[1] + i)]
         if coef != 1 or len(mono) != 2 or len(others) != 1 or others[0][1] != i:
-            return False
+            return None
         silu_lids.add(others[0][0])
-    if len(silu_lids) != 1:
-        return False
-    silu = ev.leaves[silu_lids.pop()]
-    return is_silu(silu) and piece_of(ev, silu.args[0]) == gate
+    return silu_lids
 
 
 def _downstream(node: fx.Node, depth: int) -> List[fx.Node]:
@@ -163,7 +189,7 @@ def _examine(ev: LaneEvaluator, sb: fx.Node):
     sb_value = ev.value(sb)
     if sb_value is None:
         return None
-    sb_lid = next(iter(sb_value.polys[0]))[0][0]
+    sb_lid = next(iter(sb_value.poly_at(0)))[0][0]
     dx = next((n for n in _downstream(sb, DX_DEPTH) if _is_dx(ev, n, sb_lid, dy, gate)), None)
     if dx is None:
         return Miss(OP.name, sb.name, f"no node holds the gradient of {gate.x.name} alone (summed with another "

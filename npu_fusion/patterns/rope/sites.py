@@ -1,17 +1,19 @@
 """RoPE forward sites on the joint graph: candidates, the rotations no site covers, and near misses."""
 from __future__ import annotations
 
+import weakref
 from typing import List, Optional
 
 import torch.fx as fx
 
+from ...compat import is_erased
 from ...lowering import ROPE as OP
 from ...lowering.sizes import static_int
 from ..evaluator import JointProvenance
-from ..lanes import LaneEvaluator
+from ..lanes import COMPLEX_VIEWS, CONJ_TARGETS, LaneEvaluator
 from ..lane_polys import position_forms
-from ..nodes import (CAST_TARGETS, VIEWS, aten, downstream, dtype, gradient_dependent, is_float_cast, outermost,
-                     region_of, shape)
+from ..nodes import (CAST_TARGETS, VIEWS, GradientNodes, aten, downstream, dtype, gradient_dependent, is_float_cast,
+                     outermost, region_of, shape)
 from ..rewrite import Miss, RuleContext
 from ..pairing import source
 from ..rotation import (DX_DEPTH, MAX_LANES, head_dim_mark, lane_evaluator, moves_elements, rotation_sums,
@@ -99,6 +101,8 @@ class _SameValues:
 
     def __init__(self):
         self._canonical = {}
+        #: every node keyed so far (its key reads its arguments)
+        self.keyed = set()
 
     def is_forward(self, node) -> bool:
         return False
@@ -116,6 +120,7 @@ class _SameValues:
         """The first node computing ``node``'s value by the same op on the same arguments."""
         if node.op != "call_function" or node.target not in SAME_VALUE_OPS:
             return node
+        self.keyed.add(node)
         key = (node.target, tuple(self.same_saved_value(a) if isinstance(a, fx.Node) else _hashable(a)
                                   for a in node.args), _hashable(node.kwargs))
         return self._canonical.setdefault(key, node)
@@ -194,11 +199,92 @@ def _moved_later(node: fx.Node) -> bool:
     return False
 
 
-def _evaluated(ctx: RuleContext, nodes, forced=()) -> tuple:
-    """(the evaluator, the rotation-shaped nodes) with ``forced`` nodes read as leaves."""
-    ev = lane_evaluator(_SameValues(), forced)
+#: the ops whose value the lanes evaluator reads off their arguments; any other op is a leaf whatever
+#: its arguments are (its value is its own, and its shape and dtype)
+READS_ARGUMENTS = frozenset(LaneEvaluator.INTERPRETERS) | CAST_TARGETS | COMPLEX_VIEWS | CONJ_TARGETS
+
+
+class _ForwardRead:
+    """A joint graph's forward read near its element moves (the evaluator of :func:`_forward_nodes`, no leaf forced),
+    kept while every node it read is as it was.
+
+    Both RoPE rules read it each round (the backward rule for the tables of a site of table gradients
+    alone, :func:`forward_rotations`; the forward rule first of all), and the rules between them rewrite
+    other sites (a fused norm reads the projection the rotation reads as a leaf). A value depends only
+    on the node's op, arguments and recorded value, and on its arguments' values; a leaf's only on its
+    own recorded value (and, for a pick or a view, on what it picks from: :class:`_SameValues` keys it).
+    So the read holds while the same nodes are asked for and every node it read is in the graph with
+    the same recorded value and, where its value reads them, the same arguments: then a new read
+    would compute the same values, leaves and errors."""
+
+    def __init__(self, gradient: set, nodes: List[fx.Node], ev: LaneEvaluator):
+        #: the round's gradient_dependent answer: a read is shared within one round only
+        self.gradient = weakref.ref(gradient)
+        self.nodes, self.ev = nodes, ev
+        self.read = {n: (n.args, n.kwargs, n.meta.get("val")) for n in self._read_nodes()}
+
+    def _read_nodes(self):
+        return set(self.ev.memo) | set(self.ev.leaves) | self.ev.provenance.keyed
+
+    def holds(self, gradient: set, nodes: List[fx.Node]) -> bool:
+        if self.gradient() is not gradient or nodes != self.nodes or self._read_nodes() != set(self.read):
+            return False
+        for n, (args, kwargs, value) in self.read.items():
+            if is_erased(n) or n.meta.get("val") is not value:
+                return False
+            reads_arguments = n.op == "call_function" and (n.target in READS_ARGUMENTS or n in self.ev.provenance.keyed)
+            if reads_arguments and (n.args is not args or n.kwargs is not kwargs):
+                return False
+        return True
+
+
+#: each joint graph's :class:`_ForwardRead` of the round (dropped with the graph, or by a later round's read)
+_FORWARD_READS: "weakref.WeakKeyDictionary[fx.Graph, _ForwardRead]" = weakref.WeakKeyDictionary()
+
+
+def _forward_nodes(graph: fx.Graph, gradient: set, seeds) -> List[fx.Node]:
+    """The forward calls near the forward's element moves (``seeds``) whose last axis a rotation may have."""
+    return [n for n in downstream(graph, seeds, DX_DEPTH) if n not in gradient and n.op == "call_function"
+            and shape(n) and static_int(shape(n)[-1]) is not None and 2 <= static_int(shape(n)[-1]) <= MAX_LANES
+            and dtype(n) is not None and dtype(n).is_floating_point]
+
+
+def _forward_read(graph: fx.Graph, gradient: set, nodes: List[fx.Node],
+                  ctx: Optional[RuleContext] = None) -> LaneEvaluator:
+    """The evaluator that has read ``nodes`` (no leaf forced): the one read earlier in this round where it still holds.
+
+    With ``ctx`` (the forward rule), each node is read through ``ctx.examine``, which skips a candidate that
+    failed earlier in the run: a read is then shared only while none of ``nodes`` has failed, when it is
+    the read without ``ctx`` (which raises what ``examine`` would record). ``gradient`` is the round's
+    :func:`~..nodes.gradient_dependent` answer (the pass manager computes it once a round); a graph
+    without one shares nothing."""
+    clean = ctx is None or not any(ctx.has_failed(n) for n in nodes)
+    clean = clean and isinstance(gradient, GradientNodes)
+    kept = _FORWARD_READS.get(graph)
+    if kept is not None and kept.gradient() is not gradient:
+        del _FORWARD_READS[graph]  # an earlier round's: let it go
+    elif clean and kept is not None and kept.holds(gradient, nodes):
+        return kept.ev
+    ev = lane_evaluator(_SameValues())
     for node in nodes:
-        ctx.examine(node, ev.value, node)
+        if ctx is None:
+            ev.value(node)
+        else:
+            ctx.examine(node, ev.value, node)
+    if clean and (ctx is None or not any(ctx.has_failed(n) for n in nodes)):
+        _FORWARD_READS[graph] = _ForwardRead(gradient, nodes, ev)
+    return ev
+
+
+def _evaluated(ctx: RuleContext, nodes, forced=(), graph: Optional[fx.Graph] = None, gradient=None) -> tuple:
+    """(the evaluator, the rotation-shaped nodes) with ``forced`` nodes read as leaves; with none forced and
+    the ``graph`` and ``gradient`` given, the round's shared forward read (:func:`_forward_read`)."""
+    if forced or graph is None:
+        ev = lane_evaluator(_SameValues(), forced)
+        for node in nodes:
+            ctx.examine(node, ev.value, node)
+    else:
+        ev = _forward_read(graph, gradient, nodes, ctx)
     return ev, [n for n in nodes if looks_like_y(ev.memo.get(n))]
 
 
@@ -206,12 +292,8 @@ def forward_rotations(graph: fx.Graph, gradient: set) -> List[ForwardRopeMatch]:
     """The forward rotations of a joint graph over one tracked axis, matched by value and recording
     nothing (the backward rule reads their tables for a site of table gradients alone)."""
     seeds = [n for n in graph.nodes if n not in gradient and moves_elements(n)]
-    nodes = [n for n in downstream(graph, seeds, DX_DEPTH) if n not in gradient and n.op == "call_function"
-             and shape(n) and static_int(shape(n)[-1]) is not None and 2 <= static_int(shape(n)[-1]) <= MAX_LANES
-             and dtype(n) is not None and dtype(n).is_floating_point]
-    ev = lane_evaluator(_SameValues())
-    for node in nodes:
-        ev.value(node)
+    nodes = _forward_nodes(graph, gradient, seeds)
+    ev = _forward_read(graph, gradient, nodes)
     looks = [n for n in nodes if looks_like_y(ev.memo.get(n))]
     return [m for m in (match_y(ev, n) for n in looks) if m is not None]
 
@@ -223,10 +305,8 @@ def find_sites(graph: fx.Graph, ctx: RuleContext) -> RoundReport:
     gradient = gradient_dependent(graph) or set()
     seeds = [n for n in graph.nodes if n not in gradient and moves_elements(n)]
     symbolic = _symbolic_last_axis(seeds, gradient)
-    nodes = [n for n in downstream(graph, seeds, DX_DEPTH) if n not in gradient and n.op == "call_function"
-             and shape(n) and static_int(shape(n)[-1]) is not None and 2 <= static_int(shape(n)[-1]) <= MAX_LANES
-             and dtype(n) is not None and dtype(n).is_floating_point]
-    ev, looks = _evaluated(ctx, nodes)
+    nodes = _forward_nodes(graph, gradient, seeds)
+    ev, looks = _evaluated(ctx, nodes, graph=graph, gradient=gradient)
     makers = _axis_makers(ev, _uncovered(ctx, ev, looks))
     if makers:
         ctx.evaluated(ev)

@@ -25,8 +25,9 @@ from .match import RopeMatch, keeps_tables, site_region, match_dx, match_table
 
 # -- the pass -----------------------------------------------------------------
 
-def _candidates(graph: fx.Graph):
-    for node in graph.nodes:
+def _candidates(nodes):
+    """The float calls among ``nodes`` whose last axis is static and no wider than any RoPE head dim."""
+    for node in nodes:
         if node.op != "call_function":
             continue
         s, dt = shape(node), dtype(node)
@@ -76,8 +77,7 @@ def find_sites(graph: fx.Graph, rewrites: RuleContext) -> RoundReport:
     misses and pending candidates; an internal error while examining one candidate is a miss
     in ``rewrites``."""
     seeds = [n for n in graph.nodes if moves_elements(n)]
-    near = set(downstream(graph, seeds, DX_DEPTH))
-    nodes = [n for n in _candidates(graph) if n in near]
+    nodes = list(_candidates(downstream(graph, seeds, DX_DEPTH)))
     ev = _evaluated(rewrites, graph, nodes)
     makers = _gradient_axis_makers(ev, nodes)
     if makers:
@@ -288,7 +288,7 @@ def _tables_of_a_dx(graph: fx.Graph, gradient: set) -> set:
     is no site of table gradients alone, even while its dx waits for a site below it to fuse; a
     reduced table gradient times the table (the chain rule into learned angles) is none of them."""
     tables = set()
-    for node in graph.nodes:
+    for node in graph.find_nodes(op="call_function", target=aten.mul.Tensor):  # the only products gradient_product reads
         product = gradient_product(node, gradient) if node in gradient else None
         if product is None:
             continue
