@@ -1,0 +1,82 @@
+"""Near misses and real sites in unusual dress through ``backend="npu_fusion"`` (and Inductor):
+programs an attacking session found wrong, crashing or silent. Each is compiled with every rule on
+(target ``generic`` unless it says otherwise, ``strict`` so that an internal error of the pass
+raises instead of being rolled back), trained one step, and its outputs and every gradient pass
+the float64 criterion against eager; each site ends fused or as one recorded miss."""
+import torch
+import torch.nn.functional as F
+
+from npu_fusion.measure.grads import MODEL_FACTOR, assert_close_as_unfused, float64_output
+from npu_fusion.plugin.pass_manager import HISTORY
+from npu_fusion_testing.in_place import hf_rms_norm
+from test_forward_fusion import check_gradients
+
+EPS = 1e-6
+NORM, NORM_GRAD = "rms_norm", "rms_norm_grad"
+ROPE, ROPE_GRAD = "rotary_position_embedding", "rotary_position_embedding_grad"
+
+
+def _seeded(seed, *size):
+    return torch.randn(*size, generator=torch.Generator().manual_seed(seed))
+
+
+def compiled_step(fn, inputs, params=(), dynamic=False, **options):
+    """Compile ``fn`` with the ``npu_fusion`` backend (``strict``, target ``generic`` unless
+    ``options`` say otherwise), run it without gradient and train it one step, each checked against
+    eager by the float64 criterion; returns the pass's results on the graphs it compiled."""
+    torch._dynamo.reset()
+    mark = HISTORY.mark()
+    compiled = torch.compile(fn, backend="npu_fusion", dynamic=dynamic,
+                             options=dict({"strict": True, "target": "generic"}, **options))
+    with torch.no_grad():
+        got, eager, exact = compiled(*inputs), fn(*inputs), float64_output(fn, inputs, params)
+    assert got.dtype == eager.dtype and got.shape == eager.shape
+    assert_close_as_unfused(got, eager, exact, factor=MODEL_FACTOR)
+    check_gradients(compiled, fn, inputs, params)
+    results = HISTORY.since(mark)
+    assert results and all(r.error is None for r in results), [r.error for r in results]
+    assert not [m for r in results for m in r.misses if "internal error" in m.reason], [r.misses for r in results]
+    return results
+
+
+def _fused(results, op, graph="joint"):
+    return sum(r.fused(op) for r in results if r.graph == graph)
+
+
+def _misses(results, op=None, graph="joint"):
+    return [m for r in results if r.graph == graph for m in r.misses if op is None or m.op == op]
+
+
+# -- a symbolic scalar argument reached the pass's cached constant reader ---------------------------
+
+def test_norm_of_a_strided_view_under_dynamic_shapes_is_no_internal_error():
+    """An HF-style norm of ``x[..., ::2]`` under ``dynamic=True``: its backward divides by a symbolic size, which the
+    RoPE backward's lane evaluator read through a cached constant reader that hashed the
+    ``SymInt`` (TypeError: unhashable; the fail-safe rolled the candidate back as an internal
+    error, and ``strict`` raised)."""
+    w = torch.nn.Parameter(_seeded(3, 16))
+    x = _seeded(1, 2, 6, 32).requires_grad_()
+    results = compiled_step(lambda x: hf_rms_norm(x[..., ::2], w), [x], [w], dynamic=True)
+    assert _fused(results, NORM_GRAD) + len(_misses(results, NORM_GRAD)) == 1, _misses(results)
+
+
+# -- HF's rotate_half slices at d // 2: under dynamic=True its head dim stayed symbolic -------------
+
+COS, SIN = _seeded(2, 6, 16).cos(), _seeded(2, 6, 16).sin()
+
+
+def hf_rotate_half(x):  # transformers' spelling: slices at x.shape[-1] // 2
+    x1, x2 = x[..., : x.shape[-1] // 2], x[..., x.shape[-1] // 2:]
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def test_hf_rotate_half_of_an_input_fuses_under_dynamic_shapes():
+    """q a graph input, ``dynamic=True``: the head dim is guarded to its value so that the rotation
+    fuses. The guard was put on the slice's size ``d // 2`` only, which keeps its value for two head
+    dims (16 and 17): the head dim stayed symbolic and both rotations were misses saying it was
+    marked dynamic (it was not)."""
+    q, k = _seeded(1, 2, 2, 6, 16).requires_grad_(), _seeded(5, 2, 2, 6, 16).requires_grad_()
+    results = compiled_step(lambda q, k: (q * COS + hf_rotate_half(q) * SIN) + (k * COS + hf_rotate_half(k) * SIN),
+                            [q, k], dynamic=True)
+    assert _fused(results, ROPE_GRAD) == _fused(results, ROPE) == 2 and not _misses(results), _misses(results)
+    assert _fused(results, ROPE, graph="inference") == 2, _misses(results, graph="inference")
