@@ -3,10 +3,12 @@ programs an attacking session found wrong, crashing or silent. Each is compiled 
 (target ``generic`` unless it says otherwise, ``strict`` so that an internal error of the pass
 raises instead of being rolled back), trained one step, and its outputs and every gradient pass
 the float64 criterion against eager; each site ends fused or as one recorded miss."""
+import pytest
 import torch
 import torch.nn.functional as F
 
 from npu_fusion.measure.grads import MODEL_FACTOR, assert_close_as_unfused, float64_output
+from npu_fusion.patterns.rms_statistic import EVERY_AXIS_REASON
 from npu_fusion.plugin.pass_manager import HISTORY
 from npu_fusion_testing.in_place import hf_rms_norm
 from test_forward_fusion import check_gradients
@@ -80,3 +82,40 @@ def test_hf_rotate_half_of_an_input_fuses_under_dynamic_shapes():
                             [q, k], dynamic=True)
     assert _fused(results, ROPE_GRAD) == _fused(results, ROPE) == 2 and not _misses(results), _misses(results)
     assert _fused(results, ROPE, graph="inference") == 2, _misses(results, graph="inference")
+
+
+# -- a norm over every axis of x: no form reads it, and the inference graph left it silent ----------
+
+def _norm_over(x, w, dims):
+    return x * torch.rsqrt(x.pow(2).mean(dims, keepdim=True) + EPS) * w
+
+
+EVERY_AXIS = {  # name: (x's shape, the weight's, the axes of the mean)
+    "one_dimensional_x": ((16,), (16,), -1),
+    "mean_over_both_axes_of_a_matrix": ((6, 16), (6, 16), (-2, -1)),
+}
+
+
+@pytest.mark.parametrize("name", EVERY_AXIS)
+@pytest.mark.parametrize("training", [True, False], ids=["training", "inference"])
+def test_norm_over_every_axis_is_one_recorded_miss_each_way(name, training):
+    """A norm over every axis of x (a 1-D x; a mean over all of x's axes): the decomposed forms need
+    a leading axis, so it stays unfused, one miss per op saying to add one. The forward scan did not
+    look at it (silent in an inference graph) and the backward's miss said only that no form matched."""
+    x_shape, w_shape, dims = EVERY_AXIS[name]
+    w = torch.nn.Parameter(_seeded(3, *w_shape))
+    x = _seeded(1, *x_shape).requires_grad_(training)
+    results = compiled_step(lambda x: _norm_over(x, w, dims), [x], [w])
+    graph = "joint" if training else "inference"
+    for op in (NORM, NORM_GRAD) if training else (NORM,):
+        assert _fused(results, op, graph) == 0 and [m.reason for m in _misses(results, op, graph)] == [EVERY_AXIS_REASON]
+    assert len(_misses(results, graph=graph)) == (2 if training else 1), _misses(results, graph=graph)
+
+
+@pytest.mark.parametrize("name", EVERY_AXIS)
+def test_norm_over_every_axis_with_the_leading_axis_the_miss_suggests_fuses(name):
+    x_shape, w_shape, dims = EVERY_AXIS[name]
+    w = torch.nn.Parameter(_seeded(3, *w_shape))
+    x = _seeded(1, *x_shape).requires_grad_()
+    results = compiled_step(lambda x: _norm_over(x.unsqueeze(0), w, dims).squeeze(0), [x], [w])
+    assert _fused(results, NORM) == _fused(results, NORM_GRAD) == 1 and not _misses(results), _misses(results)
