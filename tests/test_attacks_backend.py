@@ -119,3 +119,29 @@ def test_norm_over_every_axis_with_the_leading_axis_the_miss_suggests_fuses(name
     x = _seeded(1, *x_shape).requires_grad_()
     results = compiled_step(lambda x: _norm_over(x.unsqueeze(0), w, dims).squeeze(0), [x], [w])
     assert _fused(results, NORM) == _fused(results, NORM_GRAD) == 1 and not _misses(results), _misses(results)
+
+
+# -- tables read from module globals by a second compiled function under dynamic=True ------------
+
+def _rotate_by_chunks(x):
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def _rotation(q):
+    return q * COS + _rotate_by_chunks(q) * SIN
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "Dynamo's automatic dynamic shapes give the global tables' sizes symbols of their own (not duck-shaped, a "
+    "RelaxedUnspecConstraint with warn_only=True) once another frame compiled them; the pass's guardable_example "
+    "takes every symbol that is not duck-shaped for one the user marked dynamic (mark_dynamic, warn_only=False) "
+    "and refuses to guard the head dim, so the rotation is recorded as 'marked dynamic' though nothing was"))
+def test_rotation_of_global_tables_fuses_in_a_second_compiled_function_under_dynamic_shapes():
+    """Two functions rotating q with the same module-level tables, compiled one after the other with
+    ``dynamic=True`` (a training step and an evaluation step): the first fuses; the second must too."""
+    q = _seeded(1, 2, 2, 6, 16).requires_grad_()
+    first = compiled_step(_rotation, [q], dynamic=True)
+    assert _fused(first, ROPE_GRAD) == 1, _misses(first)
+    second = compiled_step(lambda q: _rotation(q) * 2, [q], dynamic=True)
+    assert _fused(second, ROPE_GRAD) == _fused(second, ROPE) == 1 and not _misses(second), _misses(second)
