@@ -145,3 +145,34 @@ def test_rotation_of_global_tables_fuses_in_a_second_compiled_function_under_dyn
     assert _fused(first, ROPE_GRAD) == 1, _misses(first)
     second = compiled_step(lambda q: _rotation(q) * 2, [q], dynamic=True)
     assert _fused(second, ROPE_GRAD) == _fused(second, ROPE) == 1 and not _misses(second), _misses(second)
+
+
+# -- a pointwise op between SwiGLU's split and its product: a site the counter sees, left silent -----
+
+GATE_UP = torch.nn.Parameter(_seeded(7, 16, 16) / 4)
+
+
+def _halves(x):
+    return (x @ GATE_UP).chunk(2, dim=-1)
+
+
+CHANGED_HALVES = {  # name: SwiGLU of x with a pointwise op on a half before the product
+    "clamped_gate": lambda x: (lambda gate, up: F.silu(gate.clamp(max=0.3)) * up)(*_halves(x)),
+    "clamped_up": lambda x: (lambda gate, up: F.silu(gate) * up.clamp(-0.2, 0.2))(*_halves(x)),
+    "shifted_up": lambda x: (lambda gate, up: F.silu(gate) * (up + 1))(*_halves(x)),
+}
+
+
+@pytest.mark.parametrize("name", CHANGED_HALVES)
+@pytest.mark.parametrize("training", [True, False], ids=["training", "inference"])
+def test_swiglu_with_a_pointwise_op_on_a_half_is_one_recorded_miss_each_way(name, training):
+    """GPT-OSS clamps the gate and the up and shifts the up before the product: not the fused op's
+    ``silu(x[:H]) * x[H:]``, and the near-miss readers followed only products, signs and casts from
+    the split, so the site was silent both ways (in training and in an inference graph)."""
+    x = _seeded(1, 2, 3, 16).requires_grad_(training)
+    results = compiled_step(CHANGED_HALVES[name], [x], [GATE_UP])
+    graph = "joint" if training else "inference"
+    for op in ("swiglu", "swiglu_grad") if training else ("swiglu",):
+        misses = _misses(results, op, graph)
+        assert _fused(results, op, graph) == 0 and len(misses) == 1 and "between the split and the product" in \
+            misses[0].reason, _misses(results, graph=graph)
