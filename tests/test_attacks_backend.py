@@ -176,3 +176,31 @@ def test_swiglu_with_a_pointwise_op_on_a_half_is_one_recorded_miss_each_way(name
         misses = _misses(results, op, graph)
         assert _fused(results, op, graph) == 0 and len(misses) == 1 and "between the split and the product" in \
             misses[0].reason, _misses(results, graph=graph)
+
+
+# -- a norm whose statistic is detached: its dgamma fused alone beside its dx's miss ---------------
+
+def test_norm_with_a_detached_statistic_is_judged_once():
+    """``x * rsqrt(mean(x.detach()**2) + eps) * w``: x takes a gradient, scaled by the statistic,
+    that is no RMSNorm dx. Its dgamma was fused as a dgamma-only site (a norm whose input takes no
+    gradient) while the product scaling x's gradient was recorded as a miss: one norm fused and
+    missed. Now it is one miss per op, nothing fused."""
+    w = torch.nn.Parameter(_seeded(3, 16))
+    x = _seeded(1, 2, 3, 16).requires_grad_()
+    results = compiled_step(lambda x: x * torch.rsqrt(x.detach().pow(2).mean(-1, keepdim=True) + EPS) * w, [x], [w])
+    for op in (NORM, NORM_GRAD):
+        assert _fused(results, op) == 0 and len(_misses(results, op)) == 1, _misses(results)
+
+
+@pytest.mark.parametrize("weight_first", [False, True], ids=["weight_last", "weight_first"])
+def test_frozen_input_norm_still_fuses_its_dgamma(weight_first):
+    """The dgamma-only site the change above keeps: x takes no gradient, and with the weight applied
+    first (``(x * w) * rstd``) autograd scales dy by the statistic inside dgamma's own sum."""
+    w = torch.nn.Parameter(_seeded(3, 16))
+    h = _seeded(1, 2, 3, 16)
+    z = _seeded(2, 2, 3, 16).requires_grad_()
+    stat = lambda h: torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + EPS)  # noqa: E731
+    norm = (lambda h: (h * w) * stat(h)) if weight_first else (lambda h: h * stat(h) * w)
+    results = compiled_step(lambda z: z * norm(h), [z], [w])
+    assert _fused(results, NORM_GRAD) == 1 and not _misses(results, NORM_GRAD), _misses(results)
+
