@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from npu_fusion.measure.grads import MODEL_FACTOR, assert_close_as_unfused, float64_output
 from npu_fusion.patterns.rms_statistic import EVERY_AXIS_REASON
 from npu_fusion.plugin.pass_manager import HISTORY
-from npu_fusion_testing.in_place import hf_rms_norm
+from npu_fusion_testing.in_place import UpdatedProgram, assert_updated_as_eager, hf_rms_norm
 from test_forward_fusion import check_gradients
 
 EPS = 1e-6
@@ -204,3 +204,33 @@ def test_frozen_input_norm_still_fuses_its_dgamma(weight_first):
     results = compiled_step(lambda z: z * norm(h), [z], [w])
     assert _fused(results, NORM_GRAD) == 1 and not _misses(results, NORM_GRAD), _misses(results)
 
+
+# -- a returned norm output rotated after: the caller's copy landed among the backward nodes --------
+
+def _rotated_norm(q, g, cos, sin):
+    """Qwen3's q norm then the rotation, the normalized q returned too (the caller may update it)."""
+    n = hf_rms_norm(q, g)
+    return n * cos + hf_rotate_half(n) * sin, n
+
+
+ROTATED_NORM = UpdatedProgram("rotated_norm_returned", _rotated_norm, ((2, 2, 6, 16), (16,), (6, 16), (6, 16)),
+                              (True, True, False, False), lambda inputs, outputs: outputs[1].mul_(2.0),
+                              (torch.bfloat16, torch.float16, torch.float32),
+                              {NORM: 1, NORM_GRAD: 1, ROPE: 1, ROPE_GRAD: 1})
+
+
+@pytest.mark.parametrize("partitioner", ["default", "min_cut"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_returned_norm_output_rotated_after_partitions(dtype, partitioner):
+    """The fused norm's backward reads a forward copy of the caller's input (the unfused one read its
+    float32 upcast); the copy went after the last placeholder, a tangent the rotation's inserted
+    backward sits before, and the default partitioner (every node before the last forward-tagged one
+    is forward) saved the rotation's dx: ``AssertionError: Node getitem_2 was invalid, but is output``,
+    strict or not (the partition runs after the pass's fail-safe)."""
+    mark = HISTORY.mark()
+    torch._dynamo.reset()
+    compiled = torch.compile(_rotated_norm, backend="npu_fusion",
+                             options={"target": "generic", "strict": True, "partitioner": partitioner})
+    assert_updated_as_eager(compiled, ROTATED_NORM, dtype)
+    (joint,) = [r for r in HISTORY.since(mark) if r.graph == "joint"]
+    assert {op: joint.fused(op) for op in ROTATED_NORM.fused} == ROTATED_NORM.fused and not joint.misses, joint.misses
