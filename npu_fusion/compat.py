@@ -318,9 +318,7 @@ def guardable_example(value):
     None where no Dynamo compilation owns its shape environment (a graph compiled later, after
     Dynamo made its guards: a frozen environment ignores new guards), where a symbol has no
     example (data dependent) or is one the user marked dynamic (``mark_dynamic``, a constraint
-    that a guard may violate, :func:`_user_constrained_symbols`). Sizes Dynamo made dynamic on its
-    own (``dynamic=True``'s duck-shaped ones, automatic dynamic shapes' after a recompile) may be
-    guarded; where the constraints cannot be read, only duck-shaped symbols are taken."""
+    that a guard may violate: only duck-shaped symbols of ``dynamic=True`` are shared)."""
     from sympy.logic.boolalg import BooleanAtom
     from torch._guards import TracingContext
 
@@ -331,44 +329,13 @@ def guardable_example(value):
         return None
     expr = value.node.expr
     values = getattr(env, "backed_var_to_val", None) or getattr(env, "var_to_val", {})
-    constrained = _user_constrained_symbols(env)
-    if constrained is None:  # the duck-shaped symbols are the ones no user constrained
-        ducks = getattr(env, "val_to_var", {})
-        if not all(symbol in values and ducks.get(int(values[symbol])) == symbol for symbol in expr.free_symbols):
-            return None
-    elif not all(symbol in values and symbol not in constrained for symbol in expr.free_symbols):
+    ducks = getattr(env, "val_to_var", {})
+    if not all(symbol in values and ducks.get(int(values[symbol])) == symbol for symbol in expr.free_symbols):
         return None
     example = expr.xreplace({symbol: values[symbol] for symbol in expr.free_symbols})
     if isinstance(example, BooleanAtom):
         return bool(example)
     return int(example) if example.is_Integer else None
-
-
-def _user_constrained_symbols(env):
-    """The size symbols of the compilation in progress that a guard must not fix, or None where they cannot be read.
-
-    Those of the sizes the user constrained (``mark_dynamic``, an export ``Dim``): Dynamo's tracked
-    inputs carry each size's constraint, and only a ``warn_only`` one (automatic dynamic shapes)
-    lets a guard specialize the size."""
-    try:
-        from torch._dynamo.symbolic_convert import InstructionTranslator
-
-        tracked = InstructionTranslator.current_tx().output.tracked_fakes
-    except Exception:  # no Dynamo frame being compiled, or another torch's internals
-        return None
-    constrained = set()
-    for fake in tracked:
-        context, tensor = getattr(fake, "symbolic_context", None), getattr(fake, "fake", None)
-        sizes = getattr(context, "constraint_sizes", None) or ()
-        if not isinstance(tensor, torch.Tensor):
-            continue
-        for dim, constraint in enumerate(sizes):
-            if constraint is None or getattr(constraint, "warn_only", False) or dim >= tensor.dim():
-                continue
-            size = tensor.size(dim)
-            if isinstance(size, torch.SymInt) and size.node.shape_env is env:
-                constrained |= size.node.expr.free_symbols
-    return constrained
 
 
 def guard_size_condition(condition) -> bool:
