@@ -47,14 +47,20 @@ def exact_number(q) -> Number:
 SIMPLE_DENOMINATOR = 1 << 20
 
 
-@functools.lru_cache(maxsize=4096, typed=True)  # True is not 1
 def graph_constant(x) -> Optional[Number]:
     """A scalar argument of a graph node as an exact rational, or None if it is not a
     real number. A float is read as the simple fraction it is the nearest double of,
     which is exactly what the program means by ``1/N``; any other float as its own exact
-    binary value, so no tolerance is ever involved in an equality."""
+    binary value, so no tolerance is ever involved in an equality. Anything else is None
+    before the cache sees it: a symbolic size (``SymInt``, ``SymFloat``) is unhashable."""
     if isinstance(x, bool) or not isinstance(x, (int, float)):
         return None
+    return _number_constant(x)
+
+
+@functools.lru_cache(maxsize=4096, typed=True)  # True is not 1
+def _number_constant(x) -> Optional[Number]:
+    """:func:`graph_constant` of a plain int or float (cached)."""
     if isinstance(x, int):
         return x
     if not math.isfinite(x):

@@ -156,9 +156,12 @@ def _is_reciprocal_root(node: fx.Node) -> bool:
     return node.target is aten.rsqrt.default or (node.target is aten.pow.Tensor_Scalar and node.args[1] == -0.5)
 
 
-def rms_root(node: fx.Node, provenance: Optional[Provenance], is_root) -> Optional[tuple]:
+def rms_root(node: fx.Node, provenance: Optional[Provenance], is_root, every_axis: bool = False) -> Optional[tuple]:
     """``(y, k, keepdim)`` when ``node`` is ``root(mean(y*y, last k axes) + eps)`` for a ``root``
-    op ``is_root`` accepts, eps inside the root; ``keepdim`` whether the mean keeps its axes."""
+    op ``is_root`` accepts, eps inside the root; ``keepdim`` whether the mean keeps its axes.
+
+    The mean is over some of y's axes, never all (the forms need a leading axis); with
+    ``every_axis`` it is over all of them instead (:func:`over_every_axis`)."""
     if node.op != "call_function" or not is_root(node):
         return None
     shifted = node.args[0]
@@ -184,9 +187,21 @@ def rms_root(node: fx.Node, provenance: Optional[Provenance], is_root) -> Option
         return None
     rank = len(shape(y))
     dims = sorted(normalize_dim(d, rank) for d in dims)
-    if dims != list(range(rank - len(dims), rank)) or len(dims) == rank or is_centred(y, provenance):
+    if dims != list(range(rank - len(dims), rank)) or (len(dims) == rank) != every_axis or is_centred(y, provenance):
         return None
     return y, len(dims), bool(keepdim)
+
+
+#: why an RMSNorm over every axis of its input stays unfused (in either direction)
+EVERY_AXIS_REASON = ("an RMSNorm over every axis of x (no leading axis: a 1-D x, or a mean over all of x's axes), "
+                     "which no decomposed form reads; give x a leading axis of size 1 (x.unsqueeze(0), then "
+                     "squeeze the result) and it fuses")
+
+
+def over_every_axis(node: fx.Node, provenance: Optional[Provenance]) -> bool:
+    """``node`` is an RMS statistic ``rsqrt(mean(y*y) + eps)`` (or its ``** -0.5``, through casts,
+    views and saved tensors' definitions) whose mean is over every axis of y: a norm no form reads."""
+    return rms_root(definition_of(node, provenance), provenance, _is_reciprocal_root, every_axis=True) is not None
 
 
 #: why an RMSNorm spelled with a division by the root did not fuse (the dgamma-only form cannot read it)

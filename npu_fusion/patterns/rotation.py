@@ -178,10 +178,24 @@ def head_dim_mark(node: fx.Node) -> Optional[str]:
 
 def symbolic_head_dims(graph: fx.Graph, gradient: bool, is_rotation_sum) -> list:
     """The symbolic last-axis sizes of the element moves (of gradients, or of forward values)
-    that a rotation-shaped sum reads: the head dims a RoPE rule needs static."""
+    that a rotation-shaped sum reads: the head dims a RoPE rule needs static.
+
+    With each size come the graph inputs' sizes that are its symbols: a guard on the move's own
+    size alone may leave the head dim symbolic (HF's ``rotate_half`` slices ``x[..., :d // 2]``,
+    whose size ``d // 2`` keeps its example value for two head dims; ``chunk`` splits at ``(d + 1) // 2``)."""
     moved = gradient_dependent(graph) or set()
     seeds = [n for n in graph.nodes if moves_elements(n) and (n in moved) == gradient]
-    return [shape(seed)[-1] for seed in rotation_seeds(seeds, is_rotation_sum).values()]
+    sizes = [shape(seed)[-1] for seed in rotation_seeds(seeds, is_rotation_sum).values()]
+    if not sizes:
+        return sizes
+    by_symbol = {}  # each graph input's size that is a single symbol, by that symbol
+    for node in graph.nodes:
+        if node.op == "placeholder":
+            for size in shape(node) or ():
+                if static_int(size) is None and getattr(size.node.expr, "is_Symbol", False):
+                    by_symbol.setdefault(size.node.expr, size)
+    return sizes + [by_symbol[symbol] for size in sizes for symbol in sorted(size.node.expr.free_symbols, key=str)
+                    if symbol in by_symbol]
 
 
 def sums_dx_terms(node: fx.Node) -> bool:

@@ -47,7 +47,7 @@ from .evaluator import kept_precision, rounding_problem, saved_by_the_forward
 from . import lane_pieces
 from .lanes import LaneEvaluator, Lanes
 from ..lowering.checks import numel as product_of, size_equal
-from ..lowering.sizes import static_int
+from ..lowering.sizes import same_shape, static_int
 from .nodes import aten, dtype, gradient_dependent, holds, is_float_cast, shape, val
 from .pairing import site_key
 from .rewrite import Insertion, Miss, RuleContext, as_forward_work, commit, emit_fused_op
@@ -431,10 +431,13 @@ def split_piece(node) -> Optional[Tuple[fx.Node, int, tuple]]:
     return source, axis % len(shape(source)), which
 
 
-def factor_pieces(node, depth: int = FACTOR_DEPTH) -> List[Tuple[fx.Node, Tuple[fx.Node, int, tuple]]]:
+def factor_pieces(node, depth: int = FACTOR_DEPTH, transforms: Optional[list] = None
+                  ) -> List[Tuple[fx.Node, Tuple[fx.Node, int, tuple]]]:
     """The split pieces ``node`` is a product of, up to constant factors and signs: ``(piece node, split_piece)``.
 
-    Followed through float casts, negations, products and divisions by a number, ``depth`` steps."""
+    Followed through float casts, negations, products and divisions by a number, ``depth`` steps;
+    with a list ``transforms``, also through the other pointwise ops of one tensor (a clamp, a shift),
+    whose nodes are appended to it."""
     piece = split_piece(node)
     if piece is not None:
         return [(node, piece)]
@@ -444,9 +447,22 @@ def factor_pieces(node, depth: int = FACTOR_DEPTH) -> List[Tuple[fx.Node, Tuple[
         factors = node.args[:2] if node.target is aten.mul.Tensor else node.args[:1]
     elif node.target is aten.div.Tensor and not isinstance(node.args[1], fx.Node):
         factors = node.args[:1]
+    elif transforms is not None and _pointwise_of_one_tensor(node) is not None:
+        transforms.append(node)
+        factors = [_pointwise_of_one_tensor(node)]
     else:
         return []
-    return [p for f in factors for p in factor_pieces(f, depth - 1)]
+    return [p for f in factors for p in factor_pieces(f, depth - 1, transforms)]
+
+
+def _pointwise_of_one_tensor(node: fx.Node) -> Optional[fx.Node]:
+    """The one tensor a pointwise op of the same shape reads (``clamp(x)``, ``x + 1``, ``tanh(x)``), or None."""
+    inputs = node.all_input_nodes
+    if not (isinstance(node.target, torch._ops.OpOverload) and torch.Tag.pointwise in node.target.tags
+            and len(inputs) == 1 and shape(node) is not None and shape(inputs[0]) is not None
+            and same_shape(shape(node), shape(inputs[0]))):
+        return None
+    return inputs[0]
 
 
 def unread_glu_problem(ev: LaneEvaluator, gate_input, gated) -> Optional[str]:
@@ -457,13 +473,18 @@ def unread_glu_problem(ev: LaneEvaluator, gate_input, gated) -> Optional[str]:
     a split along another axis, a symbolic width, or a scale or sign inside the product is a
     SwiGLU-like site it does not read, recorded rather than silent. A gate and an up the lanes
     domain reads from two leaves (the halves of a ``cat`` of two projections) are no site."""
-    gate = split_piece(gate_input)
-    if gate is None:
+    transforms: list = []
+    gates = factor_pieces(gate_input, transforms=transforms)
+    if len(gates) != 1:
         return None
-    source, axis, which = gate
-    ups = [node for node, p in factor_pieces(gated) if p[0] is source and p[2] != which]
+    source, axis, which = gates[0][1]
+    ups = [node for node, p in factor_pieces(gated, transforms=transforms) if p[0] is source and p[2] != which]
     if not ups:
         return None
+    if transforms:  # a clamped SwiGLU (GPT-OSS's), a shifted up: not the two halves as the split cut them
+        return (f"silu gates a piece of {source.name} and another piece is the up, but {transforms[0].name} "
+                f"({transforms[0].target}) changes a piece between the split and the product: the fused op computes "
+                f"silu(x[:H]) * x[H:] of the halves as they are")
     rank = len(shape(source))
     if axis != rank - 1:
         return (f"silu gates a piece of {source.name} split along axis {axis} of {rank}, and the other piece is "

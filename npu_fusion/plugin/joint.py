@@ -255,11 +255,15 @@ class JointGraph:
         return copies
 
     def _forward_copy(self, value: fx.Node) -> fx.Node:
-        """A copy of ``value`` among the forward nodes, right after ``value`` (after the last input
-        when it is one), saved for the backward by every partitioner."""
+        """A copy of ``value`` among the forward nodes, right after ``value`` (after the last
+        forward input when it is one), saved for the backward by every partitioner.
+
+        Not after the last placeholder: that is a tangent, and the rules' inserted nodes may sit
+        before it (a rotation's backward inserted after ``tangents_1``); the default partitioner
+        takes every node before the last forward-tagged one as forward, the backward ones too."""
         where = value
         if value.op == "placeholder":
-            where = list(self.graph.find_nodes(op="placeholder"))[-1]
+            where = [p for p in self.graph.find_nodes(op="placeholder") if not p.name.startswith("tangents")][-1]
         with self.graph.inserting_after(where):
             copy = self.copy_op(self.graph, fake_mode_of(self.graph), value)
         copy.meta[TAG] = "is_forward"

@@ -12,9 +12,9 @@ from ..evaluator import Provenance
 from ..nodes import aten, downstream, gradient_dependent, gradient_product, normalize_dim, shape
 from ..rewrite import Miss
 from .sites import DX_DEPTH, taken_norms
-from ..rms_statistic import (definition_of, is_rms_statistic, exact_source, fused_normalized_operand,
-                             fused_statistic_operand, normalized_operand, rms_statistic_operand, spelled_root,
-                             unmatched_spelling)
+from ..rms_statistic import (EVERY_AXIS_REASON, definition_of, is_rms_statistic, exact_source, fused_normalized_operand,
+                             fused_statistic_operand, normalized_operand, over_every_axis, rms_statistic_operand,
+                             spelled_root, unmatched_spelling)
 
 
 def unexplained(graph: fx.Graph, provenance: Optional[Provenance], misses: List[Miss]) -> List[Miss]:
@@ -44,7 +44,8 @@ def unexplained(graph: fx.Graph, provenance: Optional[Provenance], misses: List[
         reach = set(downstream(graph, [node], 2 * DX_DEPTH))
         reached |= reach
         entry = norms.setdefault(_statistic_key(operand, spelled, provenance) or node, [node, reason, set()])
-        entry[1] = entry[1] or reason or (UNIT_AXIS_REASON if _over_a_unit_axis(node) else None)
+        entry[1] = entry[1] or reason or (UNIT_AXIS_REASON if _over_a_unit_axis(node) else None) or (
+            EVERY_AXIS_REASON if over_every_axis(operand, provenance) else None)
         entry[2] |= reach
     return [Miss(OP.name, n.name, reason or (
         "a gradient scaled by an RMS statistic rsqrt(mean(x*x) + eps), or by the normalized value "

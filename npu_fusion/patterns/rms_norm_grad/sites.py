@@ -340,9 +340,31 @@ def dgamma_only_sites(graph: fx.Graph, rewrites: RuleContext, matches: List[Norm
         sites = [m for n in grads for m in [rewrites.examine(n, _match_dgamma_only, ev, n, candidates)] if m]
         for site in sites:
             site.candidates = candidates
-        found += outermost(sites, node=lambda m: m.dx)
+        found += [m for m in outermost(sites, node=lambda m: m.dx)
+                  if not _statistic_scales_another_gradient(graph, provenance, gradient, m)]
         rewrites.evaluated(ev)
     return found
+
+
+def _statistic_scales_another_gradient(graph: fx.Graph, provenance: Optional[Provenance], gradient,
+                                       site: NormMatch) -> bool:
+    """Whether the statistic of a dgamma-only ``site`` scales a gradient that its dgamma does not sum.
+
+    Such a norm's input takes a gradient that is no RMSNorm dx (its statistic detached: ``dy * g *
+    rstd``): the norm is no dgamma-only site, or it would be judged twice, its dgamma fused and the
+    product that scales x's gradient recorded as a miss (:func:`.misses.unexplained` records it once)."""
+    found = (rms_statistic_operand(site.rstd, provenance) if site.rstd is not None
+             else normalized_operand(site.x, provenance))
+    if found is None or gradient is None:
+        return False
+    normalized = exact_source(found[0], provenance)  # the norm's input: one key per norm, as the scans key it
+    for node in graph.nodes:
+        product = gradient_product(node, gradient)
+        stat = rms_statistic_operand(product[1], provenance) if product is not None else None
+        if stat is not None and exact_source(stat[0], provenance) is normalized \
+                and site.dgamma not in downstream(graph, [node], DX_DEPTH):
+            return True
+    return False
 
 
 def find_again(rewrites: RuleContext, site: NormMatch, leaves: List[fx.Node]) -> Optional[NormMatch]:
