@@ -16,8 +16,12 @@ prims = torch.ops.prims
 
 
 def val(node) -> Optional[torch.Tensor]:
-    v = node.meta.get("val") if isinstance(node, fx.Node) else None
-    return v if isinstance(v, torch.Tensor) else None
+    """The node's recorded tensor value (its ``meta["val"]``), or None (not a node, not a tensor)."""
+    if isinstance(node, fx.Node):
+        v = node.meta.get("val")
+        if isinstance(v, torch.Tensor):
+            return v
+    return None
 
 def shape(node) -> Optional[tuple]:
     v = val(node)
@@ -100,6 +104,13 @@ def holds(wide: torch.dtype, narrow: torch.dtype) -> bool:
     """Every value of float dtype ``narrow`` is a value of ``wide``."""
     w, n = torch.finfo(wide), torch.finfo(narrow)
     return wide == narrow or (w.bits >= n.bits and w.eps <= n.eps and w.max >= n.max and w.tiny <= n.tiny)
+
+def calls_to(graph: fx.Graph, *targets) -> List[fx.Node]:
+    """The graph's calls of any of ``targets``, in graph order, read off FX's own index of nodes by
+    target (which every insertion and erasure keeps), not by a walk over the whole graph."""
+    if len(targets) == 1:
+        return graph.find_nodes(op="call_function", target=targets[0])
+    return sorted(n for t in targets for n in graph.find_nodes(op="call_function", target=t, sort=False))
 
 @functools.lru_cache(maxsize=None)
 def target_name(target: Any) -> str:
