@@ -71,16 +71,18 @@ def is_float_cast(node: fx.Node) -> bool:
     to the rounding of a narrowing cast."""
     if node.op != "call_function" or node.target not in CAST_TARGETS:
         return False
-    src, out = node.args[0] if node.args else None, node
-    if not isinstance(src, fx.Node) or dtype(src) is None or dtype(out) is None:
+    src = node.args[0] if node.args else None
+    src_value, out_value = val(src), val(node)
+    if src_value is None or out_value is None:
         return False
     if node.target is aten._to_copy.default:
         extra = set(node.kwargs) - {"dtype", "layout", "device", "memory_format", "non_blocking"}
-        if extra or (val(src).device != val(out).device):
+        if extra or (src_value.device != out_value.device):
             return False
-    if dtype(src).is_complex or dtype(out).is_complex:
-        return dtype(src) == dtype(out)
-    return dtype(src).is_floating_point and dtype(out).is_floating_point
+    src_dtype, out_dtype = src_value.dtype, out_value.dtype
+    if src_dtype.is_complex or out_dtype.is_complex:
+        return src_dtype == out_dtype
+    return src_dtype.is_floating_point and out_dtype.is_floating_point
 
 def is_value_preserving_cast(node: fx.Node) -> bool:
     """A float cast, copy or alias that changes no value: to a dtype that holds every value

@@ -12,7 +12,7 @@ from ..lowering.sizes import static_int
 from .algebra import graph_constant
 from .evaluator import Provenance
 from .norm_algebra import NormEvaluator
-from .nodes import CAST_TARGETS, VIEWS, aten, is_value_preserving_cast, normalize_dim, shape, val
+from .nodes import CAST_TARGETS, VIEWS, aten, calls_to, is_value_preserving_cast, normalize_dim, shape, val
 from .rewrite import Miss
 
 
@@ -277,6 +277,11 @@ def whole_forward_misses(graph: fx.Graph, provenance: Optional[Provenance], op: 
     under activation checkpointing) or in the forward graph of its partition (named so): it
     stays as it is, never silently."""
     forward = provenance.forward if provenance is not None and provenance.forward is not None else None
-    misses = [Miss(op, n.name, WHOLE_FORWARD_REASON) for n in graph.nodes if is_call(n, FUSED_RMS_NORM)]
+    misses = [Miss(op, n.name, WHOLE_FORWARD_REASON) for n in calls_of(graph, FUSED_RMS_NORM)]
     return misses + [Miss(op, f"{n.name} (forward graph)", WHOLE_FORWARD_REASON)
-                     for n in (forward.nodes if forward is not None else ()) if is_call(n, FUSED_RMS_NORM)]
+                     for n in (calls_of(forward, FUSED_RMS_NORM) if forward is not None else ())]
+
+
+def calls_of(graph: fx.Graph, target) -> List[fx.Node]:
+    """The graph's calls of ``target`` in graph order (none where this torch has no such op: None)."""
+    return calls_to(graph, target) if target is not None else []
