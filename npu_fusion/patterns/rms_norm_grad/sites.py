@@ -23,14 +23,16 @@ from ..rms_statistic import (SAME_VALUES, exact_source, fused_statistic_operand,
 DX_DEPTH = 9
 
 
-def _norm_reductions(graph: fx.Graph, gradient=None):
-    """[(normalized trailing shape, [keep-dim sum/mean nodes over exactly those axes])]; with
-    ``gradient`` (:func:`gradient_dependent`), only the sums of gradients: a dx's sum over the
-    normalized axes (``sum(dy*g*x)``) is one, the forward's mean square never is."""
+def _norm_reductions(graph: fx.Graph, provenance: Optional[Provenance] = None):
+    """[(normalized trailing shape, [keep-dim sum/mean nodes over exactly those axes])]; with a
+    ``provenance``, less a joint graph's forward reductions over axes not all of size 1.
+
+    A dx is a few uses after its own sum over the normalized axes (``sum(dy*g*x)``, a backward
+    node); a joint graph's forward mean square is read only through the saved values it feeds,
+    and seeding from it walked the forward. Over axes of size 1 autograd elides the backward's sum,
+    and the forward's reduction is the hint that stays."""
     found: Dict[tuple, tuple] = {}
     for node in calls_to(graph, aten.sum.dim_IntList, aten.mean.dim):
-        if gradient is not None and node not in gradient:
-            continue
         src = node.args[0]
         s = shape(src) if isinstance(src, fx.Node) else None
         keepdim = node.args[2] if len(node.args) > 2 else node.kwargs.get("keepdim", False)
@@ -40,6 +42,8 @@ def _norm_reductions(graph: fx.Graph, gradient=None):
         if dims != list(range(len(s) - len(dims), len(s))):
             continue
         tail = tuple(s[len(s) - len(dims):])
+        if provenance is not None and provenance.is_forward(node) and not all(static_int(x) == 1 for x in tail):
+            continue
         found.setdefault(tuple(size_key(x) for x in tail), (tail, []))[1].append(node)
     return found.values()
 
@@ -86,7 +90,7 @@ def find_sites(graph: fx.Graph, rewrites: RuleContext) -> RoundReport:
     near = RoundReport()
     gradient = gradient_dependent(graph)
     with_dx = set()  # the statistics of the norms whose dx the graph computes (matched or not)
-    seeds = {tuple(size_key(x) for x in tail): (tail, list(nodes)) for tail, nodes in _norm_reductions(graph, gradient)}
+    seeds = {tuple(size_key(x) for x in tail): (tail, list(nodes)) for tail, nodes in _norm_reductions(graph, provenance)}
     for tail, nodes in _unit_axis_seeds(graph, provenance, gradient):  # one evaluator per normalized shape
         seeds.setdefault(tuple(size_key(x) for x in tail), (tail, []))[1].extend(nodes)
     for norm_shape, reductions in seeds.values():
