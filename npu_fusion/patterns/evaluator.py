@@ -241,6 +241,9 @@ class MemoEvaluator:
             # a forward value no backward node reads, asked for directly (a joint graph's; a
             # backward graph has none): read only through the saved values it feeds
             return None
+        memo = self.memo
+        if node in memo:  # evaluated already (what _value answers first)
+            return memo[node]
         self._depth += 1
         try:
             return self._value(node)
@@ -252,7 +255,8 @@ class MemoEvaluator:
             return self.memo[node]
         self.memo[node] = None  # cycle guard; graphs are DAGs
         result = None
-        if self._is_forward(node):
+        is_forward = self._is_forward(node)
+        if is_forward:
             saved = self.provenance.saved_in_backward(node)
             if saved is not None:
                 self.memo[node] = result = self.value(saved)
@@ -263,20 +267,20 @@ class MemoEvaluator:
             definition = self.provenance.forward_definition(node) if saved else node
             if definition is not None and definition.op == "call_function":
                 try:
-                    result = self._interpret(definition, forward=saved or self._is_forward(node))
+                    result = self._interpret(definition, forward=saved or is_forward)
                     if not saved:
                         self.interpreted.add(node)
                     if result is not None:
                         self.rounded[node] = self._rounding(definition)
                 except Unsupported as exc:
                     result = None
-                    if self._is_forward(node):
+                    if is_forward:
                         raise
                     self.unsupported[node] = str(exc)
                 except Exception as exc:  # an evaluator bug: this node stays opaque, which is sound
                     self.errors.append((node, exc))
                     result = None
-                    if self._is_forward(node):
+                    if is_forward:
                         raise Unsupported("evaluation failed") from exc
         if result is None:
             result = self._leaf(node)
