@@ -110,7 +110,6 @@ class NormEvaluator(MemoEvaluator):
         self._indexed = -1
         self._size_symbols: Dict[object, int] = {}
         self._origin_symbol: Dict[fx.Node, int] = {}
-        self._nonnegative_nodes: Dict[fx.Node, bool] = {}  # is_nonnegative's answers at its full depth
         #: N, the number of normalized elements: a number, or a product of size symbols
         self.n = functools.reduce(operator.mul, (self.size(x) for x in norm_shape), Expr.number(1))
 
@@ -267,15 +266,6 @@ class NormEvaluator(MemoEvaluator):
         numbers >= 0 (a mean square plus eps, ``mean(x*x) + eps``: the statistic under the root of
         an RMSNorm written ``(mean(x*x) + eps) ** -0.5``). Rounding keeps a sign, so a proof in real
         arithmetic holds in floating point."""
-        if depth == 8 and isinstance(node, fx.Node):  # a leaf's answer, asked again for each copy of it
-            known = self._nonnegative_nodes.get(node)
-            if known is None:
-                known = self._nonnegative_nodes[node] = self._is_nonnegative(node, depth)
-            return known
-        return self._is_nonnegative(node, depth)
-
-    def _is_nonnegative(self, node, depth: int = 8) -> bool:
-        """What :meth:`is_nonnegative` answers, computed (not remembered)."""
         if not isinstance(node, fx.Node):
             value = graph_constant(node)
             return value is not None and value >= 0

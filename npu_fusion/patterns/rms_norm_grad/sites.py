@@ -10,8 +10,8 @@ from ...lowering import RMS_NORM_GRAD as OP
 from ...lowering.sizes import same_shape, static_int
 from ..evaluator import Provenance, Unsupported
 from ..norm_algebra import NormEvaluator, size_key
-from ..nodes import (aten, calls_to, downstream, gradient_dependent, gradient_product, normalize_dim, outermost,
-                     shape, val)
+from ..nodes import (aten, calls_to, downstream, gradient_dependent, gradient_product, is_float_cast, normalize_dim,
+                     outermost, shape, val)
 from ..rewrite import Miss, RuleContext, gradient_accumulation
 from ..rule import RoundReport
 from .match import NormMatch, dgamma_summand, match_root, site_region, stat_leaves, symbols_of, match_dgamma
@@ -79,7 +79,17 @@ def _lead_sums(graph: fx.Graph, rank: int, near: Optional[List[fx.Node]] = None)
             s = shape(node.args[0])
             if s and all(normalize_dim(d, len(s)) < len(s) - rank for d in node.args[1] or ()):
                 seeds.append(node)
-    return downstream(graph, seeds, 3)
+    # a sum over leading axes keeps its value (a weight's gradient) only through reshapes and casts
+    found, frontier = list(seeds), seeds
+    for _ in range(3):
+        frontier = [u for n in frontier for u in n.users if u.op == "call_function"
+                    and (u.target in _RESHAPES or is_float_cast(u))]
+        found += frontier
+    return sorted(set(found))
+
+
+#: the reshapes the norm domain reads a sum over leading axes through (:meth:`~..norm_algebra.NormEvaluator._view`)
+_RESHAPES = {aten.view.default, aten.reshape.default, aten._unsafe_view.default}
 
 
 def find_sites(graph: fx.Graph, rewrites: RuleContext) -> RoundReport:
