@@ -48,6 +48,38 @@ def test_static_fake_value_equals_fake_dispatch(name):
         assert (f.shape, f.stride(), f.dtype, f.device) == (s.shape, s.stride(), s.dtype, s.device)
 
 
+#: the cases whose meta result is fresh memory (the others' are views of an input: never remembered)
+FRESH_RESULTS = {"to_copy", "cat", "stack", "rms_norm_grad", "rope_grad"}
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_remembered_fake_values_equal_fake_dispatch(name):
+    """A second call of one op on the same geometry (the next layer's), in another fake mode, answered
+    from the remembered meta result where that is fresh memory: the same geometry as the fake mode's
+    own dispatch, in that mode, never aliasing the first call's result; a view is computed again."""
+    from npu_fusion.patterns import rewrite
+
+    target, make = CASES[name]
+    first = FakeTensorMode()
+    args, kwargs = make(_tensors(first))
+    earlier = _static_fake_value(first, target, args, kwargs)
+    earlier = earlier if isinstance(earlier, tuple) else (earlier,)
+    key = rewrite._geometry_key(target, args, kwargs)
+    assert (key in rewrite._META_RESULTS) == (name in FRESH_RESULTS)
+    mode = FakeTensorMode()
+    args, kwargs = make(_tensors(mode))
+    fast = _static_fake_value(mode, target, args, kwargs)
+    with mode:
+        slow = target(*args, **kwargs)
+    fast, slow = (fast, slow) if isinstance(slow, tuple) else ((fast,), (slow,))
+    assert len(fast) == len(slow)
+    for f, s, e in zip(fast, slow, earlier):
+        assert isinstance(f, FakeTensor) and f.fake_mode is mode
+        assert (f.shape, f.stride(), f.dtype, f.device, f.storage_offset()) == \
+            (s.shape, s.stride(), s.dtype, s.device, s.storage_offset())
+        assert f.untyped_storage()._cdata != e.untyped_storage()._cdata
+
+
 def test_symbolic_shapes_go_through_the_fake_mode():
     from torch._dynamo.source import ConstantSource
     from torch.fx.experimental.symbolic_shapes import DimDynamic, StatelessSymbolicContext

@@ -79,9 +79,9 @@ class Provenance:
         deterministic ops on the same inputs give the same values, so both are one leaf."""
         if self._representatives is None:
             self._representatives, first = {}, {}
-            memo, interned = {}, {}  # shared: each forward node is keyed once
+            memo, interned, impure = {}, {}, {}  # shared: each forward node (and op's purity) is keyed once
             for name, bw in self._bw_by_name.items():
-                key = _expression_key(self._fw_by_name[name], memo, interned)
+                key = _expression_key(self._fw_by_name[name], memo, interned, impure)
                 self._representatives[bw] = first.setdefault(key, bw) if key is not None else bw
         return self._representatives.get(bw_placeholder, bw_placeholder)
 
@@ -149,22 +149,36 @@ def saved_by_the_forward(provenance, node: fx.Node) -> bool:
     return isinstance(provenance, PartitionedForwardProvenance) and node.op == "output"
 
 
-def _expression_key(node: fx.Node, memo: Dict[fx.Node, Any], interned: Dict[tuple, int]):
+def _expression_key(node: fx.Node, memo: Dict[fx.Node, Any], interned: Dict[tuple, int],
+                    impure: Optional[Dict[Any, bool]] = None):
     """An id of a forward node's expression, equal for nodes that compute the same values from
     the same graph inputs; None for a random or impure op anywhere in it. Expressions are
     interned (an op and the ids of its arguments), so a key stays small however deep it is;
-    nodes are keyed in graph order, inputs first, so no recursion runs as deep as the graph."""
+    nodes are keyed in graph order, inputs first, so no recursion runs as deep as the graph.
+    ``impure`` remembers each op overload's purity (its schema's, the same for every call)."""
+    impure = {} if impure is None else impure
     for n in sorted(_unkeyed_ancestors(node, memo)):  # fx.Node orders by position in the graph
         if n.op == "placeholder":
             key = ("input", n.name)
-        elif n.op == "call_function" and not n.is_impure() and \
+        elif n.op == "call_function" and not _is_impure(n, impure) and \
                 torch.Tag.nondeterministic_seeded not in getattr(n.target, "tags", ()):
             parts = [_argument_key(a, memo) for a in (n.args, tuple(sorted(n.kwargs.items())))]
-            key = None if any(p is None for p in parts) else (str(n.target), *parts)
+            # the op itself, not its printed name: one op is one object, and printing one is slow
+            key = None if any(p is None for p in parts) else (n.target, *parts)
         else:
             key = None
         memo[n] = None if key is None else interned.setdefault(key, len(interned))
     return memo[node]
+
+def _is_impure(node: fx.Node, known: Dict[Any, bool]) -> bool:
+    """``node.is_impure()``, remembered per op overload: an overload's purity is its schema's and its
+    registered effects', whatever the arguments (only higher-order ops read those)."""
+    target = node.target
+    if not isinstance(target, torch._ops.OpOverload):
+        return node.is_impure()
+    if target not in known:
+        known[target] = node.is_impure()
+    return known[target]
 
 def _unkeyed_ancestors(node: fx.Node, memo) -> List[fx.Node]:
     """The node and its ancestors not keyed yet (a keyed node's ancestors are keyed too)."""
@@ -228,6 +242,9 @@ class MemoEvaluator:
             # a forward value no backward node reads, asked for directly (a joint graph's; a
             # backward graph has none): read only through the saved values it feeds
             return None
+        memo = self.memo
+        if node in memo:  # evaluated already (what _value answers first)
+            return memo[node]
         self._depth += 1
         try:
             return self._value(node)
@@ -239,7 +256,8 @@ class MemoEvaluator:
             return self.memo[node]
         self.memo[node] = None  # cycle guard; graphs are DAGs
         result = None
-        if self._is_forward(node):
+        is_forward = self._is_forward(node)
+        if is_forward:
             saved = self.provenance.saved_in_backward(node)
             if saved is not None:
                 self.memo[node] = result = self.value(saved)
@@ -250,20 +268,20 @@ class MemoEvaluator:
             definition = self.provenance.forward_definition(node) if saved else node
             if definition is not None and definition.op == "call_function":
                 try:
-                    result = self._interpret(definition, forward=saved or self._is_forward(node))
+                    result = self._interpret(definition, forward=saved or is_forward)
                     if not saved:
                         self.interpreted.add(node)
                     if result is not None:
                         self.rounded[node] = self._rounding(definition)
                 except Unsupported as exc:
                     result = None
-                    if self._is_forward(node):
+                    if is_forward:
                         raise
                     self.unsupported[node] = str(exc)
                 except Exception as exc:  # an evaluator bug: this node stays opaque, which is sound
                     self.errors.append((node, exc))
                     result = None
-                    if self._is_forward(node):
+                    if is_forward:
                         raise Unsupported("evaluation failed") from exc
         if result is None:
             result = self._leaf(node)

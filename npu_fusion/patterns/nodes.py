@@ -16,8 +16,12 @@ prims = torch.ops.prims
 
 
 def val(node) -> Optional[torch.Tensor]:
-    v = node.meta.get("val") if isinstance(node, fx.Node) else None
-    return v if isinstance(v, torch.Tensor) else None
+    """The node's recorded tensor value (its ``meta["val"]``), or None (not a node, not a tensor)."""
+    if isinstance(node, fx.Node):
+        v = node.meta.get("val")
+        if isinstance(v, torch.Tensor):
+            return v
+    return None
 
 def shape(node) -> Optional[tuple]:
     v = val(node)
@@ -67,16 +71,18 @@ def is_float_cast(node: fx.Node) -> bool:
     to the rounding of a narrowing cast."""
     if node.op != "call_function" or node.target not in CAST_TARGETS:
         return False
-    src, out = node.args[0] if node.args else None, node
-    if not isinstance(src, fx.Node) or dtype(src) is None or dtype(out) is None:
+    src = node.args[0] if node.args else None
+    src_value, out_value = val(src), val(node)
+    if src_value is None or out_value is None:
         return False
     if node.target is aten._to_copy.default:
         extra = set(node.kwargs) - {"dtype", "layout", "device", "memory_format", "non_blocking"}
-        if extra or (val(src).device != val(out).device):
+        if extra or (src_value.device != out_value.device):
             return False
-    if dtype(src).is_complex or dtype(out).is_complex:
-        return dtype(src) == dtype(out)
-    return dtype(src).is_floating_point and dtype(out).is_floating_point
+    src_dtype, out_dtype = src_value.dtype, out_value.dtype
+    if src_dtype.is_complex or out_dtype.is_complex:
+        return src_dtype == out_dtype
+    return src_dtype.is_floating_point and out_dtype.is_floating_point
 
 def is_value_preserving_cast(node: fx.Node) -> bool:
     """A float cast, copy or alias that changes no value: to a dtype that holds every value
@@ -100,6 +106,13 @@ def holds(wide: torch.dtype, narrow: torch.dtype) -> bool:
     """Every value of float dtype ``narrow`` is a value of ``wide``."""
     w, n = torch.finfo(wide), torch.finfo(narrow)
     return wide == narrow or (w.bits >= n.bits and w.eps <= n.eps and w.max >= n.max and w.tiny <= n.tiny)
+
+def calls_to(graph: fx.Graph, *targets) -> List[fx.Node]:
+    """The graph's calls of any of ``targets``, in graph order, read off FX's own index of nodes by
+    target (which every insertion and erasure keeps), not by a walk over the whole graph."""
+    if len(targets) == 1:
+        return graph.find_nodes(op="call_function", target=targets[0])
+    return sorted(n for t in targets for n in graph.find_nodes(op="call_function", target=t, sort=False))
 
 @functools.lru_cache(maxsize=None)
 def target_name(target: Any) -> str:

@@ -104,6 +104,7 @@ class NormEvaluator(MemoEvaluator):
         self.sum_body: Dict[int, tuple] = {}   # a sum's symbol -> its summand monomial
         self._symbols = 0
         self._spans: Dict[tuple, Optional[bool]] = {}
+        self._spans_by_shape: Dict[tuple, Optional[bool]] = {}  # whole static shapes: spans' answers
         self._by_value: Dict[Expr, List[fx.Node]] = {}
         self._by_body: Dict[tuple, List[fx.Node]] = {}
         self._indexed = -1
@@ -195,11 +196,17 @@ class NormEvaluator(MemoEvaluator):
         """Whether a shape spans the normalized axes (True), is 1 along them (False), or neither (None).
 
         True: the shape spans the normalized axes; False: it is 1 along them; None: neither."""
+        try:  # a shape of ints, asked before: its answer (a symbolic size is unhashable: no guard is made)
+            return self._spans_by_shape[s]
+        except (KeyError, TypeError):
+            pass
         tail = tuple(s[max(0, len(s) - self.k):])
         if not all(type(x) is int for x in tail):  # symbolic sizes: no cache (== would guard)
             return self._tail_spans(tail)
         if tail not in self._spans:
             self._spans[tail] = self._tail_spans(tail)
+        if all(type(x) is int for x in s):
+            self._spans_by_shape[tuple(s)] = self._spans[tail]
         return self._spans[tail]
 
     def _tail_spans(self, tail) -> Optional[bool]:

@@ -110,12 +110,18 @@ def _static_fake_value(fake_mode, target, args, kwargs):
     only symbolic shapes need. With static shapes, running the op's meta kernel on
     meta tensors of the same geometry and wrapping the results gives the same
     shapes, strides and dtypes for a tenth of that. Anything else (symbolic sizes,
-    an explicit device, an op without a meta kernel) goes through the fake mode.
+    an explicit device, an op without a meta kernel) goes through the fake mode. A result
+    computed once is remembered by the op and its arguments' geometry (:data:`_META_RESULTS`):
+    the same call in the next layer makes fresh tensors of that geometry without running the op.
     """
     FakeTensor = fake_tensor_type()
     if "device" in kwargs:
         return None
     devices = []
+    try:
+        known = _META_RESULTS.get(_geometry_key(target, args, kwargs))
+    except Unsupported:  # a symbolic size, an argument that is no plain value: computed, never remembered
+        known = None
 
     def to_meta(v):
         if not isinstance(v, torch.Tensor):
@@ -124,6 +130,8 @@ def _static_fake_value(fake_mode, target, args, kwargs):
                 and all(type(x) is int for x in (*v.shape, *v.stride()))):
             raise Unsupported("not a static fake tensor")
         devices.append(v.device)
+        if known is not None:  # the result is known: the op will not run
+            return None
         return torch.empty_strided(v.shape, v.stride(), dtype=v.dtype, device="meta")
 
     def convert(v):  # op arguments nest tensors in lists at most (cat, stack)
@@ -135,14 +143,61 @@ def _static_fake_value(fake_mode, target, args, kwargs):
             meta_kwargs = {k: convert(v) for k, v in kwargs.items()}
             if not devices:
                 return None
-            out = target(*meta_args, **meta_kwargs)
+            if known is not None:  # the same op on the same geometry before: fresh outputs of its result's
+                container, geometries = known
+                out = [torch.empty_strided(size, stride, dtype=dtype, device="meta") for size, stride, dtype in geometries]
+                out = container(out) if container is not None else out[0]
+            else:
+                out = target(*meta_args, **meta_kwargs)
     except Exception:  # the fake mode decides: it has decompositions and fallbacks
         return None
     outs = out if isinstance(out, (tuple, list)) else (out,)
     if not all(isinstance(o, torch.Tensor) and o.device.type == "meta" for o in outs):
         return None
+    if known is None:
+        _remember_meta_result(target, args, kwargs, out, outs)
     fakes = [FakeTensor(fake_mode, o, devices[0]) for o in outs]
     return type(out)(fakes) if isinstance(out, (tuple, list)) else fakes[0]
+
+
+#: meta kernels' results by the op and the geometry of its arguments (:func:`_geometry_key`): shapes,
+#: strides and dtypes, which is all a meta kernel reads of a tensor, so one computed result serves
+#: every later call of the op on the same geometry (each layer of a model repeats the previous one's)
+_META_RESULTS: Dict[tuple, tuple] = {}
+#: how many results :data:`_META_RESULTS` keeps (it starts over past that)
+META_RESULTS_KEPT = 4096
+
+
+def _geometry_key(target, args, kwargs) -> tuple:
+    """What a meta kernel reads of a call: the op, each tensor's static geometry, dtype and device,
+    and every other argument with its type; raises :class:`Unsupported` for anything else."""
+    def key(v):
+        if isinstance(v, torch.Tensor):
+            if not all(type(x) is int for x in (*v.shape, *v.stride())) or v.storage_offset() != 0:
+                raise Unsupported("not a static tensor")
+            return ("tensor", tuple(v.shape), v.stride(), v.dtype, v.device)
+        if isinstance(v, (list, tuple)):
+            return (type(v).__name__, tuple(key(x) for x in v))
+        if v is None or type(v) in (bool, int, float, str, torch.dtype, torch.device, torch.layout,
+                                    torch.memory_format):
+            return (type(v).__name__, v)
+        raise Unsupported(f"argument {type(v).__name__}")
+    return (target, key(tuple(args)), tuple((k, key(v)) for k, v in sorted(kwargs.items())))
+
+
+def _remember_meta_result(target, args, kwargs, out, outs) -> None:
+    """Keep a meta kernel's result's geometry for :func:`_static_fake_value`, where it is fresh memory
+    (no view of an input, which would have to alias it)."""
+    if not all(not o._is_view() and o.storage_offset() == 0 for o in outs):
+        return
+    try:
+        key = _geometry_key(target, args, kwargs)
+    except Unsupported:
+        return
+    if len(_META_RESULTS) >= META_RESULTS_KEPT:
+        _META_RESULTS.clear()
+    container = type(out) if isinstance(out, (tuple, list)) else None
+    _META_RESULTS[key] = (container, tuple((tuple(o.shape), o.stride(), o.dtype) for o in outs))
 
 def getitem(graph, fake_mode, node, index, created=None) -> fx.Node:
     item = graph.call_function(operator.getitem, (node, index))

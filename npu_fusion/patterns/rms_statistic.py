@@ -12,7 +12,7 @@ from ..lowering.sizes import static_int
 from .algebra import graph_constant
 from .evaluator import Provenance
 from .norm_algebra import NormEvaluator
-from .nodes import CAST_TARGETS, VIEWS, aten, is_value_preserving_cast, normalize_dim, shape, val
+from .nodes import CAST_TARGETS, VIEWS, aten, calls_to, is_value_preserving_cast, normalize_dim, shape, val
 from .rewrite import Miss
 
 
@@ -60,7 +60,7 @@ def is_rms_statistic(node: fx.Node, provenance: Optional[Provenance]) -> bool:
 
 #: ops a statistic or a normalized value keeps its values through (casts, copies, reshapes);
 #: slices, selections and transposes move elements and are not among them
-_SAME_VALUES = CAST_TARGETS | {aten.view.default, aten._unsafe_view.default, aten.reshape.default,
+SAME_VALUES = CAST_TARGETS | {aten.view.default, aten._unsafe_view.default, aten.reshape.default,
                                aten.unsqueeze.default, aten.squeeze.dim, aten.squeeze.dims, aten.squeeze.default}
 
 
@@ -70,7 +70,7 @@ def definition_of(node: fx.Node, provenance: Optional[Provenance], exact: bool =
     for _ in range(8):
         if node.op == "placeholder" and provenance is not None:
             node = provenance.forward_definition(node) or node
-        if node.op != "call_function" or node.target not in _SAME_VALUES or not isinstance(node.args[0], fx.Node):
+        if node.op != "call_function" or node.target not in SAME_VALUES or not isinstance(node.args[0], fx.Node):
             break
         if exact and node.target in CAST_TARGETS and not is_value_preserving_cast(node):
             break
@@ -80,7 +80,7 @@ def definition_of(node: fx.Node, provenance: Optional[Provenance], exact: bool =
 
 #: what the forward rule puts between the fused ``rms_norm`` and the program's values: casts,
 #: reshapes and the permutations of a norm run in another memory order (each undone on the way out)
-_FUSED_FORWARD_WRAPPING = _SAME_VALUES | {aten.permute.default}
+_FUSED_FORWARD_WRAPPING = SAME_VALUES | {aten.permute.default}
 
 
 def _fused_forward_output(node: fx.Node, provenance: Optional[Provenance]) -> Optional[tuple]:
@@ -292,6 +292,11 @@ def whole_forward_misses(graph: fx.Graph, provenance: Optional[Provenance], op: 
     under activation checkpointing) or in the forward graph of its partition (named so): it
     stays as it is, never silently."""
     forward = provenance.forward if provenance is not None and provenance.forward is not None else None
-    misses = [Miss(op, n.name, WHOLE_FORWARD_REASON) for n in graph.nodes if is_call(n, FUSED_RMS_NORM)]
+    misses = [Miss(op, n.name, WHOLE_FORWARD_REASON) for n in calls_of(graph, FUSED_RMS_NORM)]
     return misses + [Miss(op, f"{n.name} (forward graph)", WHOLE_FORWARD_REASON)
-                     for n in (forward.nodes if forward is not None else ()) if is_call(n, FUSED_RMS_NORM)]
+                     for n in (calls_of(forward, FUSED_RMS_NORM) if forward is not None else ())]
+
+
+def calls_of(graph: fx.Graph, target) -> List[fx.Node]:
+    """The graph's calls of ``target`` in graph order (none where this torch has no such op: None)."""
+    return calls_to(graph, target) if target is not None else []

@@ -46,6 +46,7 @@ Two things the partitioners need from the graph the pass leaves them:
 """
 from __future__ import annotations
 
+import functools
 import operator
 from typing import Callable, Dict, Hashable, List, Optional, Set
 
@@ -105,13 +106,25 @@ def aliased_input(node) -> Optional[fx.Node]:
         return None
     if node.target is operator.getitem:
         return aliased_input(node.args[0])
-    schema = getattr(node.target, "_schema", None)
-    if schema is None or schema.is_mutable or not any(r.alias_info is not None for r in schema.returns):
-        return None
-    for argument, value in zip(schema.arguments, node.args):
-        if argument.alias_info is not None and isinstance(value, fx.Node):
+    try:
+        places = _aliased_places(node.target)
+    except TypeError:  # an unhashable target: read its schema here
+        places = _aliased_places.__wrapped__(node.target)
+    for place in places:
+        value = node.args[place] if place < len(node.args) else None
+        if isinstance(value, fx.Node):
             return value
     return None
+
+
+@functools.lru_cache(maxsize=None)
+def _aliased_places(target) -> tuple:
+    """The places of the arguments an op's schema marks as aliased by its result (none for an op
+    without a schema, a mutating one, or one whose results alias nothing): read once per op."""
+    schema = getattr(target, "_schema", None)
+    if schema is None or schema.is_mutable or not any(r.alias_info is not None for r in schema.returns):
+        return ()
+    return tuple(i for i, argument in enumerate(schema.arguments) if argument.alias_info is not None)
 
 
 def base_of(node):
@@ -163,19 +176,17 @@ class JointGraph:
         """The forward values ``backward`` reads, each with its readers: the inputs of backward
         nodes, and the inputs of forward values activation checkpointing recomputes for it (read
         by the recomputed value). The output node reads nothing: returning a tensor saves none."""
-        readers: Dict[fx.Node, List[fx.Node]] = {}
+        readers: Dict[fx.Node, Dict[fx.Node, None]] = {}  # each value's readers, in order, once each
         stack = [(a, n) for n in backward if n.op != "output" for a in n.all_input_nodes if a not in backward]
         while stack:
             node, reader = stack.pop()
             if node.op == "placeholder" and node.name.startswith("tangents"):
                 continue
             first = node not in readers
-            readers.setdefault(node, [])
-            if reader not in readers[node]:
-                readers[node].append(reader)
+            readers.setdefault(node, {})[reader] = None
             if first and _must_recompute(node):
                 stack.extend((a, node) for a in node.all_input_nodes if a not in backward)
-        return readers
+        return {node: list(read_by) for node, read_by in readers.items()}
 
     def _reachable_keys(self) -> Dict[fx.Node, Hashable]:
         """The storages the caller can reach, each with a key that names it before and after the

@@ -422,7 +422,7 @@ def emitted_target_name(target) -> str:
 
 def emitted_targets(snapshot: Snapshot, graph: fx.Graph) -> Dict[str, int]:
     """The calls in ``graph`` that were not in ``snapshot`` (the pass added them), counted by target."""
-    before = {node for node, *_ in snapshot.nodes}
+    before = {entry[0] for entry in snapshot.nodes}
     counts: Dict[str, int] = collections.Counter(
         emitted_target_name(n.target) for n in graph.nodes if n.op == "call_function" and n not in before)
     return dict(sorted(counts.items()))

@@ -52,14 +52,17 @@ def emit(rewrites: RuleContext, rule: FusionRule, site: NormMatch):
     resolved = rule.resolve_shared(rewrites, site, outputs)
     if isinstance(resolved, Miss):
         return resolved
+    # dgamma judged above, in this evaluator with these roles: not judged again (found again, it is)
+    judged = {"dgamma"} if "dgamma" in outputs and not site.dgamma_only and resolved[0] is site else set()
     site, outputs, region = resolved
-    done = _emit(rewrites, site, outputs, region)
+    done = _emit(rewrites, site, outputs, region, judged)
     if dgamma_left and isinstance(done, Site):
         done.note = f"dgamma ({site.dgamma.name}) left to the program: {dgamma_left}"
     return done
 
 
-def _emit(rewrites: RuleContext, site: NormMatch, outputs, region):
+def _emit(rewrites: RuleContext, site: NormMatch, outputs, region, judged=frozenset()):
+    """The fused call for a resolved site, or a Miss; ``judged`` names outputs whose roundings were found fine already."""
     graph, edit, target, provenance = rewrites.graph, rewrites.edit, rewrites.target, rewrites.provenance
     dy_dtype, x_dtype = dtype(site.dy), dtype(site.x)
     wide = exact_common_dtype((dy_dtype, x_dtype))
@@ -67,7 +70,8 @@ def _emit(rewrites: RuleContext, site: NormMatch, outputs, region):
     if "dx" in outputs:
         compute = exact_common_dtype((compute, kept_precision(site.dx)))  # dx is returned in this dtype
     gamma_dtype = gamma_dtype_for(compute, dtype(site.gamma) if site.gamma is not None else compute)
-    rounding = rounding_problem(site.ev, outputs, [*site.roles, *site.rest])
+    rounding = rounding_problem(site.ev, {k: v for k, v in outputs.items() if k not in judged},
+                                [*site.roles, *site.rest])
     problem = rms_norm_target_problem(target, compute, gamma_dtype, shape(site.x), site.ev.k) or rounding
     if site.rstd is not None and "dx" in outputs:
         # the norm's verdict binds its forward (the same chips, dtypes and roundings; the shape

@@ -10,11 +10,12 @@ from ...lowering import RMS_NORM_GRAD as OP
 from ...lowering.sizes import same_shape, static_int
 from ..evaluator import Provenance, Unsupported
 from ..norm_algebra import NormEvaluator, size_key
-from ..nodes import aten, downstream, gradient_dependent, gradient_product, normalize_dim, outermost, shape, val
+from ..nodes import (aten, calls_to, downstream, gradient_dependent, gradient_product, is_float_cast, normalize_dim,
+                     outermost, shape, val)
 from ..rewrite import Miss, RuleContext, gradient_accumulation
 from ..rule import RoundReport
 from .match import NormMatch, dgamma_summand, match_root, site_region, stat_leaves, symbols_of, match_dgamma
-from ..rms_statistic import (exact_source, fused_statistic_operand, norm_evaluator, normalized_operand,
+from ..rms_statistic import (SAME_VALUES, exact_source, fused_statistic_operand, norm_evaluator, normalized_operand,
                              rms_statistic_operand, unmatched_spelling)
 
 
@@ -22,12 +23,16 @@ from ..rms_statistic import (exact_source, fused_statistic_operand, norm_evaluat
 DX_DEPTH = 9
 
 
-def _norm_reductions(graph: fx.Graph):
-    """[(normalized trailing shape, [keep-dim sum/mean nodes over exactly those axes])]."""
+def _norm_reductions(graph: fx.Graph, provenance: Optional[Provenance] = None):
+    """[(normalized trailing shape, [keep-dim sum/mean nodes over exactly those axes])]; with a
+    ``provenance``, less a joint graph's forward reductions over axes not all of size 1.
+
+    A dx is a few uses after its own sum over the normalized axes (``sum(dy*g*x)``, a backward
+    node); a joint graph's forward mean square is read only through the saved values it feeds,
+    and seeding from it walked the forward. Over axes of size 1 autograd elides the backward's sum,
+    and the forward's reduction is the hint that stays."""
     found: Dict[tuple, tuple] = {}
-    for node in graph.nodes:
-        if node.op != "call_function" or node.target not in (aten.sum.dim_IntList, aten.mean.dim):
-            continue
+    for node in calls_to(graph, aten.sum.dim_IntList, aten.mean.dim):
         src = node.args[0]
         s = shape(src) if isinstance(src, fx.Node) else None
         keepdim = node.args[2] if len(node.args) > 2 else node.kwargs.get("keepdim", False)
@@ -37,6 +42,8 @@ def _norm_reductions(graph: fx.Graph):
         if dims != list(range(len(s) - len(dims), len(s))):
             continue
         tail = tuple(s[len(s) - len(dims):])
+        if provenance is not None and provenance.is_forward(node) and not all(static_int(x) == 1 for x in tail):
+            continue
         found.setdefault(tuple(size_key(x) for x in tail), (tail, []))[1].append(node)
     return found.values()
 
@@ -47,7 +54,7 @@ def _unit_axis_seeds(graph: fx.Graph, provenance: Optional[Provenance], gradient
     Autograd writes the backward of a norm over axes of static size 1 with no sum over them (a sum
     over unit axes is elided), so :func:`_norm_reductions` finds none; dx is a few uses after the product."""
     found: Dict[tuple, tuple] = {}
-    for node in graph.nodes if gradient is not None else ():
+    for node in calls_to(graph, aten.mul.Tensor) if gradient is not None else ():
         product = gradient_product(node, gradient)
         stat = product and (rms_statistic_operand(product[1], provenance)
                             or fused_statistic_operand(product[1], provenance))
@@ -67,12 +74,22 @@ def _lead_sums(graph: fx.Graph, rank: int, near: Optional[List[fx.Node]] = None)
     """Sums over leading axes (dgamma) and the views and casts right after them (with ``near``,
     only sums at most :data:`DGAMMA_REACH` uses from those nodes)."""
     seeds = []
-    for node in graph.nodes if near is None else downstream(graph, near, DGAMMA_REACH):
+    for node in calls_to(graph, aten.sum.dim_IntList) if near is None else downstream(graph, near, DGAMMA_REACH):
         if node.op == "call_function" and node.target is aten.sum.dim_IntList and isinstance(node.args[0], fx.Node):
             s = shape(node.args[0])
             if s and all(normalize_dim(d, len(s)) < len(s) - rank for d in node.args[1] or ()):
                 seeds.append(node)
-    return downstream(graph, seeds, 3)
+    # a sum over leading axes keeps its value (a weight's gradient) only through reshapes and casts
+    found, frontier = list(seeds), seeds
+    for _ in range(3):
+        frontier = [u for n in frontier for u in n.users if u.op == "call_function"
+                    and (u.target in _RESHAPES or is_float_cast(u))]
+        found += frontier
+    return sorted(set(found))
+
+
+#: the reshapes the norm domain reads a sum over leading axes through (:meth:`~..norm_algebra.NormEvaluator._view`)
+_RESHAPES = {aten.view.default, aten.reshape.default, aten._unsafe_view.default}
 
 
 def find_sites(graph: fx.Graph, rewrites: RuleContext) -> RoundReport:
@@ -83,7 +100,7 @@ def find_sites(graph: fx.Graph, rewrites: RuleContext) -> RoundReport:
     near = RoundReport()
     gradient = gradient_dependent(graph)
     with_dx = set()  # the statistics of the norms whose dx the graph computes (matched or not)
-    seeds = {tuple(size_key(x) for x in tail): (tail, list(nodes)) for tail, nodes in _norm_reductions(graph)}
+    seeds = {tuple(size_key(x) for x in tail): (tail, list(nodes)) for tail, nodes in _norm_reductions(graph, provenance)}
     for tail, nodes in _unit_axis_seeds(graph, provenance, gradient):  # one evaluator per normalized shape
         seeds.setdefault(tuple(size_key(x) for x in tail), (tail, []))[1].extend(nodes)
     for norm_shape, reductions in seeds.values():
@@ -242,7 +259,9 @@ def _statistic_candidates(graph: fx.Graph, provenance, gradient) -> Dict[tuple, 
     that are an RMS statistic of y (has_rstd) or y normalized by it."""
     found: Dict[tuple, tuple] = {}
     for node in graph.nodes:
-        if node.op not in ("placeholder", "call_function") or (gradient is not None and node in gradient):
+        # a statistic or a normalized value is, through what it keeps its values through, a root or a product
+        if not (node.op == "placeholder" or node.op == "call_function" and node.target in _STATISTIC_SPELLINGS) \
+                or (gradient is not None and node in gradient):
             continue
         if val(node) is None or not val(node).dtype.is_floating_point:
             continue
@@ -257,11 +276,27 @@ def _statistic_candidates(graph: fx.Graph, provenance, gradient) -> Dict[tuple, 
     return found
 
 
+#: what :func:`rms_statistic_operand` and :func:`normalized_operand` read a node as, directly or through
+#: the ops a value keeps its values through (:func:`~..rms_statistic.definition_of`): no other call is either
+_STATISTIC_SPELLINGS = SAME_VALUES | {aten.rsqrt.default, aten.pow.Tensor_Scalar, aten.mul.Tensor}
+
+
+def _untaken_statistics(graph: fx.Graph, provenance, taken: set) -> bool:
+    """Whether some RMS statistic's input is not among ``taken``.
+
+    Every candidate of :func:`_statistic_candidates` is read, through what keeps its values, off a
+    root (an ``rsqrt`` or a ``** -0.5``) of the graph or of the forward graph its saved tensors
+    name: when each root's statistic is of a taken norm, no candidate survives the filter."""
+    graphs = [graph] + ([provenance.forward] if provenance is not None and provenance.forward is not None else [])
+    roots = [n for g in graphs for n in calls_to(g, aten.rsqrt.default, aten.pow.Tensor_Scalar)]
+    stats = (rms_statistic_operand(n, provenance) for n in roots)
+    return any(exact_source(stat[0], provenance) not in taken for stat in stats if stat is not None)
+
+
 def taken_norms(graph: fx.Graph, provenance, matches: List[NormMatch]) -> set:
     """The normalized inputs (exact sources) of the norms a dx site covers: matched this round,
     or fused by an earlier one (whose dgamma may be left to the program deliberately)."""
-    rstds = [m.rstd for m in matches] + [n.args[2] for n in graph.nodes
-                                         if n.op == "call_function" and n.target is OP.overload]
+    rstds = [m.rstd for m in matches] + [n.args[2] for n in calls_to(graph, OP.overload)]
     taken = set()
     for rstd in rstds:
         stat = rms_statistic_operand(rstd, provenance) or fused_statistic_operand(rstd, provenance) \
@@ -326,6 +361,8 @@ def dgamma_only_sites(graph: fx.Graph, rewrites: RuleContext, matches: List[Norm
     taken |= {exact_source(stat[0], provenance) for stat in (rms_statistic_operand(n, provenance) for n in with_dx) if stat}
     claimed = {m.dgamma for m in matches}
     found = []
+    if not _untaken_statistics(graph, provenance, taken):  # every norm's dx is here: no candidate is left
+        return found
     for key, (norm_shape, candidates) in _statistic_candidates(graph, provenance, gradient).items():
         candidates = [c for c in candidates if exact_source(c[1], provenance) not in taken]
         if not candidates:

@@ -14,7 +14,7 @@ from ...lowering.ops.rms_norm_grad import rms_norm_target_problem
 from ..nodes import aten, dtype, shape, val
 from ..rewrite import Insertion, Miss, RuleContext, commit, emit_fused_op, exact_common_dtype
 from .emit import gamma_dtype_for
-from ..rms_statistic import is_call
+from ..rms_statistic import calls_of
 
 
 # -- aten._fused_rms_norm_backward: the whole backward torch keeps on some devices ----
@@ -28,7 +28,7 @@ class WholeBackwardMatch:
 
 def whole_backward_sites(graph: fx.Graph) -> List[WholeBackwardMatch]:
     """Every ``aten._fused_rms_norm_backward`` call of the graph: each is one RMSNorm site."""
-    return [WholeBackwardMatch(n) for n in graph.nodes if is_call(n, FUSED_RMS_NORM_BACKWARD)]
+    return [WholeBackwardMatch(n) for n in calls_of(graph, FUSED_RMS_NORM_BACKWARD)]
 
 
 def _whole_backward_outputs(node: fx.Node):
