@@ -130,7 +130,7 @@ def _fuser(options: FusionOptions, stage: str, around_pass: Optional[Callable], 
             if inference:
                 result.append(fuse_inference(gm, options))
             elif stage == "joint" and split is not None:
-                result.append(fuse_joint(gm, options))
+                result.append(fuse_joint(gm, options, recompile=False))  # partitioned next, never run
             else:
                 result.append(fuse_backward(gm, options, forward=forward))
             decompose_again(gm, recomposed, table)

@@ -333,15 +333,19 @@ def fuse_forward(gm: fx.GraphModule, options: Union[FusionOptions, Mapping, None
 
 def fuse_joint(gm: fx.GraphModule, options: Union[FusionOptions, Mapping, None] = None,
                copy_op: Optional[Callable] = None, partitioner: Optional[str] = None,
-               session: Optional[PassSession] = None) -> FusionResult:
+               session: Optional[PassSession] = None, recompile: bool = True) -> FusionResult:
     """Rewrite RoPE and RMSNorm backward subgraphs of AOTAutograd's joint graph ``gm`` in place,
     before the partition, and leave the graph ready for it (:mod:`.joint`): the partitioner then
     saves what the fused ops read. ``copy_op`` makes the forward copies of caller-reachable
     tensors (:class:`~.joint.JointGraph`; each compiler keeps a different op); ``partitioner``
-    is the one that will split the graph (default: the options'). Returns a :class:`FusionResult`
-    (added to the ``session``'s history)."""
+    is the one that will split the graph (default: the options'). ``recompile=False`` leaves the
+    module's Python code as it was, for a caller that partitions the graph next and never runs the
+    joint module (the backend: a partitioner reads the graph, and min-cut regenerates the code
+    itself); the code generation is a quarter of the pass at 8 layers. Returns a
+    :class:`FusionResult` (added to the ``session``'s history)."""
     return _fuse(gm, options, None, kind="joint", layout=lambda graph, options: JointGraph(
-        graph, copy_op, min_cut=(partitioner or options.partitioner) == "min_cut"), session=session)
+        graph, copy_op, min_cut=(partitioner or options.partitioner) == "min_cut"), session=session,
+        recompile=recompile)
 
 
 #: the rule stages (:data:`~npu_fusion.patterns.rule.STAGES`) that run on an inference graph: the
@@ -351,7 +355,7 @@ INFERENCE_STAGES = ("joint", "forward")
 
 
 def _fuse(gm: fx.GraphModule, options, forward: Optional[fx.Graph], kind: str, layout=None,
-          session: Optional[PassSession] = None) -> FusionResult:
+          session: Optional[PassSession] = None, recompile: bool = True) -> FusionResult:
     """The one run of the pass the entries share: snapshot, rounds, record. ``kind`` is the
     graph's: ``"joint"`` (with its ``layout``), ``"backward"`` or ``"inference"``."""
     session = session or DEFAULT_SESSION
@@ -364,7 +368,7 @@ def _fuse(gm: fx.GraphModule, options, forward: Optional[fx.Graph], kind: str, l
     trace_graph(TRACE_BEFORE, gm)
     start, cpu = time.perf_counter(), time.process_time()  # after the dump: the pass's own time
     with session.collections_paused():
-        _rewrite_or_restore(gm, options, forward, layout if kind == "joint" else None, result)
+        _rewrite_or_restore(gm, options, forward, layout if kind == "joint" else None, result, recompile)
     result.seconds, result.cpu_seconds = time.perf_counter() - start, time.process_time() - cpu
     result.nodes_after = len(gm.graph.nodes)
     _record(result)
@@ -377,7 +381,7 @@ def _fuse(gm: fx.GraphModule, options, forward: Optional[fx.Graph], kind: str, l
 
 
 def _rewrite_or_restore(gm: fx.GraphModule, options, forward: Optional[fx.Graph], joint_layout,
-                        result: FusionResult) -> None:
+                        result: FusionResult, recompile: bool = True) -> None:
     """Rewrite ``gm`` in place (sites, misses and copies into ``result``), or, on any failure,
     put the graph back as it was (``result.error``; ``strict`` raises). ``joint_layout(graph,
     options)`` reads a joint graph's layout (None: ``gm`` is a backward or, with ``result.graph``
@@ -403,7 +407,8 @@ def _rewrite_or_restore(gm: fx.GraphModule, options, forward: Optional[fx.Graph]
         graph.lint()
         if result.sites:
             result.emitted = emitted_targets(snapshot, graph)
-            gm.recompile()
+            if recompile:
+                gm.recompile()
     except Exception as exc:  # the pass never makes a graph wrong: put the original back
         if snapshot is not None:
             gm.graph = snapshot.rebuild()  # the failure may have come after some rewrites (recompiles)
