@@ -158,7 +158,15 @@ def symbolic_head_dims(graph: fx.Graph, gradient: bool, is_rotation_sum) -> list
     that a rotation-shaped sum reads: the head dims a RoPE rule needs static."""
     moved = gradient_dependent(graph) or set()
     seeds = [n for n in graph.nodes if moves_elements(n) and (n in moved) == gradient]
-    return [shape(seed)[-1] for seed in rotation_seeds(seeds, is_rotation_sum).values()]
+    sizes = {}
+    for seed in rotation_seeds(seeds, is_rotation_sum).values():
+        # the moved tensor's own last axis too: an interleaved rotation's seed is a strided slice
+        # x[..., ::2], whose size (s + 1) // 2 a guard fixes without fixing x's head dim s
+        for node in [seed, *seed.all_input_nodes]:
+            size = shape(node)[-1] if shape(node) else None
+            if size is not None and static_int(size) is None:
+                sizes.setdefault(str(size), size)
+    return list(sizes.values())
 
 
 def sums_dx_terms(node: fx.Node) -> bool:

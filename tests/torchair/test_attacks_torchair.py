@@ -251,3 +251,51 @@ def test_a_backward_whose_forward_is_a_recorded_miss_is_recorded_too(ge, name):
     forward, backward = pass_manager.HISTORY.since(mark)
     assert [m.op for m in forward.misses] == [forward_op] and not forward.sites, forward
     assert backward.fused(backward_op) + len([m for m in backward.misses if m.op == backward_op]) == 1, backward
+
+
+def _interleaved(q, cos, sin):
+    return q * cos + torch.stack((-q[..., 1::2], q[..., ::2]), -1).flatten(-2) * sin
+
+
+#: rotations whose element moves are strided slices of q (``q[..., ::2]``): (rotation, target)
+STRIDED = {"interleave": (_interleaved, "a2"), "interleave_half": (_deinterleaved, "950")}
+
+
+@pytest.mark.parametrize("train", [False, True], ids=["inference", "train"])
+@pytest.mark.parametrize("name", list(STRIDED))
+def test_strided_rotation_of_an_input_with_a_symbolic_head_dim(ge, name, train):
+    """q a graph input under ``dynamic=True`` (``npu_fusion.get_npu_backend``), rotated in interleave or
+    interleave-half mode: the pass guards q's head dim as it does for half mode, and the rotation
+    fuses, with no recompile at another batch and sequence. Its element moves are slices with step
+    2, whose last axis ``(s + 1) // 2`` is no symbol: the guard went on that expression, q's head
+    dim stayed symbolic, and the rotation was one miss saying no guard could fix it."""
+    import warnings
+
+    from npu_fusion.measure.grads import float64_grads, run_grads
+
+    rotation, target = STRIDED[name]
+    backend = npu_fusion.get_npu_backend(compiler_config=npu_fusion.install(ge.config(), target=target))
+    warnings.filterwarnings("ignore", message="Your compiler for AOTAutograd", category=UserWarning)
+    torch._dynamo.utils.counters.clear()
+    compiled = torch.compile(rotation, backend=backend, dynamic=True)
+    mark = pass_manager.HISTORY.mark()
+    for seed, (b, s) in enumerate(((2, 6), (3, 9))):
+        q = _seeded(seed, b, 4, s, 16, dtype=torch.float32).requires_grad_(train)
+        angles = _seeded(seed + 10, s, 16, dtype=torch.float32)
+        inputs = [q, angles.cos(), angles.sin()]
+        with torch.set_grad_enabled(train):
+            if train:
+                got, grad_outputs = run_grads(compiled, inputs)
+                eager, _ = run_grads(rotation, inputs, (), grad_outputs)
+                exact = float64_grads(rotation, inputs, (), grad_outputs)
+            else:
+                got, eager, exact = [compiled(*inputs)], [rotation(*inputs)], [rotation(*[t.double() for t in inputs])]
+        named = lambda values: {str(i): v for i, v in enumerate(values)}  # noqa: E731
+        failures = grad_failures(named(got), named(eager), named([x.to(e.dtype) for x, e in zip(exact, eager)]))
+        assert not failures, failures
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1, "another batch and sequence recompiled"
+    results = pass_manager.HISTORY.since(mark)
+    fused = [(r.graph, r.fused("rotary_position_embedding"), r.fused("rotary_position_embedding_grad"))
+             for r in results]
+    assert fused == ([("forward", 1, 0), ("backward", 0, 1)] if train else [("inference", 1, 0)]), results
+    assert not [m for r in results for m in r.misses] and not [r.error for r in results if r.error], results
