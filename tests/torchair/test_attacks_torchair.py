@@ -230,17 +230,14 @@ BACKWARD_SILENT = {
                      "rms_norm", "rms_norm_grad"),
     "sin_scaled_by_a_constant": (lambda x, c, s: x * c + rotate_half(x) * s * 0.5, (Q, COS, SIN), (1, 0, 0),
                                  "rotary_position_embedding", "rotary_position_embedding_grad"),
-    "learned_tables_of_a_frozen_x": (rotate, (Q, COS, SIN), (0, 1, 1), "rotary_position_embedding",
-                                     "rotary_position_embedding_grad"),
 }
 
 
 @pytest.mark.xfail(strict=True, reason=(
     "the backward rules' scans do not see these backwards as a site: a gradient scaled by a clamped rstd "
-    "(no RMS statistic), a rotation whose sin is scaled by a constant (the dx scan reads no mode's formula and "
-    "records nothing), and, through install's partition, the tables' gradients of a rotation whose x takes no "
-    "gradient (the backward graph holds only sum(dy * x) and sum(dy * rotate_half(x)), no cos or sin to anchor "
-    "the scan on); the forward's miss is recorded, so `explain` counts the backward op's site unexplained"))
+    "(no RMS statistic) and a rotation whose sin is scaled by a constant after the product (the dx scan reads no "
+    "mode's formula and records nothing); the forward's miss is recorded, so `explain` counts the backward op's "
+    "site unexplained"))
 @pytest.mark.parametrize("name", list(BACKWARD_SILENT))
 def test_a_backward_whose_forward_is_a_recorded_miss_is_recorded_too(ge, name):
     program, tensors, grads, forward_op, backward_op = BACKWARD_SILENT[name]
@@ -299,6 +296,22 @@ def test_strided_rotation_of_an_input_with_a_symbolic_head_dim(ge, name, train):
              for r in results]
     assert fused == ([("forward", 1, 0), ("backward", 0, 1)] if train else [("inference", 1, 0)]), results
     assert not [m for r in results for m in r.misses] and not [r.error for r in results if r.error], results
+
+
+@pytest.mark.parametrize("forward_rules", [True, False], ids=["forward_rules", "backward_only"])
+def test_learned_tables_of_a_frozen_x_are_one_backward_miss(ge, forward_rules):
+    """Through install, the backward of a rotation whose tables take a gradient and whose x does not
+    is ``sum(dy * x)`` and ``sum(dy * rotate_half(x))`` of the saved x and rotated x, no cos or sin:
+    it was silent (with the forward rules off, the whole site). One recorded backward miss now."""
+    options = {} if forward_rules else {"rope_forward": False, "rms_norm_forward": False}
+    mark = pass_manager.HISTORY.mark()
+    compiled = ge.compile(rotate, config=npu_fusion.install(ge.config(), target="a2", **options))
+    got = _step(compiled, (Q, COS, SIN), (0, 1, 1))
+    assert not _failures(got, plain(rotate), (Q, COS, SIN), (0, 1, 1))
+    forward, backward = pass_manager.HISTORY.since(mark)
+    assert [m.op for m in forward.misses] == (["rotary_position_embedding"] if forward_rules else []), forward
+    (miss,) = backward.misses
+    assert miss.op == "rotary_position_embedding_grad" and "joint graph" in miss.reason and not backward.sites, miss
 
 
 class GateUpMlp(torch.nn.Module):
