@@ -269,6 +269,32 @@ def size_hint(size) -> Optional[int]:
     return size.node.hint
 
 
+def implied_by_guards(condition) -> bool:
+    """Whether the guards the shape environment already holds imply ``condition`` (a ``torch.SymBool``).
+
+    ``statically_known_true`` reads the symbols' ranges only: a guard on a product (``s0*s1 <
+    1000``, installed while the forward was compiled) narrows no range, so the backward of the same
+    compilation, compiled later with the same shape environment, could not prove it. The guards are
+    checked on every call that reaches the compiled graphs, so they are facts there. False where
+    this torch's shape environment has no such query."""
+    node = getattr(condition, "node", None)
+    env = getattr(node, "shape_env", None)
+    if env is None:
+        return False
+    try:  # the guards read afresh: the environment's cached get_axioms() misses guards added since its last call
+        axioms = tuple(dict.fromkeys(guard.expr for guard in env.guards))
+        return bool(env._maybe_evaluate_static(node.expr, axioms=axioms) is sympy_true())
+    except (AttributeError, TypeError):
+        return False
+
+
+def sympy_true():
+    """sympy's ``true`` (what a shape environment answers for a condition it proves)."""
+    import sympy
+
+    return sympy.true
+
+
 def current_compile_id():
     """Dynamo's id of the compilation in progress (``torch._guards.CompileContext``), or None."""
     try:

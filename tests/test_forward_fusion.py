@@ -271,7 +271,9 @@ NEAR_MISSES = {  # name: (the norm of h, the miss's reason or None when the site
                              "no node near it is rstd * x * gamma"),
     "another_tensor_normalized": (lambda h, w: h.flip(-1) * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + EPS) * w,
                                   "no node near it is rstd * x * gamma"),
-    "mean_over_the_wrong_axis": (lambda h, w: h * torch.rsqrt(h.pow(2).mean(1, keepdim=True) + EPS) * w, None),
+    # a statistic over another axis: the backward rule reads it as an RMS statistic, the forward records it too
+    "mean_over_the_wrong_axis": (lambda h, w: h * torch.rsqrt(h.pow(2).mean(1, keepdim=True) + EPS) * w,
+                                 "not its last axes"),
     "normalized_value_rounded_to_bf16": (
         lambda h, w: w * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + EPS)).bfloat16().float(),
         "rounds a value inside the site to torch.bfloat16"),

@@ -84,14 +84,25 @@ def test_symbolic_hidden_size_fuses_rms_norm():
         assert_close_as_unfused(g, e, x64, factor=4.0)
 
 
-def test_symbolic_head_dim_is_a_recorded_miss():
+def test_symbolic_head_dim_of_an_input_is_guarded_and_fuses():
+    """q an input whose head dim ``dynamic=True`` makes symbolic, rotated by transformers' ``rotate_half``
+    (slices ``x[..., : d // 2]``): the rules guard the sliced tensor's head dim d, not only the
+    slices' width ``d // 2`` (a guard on which left d symbolic: the rotation was one recorded miss),
+    and the rotation fuses both ways; gradients by the float64 criterion."""
+    from npu_fusion.measure.grads import float64_grads
+
     q, k, _, _ = rope_inputs()
     cos, sin = torch.randn(6, 16), torch.randn(6, 16)
     torch._dynamo.reset()
     capture = Capture(target="generic")
-    run_grads(torch.compile(lambda q, c, s: rope(q, c, s), backend=capture, dynamic=True), [q, cos, sin])
-    assert capture.fused(ROPE) == 0
-    assert any(m.op == ROPE and "symbolic last axis" in m.reason for m in capture.misses())
+    got, grad_outputs = run_grads(torch.compile(lambda q, c, s: rope(q, c, s), backend=capture, dynamic=True),
+                                  [q, cos, sin])
+    eager, _ = run_grads(rope, [q, cos, sin], (), grad_outputs)
+    exact = float64_grads(rope, [q, cos, sin], (), grad_outputs)
+    assert capture.fused(ROPE) == 1 and capture.fused("rotary_position_embedding") == 1, capture.misses()
+    assert not capture.misses()
+    for g, e, x64 in zip(got, eager, exact):
+        assert_close_as_unfused(g, e, x64, factor=4.0)
 
 
 def model_grads(model, ids, step=None):

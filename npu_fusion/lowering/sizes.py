@@ -21,7 +21,7 @@ from typing import Callable, List, Optional, Sequence
 import torch
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-from ..compat import guard_size_condition, guardable_example, marked_dynamic_source, size_hint
+from ..compat import guard_size_condition, guardable_example, implied_by_guards, marked_dynamic_source, size_hint
 
 #: the size conditions the decision in progress keeps under a guard, or None where no guard may
 #: be installed (outside :func:`guarding_sizes`)
@@ -51,9 +51,12 @@ def same_shape(a: Sequence, b: Sequence) -> bool:
 
 
 def provably_less(a, b) -> bool:
+    """Whether ``a < b`` holds for every size the graph runs with: numbers, the symbols' ranges, or the guards already made."""
     if isinstance(a, int) and isinstance(b, int):
         return a < b
-    return bool(statically_known_true(a < b))
+    condition = a < b
+    return bool(statically_known_true(condition)) or (isinstance(condition, torch.SymBool)
+                                                       and implied_by_guards(condition))
 
 
 @contextlib.contextmanager

@@ -244,6 +244,55 @@ def spelled_root(node: fx.Node, provenance: Optional[Provenance]) -> Optional[fx
     return None
 
 
+#: arithmetic by a number a near miss's mean of squares may pass through before eps is added
+_SCALINGS = (aten.mul.Tensor, aten.mul.Scalar, aten.div.Tensor, aten.div.Scalar)
+
+
+def resembling_statistic(node: fx.Node, provenance: Optional[Provenance]) -> Optional[str]:
+    """How ``node``, a root of a mean of squares plus eps that is no RMS statistic, differs from one, or None.
+
+    ``node`` is ``rsqrt``, ``** -0.5`` or ``sqrt`` of ``c * mean(y*y, axes) + eps`` (or a
+    ``sum`` divided by any count, over any axes, y not centred) but not
+    ``root(mean(y*y, last axes) + eps)`` itself (:func:`rms_root`): the statistic an RMSNorm
+    near miss computes (a scaled mean, a sum over another count, another axis), which the
+    backward rule's scans read as an RMS statistic too. None for anything else."""
+    if node.op != "call_function" or not isinstance(node.args[0], fx.Node) or not (
+            node.target in (aten.rsqrt.default, aten.sqrt.default)
+            or (node.target is aten.pow.Tensor_Scalar and node.args[1] == -0.5)):
+        return None
+    if rms_root(node, provenance, lambda n: True) is not None:
+        return None
+    shifted = definition_of(node.args[0], provenance)
+    if shifted.target not in (aten.add.Tensor, aten.add.Scalar) or shifted.kwargs.get("alpha", 1) != 1:
+        return None
+    for reduced, eps in (shifted.args[:2], shifted.args[1::-1]):
+        if not isinstance(reduced, fx.Node) or not _is_scalar_eps(eps):
+            continue
+        scaled = False
+        reduced = definition_of(reduced, provenance)
+        for _ in range(2):
+            if reduced.target in _SCALINGS and graph_constant(reduced.args[1]) is not None:
+                reduced, scaled = definition_of(reduced.args[0], provenance), True
+        if reduced.target not in (aten.mean.dim, aten.sum.dim_IntList) or not isinstance(reduced.args[0], fx.Node):
+            continue
+        square = reduced.args[0]
+        axes = reduced.args[1] if len(reduced.args) > 1 else None
+        squared = square.args[0] if (square.target is aten.pow.Tensor_Scalar and square.args[1] == 2) or (
+            square.target is aten.mul.Tensor and square.args[0] is square.args[1]) else None
+        if not isinstance(squared, fx.Node) or shape(squared) is None or is_centred(squared, provenance):
+            continue
+        rank = len(shape(squared))
+        dims = sorted(normalize_dim(d, rank) for d in (axes or range(rank)))
+        if dims != list(range(rank - len(dims), rank)):
+            return f"a mean of squares over axes {dims} of a rank-{rank} tensor, not its last axes"
+        if len(dims) == rank:
+            return "a mean of squares over every axis of the tensor (an RMSNorm keeps a leading axis)"
+        if scaled or reduced.target is aten.sum.dim_IntList:
+            return "a mean of squares scaled by a constant, or a sum of squares divided by a count"
+        return "a cast or a view between the root and its mean plus eps"
+    return None
+
+
 def _is_scalar_eps(eps) -> bool:
     """A number >= 0, or a one-element tensor (``dynamic=True`` passes a float as a graph input)."""
     if isinstance(eps, fx.Node):

@@ -185,17 +185,27 @@ def symbolic_head_dims(graph: fx.Graph, gradient: bool, is_rotation_sum) -> list
     whose size ``d // 2`` keeps its example value for two head dims; ``chunk`` splits at ``(d + 1) // 2``)."""
     moved = gradient_dependent(graph) or set()
     seeds = [n for n in graph.nodes if moves_elements(n) and (n in moved) == gradient]
-    sizes = [shape(seed)[-1] for seed in rotation_seeds(seeds, is_rotation_sum).values()]
+    sizes = {}
+    for seed in rotation_seeds(seeds, is_rotation_sum).values():
+        # the moved tensor's own last axis too: an interleaved rotation's seed is a strided slice
+        # x[..., ::2], whose size (s + 1) // 2 a guard fixes without fixing x's head dim s
+        for node in [seed, *seed.all_input_nodes]:
+            size = shape(node)[-1] if shape(node) else None
+            if size is not None and static_int(size) is None:
+                sizes.setdefault(str(size), size)
     if not sizes:
-        return sizes
+        return []
     by_symbol = {}  # each graph input's size that is a single symbol, by that symbol
     for node in graph.nodes:
         if node.op == "placeholder":
             for size in shape(node) or ():
                 if static_int(size) is None and getattr(size.node.expr, "is_Symbol", False):
                     by_symbol.setdefault(size.node.expr, size)
-    return sizes + [by_symbol[symbol] for size in sizes for symbol in sorted(size.node.expr.free_symbols, key=str)
-                    if symbol in by_symbol]
+    for size in list(sizes.values()):
+        for symbol in sorted(size.node.expr.free_symbols, key=str):
+            if symbol in by_symbol:
+                sizes.setdefault(str(by_symbol[symbol]), by_symbol[symbol])
+    return list(sizes.values())
 
 
 def sums_dx_terms(node: fx.Node) -> bool:

@@ -553,7 +553,7 @@ def _scaled_from(node, silu: fx.Node, depth: int = FACTOR_DEPTH + 1) -> bool:
     return node is silu
 
 
-def _decomposed_silu_operand(node: fx.Node):
+def decomposed_silu_operand(node: fx.Node):
     """The operand of a decomposed SiLU at ``node``: ``sigmoid(a)`` (core ATen) or ``exp(-a)`` (Inductor's)."""
     if node.op != "call_function":
         return None
@@ -587,7 +587,7 @@ def decomposed_silu_misses(graph: fx.Graph, op: str, misses, nodes=None) -> List
     ev = swiglu_evaluator()
     seen, out = {m.node for m in misses}, []
     for node in graph.nodes if nodes is None else [n for n in graph.nodes if n in nodes]:
-        operand = _decomposed_silu_operand(node)
+        operand = decomposed_silu_operand(node)
         source = _halves_source(ev, operand) if operand is not None else None
         if source is None or source.name in seen:
             continue

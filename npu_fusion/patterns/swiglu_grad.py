@@ -35,8 +35,9 @@ from .nodes import aten, dtype, gradient_dependent, is_float_cast, last_of, shap
 from .pairing import site_key
 from .rewrite import Insertion, Miss, RuleContext, commit, emit_fused_op, exact_common_dtype
 from .rule import Form, FusionRule, RoundReport, SiteProbe
-from .swiglu import (Piece, dead_region, decomposed_silu_misses, glu_problem, is_silu, numel, order_problem,
-                     piece_of, precision_problem, run_monomials, swiglu_evaluator, unread_glu_problem)
+from .swiglu import (Piece, dead_region, decomposed_silu_misses, decomposed_silu_operand, glu_problem, is_silu, numel,
+                     order_problem, piece_of, precision_problem, run_monomials, swiglu_evaluator, through_casts,
+                     unread_glu_problem)
 
 
 #: how far below the silu_backward node dx may lie (cat, slice_backward and add, casts, a view)
@@ -233,6 +234,36 @@ def _saved_halves_miss(provenance, sb: fx.Node) -> Optional[Miss]:
                                   f"backend and install_inductor fuse it on the joint graph)")
 
 
+def _saved_halves_decomposed_misses(graph: fx.Graph, provenance, misses) -> List[Miss]:
+    """On a backward graph alone: a miss where a decomposed SiLU's backward reads two saved pieces of one split.
+
+    torchair (the wheels' torchair has no converter for ``aten.silu_backward``) needs SiLU's
+    backward decomposed (``custom_decompositions``), and the backward then reads ``sigmoid`` of
+    the saved gate beside the saved up: the site :func:`_saved_halves_miss` records for a whole
+    ``silu_backward``, one miss per split, so it is not silent."""
+    if provenance is None or isinstance(provenance, JointProvenance) or provenance.forward is None:
+        return []
+    saved = {}
+    for node in graph.nodes:
+        source = _split_source(provenance, node)
+        if source is not None:
+            saved.setdefault(source, set()).add(node)
+    seen, out = {m.node for m in misses}, []
+    for node in graph.nodes:
+        operand = decomposed_silu_operand(node)
+        source = _split_source(provenance, through_casts(operand)) if isinstance(operand, fx.Node) else None
+        pieces = source.meta.get("val") if source is not None else None
+        if source is None or len(saved[source]) < 2 or source.name in seen or not (
+                isinstance(pieces, (list, tuple)) and len(pieces) == 2 and same_shape(pieces[0].shape, pieces[1].shape)):
+            continue  # two halves of one split, as a SwiGLU reads
+        seen.add(source.name)
+        out.append(Miss(OP.name, node.name, f"the gate and the up are two saved outputs of {source.name} (SiLU's "
+                                            f"backward decomposed, {node.name}) and x is not saved: on a backward "
+                                            f"graph alone swiglu_grad cannot read x (the npu_fusion backend and "
+                                            f"install_inductor fuse it on the joint graph)"))
+    return out
+
+
 def find_sites(graph: fx.Graph, ctx: RuleContext) -> RoundReport:
     """This round's backward sites and near misses (nothing rewritten)."""
     gradient = gradient_dependent(graph)
@@ -318,4 +349,5 @@ class SwigluGradRule(FusionRule):
     def unexplained(self, graph: fx.Graph, ctx: RuleContext, misses) -> List[Miss]:
         """A SwiGLU-like backward no form read, and a decomposed SiLU of a half of one projection: one miss each."""
         unread = unread_backward_misses(graph, ctx, misses)
-        return unread + decomposed_silu_misses(graph, OP.name, [*misses, *unread])
+        decomposed = decomposed_silu_misses(graph, OP.name, [*misses, *unread])
+        return unread + decomposed + _saved_halves_decomposed_misses(graph, ctx.provenance, [*misses, *unread, *decomposed])

@@ -46,8 +46,8 @@ from ..evaluator import JointProvenance, Provenance
 from ..nodes import aten, downstream, gradient_dependent
 from ..rewrite import Miss, RuleContext
 from ..pairing import calls, source
-from ..rms_statistic import (EVERY_AXIS_REASON, over_every_axis, rms_root, rms_statistic_operand, spelled_root,
-                             unmatched_spelling, whole_forward_misses)
+from ..rms_statistic import (EVERY_AXIS_REASON, over_every_axis, resembling_statistic, rms_root, rms_statistic_operand,
+                             spelled_root, unmatched_spelling, whole_forward_misses)
 from ..rule import Form, FusionRule, RoundReport, SiteProbe
 from .sites import ForwardNormMatch, Y_DEPTH, is_root, find_sites
 from .emit import emit as emit_site
@@ -81,8 +81,27 @@ def unexplained(graph: fx.Graph, provenance: Optional[Provenance], misses: List[
                                         "form matched (run with TORCH_LOGS=npu_fusion and dump_graphs to see it)")
                   for n in found]
     spellings = [Miss(OP.name, n.name, reason) for n, reason in spelled.values()]
+    spellings += _resembling_statistics(graph, gradient, missed)
     whole = whole_forward_misses(graph, provenance, OP.name)
     return statistics + spellings + whole + _unpaired_backwards(graph, gradient, misses + statistics + spellings + whole)
+
+
+def _resembling_statistics(graph: fx.Graph, gradient: set, missed: set) -> List[Miss]:
+    """A miss at each forward root of a mean of squares plus eps that is no RMS statistic (:func:`resembling_statistic`).
+
+    A miss at each forward root of a mean of squares plus eps that is no RMS statistic
+    (:func:`resembling_statistic`: a scaled mean, a sum over another count, another axis) and
+    near which no miss was recorded: the backward rule's scans read such a norm's backward as an
+    RMSNorm's and record it, so its forward (the only site of an inference graph) is recorded too."""
+    out = []
+    for n in graph.nodes:
+        how = resembling_statistic(n, None) if n not in gradient else None
+        if how is not None and not any(r.name in missed for r in downstream(graph, [n], Y_DEPTH)):
+            out.append(Miss(OP.name, n.name, f"a root of a mean of squares plus eps like an RMS statistic, but {how}: "
+                                             "no RMSNorm form is rsqrt(mean(x*x) + eps) over x's last axes with eps a "
+                                             "number; if this is an RMSNorm, write x * torch.rsqrt(x.pow(2).mean(-1, "
+                                             "keepdim=True) + eps) and it fuses"))
+    return out
 
 
 #: why a forward RMSNorm whose statistic is the reciprocal of the root fuses in no form

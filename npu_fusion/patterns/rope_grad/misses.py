@@ -7,7 +7,7 @@ from typing import Dict, List, Optional, Tuple
 import torch.fx as fx
 
 from ...lowering import ROPE, ROPE_GRAD as OP
-from ..evaluator import Provenance
+from ..evaluator import JointProvenance, Provenance
 from ..lanes import LaneEvaluator
 from ..nodes import CAST_TARGETS, VIEWS, aten, downstream, gradient_dependent, gradient_product, is_float_cast
 from ..rewrite import Miss
@@ -113,8 +113,44 @@ def unexplained(graph: fx.Graph, provenance: Optional[Provenance], misses: List[
             group[1].update(reach)
     ev = lane_evaluator(provenance)
     ev.gradient_nodes = gradient
-    return [Miss(OP.name, anchor.name, _unmatched_reason(tables[anchor]) + _nearest_difference(ev, graph, anchor))
-            for anchor, _ in groups]
+    found = [Miss(OP.name, anchor.name, _unmatched_reason(tables[anchor]) + _nearest_difference(ev, graph, anchor))
+             for anchor, _ in groups]
+    return found + _saved_rotation_misses(graph, provenance, gradient, [*misses, *found])
+
+
+#: why the tables' gradients of a rotation read through a saved rotate(x) stay on a backward graph alone
+SAVED_ROTATION_REASON = ("the tables' gradients of a rotation whose x takes no gradient, read from the saved "
+                         "rotate(x) ({saved}): this backward graph holds no cos or sin for "
+                         "RotaryPositionEmbeddingGrad to read (torchair's install sees it after the partition); "
+                         "the npu_fusion backend and install_inductor fuse it on the joint graph")
+
+
+def _saved_rotation_misses(graph: fx.Graph, provenance: Optional[Provenance], gradient: set,
+                           misses: List[Miss]) -> List[Miss]:
+    """On a backward graph alone: a miss per forward rotation whose saved rotated x a gradient multiplies, and nothing else records.
+
+    Learned tables of an x that takes no gradient: the partitioned backward is only ``sum(dy * x)``
+    and ``sum(dy * rotate(x))`` over the saved x and ``rotate(x)``, with no table for the scan above
+    to anchor on; the saved ``rotate(x)`` is a move of elements that a rotation-shaped sum of the
+    forward graph reads (the forward rule's own miss names that forward)."""
+    from ..rope.sites import sums_rotation_terms
+    from ..rotation import moves_elements, rotation_sums
+
+    forward = getattr(provenance, "forward", None)
+    if forward is None or isinstance(provenance, JointProvenance) or misses or calls(graph, OP):
+        return []
+    out, seen = [], set()
+    for node in graph.nodes:
+        product = gradient_product(node, gradient)
+        saved = product[1] if product is not None else None
+        definition = provenance.forward_definition(saved) if saved is not None and saved.op == "placeholder" else None
+        if definition is None or not moves_elements(definition):
+            continue
+        sums = rotation_sums([definition], sums_rotation_terms, symbolic_only=False)
+        if sums and sums[0] not in seen:
+            seen.add(sums[0])
+            out.append(Miss(OP.name, node.name, SAVED_ROTATION_REASON.format(saved=saved.name)))
+    return out
 
 
 def _unmatched_reason(table) -> str:
