@@ -23,7 +23,8 @@ import tempfile
 import time
 from typing import Any, Dict, List
 
-from npu_fusion.lowering import FUSED_OPS
+from npu_fusion.lowering import FUSED_OPS, RMS_NORM_GRAD
+from npu_fusion.plugin.options import forward_ops
 from npu_fusion_testing.generated import ROOT, publishing, script_command
 
 EXAMPLES = ROOT / "examples" / "configs"
@@ -36,8 +37,8 @@ CONFIGS = {
 TARGETS = ("a2", "950")
 #: the fused ops by direction: each counted site is a backward site, and a forward one while the
 #: forward rules are on (their default)
-BACKWARD_NAMES = ("rms_norm_grad", "rotary_position_embedding_grad")
-FORWARD_NAMES = ("rms_norm", "rotary_position_embedding")
+FORWARD_NAMES = forward_ops()
+BACKWARD_NAMES = tuple(op.name for op in FUSED_OPS if op.name not in FORWARD_NAMES)
 LABELS = {op.name: op.label for op in FUSED_OPS}
 
 
@@ -84,7 +85,7 @@ def _counted(target: Dict[str, Any], ops: List[str]) -> Dict[str, int]:
 def _sites(target: Dict[str, Any]) -> str:
     """The counted sites by kind (the backward ops' counts: one per RMSNorm call, one per rotation)."""
     return ", ".join(f"{target['accounting'][op]['expected']} {LABELS[op]}" for op in BACKWARD_NAMES
-                     if op in target["accounting"])
+                     if target["accounting"].get(op, {}).get("expected"))
 
 
 def _runs_refuses(target: Dict[str, Any]) -> str:
@@ -106,7 +107,7 @@ def print_table(reports: Dict[str, Dict[str, Any]], args: argparse.Namespace) ->
     print("|---|---|---|---|---|" + "---|" * len(TARGETS) + "---|---|")
     for name, r in reports.items():
         targets = [r["targets"][t] for t in TARGETS]
-        traffic, saved = targets[-1]["memory_traffic"].get(BACKWARD_NAMES[0]), targets[-1]["saved_activations"]
+        traffic, saved = targets[-1]["memory_traffic"].get(RMS_NORM_GRAD.name), targets[-1]["saved_activations"]
         traffic_cell = (f"{_gib(traffic['bytes_before'])} -> {_gib(traffic['bytes_after'])} "
                         f"({_gib(traffic['bytes_minimum'])})" if traffic else "-")
         print(f"| {CONFIGS[name][0]} | {r['wall_seconds']:.0f} s | {r['seconds']:.0f} s | "
