@@ -81,7 +81,8 @@ def unexplained(graph: fx.Graph, provenance: Optional[Provenance], misses: List[
                                         "form matched (run with TORCH_LOGS=npu_fusion and dump_graphs to see it)")
                   for n in found]
     spellings = [Miss(OP.name, n.name, reason) for n, reason in spelled.values()]
-    spellings += _resembling_statistics(graph, gradient, missed)
+    # one miss a root: a root the spellings above name (a norm over every axis) is not named again
+    spellings += _resembling_statistics(graph, gradient, missed | {m.node for m in spellings})
     whole = whole_forward_misses(graph, provenance, OP.name)
     return statistics + spellings + whole + _unpaired_backwards(graph, gradient, misses + statistics + spellings + whole)
 
