@@ -1,4 +1,4 @@
-"""Fuse SwiGLU's forward on the joint graph into ``npu_fusion.swiglu``, and what its two rules share.
+"""Fuse SwiGLU's forward on the joint graph into ``npu_fusion.swiglu``.
 
 Unfused, as AOTAutograd writes Phi-3's MLP (``gate, up = gate_up_proj(h).chunk(2, -1)``)::
 
@@ -34,225 +34,23 @@ The fused backward reads x itself, so the partition saves x instead of the halve
 from __future__ import annotations
 
 import dataclasses
-import operator
 from typing import List, Optional, Tuple
 
-import torch
 import torch.fx as fx
 
 from ..lowering import FUSED_OPS
 from ..lowering.ops.swiglu import OP, swiglu_target_problem
 from ..lowering.ops.swiglu_grad import OP as GRAD_OP
-from .evaluator import kept_precision, rounding_problem, saved_by_the_forward
-from . import lane_pieces
-from .lanes import LaneEvaluator, Lanes
-from ..lowering.checks import numel as product_of, size_equal
-from ..lowering.sizes import same_shape, static_int
-from .nodes import aten, dtype, gradient_dependent, holds, is_float_cast, shape, val
+from .evaluator import saved_by_the_forward
+from .lanes import LaneEvaluator
+from .nodes import aten, gradient_dependent, is_float_cast, shape
 from .pairing import site_key
 from .rewrite import Insertion, Miss, RuleContext, as_forward_work, commit, emit_fused_op
 from .rule import Form, FusionRule, RoundReport, SiteProbe
 
-#: the ops that may move elements across the leading axes (the lanes domain tracks the last axis
-#: only): none may lie inside a site, so the fused op's output is the site's elements in its order
-REORDERING = {aten.permute.default, aten.transpose.int, aten.t.default, aten.expand.default, aten.select.int,
-              aten.unbind.int, aten.as_strided.default, aten.flip.default, aten.roll.default, aten.repeat.default,
-              aten.index.Tensor, aten.gather.default, aten.select_backward.default}
-#: the ops that join along an axis: only along the last one (the halves)
-JOINING = {aten.cat.default, aten.stack.default}
-
-
-def swiglu_evaluator() -> LaneEvaluator:
-    """The lanes domain over the whole graph: every node read as itself (silu a leaf)."""
-    return LaneEvaluator(None)
-
-
-@dataclasses.dataclass(frozen=True)
-class Piece:
-    """A value that is, position by position, leaf ``x`` (its node) at ``start .. start + size``
-    of its last axis, which is ``width`` wide."""
-    x: fx.Node
-    lid: int
-    start: int
-    size: int
-    width: int
-
-    @property
-    def is_gate(self) -> bool:
-        return self.start == 0 and 2 * self.size == self.width
-
-    @property
-    def is_up(self) -> bool:
-        return 2 * self.start == self.width and 2 * self.size == self.width
-
-
-def piece_of(ev: LaneEvaluator, node) -> Optional[Piece]:
-    """``node``'s value as a contiguous piece of one leaf's last axis, or None."""
-    if not isinstance(node, fx.Node):
-        return None
-    v = ev.value(node)
-    if v is None or v.reduction is not None or v.complex or len(v.inner) != 1 or not v.inner[0]:
-        return None
-    runs = run_monomials(v)
-    if runs is not None:  # position i of a run reads (leaf, i + offset): one leaf, one offset for all of them
-        variables = {mono for _, _, mono in runs}
-        if len(variables) != 1 or len(next(iter(variables))) != 1:
-            return None
-        (lid, start), = variables.pop()
-        return _piece(ev, lid, start, v.inner[0])
-    vars_ = []
-    for poly in v.polys:
-        if len(poly) != 1:
-            return None
-        (mono, coef), = poly.items()
-        if coef != 1 or len(mono) != 1:
-            return None
-        vars_.append(mono[0])
-    lid, start = vars_[0]
-    if any(var != (lid, start + i) for i, var in enumerate(vars_)):
-        return None
-    return _piece(ev, lid, start, len(vars_))
-
-
-def _piece(ev: LaneEvaluator, lid: int, start: int, size: int) -> Optional[Piece]:
-    leaf = ev.leaves[lid]
-    width = ev.value(leaf).inner[-1] if ev.value(leaf) is not None else None
-    if width is None:
-        return None
-    return Piece(leaf, lid, start, size, width)
-
-
-def run_monomials(v) -> Optional[List[Tuple[int, int, tuple]]]:
-    """``v``'s runs of positions as ``(lo, hi, monomial)`` where each run's template is one monomial of
-    coefficient 1 (position i reads it with every offset plus i), or None (no runs, or a run that is not).
-
-    The same question the per-position polynomials answer, asked once a run, so that a piece of a
-    wide projection costs the same as a narrow one."""
-    if v.pieces is None:
-        return None
-    runs = []
-    for lo, hi, template in v.pieces:
-        if len(template) != 1:
-            return None
-        (mono, coef), = template.items()
-        if coef != 1:
-            return None
-        runs.append((lo, hi, mono))
-    return runs
-
-
-def numel(node: fx.Node):
-    """The number of elements of ``node``'s value (symbolic where its sizes are)."""
-    return product_of(shape(node))
-
-
-def is_silu(node) -> bool:
-    return isinstance(node, fx.Node) and node.op == "call_function" and node.target is aten.silu.default
-
-
-def through_casts(node: fx.Node) -> fx.Node:
-    """The node past the float casts that end at it."""
-    while is_float_cast(node):
-        node = node.args[0]
-    return node
-
-
-def outermost_cast(node: fx.Node) -> fx.Node:
-    """``node`` followed through the float casts that are its only user."""
-    while len(node.users) == 1 and is_float_cast(next(iter(node.users))):
-        node = next(iter(node.users))
-    return node
-
-
-def product_value(ev: LaneEvaluator, a: Tuple[int, int], b_lid: int, b_start: int, size: int) -> List[dict]:
-    """The lanes of ``leaf a[i] * leaf b[b_start + i]``, a given as (leaf id, start)."""
-    return [{tuple(sorted(((a[0], a[1] + i), (b_lid, b_start + i)))): 1} for i in range(size)]
-
-
-def is_product_value(v, a: Tuple[int, int], b_lid: int, b_start: int, size: int) -> bool:
-    """Whether ``v``'s lanes are :func:`product_value`'s, compared once a run where ``v`` has runs.
-
-    Position i of a run reads its template's variables ``(leaf, offset)`` as ``(leaf, i + offset)``, so the
-    product's lanes are the one run of ``a[i] * b[b_start + i]``: offsets ``a``'s start and ``b_start``."""
-    if v.flat is not None:
-        return lane_pieces.equal(v.flat, ((0, size, {tuple(sorted(((a[0], a[1]), (b_lid, b_start)))): 1}),))
-    return v.polys == product_value(None, a, b_lid, b_start, size)
-
-
-def glu_problem(gate: Piece, up: Piece) -> Optional[str]:
-    """Why a gate and an up read from one x are not SwiGlu's halves (first gated, second up), or None."""
-    if gate.width % 2:
-        return (f"{gate.x.name}'s last axis is {gate.width} wide, odd: SwiGlu splits x into two equal halves "
-                f"(docs/fused-ops.md#swiglu)")
-    if gate.size != up.size:
-        return f"the gate ({gate.size} wide) and the up ({up.size} wide) are unequal pieces of {gate.x.name}"
-    if up.is_gate and gate.is_up:
-        return (f"silu gates the second half of {gate.x.name} and the first half is the up: SwiGlu gates the "
-                f"first half (torch_npu's npu_swiglu has no flag to swap them)")
-    if not (gate.is_gate and up.is_up):
-        return (f"the gate reads {gate.x.name}[{gate.start}:{gate.start + gate.size}] and the up "
-                f"[{up.start}:{up.start + up.size}] of its {gate.width}: not its two halves in order")
-    return None
-
-
-def order_problem(outputs, stops, numels) -> Optional[str]:
-    """Why the nodes between ``stops`` and ``outputs`` may move elements across the leading axes, or None.
-
-    Why the nodes from ``stops`` (exclusive) to ``outputs`` (their inputs, recursively) may move
-    elements across the leading axes, which the lanes domain does not track, or None: a permutation,
-    broadcast or selection among them, a join along another axis than the last, or, with ``numels``
-    (pairs of sizes that must be equal), a site whose outputs are not as large as the fused op's."""
-    for a, b in numels:
-        if not size_equal(a, b):
-            return f"the site's sizes ({a} and {b} elements) are not the fused op's: a broadcast inside"
-    stack, seen = [a for o in outputs for a in o.all_input_nodes], set()
-    while stack:
-        node = stack.pop()
-        if node in seen or node in stops or node.op != "call_function":
-            continue
-        seen.add(node)
-        name = getattr(node.target, "__name__", str(node.target))
-        rank = len(shape(node)) if shape(node) is not None else 0
-        joins_last = node.target in JOINING and rank and \
-            (node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0)) % rank == rank - 1
-        if node.target in REORDERING or (node.target in JOINING and not joins_last):
-            return (f"{node.name} ({name}) lies inside the site: it may move elements across the leading axes, "
-                    f"which the fused op keeps in place")
-        stack.extend(node.all_input_nodes)
-    return None
-
-
-def precision_problem(ev: LaneEvaluator, output: fx.Node, name: str, roles, leaves=()) -> Optional[str]:
-    """Why the site's roundings keep it unfused, or None.
-
-    The rounding rules of :func:`~.evaluator.rounding_problem`, also below the site's ``leaves``
-    (silu and silu_backward are leaves of the domain: the operands of ``leaves`` are judged by
-    the narrowing casts they were read through), and the fused op's own: it rounds its result to
-    x's dtype, which must hold the precision the program keeps ``output`` at."""
-    problem = rounding_problem(ev, {name: output}, roles)
-    if problem is not None:
-        return problem
-    kept = kept_precision(output)
-    x, working = roles[-1], dtype(roles[0])
-    read = frozenset().union(*(ev.rounded.get(role, frozenset()) for role in roles))
-    for leaf in leaves:
-        for operand in leaf.all_input_nodes:
-            ev.value(operand)
-            rounded = ev.rounded.get(operand, frozenset())
-            coarse = sorted(str(d) for d in rounded if not holds(d, kept))
-            if coarse:
-                return (f"the program rounds {operand.name}, an operand of {leaf.name}, to {', '.join(coarse)} "
-                        f"inside the site, more coarsely than it keeps {name} ({output.name}, {kept}); the "
-                        f"fused op would not round it")
-            # the halves of a rounded copy of x, read where the fused op reads x as it is: another function
-            copies = sorted(str(d) for d in rounded - read if not holds(d, working))
-            if copies:
-                return (f"{leaf.name} reads {operand.name}, a piece of a copy of {x.name} rounded to "
-                        f"{', '.join(copies)}, where the fused op would read {x.name} as it is ({dtype(x)})")
-    if not holds(dtype(x), kept):
-        return (f"the program keeps {name} ({output.name}) in {kept}, finer than x's {dtype(x)} in which the fused "
-                f"op rounds it (a product of {dtype(x)} halves computed and kept in {kept})")
-    return None
+from .swiglu_halves import (dead_region, decomposed_silu_misses, glu_problem, is_product_value, is_silu, numel,
+                            order_problem, outermost_cast, piece_of, precision_problem, scaled_from, scaled_users,
+                            swiglu_evaluator, through_casts, unread_glu_problem)
 
 
 @dataclasses.dataclass
@@ -358,19 +156,6 @@ def _pairing_problem(match: SwigluMatch, path, gradient, provenance=None) -> Opt
     return None
 
 
-def dead_region(outputs, stops) -> List[fx.Node]:
-    """The calls that compute ``outputs`` and that nothing else reads (above them, up to ``stops``):
-    what the rewrite replaces once the outputs are rewired."""
-    region, stack = set(outputs), [a for o in outputs for a in o.all_input_nodes]
-    while stack:
-        node = stack.pop()
-        if node in region or node in stops or node.op != "call_function":
-            continue
-        if all(u in region for u in node.users):
-            region.add(node)
-            stack.extend(node.all_input_nodes)
-    return sorted(region)
-
 
 def emit(ctx: RuleContext, match: SwigluMatch):
     """One forward site rewritten into ``swiglu(x, -1)`` (a :class:`Site`), or a :class:`Miss`."""
@@ -397,121 +182,6 @@ def emit(ctx: RuleContext, match: SwigluMatch):
                   {"x": match.x}, added, fused)
 
 
-#: the ops that cut a value into pieces along one axis (the ATen spellings of chunk, split, narrow)
-SPLITTING = {aten.split.Tensor, aten.split_with_sizes.default, aten.unsafe_split.Tensor,
-             aten.unsafe_split_with_sizes.default}
-#: how many steps :func:`factor_pieces` follows products, negations and casts
-FACTOR_DEPTH = 3
-
-
-def split_piece(node) -> Optional[Tuple[fx.Node, int, tuple]]:
-    """``(source, axis, which)`` when ``node`` (past float casts) is one piece of a split, chunk or slice.
-
-    Read by structure, not by value, so that it answers where the lanes domain cannot (a split
-    along another axis than the last, a symbolic width): ``which`` tells two pieces of one
-    source apart."""
-    if not isinstance(node, fx.Node):
-        return None
-    node = through_casts(node)
-    if node.op != "call_function" or shape(node) is None:
-        return None
-    if node.target is operator.getitem and isinstance(node.args[0], fx.Node) and node.args[0].target in SPLITTING:
-        split = node.args[0]
-        source, axis = split.args[0], split.args[2] if len(split.args) > 2 else split.kwargs.get("dim", 0)
-        which = ("piece", node.args[1])
-    elif node.target is aten.slice.Tensor:
-        source, axis = node.args[0], node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0)
-        which = ("slice",) + tuple(str(a) for a in node.args[2:4])
-    elif node.target is aten.narrow.default:
-        source, axis, which = node.args[0], node.args[1], ("narrow", str(node.args[2]), str(node.args[3]))
-    else:
-        return None
-    if not isinstance(source, fx.Node) or shape(source) is None or not len(shape(source)):
-        return None
-    return source, axis % len(shape(source)), which
-
-
-def factor_pieces(node, depth: int = FACTOR_DEPTH, transforms: Optional[list] = None
-                  ) -> List[Tuple[fx.Node, Tuple[fx.Node, int, tuple]]]:
-    """The split pieces ``node`` is a product of, up to constant factors and signs: ``(piece node, split_piece)``.
-
-    Followed through float casts, negations, products and divisions by a number, ``depth`` steps;
-    with a list ``transforms``, also through the other pointwise ops of one tensor (a clamp, a shift),
-    whose nodes are appended to it."""
-    piece = split_piece(node)
-    if piece is not None:
-        return [(node, piece)]
-    if depth == 0 or not isinstance(node, fx.Node) or node.op != "call_function":
-        return []
-    if node.target in (aten.mul.Tensor, aten.neg.default) or is_float_cast(node):
-        factors = node.args[:2] if node.target is aten.mul.Tensor else node.args[:1]
-    elif node.target is aten.div.Tensor and not isinstance(node.args[1], fx.Node):
-        factors = node.args[:1]
-    elif transforms is not None and _pointwise_of_one_tensor(node) is not None:
-        transforms.append(node)
-        factors = [_pointwise_of_one_tensor(node)]
-    else:
-        return []
-    return [p for f in factors for p in factor_pieces(f, depth - 1, transforms)]
-
-
-def _pointwise_of_one_tensor(node: fx.Node) -> Optional[fx.Node]:
-    """The one tensor a pointwise op of the same shape reads (``clamp(x)``, ``x + 1``, ``tanh(x)``), or None."""
-    inputs = node.all_input_nodes
-    if not (isinstance(node.target, torch._ops.OpOverload) and torch.Tag.pointwise in node.target.tags
-            and len(inputs) == 1 and shape(node) is not None and shape(inputs[0]) is not None
-            and same_shape(shape(node), shape(inputs[0]))):
-        return None
-    return inputs[0]
-
-
-def unread_glu_problem(ev: LaneEvaluator, gate_input, gated) -> Optional[str]:
-    """Why a SiLU of ``gate_input`` times ``gated``, two pieces of one split, is not a site the rules read.
-
-    None where they are not two pieces of one split (no SwiGLU at all). The lanes domain proves
-    the halves over a static last axis, and the fused op computes exactly ``silu(x[:H]) * x[H:]``:
-    a split along another axis, a symbolic width, or a scale or sign inside the product is a
-    SwiGLU-like site it does not read, recorded rather than silent. A gate and an up the lanes
-    domain reads from two leaves (the halves of a ``cat`` of two projections) are no site."""
-    transforms: list = []
-    gates = factor_pieces(gate_input, transforms=transforms)
-    if len(gates) != 1:
-        return None
-    source, axis, which = gates[0][1]
-    ups = [node for node, p in factor_pieces(gated, transforms=transforms) if p[0] is source and p[2] != which]
-    if not ups:
-        return None
-    if transforms:  # a clamped SwiGLU (GPT-OSS's), a shifted up: not the two halves as the split cut them
-        return (f"silu gates a piece of {source.name} and another piece is the up, but {transforms[0].name} "
-                f"({transforms[0].target}) changes a piece between the split and the product: the fused op computes "
-                f"silu(x[:H]) * x[H:] of the halves as they are")
-    rank = len(shape(source))
-    if axis != rank - 1:
-        return (f"silu gates a piece of {source.name} split along axis {axis} of {rank}, and the other piece is "
-                f"the up: the rules find the two halves along the last axis only (swiglu(x, -1))")
-    gate_lanes, up_lanes = piece_of(ev, gate_input), piece_of(ev, ups[0])
-    if gate_lanes is not None and up_lanes is not None and gate_lanes.lid != up_lanes.lid:
-        return None  # two projections joined along the last axis: as Llama's MLP, no site
-    if static_int(shape(source)[axis]) is None:
-        return (f"{source.name}'s last axis ({shape(source)[axis]}) is symbolic: the rules prove the two halves over "
-                f"a static width (mark only the batch and sequence axes dynamic)")
-    return (f"silu({through_casts(gate_input).name}) and another piece of {source.name} are multiplied with a "
-            f"constant, a sign or a piece that is not the second half: not silu(x[:H]) * x[H:] position by position, "
-            f"which the fused op computes")
-
-
-def _scaled_users(node: fx.Node, depth: int = FACTOR_DEPTH) -> List[fx.Node]:
-    """The products that read ``node``, past float casts, negations and products with a number."""
-    out = []
-    for user in node.users:
-        if user.op != "call_function":
-            continue
-        if user.target is aten.mul.Tensor and all(isinstance(a, fx.Node) for a in user.args[:2]):
-            out.append(user)
-        elif depth and (is_float_cast(user) or user.target in (aten.neg.default, aten.mul.Tensor, aten.div.Tensor)):
-            out += _scaled_users(user, depth - 1)
-    return out
-
 
 def unread_forward_misses(graph: fx.Graph, misses) -> List[Miss]:
     """One miss per forward SiLU that gates another piece of its own split and no form read.
@@ -524,79 +194,13 @@ def unread_forward_misses(graph: fx.Graph, misses) -> List[Miss]:
         matches, near = _examine(ev, silu, gradient)
         if matches or near:
             continue
-        for product in _scaled_users(silu):
-            other = next((a for a in product.args[:2] if not _scaled_from(a, silu)), None)
+        for product in scaled_users(silu):
+            other = next((a for a in product.args[:2] if not scaled_from(a, silu)), None)
             problem = unread_glu_problem(ev, silu.args[0], other) if other is not None else None
             if problem is not None and product.name not in seen:
                 seen.add(product.name)
                 out.append(Miss(OP.name, product.name, problem))
                 break
-    return out
-
-
-def _scaled_from(node, silu: fx.Node, depth: int = FACTOR_DEPTH + 1) -> bool:
-    """Whether ``node`` is ``silu`` past float casts, negations and products or divisions by a number."""
-    for _ in range(depth):
-        if node is silu:
-            return True
-        if not isinstance(node, fx.Node) or node.op != "call_function":
-            return False
-        tensors = [a for a in node.args[:2] if isinstance(a, fx.Node)]
-        if is_float_cast(node) or node.target is aten.neg.default:
-            node = node.args[0]
-        elif node.target is aten.mul.Tensor and len(tensors) == 1:
-            node = tensors[0]
-        elif node.target is aten.div.Tensor and tensors == [node.args[0]]:
-            node = node.args[0]
-        else:
-            return False
-    return node is silu
-
-
-def decomposed_silu_operand(node: fx.Node):
-    """The operand of a decomposed SiLU at ``node``: ``sigmoid(a)`` (core ATen) or ``exp(-a)`` (Inductor's)."""
-    if node.op != "call_function":
-        return None
-    if node.target is aten.sigmoid.default:
-        return node.args[0]
-    if node.target is aten.exp.default and isinstance(node.args[0], fx.Node) and node.args[0].target is aten.neg.default:
-        return node.args[0].args[0]
-    return None
-
-
-def _halves_source(ev: LaneEvaluator, operand) -> Optional[fx.Node]:
-    """The value ``operand`` is one half of: by value in the lanes domain, else by structure (a split in two)."""
-    piece = piece_of(ev, operand)
-    if piece is not None:
-        return piece.x if piece.is_gate or piece.is_up else None
-    found = split_piece(operand)
-    if found is None or found[2][0] != "piece":
-        return None
-    split = through_casts(operand).args[0]
-    pieces = split.meta.get("val")
-    return found[0] if isinstance(pieces, (list, tuple)) and len(pieces) == 2 else None
-
-
-def decomposed_silu_misses(graph: fx.Graph, op: str, misses, nodes=None) -> List[Miss]:
-    """The misses for SiLUs of a half of one projection decomposed into ``x * sigmoid(x)`` or ``x / (1 + exp(-x))``.
-
-    No silent misses: a SiLU the program spelled so, or a table's decomposition the pass did not
-    put back (it recomposes only the exact trace of the table the path traced with), is a site
-    the rules do not read (they read ``silu`` and ``silu_backward``); one miss per projection,
-    unless a recorded miss is at it already. ``nodes``: where to look (every node when None)."""
-    ev = swiglu_evaluator()
-    seen, out = {m.node for m in misses}, []
-    for node in graph.nodes if nodes is None else [n for n in graph.nodes if n in nodes]:
-        operand = decomposed_silu_operand(node)
-        source = _halves_source(ev, operand) if operand is not None else None
-        if source is None or source.name in seen:
-            continue
-        seen.add(source.name)
-        out.append(Miss(op, source.name, f"silu of half of {source.name} is spelled with {node.target.__name__.split('.')[0]} "
-                                         f"({node.name}): the rules read aten.silu and aten.silu_backward; write "
-                                         f"F.silu (the npu_fusion backend and install_inductor put SiLU back where "
-                                         f"the graph holds exactly the trace of their decomposition table, core ATen's "
-                                         f"or Inductor's, and nothing else)"))
     return out
 
 

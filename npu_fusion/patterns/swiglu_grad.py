@@ -18,7 +18,7 @@ downstream (dx) holds, position by position, the ``silu_backward`` lanes in its 
 ``dy[i] * silu(x[:H])[i]`` in its second; a candidate whose pieces are not the two halves in order,
 or whose dx is not one value (summed with another gradient of x), is a near miss. A gate and an
 up of two projections read two leaves: no candidate. The rounding rules are the forward's
-(:func:`~.swiglu.precision_problem`); the fused op runs in the narrowest dtype that holds dy and x.
+(:func:`~.swiglu_halves.precision_problem`); the fused op runs in the narrowest dtype that holds dy and x.
 """
 from __future__ import annotations
 
@@ -35,9 +35,9 @@ from .nodes import aten, dtype, gradient_dependent, is_float_cast, last_of, shap
 from .pairing import site_key
 from .rewrite import Insertion, Miss, RuleContext, commit, emit_fused_op, exact_common_dtype
 from .rule import Form, FusionRule, RoundReport, SiteProbe
-from .swiglu import (Piece, dead_region, decomposed_silu_misses, decomposed_silu_operand, glu_problem, is_silu, numel,
-                     order_problem, piece_of, precision_problem, run_monomials, swiglu_evaluator, through_casts,
-                     unread_glu_problem)
+from .swiglu_halves import (Piece, dead_region, decomposed_silu_misses, decomposed_silu_operand, glu_problem,
+                            is_silu, numel, order_problem, piece_of, precision_problem, run_monomials,
+                            swiglu_evaluator, through_casts, unread_glu_problem)
 
 
 #: how far below the silu_backward node dx may lie (cat, slice_backward and add, casts, a view)
