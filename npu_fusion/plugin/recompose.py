@@ -48,12 +48,12 @@ def recompose_decomposed(gm: fx.GraphModule, options: FusionOptions, table: Opti
         return []
     from ..patterns.context import fake_mode_of
 
-    fake_mode, calls = fake_mode_of(gm.graph), []
+    fake_mode, calls, traces = fake_mode_of(gm.graph), [], {}
     for op in ops:
         erased = set()
         for inputs in list(_decomposition_inputs(gm.graph, op)):
             if not erased.intersection(inputs):
-                done = _recompose(gm, op, inputs, table, fake_mode)
+                done = _recompose(gm, op, inputs, table, fake_mode, traces)
                 if done is not None:
                     call, gone = done
                     calls.append(call)
@@ -74,9 +74,9 @@ def decompose_again(gm: fx.GraphModule, calls: Iterable[fx.Node], table: dict) -
     present = set(gm.graph.nodes)
     left = [c for c in calls if c in present]
     if left:
-        fake_mode = fake_mode_of(gm.graph)
+        fake_mode, traces = fake_mode_of(gm.graph), {}
         for node in left:
-            replace_by_decomposition(gm, node, table, fake_mode)
+            replace_by_decomposition(gm, node, table, fake_mode, traces)
         gm.graph.lint()
         gm.recompile()
     return len(left)
@@ -147,19 +147,41 @@ def _match_trace(traced: fx.Graph, inputs):
     return root, matched
 
 
-def _recompose(gm: fx.GraphModule, op, inputs, table: dict, fake_mode):
+def _trace_key(op, values) -> Optional[tuple]:
+    """What a decomposition's trace depends on: the op and each input's dtype, device, shape and strides (None where a size is symbolic)."""
+    import torch
+
+    key = [op]
+    for value in values:
+        if not isinstance(value, torch.Tensor):
+            return None
+        geometry = (*value.shape, *value.stride())
+        if not all(isinstance(n, int) for n in geometry):
+            return None
+        key.append((value.dtype, value.device, tuple(value.shape), value.stride()))
+    return tuple(key)
+
+
+def _recompose(gm: fx.GraphModule, op, inputs, table: dict, fake_mode, traces: Optional[dict] = None):
     """Replace the subgraph that is the trace of ``op(*inputs)``'s decomposition by one call of ``op``.
 
     Returns (the call, the nodes it erased), or None where the subgraph is not there. An
     intermediate that something else reads stays for that reader: the call has the root's
-    value whatever reads it."""
+    value whatever reads it. ``traces`` keeps each trace by :func:`_trace_key` for the next
+    candidate of the same op and geometry (each layer's; a trace is only read)."""
     from ..compat import traced_decomposition
 
     if any(not isinstance(i, fx.Node) or i.op == "output" or i.meta.get("val") is None for i in inputs):
         return None
     try:  # read-only until the match is whole: a failure costs only this candidate
-        with fake_mode if fake_mode is not None else contextlib.nullcontext():
-            traced = traced_decomposition(lambda *a: op(*a), [i.meta["val"] for i in inputs], table)
+        values = [i.meta["val"] for i in inputs]
+        key = _trace_key(op, values) if traces is not None else None
+        traced = traces.get(key) if key is not None else None
+        if traced is None:
+            with fake_mode if fake_mode is not None else contextlib.nullcontext():
+                traced = traced_decomposition(lambda *a: op(*a), values, table)
+            if key is not None:
+                traces[key] = traced
         root, matched = _match_trace(traced.graph, inputs)
     except Exception:  # inputs the op does not take (a dtype or shape it refuses), or a graph it cannot read
         return None
@@ -178,8 +200,12 @@ def _recompose(gm: fx.GraphModule, op, inputs, table: dict, fake_mode):
     return call, erased
 
 
-def replace_by_decomposition(gm: fx.GraphModule, node: fx.Node, table: dict, fake_mode) -> None:
-    """Put the trace of ``node``'s decomposition (``table``) in place of ``node`` in ``gm``."""
+def replace_by_decomposition(gm: fx.GraphModule, node: fx.Node, table: dict, fake_mode,
+                             traces: Optional[dict] = None) -> None:
+    """Put the trace of ``node``'s decomposition (``table``) in place of ``node`` in ``gm``.
+
+    ``traces`` keeps each trace for the next call of the same op, geometry and other arguments
+    (each layer's; a trace is only read, its constants shared)."""
     import torch.utils._pytree as pytree
 
     from ..compat import traced_decomposition
@@ -194,8 +220,16 @@ def replace_by_decomposition(gm: fx.GraphModule, node: fx.Node, table: dict, fak
         args, kwargs = pytree.tree_unflatten(filled, spec)
         return node.target(*args, **kwargs)
 
-    with fake_mode if fake_mode is not None else contextlib.nullcontext():
-        traced = traced_decomposition(as_called, [leaves[i].meta["val"] for i in inputs], table)
+    values = [leaves[i].meta["val"] for i in inputs]
+    key = _trace_key(node.target, values) if traces is not None else None
+    if key is not None:
+        key = (key, str(spec), tuple(repr(leaf) for leaf in leaves if not isinstance(leaf, fx.Node)))
+    traced = traces.get(key) if key is not None else None
+    if traced is None:
+        with fake_mode if fake_mode is not None else contextlib.nullcontext():
+            traced = traced_decomposition(as_called, values, table)
+        if key is not None:
+            traces[key] = traced
     graph, env, placeholders = gm.graph, {}, iter(leaves[i] for i in inputs)
     with graph.inserting_before(node):
         for inner in traced.graph.nodes:
