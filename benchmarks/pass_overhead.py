@@ -37,7 +37,8 @@ record). On an NPU host GE's compile only adds time, so the percentage here is a
 upper bound. The pass time is the sum of ``FusionResult.seconds`` over the graphs
 of that compilation (the new entries of ``npu_fusion.plugin.pass_manager.HISTORY``);
 its CPU time is taken around torchair's whole ``post_grad_custom_pre_pass`` call
-(forward graphs included, where the pass only records the graph).
+(forward graphs included: ``install`` fuses the training forward too, so the per-node column,
+over the backward graph's nodes, counts both graphs' work).
 
 Two things differ from the default mode so that torchair can convert the graphs
 (torch_npu would provide converters for both on an NPU host):
