@@ -100,16 +100,27 @@ def backwards_of_forward_misses(context: PassContext, forward_op: str, op: Fused
     if gradient is None or forward_graph is None or not forward_misses:
         return []
     forward_nodes = {n.name: n for n in forward_graph.nodes}
+    joint = forward_graph is graph
+    sides: Dict[fx.Node, set] = {}
+
+    def forward_side(value: fx.Node) -> set:
+        """The forward values a value outside the gradients stands for, by name: itself in a joint
+        graph; in a backward graph, also the saved values it is recomputed from."""
+        if value not in sides:
+            sides[value] = {value.name} | ({n.name for n in _upstream(value, depth)} if not joint else set())
+        return sides[value]
+
     read_by_gradients: Dict[str, fx.Node] = {}  # a forward value's name -> the first gradient reading it
     for node in graph.nodes:
         if node in gradient:
             for a in node.all_input_nodes:
                 if a not in gradient:
-                    read_by_gradients.setdefault(a.name, node)
+                    for name in forward_side(a):
+                        read_by_gradients.setdefault(name, node)
 
     def forward_reads(node: fx.Node) -> set:
-        return {a.name for n in (node, *_upstream(node, depth)) if n is node or n in gradient
-                for a in n.all_input_nodes if a not in gradient}
+        return {name for n in (node, *_upstream(node, depth)) if n is node or n in gradient
+                for a in n.all_input_nodes if a not in gradient for name in forward_side(a)}
     by_name = {n.name: n for n in graph.nodes}
     accounted = [by_name[m.node] for m in backward_misses if m.node in by_name] + calls(graph, op)
     left = [forward_reads(n) for n in accounted]
@@ -120,7 +131,7 @@ def backwards_of_forward_misses(context: PassContext, forward_op: str, op: Fused
         readers = [read_by_gradients[v] for v in values if v in read_by_gradients]
         if not readers:
             continue  # no gradient of this site here: its backward is elsewhere, or there is none
-        taken = next((i for i, reads in enumerate(left) if reads & values), None)
+        taken = next((i for i, reads in enumerate(left) if reads & (values | {miss.node})), None)
         if taken is not None:
             left.pop(taken)
             continue
