@@ -90,10 +90,11 @@ def backwards_of_forward_misses(context: PassContext, forward_op: str, op: Fused
 
     The forward misses are the context's (:attr:`~.context.PassContext.forward_misses`), at nodes of
     its :attr:`~.context.PassContext.forward_graph` (the graph itself when joint; a backward graph's
-    forward, whose saved values its placeholders are named after). A site's backward is in ``graph`` when a gradient reads a value the forward site read
-    (up to ``depth`` steps before the miss's node, by name). ``accounted`` are the backward misses'
-    nodes and the fused ``op`` calls: each accounts for one site whose values its gradients read.
-    None on a graph without gradients (an inference graph: no backward to record)."""
+    forward, whose saved values its placeholders are named after). A site's backward is in the
+    graph when a gradient reads a value the forward site read (up to ``depth`` steps before the
+    miss's node, by name). The nodes of ``backward_misses`` and the fused ``op`` calls each account
+    for one site whose values they or the gradients before them read. None on a graph without
+    gradients (an inference graph: no backward to record)."""
     graph, forward_graph = context.graph, context.forward_graph
     forward_misses = [m for m in context.forward_misses if m.op == forward_op]
     gradient = gradient_dependent(graph)
@@ -128,7 +129,7 @@ def backwards_of_forward_misses(context: PassContext, forward_op: str, op: Fused
     for miss in forward_misses:
         site = forward_nodes.get(miss.node)
         values = {n.name for n in _upstream(site, depth)} if site is not None else set()
-        readers = [read_by_gradients[v] for v in values if v in read_by_gradients]
+        readers = {read_by_gradients[v] for v in values if v in read_by_gradients}
         if not readers:
             continue  # no gradient of this site here: its backward is elsewhere, or there is none
         taken = next((i for i, reads in enumerate(left) if reads & (values | {miss.node})), None)
