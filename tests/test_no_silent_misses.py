@@ -8,6 +8,7 @@ import torch
 from npu_fusion.patterns.rms_statistic import DIVISION_REASON, KEEPDIM_REASON
 from npu_fusion.patterns.rope.sites import SCALED_COPY_REASON
 from npu_fusion.plugin.options import forward_options
+from npu_fusion_testing.capture import compile_and_compare
 from test_forward_fusion import calls, check
 
 EPS = 1e-6
@@ -146,3 +147,50 @@ def test_rope_dx_summed_with_other_gradients_of_a_bf16_x_fuses(name):
     q = _seeded(1, 2, 4, 6, 16).bfloat16().requires_grad_()
     result, _, bw = check(lambda q: program(q) * 2, [q])
     assert result.fused(ROPE_GRAD) == len(calls(bw, ROPE_GRAD)) == rotations, (result.sites, result.misses)
+
+
+# -- a backward whose forward is a recorded miss ---------------------------------------------------
+
+def _clamped_norm(x, w):
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + EPS).clamp(max=3.0) * w
+
+
+def _sin_scaled_after_the_product(q, cos, sin):
+    return q * cos + _rotate_half(q) * sin * 0.5
+
+
+#: programs whose forward rule records one miss and whose backward no backward scan sees (a gradient
+#: scaled by a clamped rstd, no RMS statistic; tables that are inputs, sin scaled after the product):
+#: name: (program, its inputs, which take a gradient, the forward op, the backward op)
+FORWARD_MISSED = {
+    "rstd_clamped": (_clamped_norm, lambda: [_seeded(1, 2, 3, 16), 1 + 0.1 * _seeded(3, 16)], (1, 1), NORM, NORM_GRAD),
+    "sin_scaled_after_the_product": (_sin_scaled_after_the_product, lambda: [_seeded(1, 2, 4, 6, 16), COS[:6], SIN[:6]],
+                                     (1, 0, 0), ROPE, ROPE_GRAD),
+}
+
+
+@pytest.mark.parametrize("name", FORWARD_MISSED)
+def test_a_backward_whose_forward_is_a_recorded_miss_is_one_miss_too(name):
+    """Once silent on the joint graph: the forward rule recorded its miss, no backward scan saw the
+    backward. Now one miss each way, the backward's saying what the forward found, with outputs and
+    gradients checked."""
+    program, make, grads, forward_op, backward_op = FORWARD_MISSED[name]
+    inputs = [t.requires_grad_(bool(g)) for t, g in zip(make(), grads)]
+    capture = compile_and_compare(program, inputs, **BOTH)
+    (result,) = capture.results
+    assert not result.sites, result.sites
+    assert sorted(m.op for m in result.misses) == sorted([forward_op, backward_op]), result.misses
+    (forward,) = [m for m in result.misses if m.op == forward_op]
+    (backward,) = [m for m in result.misses if m.op == backward_op]
+    assert forward.reason in backward.reason and forward.node in backward.reason, result.misses
+
+
+@pytest.mark.parametrize("name", FORWARD_MISSED)
+def test_a_forward_miss_whose_site_takes_no_gradient_has_no_backward_miss(name):
+    """The site's inputs take no gradient (another value does): its backward is not in the graph, and
+    only the forward's miss is recorded."""
+    program, make, _, forward_op, _ = FORWARD_MISSED[name]
+    y = _seeded(7, 16).requires_grad_()
+    capture = compile_and_compare(lambda *inputs: program(*inputs[:-1]) * inputs[-1], [*make(), y], **BOTH)
+    (result,) = capture.results
+    assert [m.op for m in result.misses] == [forward_op] and not result.sites, result.misses

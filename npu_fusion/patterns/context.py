@@ -16,6 +16,8 @@ from typing import Any, Dict, Hashable, List, Optional
 import torch
 import torch.fx as fx
 
+from .evaluator import JointProvenance
+
 
 def fake_mode_of(graph: fx.Graph):
     """The fake mode of the graph's recorded values, or None (a graph traced without one)."""
@@ -87,6 +89,14 @@ class PassContext:
     enabled: frozenset = frozenset()
     #: the site verdicts that bind a forward rule and a backward rule alike
     judgements: SiteJudgements = dataclasses.field(default_factory=SiteJudgements)
+    #: the forward rules' recorded misses (:class:`~.rewrite.Miss`) of the sites whose backward this graph
+    #: holds: a joint graph's own, set after the rounds; a backward graph's forward's, from its own run
+    forward_misses: List[Any] = dataclasses.field(default_factory=list)
+
+    @property
+    def forward_graph(self) -> Optional[fx.Graph]:
+        """The graph the forward misses' nodes are in: the joint graph itself, or a backward's forward."""
+        return self.graph if isinstance(self.provenance, JointProvenance) else getattr(self.provenance, "forward", None)
 
     @classmethod
     def of(cls, graph: fx.Graph, provenance=None, target: str = "generic", strict: bool = False) -> "PassContext":

@@ -27,12 +27,12 @@ from typing import List, Optional, Tuple
 import torch.fx as fx
 
 from ..lowering.ops.swiglu_grad import OP
-from ..lowering.ops.swiglu import swiglu_target_problem
+from ..lowering.ops.swiglu import OP as FORWARD_OP, swiglu_target_problem
 from ..lowering.sizes import same_shape
 from .evaluator import JointProvenance
 from .lanes import LaneEvaluator
 from .nodes import aten, dtype, gradient_dependent, is_float_cast, last_of, shape, val
-from .pairing import site_key
+from .pairing import backwards_of_forward_misses, site_key
 from .rewrite import Insertion, Miss, RuleContext, commit, emit_fused_op, exact_common_dtype
 from .rule import Form, FusionRule, RoundReport, SiteProbe
 from .swiglu_halves import (Piece, dead_region, decomposed_silu_misses, decomposed_silu_operand, glu_problem,
@@ -350,4 +350,7 @@ class SwigluGradRule(FusionRule):
         """A SwiGLU-like backward no form read, and a decomposed SiLU of a half of one projection: one miss each."""
         unread = unread_backward_misses(graph, ctx, misses)
         decomposed = decomposed_silu_misses(graph, OP.name, [*misses, *unread])
-        return unread + decomposed + _saved_halves_decomposed_misses(graph, ctx.provenance, [*misses, *unread, *decomposed])
+        found = unread + decomposed + _saved_halves_decomposed_misses(graph, ctx.provenance,
+                                                                      [*misses, *unread, *decomposed])
+        return found + backwards_of_forward_misses(ctx.context, FORWARD_OP.name, OP, "SwiGLU", [*misses, *found],
+                                                   DX_DEPTH)

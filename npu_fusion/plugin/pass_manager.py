@@ -151,6 +151,8 @@ class PassSession:
                  pause_collections: bool = True):
         self.history = History(history_limit)
         self.forwards: "collections.OrderedDict[Any, fx.Graph]" = collections.OrderedDict()
+        #: the misses each remembered forward's run recorded (its sites' backwards account for them)
+        self.forward_misses: Dict[Any, List[Miss]] = {}
         self.forwards_kept = forwards_kept
         #: pause the garbage collector during a run (see :class:`_CollectionsPaused`)
         self.pause_collections = pause_collections
@@ -162,7 +164,18 @@ class PassSession:
             self.forwards[key] = graph if graph is not None else gm.graph
             self.forwards.move_to_end(key)
             while len(self.forwards) > self.forwards_kept:
-                self.forwards.popitem(last=False)
+                self.forward_misses.pop(self.forwards.popitem(last=False)[0], None)
+
+    def remember_forward_misses(self, misses: List[Miss]) -> None:
+        """Keep the misses the pass recorded in this compilation's forward, for its backward's run."""
+        key = _compile_id()
+        if key in self.forwards:
+            self.forward_misses[key] = list(misses)
+
+    def forward_misses_for(self, gm: fx.GraphModule) -> List[Miss]:
+        """The misses of this backward's forward (:meth:`remember_forward_misses`), taken out."""
+        key = _compile_id()
+        return self.forward_misses.pop(key, []) if key is not None else []
 
     def forward_for(self, gm: fx.GraphModule) -> Optional[fx.Graph]:
         """The forward graph of this backward, if one was remembered and provably is it.
@@ -294,15 +307,17 @@ def saved_tensor_mismatch(forward: fx.Graph, backward: fx.Graph) -> Optional[str
 
 
 def fuse_backward(gm: fx.GraphModule, options: Union[FusionOptions, Mapping, None] = None,
-                  forward: Optional[fx.Graph] = None, session: Optional[PassSession] = None) -> FusionResult:
+                  forward: Optional[fx.Graph] = None, session: Optional[PassSession] = None,
+                  forward_misses: List[Miss] = ()) -> FusionResult:
     """Rewrite RoPE and RMSNorm backward subgraphs of ``gm`` in place.
 
     ``forward``, the forward graph of the same partition, is optional; with it the
     pass can see through saved tensors (``rotate_half(q)``, the normalized input)
-    and fuse their consumers too. Returns a :class:`FusionResult`, also added to the
-    ``session``'s history (:data:`DEFAULT_SESSION`'s when none is given).
+    and fuse their consumers too; ``forward_misses``, the misses the pass recorded in that forward,
+    make each missed forward site's backward left here one miss too. Returns a :class:`FusionResult`,
+    also added to the ``session``'s history (:data:`DEFAULT_SESSION`'s when none is given).
     """
-    return _fuse(gm, options, forward, kind="backward", session=session)
+    return _fuse(gm, options, forward, kind="backward", session=session, forward_misses=forward_misses)
 
 
 def fuse_inference(gm: fx.GraphModule, options: Union[FusionOptions, Mapping, None] = None,
@@ -355,7 +370,7 @@ INFERENCE_STAGES = ("joint", "forward")
 
 
 def _fuse(gm: fx.GraphModule, options, forward: Optional[fx.Graph], kind: str, layout=None,
-          session: Optional[PassSession] = None, recompile: bool = True) -> FusionResult:
+          session: Optional[PassSession] = None, recompile: bool = True, forward_misses: List[Miss] = ()) -> FusionResult:
     """The one run of the pass the entries share: snapshot, rounds, record. ``kind`` is the
     graph's: ``"joint"`` (with its ``layout``), ``"backward"`` or ``"inference"``."""
     session = session or DEFAULT_SESSION
@@ -368,7 +383,8 @@ def _fuse(gm: fx.GraphModule, options, forward: Optional[fx.Graph], kind: str, l
     trace_graph(TRACE_BEFORE, gm)
     start, cpu = time.perf_counter(), time.process_time()  # after the dump: the pass's own time
     with session.collections_paused():
-        _rewrite_or_restore(gm, options, forward, layout if kind == "joint" else None, result, recompile)
+        _rewrite_or_restore(gm, options, forward, layout if kind == "joint" else None, result, recompile,
+                            forward_misses)
     result.seconds, result.cpu_seconds = time.perf_counter() - start, time.process_time() - cpu
     result.nodes_after = len(gm.graph.nodes)
     _record(result)
@@ -381,7 +397,7 @@ def _fuse(gm: fx.GraphModule, options, forward: Optional[fx.Graph], kind: str, l
 
 
 def _rewrite_or_restore(gm: fx.GraphModule, options, forward: Optional[fx.Graph], joint_layout,
-                        result: FusionResult, recompile: bool = True) -> None:
+                        result: FusionResult, recompile: bool = True, forward_misses: List[Miss] = ()) -> None:
     """Rewrite ``gm`` in place (sites, misses and copies into ``result``), or, on any failure,
     put the graph back as it was (``result.error``; ``strict`` raises). ``joint_layout(graph,
     options)`` reads a joint graph's layout (None: ``gm`` is a backward or, with ``result.graph``
@@ -401,6 +417,7 @@ def _rewrite_or_restore(gm: fx.GraphModule, options, forward: Optional[fx.Graph]
         else:
             provenance = Provenance(forward, graph)
         context = PassContext.of(graph, provenance, result.target, options.strict)
+        context.forward_misses = list(forward_misses) if forward is not None else []
         result.sites, result.misses = _rewrite_in_rounds(context, options, INFERENCE_STAGES if inference else None)
         if layout is not None and result.sites:
             result.copies = [n.args[0].name for n in layout.prepare_for_partition()]
@@ -495,6 +512,8 @@ def _rounds(context: PassContext, rules: List[Tuple[FusionRule, RuleContext]]):
         undecided = pending or any(ctx.round_misses for _, ctx in rules)
         if sum(len(ctx.sites) for _, ctx in rules) == fused or not undecided:
             break
+    if isinstance(context.provenance, JointProvenance):  # the forward sites' misses, for their backwards
+        context.forward_misses = [m for rule, ctx in rules if rule.stage != "backward" for m in ctx.misses]
     with one_round(graph):  # the rules' reports rewrite nothing: one gradient_dependent for all
         for rule, ctx in rules:  # what no form matched is a miss too, never silence
             ctx.round_misses += rule.unexplained(graph, ctx, ctx.misses)
@@ -529,11 +548,12 @@ def make_torchair_pass(options: Union[FusionOptions, Mapping, None] = None, sess
 
     def npu_fusion_pass(gm, example_inputs=None, config=None):
         if is_backward_graph(gm):
-            fuse_backward(gm, options, forward=session.forward_for(gm), session=session)
+            forward, missed = session.forward_for(gm), session.forward_misses_for(gm)
+            fuse_backward(gm, options, forward=forward, session=session, forward_misses=missed)
         elif is_inference_graph(gm):
             fuse_inference(gm, options, session=session)
         else:
             session.remember_forward(gm, Snapshot(gm.graph).rebuild())
-            fuse_forward(gm, options, session=session)
+            session.remember_forward_misses(fuse_forward(gm, options, session=session).misses)
 
     return npu_fusion_pass

@@ -65,12 +65,13 @@ import torch.fx as fx
 
 from ...lowering import RMS_NORM as FORWARD_OP, RMS_NORM_GRAD as OP
 from ..evaluator import JointProvenance
+from ..pairing import backwards_of_forward_misses
 from ..rewrite import Miss, RuleContext
 from ..rule import Form, FusionRule, RoundReport, SiteProbe
 from .match import NormMatch, site_region
 from .whole import WholeBackwardMatch, emit_whole_backward, whole_backward_sites
 from .emit import emit as emit_site
-from .sites import find_again, find_sites
+from .sites import DX_DEPTH, find_again, find_sites
 from .misses import unexplained
 from ..rms_statistic import whole_forward_misses
 
@@ -132,4 +133,6 @@ class RmsNormGradRule(FusionRule):
         # that rule is on when its op's option is (a rule's option is its op's unless it declares one)
         owned = FORWARD_OP.option in ctx.context.enabled and isinstance(ctx.provenance, JointProvenance)
         whole = [] if owned else whole_forward_misses(graph, ctx.provenance, OP.name)
-        return unexplained(graph, ctx.provenance, misses) + whole
+        found = unexplained(graph, ctx.provenance, misses) + whole
+        return found + backwards_of_forward_misses(ctx.context, FORWARD_OP.name, OP, "RMSNorm", [*misses, *found],
+                                                   DX_DEPTH)

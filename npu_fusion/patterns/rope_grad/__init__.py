@@ -33,7 +33,9 @@ from typing import Dict, List, Optional
 
 import torch.fx as fx
 
-from ...lowering import ROPE_GRAD as OP
+from ...lowering import ROPE as FORWARD_OP, ROPE_GRAD as OP
+from ..pairing import backwards_of_forward_misses
+from ..rotation import DX_DEPTH
 from ..rewrite import Miss, RuleContext
 from ..rule import Form, FusionRule, RoundReport, SiteProbe
 from .match import RopeMatch, site_outputs, site_region
@@ -105,4 +107,6 @@ class RopeGradRule(FusionRule):
         return resolved if isinstance(resolved, Miss) else emit_site(ctx, *resolved)
 
     def unexplained(self, graph: fx.Graph, ctx: RuleContext, misses) -> List[Miss]:
-        return unexplained(graph, ctx.provenance, misses)
+        found = unexplained(graph, ctx.provenance, misses)
+        return found + backwards_of_forward_misses(ctx.context, FORWARD_OP.name, OP, "RoPE", [*misses, *found],
+                                                   DX_DEPTH)
