@@ -70,6 +70,15 @@ def _precision(inputs) -> torch.dtype:
     return max((t.dtype for t in inputs if t.dtype.is_floating_point), key=lambda d: torch.finfo(d).eps)
 
 
+def _decisions(name: str):
+    """The pass on corpus program ``name`` with the forward rules on: its sites, its misses and the graph's code after it."""
+    entry = fx_corpus.load(name)
+    options = {"target": "generic", "rms_norm_forward": True, "rope_forward": True}
+    result = fuse_joint(entry.gm, options) if entry.stage == "joint" else \
+        fuse_backward(entry.gm, options, forward=entry.forward)
+    return result.sites, result.misses, entry.gm.code
+
+
 @pytest.mark.parametrize("name", sorted(fx_corpus.PROGRAMS))
 def test_runs_of_positions_change_no_decision(name, monkeypatch):
     """The pass decides the same with the lane values kept as runs of positions as position by position:
@@ -78,11 +87,7 @@ def test_runs_of_positions_change_no_decision(name, monkeypatch):
 
     def run(runs: bool):
         monkeypatch.setattr(lane_polys, "RUNS", runs)
-        entry = fx_corpus.load(name)
-        options = {"target": "generic", "rms_norm_forward": True, "rope_forward": True}
-        result = fuse_joint(entry.gm, options) if entry.stage == "joint" else \
-            fuse_backward(entry.gm, options, forward=entry.forward)
-        return result.sites, result.misses, entry.gm.code
+        return _decisions(name)
 
     assert run(True) == run(False)
 
@@ -99,11 +104,7 @@ def test_shared_forward_read_changes_no_decision(name, monkeypatch):
     def run(shared: bool):
         monkeypatch.setattr(sites._ForwardRead, "holds", lambda self, gradient, nodes: reused.append(
             holds(self, gradient, nodes)) or reused[-1] if shared else False)
-        entry = fx_corpus.load(name)
-        options = {"target": "generic", "rms_norm_forward": True, "rope_forward": True}
-        result = fuse_joint(entry.gm, options) if entry.stage == "joint" else \
-            fuse_backward(entry.gm, options, forward=entry.forward)
-        return result.sites, result.misses, entry.gm.code
+        return _decisions(name)
 
     assert run(True) == run(False)
     if name == "llama_bf16_joint":  # both RoPE rules read its forward: the second read is the first's
