@@ -61,6 +61,12 @@ call the backend makes in the first step) at each head dim.
 
     python benchmarks/pass_overhead.py --widths 16 128 [--layers 2 8] [--profile 8]
 
+``--against REV`` measures the same rows (``--widths``, default 16, and ``--layers``) at git revision
+REV's ``npu_fusion`` and at the working tree's, alternating the two ``--repeat`` times, each run in a
+fresh process, and prints the pass's CPU time before -> after (:mod:`benchmarks.before_after`).
+
+    python -m benchmarks.pass_overhead --against b31b828 --widths 16 128 --layers 2 8 --repeat 3
+
 ``--net`` measures each size twice in the same process, side by side, on the chosen path (the
 backend, ``--inductor`` or ``--torchair``): every rule off, then the default options, and prints
 the first step's wall and CPU time with the pass against without it: the pass's own time against
@@ -93,7 +99,7 @@ import npu_fusion  # noqa: F401  (registers the ops)
 from npu_fusion.measure.sites import expected_for
 from npu_fusion.models import bundled
 from npu_fusion.plugin.backend import aot_backend
-from npu_fusion.plugin.options import FusionOptions, forward_options, rule_options
+from npu_fusion.plugin.options import FusionOptions, forward_options
 from npu_fusion_testing.generated import publishing, script_command
 
 
@@ -151,6 +157,8 @@ def fusion_options(target: str, forward: bool = None, off: bool = False) -> dict
     """The run's options: the defaults, with the forward rules' switches all ``forward`` unless it is
     None, or with ``off`` every rule's switch off (the compile without the pass's rewrites)."""
     if off:
+        from npu_fusion.plugin.options import rule_options  # here: --against's older revisions lack it
+
         return {"target": target, **dict.fromkeys(rule_options(), False)}
     return {"target": target, **({} if forward is None else dict.fromkeys(forward_options(), forward))}
 
@@ -189,8 +197,8 @@ def measure(layers: int, dtype=torch.float32, seq: int = 16, batch: int = 2, tar
     expected = expected_sites(model, forward, off)
     assert {op: r.fused(op) for op in expected} == expected, ({op: r.fused(op) for op in expected}, expected)
     return {"layers": layers, "first_call": first, "first_call_cpu": first_cpu, "second_call": second,
-            "pass": r.seconds, "pass_cpu": backend.cpu, "pass_gc": backend.gc, "gc_full": backend.gc_full,
-            "objects": len(gc.get_objects()), "nodes_before": r.nodes_before,
+            "pass": r.seconds, "pass_cpu": backend.cpu, "fuse_joint_cpu": r.cpu_seconds, "pass_gc": backend.gc,
+            "gc_full": backend.gc_full, "objects": len(gc.get_objects()), "nodes_before": r.nodes_before,
             "nodes_after": r.nodes_after, "sites": len(r.sites), "head_dim": model.config.head_dim,
             "hidden": model.config.hidden_size}
 
@@ -474,11 +482,17 @@ def parse_args(argv=None) -> argparse.Namespace:
                              "--layers on the backend, and with --profile profile the pass at each of them")
     parser.add_argument("--heads", type=int, default=4, help="attention heads with --widths (default 4)")
     parser.add_argument("--kv-heads", type=int, default=2, help="key/value heads with --widths (default 2)")
+    parser.add_argument("--against", metavar="REV",
+                        help="each --widths (default 16) x --layers row at git revision REV's npu_fusion and at the "
+                             "working tree's, alternating, each run in a fresh process: the pass's CPU time before "
+                             "-> after (benchmarks/before_after.py)")
     parser.add_argument("--write-docs", metavar="NAME",
                         help="also write what this prints into block NAME of its docs/ page")
     args = parser.parse_args(argv)
     if args.widths and (args.forward or args.net or args.torchair or args.inductor):
         parser.error("--widths measures the npu_fusion backend's joint graph alone")
+    if args.against and (args.forward or args.net or args.torchair or args.inductor or args.profile):
+        parser.error("--against measures the npu_fusion backend's joint graph alone, without --profile")
     return args
 
 
@@ -609,6 +623,12 @@ def print_net(pairs) -> None:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.against:  # every measurement in a child process, none here
+        from benchmarks import before_after
+
+        with publishing(args.write_docs, script_command(__file__, argv), fenced=False):
+            before_after.print_against(before_after.compare(args), args)
+        return 0
     torch.set_num_threads(args.threads)
     run, mode = chosen_path(args)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} thread(s); {mode}; warming up...", file=sys.stderr)
