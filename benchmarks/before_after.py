@@ -85,8 +85,8 @@ def check_package(expected: str) -> None:
     import npu_fusion
 
     found = pathlib.Path(npu_fusion.__file__).resolve().parent
-    assert found == pathlib.Path(expected).resolve() / "npu_fusion", \
-        f"npu_fusion imported from {found}, not from {expected}: PYTHONPATH did not win"
+    if found != pathlib.Path(expected).resolve() / "npu_fusion":  # not an assert: -O must not skip it
+        raise SystemExit(f"npu_fusion imported from {found}, not from {expected}: PYTHONPATH did not win")
     missing = []
     try:
         from npu_fusion.plugin.pass_manager import FusionResult
@@ -115,7 +115,8 @@ def worker(job: dict) -> dict:
     except ImportError as e:
         raise SystemExit(f"the benchmark cannot import what it needs from npu_fusion at "
                          f"{job['package_root']}: {e}")
-    assert pathlib.Path(pass_overhead.__file__).resolve().parent == ROOT / "benchmarks", pass_overhead.__file__
+    if pathlib.Path(pass_overhead.__file__).resolve().parent != ROOT / "benchmarks":
+        raise SystemExit(f"the benchmark imported from {pass_overhead.__file__}, not from {ROOT}")
     torch.set_num_threads(job["threads"])
     width = pass_overhead.widths(job["head_dim"], job["heads"], job["kv_heads"])
     pass_overhead.measure(1, target=job["target"], width=width)  # imports and first-use costs: not the row's
