@@ -33,7 +33,12 @@ each, so node and symbol names are the same on every run):
   Llama's forward (:data:`DYNAMIC`);
 * ``inductor/<model>``: each bundled model's training step with Inductor's decompositions and
   min-cut partitioner, as ``install_inductor``'s hook sees the joint graph, no code generated (as
-  ``benchmarks.graph_effect --path inductor`` traces it).
+  ``benchmarks.graph_effect --path inductor`` traces it);
+* ``partitioned/<model>``: Llama's and Phi-3's training step with the pass after the default
+  partition, as ``install``'s torchair hook runs it (the backward graph with its forward for
+  provenance, then the forward by ``fuse_forward``), through AOTAutograd alone (as
+  ``benchmarks.graph_effect --path torchair --forward`` traces it; torchair's own backend, which
+  needs the torch_npu wheel, is not run).
 
     python -m benchmarks.decision_digest --out /tmp/digest.json [--only corpus/ backend/llama]
     python -m benchmarks.decision_digest --compare /tmp/before.json /tmp/after.json
@@ -57,7 +62,7 @@ from npu_fusion.compat import inductor_decompositions
 from npu_fusion.models import BUNDLED, bundled
 from npu_fusion.plugin.backend import aot_backend
 from npu_fusion.plugin.options import FusionOptions
-from npu_fusion.plugin.pass_manager import FusionResult, fuse_backward, fuse_joint
+from npu_fusion.plugin.pass_manager import FusionResult, fuse_backward, fuse_forward, fuse_joint
 
 #: the options of every program: the defaults, with the target fixed (``auto`` would read the host)
 OPTIONS = {"target": "generic"}
@@ -67,6 +72,8 @@ OVERHEAD_LAYERS = (1, 2)
 #: the programs under ``dynamic=True`` (1 layer: a dynamic compile costs 4 to 5 times a static one):
 #: (bundled model, training), every model's training step and Llama's inference graph
 DYNAMIC = tuple((model, True) for model in sorted(BUNDLED)) + (("llama", False),)
+#: the models whose training step is also fused after the partition, as torchair's hook fuses it
+PARTITIONED = ("llama", "phi3")
 
 
 # --------------------------------------------------------------------------- one graph as text
@@ -151,28 +158,35 @@ def graph_digest(graph: fx.Graph, result: FusionResult) -> Dict[str, Any]:
 
 # --------------------------------------------------------------------------- the programs
 
-def _compiled(model_name: str, make_model: Callable[[], torch.nn.Module], options: Dict[str, Any],
-              dynamic: bool = False, train: bool = True, decompositions: Optional[dict] = None):
+def _compiled(make_model: Callable[[], torch.nn.Module], options: Dict[str, Any], dynamic: bool = False,
+              train: bool = True, decompositions: Optional[dict] = None, stage: str = "joint"):
     """A program: ``make_model()`` compiled through the backend with an ``around_pass`` that digests each
     graph the pass rewrites; a training step (the loss: the pass runs on the joint graph at the
-    partition) or, with ``train`` false, a forward under ``torch.no_grad()`` (the inference graph)."""
+    partition) or, with ``train`` false, a forward under ``torch.no_grad()`` (the inference graph).
+    With ``stage="backward"`` the pass runs after the default partition as ``install``'s torchair
+    hook does: on the backward graph with its forward for provenance, then ``fuse_forward`` on the
+    partitioned forward (as ``benchmarks.graph_effect --path torchair --forward`` traces it)."""
+    fusion_options = FusionOptions.from_mapping(options)
+
     def run() -> List[Dict[str, Any]]:
         graphs = []
 
         def around_pass(gm, run_pass):
             result = run_pass()
             graphs.append(graph_digest(gm.graph, result))
+            if run_pass.stage == "backward":
+                run_pass.after_partition.append(
+                    lambda fw_gm, bw_gm: graphs.append(graph_digest(fw_gm.graph, fuse_forward(fw_gm, fusion_options))))
 
         model = make_model()
         ids = torch.randint(0, model.config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
-        backend = aot_backend(FusionOptions.from_mapping(options), around_pass, decompositions=decompositions)
+        backend = aot_backend(fusion_options, around_pass, stage=stage, decompositions=decompositions)
         if train:
             torch.compile(lambda i: model.loss(i), backend=backend, dynamic=dynamic)(ids)
         else:
             with torch.no_grad():
                 torch.compile(lambda i: model(i), backend=backend, dynamic=dynamic)(ids)
         return graphs
-    run.model = model_name
     return run
 
 
@@ -204,7 +218,7 @@ def programs() -> Dict[str, Callable[[], List[Dict[str, Any]]]]:
     for head_dim in OVERHEAD_HEAD_DIMS:
         for layers in OVERHEAD_LAYERS:
             out[f"overhead/hd{head_dim}/l{layers}"] = _compiled(
-                "llama", lambda layers=layers, head_dim=head_dim: bundled("llama", num_layers=layers, **widths(head_dim)),
+                lambda layers=layers, head_dim=head_dim: bundled("llama", num_layers=layers, **widths(head_dim)),
                 OPTIONS)
     for name in _corpus_names():
         out[f"corpus/{name}"] = _corpus_program(name)
@@ -212,14 +226,17 @@ def programs() -> Dict[str, Callable[[], List[Dict[str, Any]]]]:
         for train in (True, False):
             if not (model == "llama" and train):  # overhead/hd16/l2 is that program
                 out[f"backend/{model}/static/{'train' if train else 'infer'}"] = \
-                    _compiled(model, lambda model=model: bundled(model), OPTIONS, False, train)
+                    _compiled(lambda model=model: bundled(model), OPTIONS, False, train)
     for model, train in DYNAMIC:
         out[f"backend/{model}/dynamic/{'train' if train else 'infer'}"] = _compiled(
-            model, lambda model=model: bundled(model, num_layers=1), OPTIONS, True, train)
+            lambda model=model: bundled(model, num_layers=1), OPTIONS, True, train)
     inductor = dict(OPTIONS, partitioner="min_cut")
     for model in sorted(BUNDLED):
-        out[f"inductor/{model}"] = _compiled(model, lambda model=model: bundled(model), inductor,
+        out[f"inductor/{model}"] = _compiled(lambda model=model: bundled(model), inductor,
                                              decompositions=inductor_decompositions())
+    for model in PARTITIONED:
+        out[f"partitioned/{model}"] = _compiled(lambda model=model: bundled(model), dict(OPTIONS, partitioner="default"),
+                                                stage="backward")
     return out
 
 
