@@ -35,10 +35,10 @@ each, so node and symbol names are the same on every run):
   min-cut partitioner, as ``install_inductor``'s hook sees the joint graph, no code generated (as
   ``benchmarks.graph_effect --path inductor`` traces it);
 * ``partitioned/<model>``: Llama's and Phi-3's training step with the pass after the default
-  partition, as ``install``'s torchair hook runs it (the backward graph with its forward for
-  provenance, then the forward by ``fuse_forward``), through AOTAutograd alone (as
-  ``benchmarks.graph_effect --path torchair --forward`` traces it; torchair's own backend, which
-  needs the torch_npu wheel, is not run).
+  partition, where ``install``'s torchair hook runs it, through AOTAutograd alone as
+  ``benchmarks.graph_effect --path torchair --forward`` traces it: the backward graph with its
+  forward for provenance (``fuse_backward``), then the forward (``fuse_forward``). torchair's own
+  backend, which needs the torch_npu wheel, is not run.
 
     python -m benchmarks.decision_digest --out /tmp/digest.json [--only corpus/ backend/llama]
     python -m benchmarks.decision_digest --compare /tmp/before.json /tmp/after.json
@@ -163,8 +163,8 @@ def _compiled(make_model: Callable[[], torch.nn.Module], options: Dict[str, Any]
     """A program: ``make_model()`` compiled through the backend with an ``around_pass`` that digests each
     graph the pass rewrites; a training step (the loss: the pass runs on the joint graph at the
     partition) or, with ``train`` false, a forward under ``torch.no_grad()`` (the inference graph).
-    With ``stage="backward"`` the pass runs after the default partition as ``install``'s torchair
-    hook does: on the backward graph with its forward for provenance, then ``fuse_forward`` on the
+    With ``stage="backward"`` the pass runs after the default partition, where ``install``'s torchair
+    hook runs it: on the backward graph with its forward for provenance, then ``fuse_forward`` on the
     partitioned forward (as ``benchmarks.graph_effect --path torchair --forward`` traces it)."""
     fusion_options = FusionOptions.from_mapping(options)
 
