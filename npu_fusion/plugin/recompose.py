@@ -36,19 +36,25 @@ def recomposable_ops(options: FusionOptions, table: Optional[dict]) -> List:
     return [op for op in ops if op in table]
 
 
-def recompose_decomposed(gm: fx.GraphModule, options: FusionOptions, table: Optional[dict]) -> List[fx.Node]:
+def recompose_decomposed(gm: fx.GraphModule, options: FusionOptions, table: Optional[dict],
+                         traces: Optional[dict] = None, recompile: bool = True) -> List[fx.Node]:
     """Put ``aten.silu`` and ``aten.silu_backward`` back, in place, where ``gm`` holds exactly their decomposition in ``table``.
 
     A subgraph is recomposed only where it is, node for node, the trace of the op's
     decomposition (``table``) on the same inputs, so the op has its value bit for bit; an
     intermediate something else reads stays for that reader. Returns the calls it put back
-    (:func:`decompose_again` takes apart those the pass leaves)."""
+    (:func:`decompose_again` takes apart those the pass leaves). ``traces``: the traces made so
+    far on this graph, by :func:`_call_key`; given the same dict, :func:`decompose_again` reuses
+    them (the trace of a call it takes apart is the one that matched it). ``recompile=False``
+    leaves the module's Python code as it was, for a caller that regenerates it after its passes
+    (Inductor, after its joint passes)."""
     ops = recomposable_ops(options, table)
     if not ops:
         return []
     from ..patterns.context import fake_mode_of
 
-    fake_mode, calls, traces = fake_mode_of(gm.graph), [], {}
+    fake_mode, calls = fake_mode_of(gm.graph), []
+    traces = {} if traces is None else traces
     for op in ops:
         erased = set()
         for inputs in list(_decomposition_inputs(gm.graph, op)):
@@ -60,25 +66,31 @@ def recompose_decomposed(gm: fx.GraphModule, options: FusionOptions, table: Opti
                     erased.update(gone)
     if calls:
         gm.graph.lint()
-        gm.recompile()
+        if recompile:
+            gm.recompile()
     return calls
 
 
-def decompose_again(gm: fx.GraphModule, calls: Iterable[fx.Node], table: dict) -> int:
+def decompose_again(gm: fx.GraphModule, calls: Iterable[fx.Node], table: dict,
+                    traces: Optional[dict] = None, recompile: bool = True) -> int:
     """Put the trace of its decomposition (``table``) back in place of each of ``calls`` still in ``gm``.
 
     The calls :func:`recompose_decomposed` put back that the pass left unfused: the graph there
-    is again what the table made of the program. Returns how many it took apart."""
+    is again what the table made of the program. ``traces`` and ``recompile`` as for
+    :func:`recompose_decomposed` (the same ``traces``: a call whose inputs kept their geometry
+    takes the trace that matched it). Returns how many it took apart."""
     from ..patterns.context import fake_mode_of
 
     present = set(gm.graph.nodes)
     left = [c for c in calls if c in present]
     if left:
-        fake_mode, traces = fake_mode_of(gm.graph), {}
+        fake_mode = fake_mode_of(gm.graph)
+        traces = {} if traces is None else traces
         for node in left:
             replace_by_decomposition(gm, node, table, fake_mode, traces)
         gm.graph.lint()
-        gm.recompile()
+        if recompile:
+            gm.recompile()
     return len(left)
 
 
@@ -162,6 +174,25 @@ def _trace_key(op, values) -> Optional[tuple]:
     return tuple(key)
 
 
+def _flattened(args, kwargs):
+    """A call's arguments as pytree leaves and their spec (a node's kwargs as a plain dict, as a call's)."""
+    import torch.utils._pytree as pytree
+
+    return pytree.tree_flatten((tuple(args), dict(kwargs)))
+
+
+def _call_key(target, leaves, spec) -> Optional[tuple]:
+    """What the trace of a call's decomposition depends on: :func:`_trace_key` of its node inputs'
+    values, where its arguments sit, and its other arguments (None where a size is symbolic).
+
+    The one key of :func:`_recompose` (a call ``op(*inputs)``) and :func:`replace_by_decomposition`,
+    so a trace made to recompose a call serves to take it apart again."""
+    key = _trace_key(target, [leaf.meta["val"] for leaf in leaves if isinstance(leaf, fx.Node)])
+    if key is None:
+        return None
+    return key, str(spec), tuple(repr(leaf) for leaf in leaves if not isinstance(leaf, fx.Node))
+
+
 def _recompose(gm: fx.GraphModule, op, inputs, table: dict, fake_mode, traces: Optional[dict] = None):
     """Replace the subgraph that is the trace of ``op(*inputs)``'s decomposition by one call of ``op``.
 
@@ -175,7 +206,7 @@ def _recompose(gm: fx.GraphModule, op, inputs, table: dict, fake_mode, traces: O
         return None
     try:  # read-only until the match is whole: a failure costs only this candidate
         values = [i.meta["val"] for i in inputs]
-        key = _trace_key(op, values) if traces is not None else None
+        key = _call_key(op, *_flattened(tuple(inputs), {})) if traces is not None else None
         traced = traces.get(key) if key is not None else None
         if traced is None:
             with fake_mode if fake_mode is not None else contextlib.nullcontext():
@@ -210,7 +241,7 @@ def replace_by_decomposition(gm: fx.GraphModule, node: fx.Node, table: dict, fak
 
     from ..compat import traced_decomposition
 
-    leaves, spec = pytree.tree_flatten((node.args, node.kwargs))
+    leaves, spec = _flattened(node.args, node.kwargs)
     inputs = [i for i, leaf in enumerate(leaves) if isinstance(leaf, fx.Node)]
 
     def as_called(*values):
@@ -221,9 +252,7 @@ def replace_by_decomposition(gm: fx.GraphModule, node: fx.Node, table: dict, fak
         return node.target(*args, **kwargs)
 
     values = [leaves[i].meta["val"] for i in inputs]
-    key = _trace_key(node.target, values) if traces is not None else None
-    if key is not None:
-        key = (key, str(spec), tuple(repr(leaf) for leaf in leaves if not isinstance(leaf, fx.Node)))
+    key = _call_key(node.target, leaves, spec) if traces is not None else None
     traced = traces.get(key) if key is not None else None
     if traced is None:
         with fake_mode if fake_mode is not None else contextlib.nullcontext():
