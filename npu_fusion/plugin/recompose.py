@@ -53,13 +53,13 @@ def recompose_decomposed(gm: fx.GraphModule, options: FusionOptions, table: Opti
         return []
     from ..patterns.context import fake_mode_of
 
-    fake_mode, calls = fake_mode_of(gm.graph), []
+    fake_mode, calls, structures = fake_mode_of(gm.graph), [], known_structures(table)
     traces = {} if traces is None else traces
     for op in ops:
         erased = set()
         for inputs in list(_decomposition_inputs(gm.graph, op)):
             if not erased.intersection(inputs):
-                done = _recompose(gm, op, inputs, table, fake_mode, traces)
+                done = _recompose(gm, op, inputs, table, fake_mode, traces, structures)
                 if done is not None:
                     call, gone = done
                     calls.append(call)
@@ -174,6 +174,39 @@ def _trace_key(op, values) -> Optional[tuple]:
     return tuple(key)
 
 
+#: per decomposition table (a copy of its entries) and determinism flag, the structure of each
+#: decomposition trace :func:`_recompose` made (by :func:`_call_key`); the newest few tables
+_STRUCTURES: List[tuple] = []
+_TABLES_KEPT = 4
+
+
+def known_structures(table: dict) -> dict:
+    """The traces' structures (:func:`_structure`) made with ``table``'s entries in this process, by :func:`_call_key`.
+
+    A trace is a function of the call's key, the table's entries and the determinism flag
+    (a decomposition may branch on it), so a structure found under all three is the trace a new
+    one would make, node for node: the next graph of the same geometry (another compile, a
+    recompile, the graph after a graph break) matches it without tracing. The match reads
+    nodes, targets and arguments only; the values stay with the graph that made them."""
+    flag = torch.are_deterministic_algorithms_enabled()
+    for entry in _STRUCTURES:
+        if entry[1] == flag and entry[0] == table:
+            return entry[2]
+    entry = (dict(table), flag, {})
+    _STRUCTURES.insert(0, entry)
+    del _STRUCTURES[_TABLES_KEPT:]
+    return entry[2]
+
+
+def _structure(traced: fx.Graph) -> fx.Graph:
+    """A copy of ``traced``'s nodes without their meta (the fake values of the graph that traced it)."""
+    copy = fx.Graph()
+    copy.output(copy.graph_copy(traced, {}))
+    for node in copy.nodes:
+        node.meta = {}
+    return copy
+
+
 def _flattened(args, kwargs):
     """A call's arguments as pytree leaves and their spec (a node's kwargs as a plain dict, as a call's)."""
     import torch.utils._pytree as pytree
@@ -193,27 +226,33 @@ def _call_key(target, leaves, spec) -> Optional[tuple]:
     return key, str(spec), tuple(repr(leaf) for leaf in leaves if not isinstance(leaf, fx.Node))
 
 
-def _recompose(gm: fx.GraphModule, op, inputs, table: dict, fake_mode, traces: Optional[dict] = None):
+def _recompose(gm: fx.GraphModule, op, inputs, table: dict, fake_mode, traces: Optional[dict] = None,
+               structures: Optional[dict] = None):
     """Replace the subgraph that is the trace of ``op(*inputs)``'s decomposition by one call of ``op``.
 
     Returns (the call, the nodes it erased), or None where the subgraph is not there. An
     intermediate that something else reads stays for that reader: the call has the root's
-    value whatever reads it. ``traces`` keeps each trace by :func:`_trace_key` for the next
-    candidate of the same op and geometry (each layer's; a trace is only read)."""
+    value whatever reads it. ``traces`` keeps each trace by :func:`_call_key` for the next
+    candidate of the same op and geometry (each layer's; a trace is only read); ``structures``
+    (:func:`known_structures`) keeps each trace's nodes without their values, across graphs."""
     from ..compat import traced_decomposition
 
     if any(not isinstance(i, fx.Node) or i.op == "output" or i.meta.get("val") is None for i in inputs):
         return None
+    structures = {} if structures is None else structures
     try:  # read-only until the match is whole: a failure costs only this candidate
         values = [i.meta["val"] for i in inputs]
         key = _call_key(op, *_flattened(tuple(inputs), {})) if traces is not None else None
         traced = traces.get(key) if key is not None else None
-        if traced is None:
+        shape = traced.graph if traced is not None else structures.get(key) if key is not None else None
+        if shape is None:
             with fake_mode if fake_mode is not None else contextlib.nullcontext():
                 traced = traced_decomposition(lambda *a: op(*a), values, table)
+            shape = traced.graph
             if key is not None:
                 traces[key] = traced
-        root, matched = _match_trace(traced.graph, inputs)
+                structures[key] = _structure(shape)
+        root, matched = _match_trace(shape, inputs)
     except Exception:  # inputs the op does not take (a dtype or shape it refuses), or a graph it cannot read
         return None
     if root is None or root in inputs:
