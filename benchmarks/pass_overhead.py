@@ -51,6 +51,10 @@ NPU).
     python -m benchmarks.pass_overhead [--layers 1 2 4 8 16 32] [--repeat 1] [--profile 32]
     python -m benchmarks.pass_overhead --torchair [--target a2] [--layers 1 2 4 8 16 32]
     python -m benchmarks.pass_overhead --forward [--inductor] [--layers 1 8 32]
+    python -m benchmarks.pass_overhead --inductor [--layers 1 4] [--profile 4]
+
+With ``--inductor``, ``--profile LAYERS`` prints a cProfile of the pass's call on Inductor's joint
+graph alone (SiLU recomposed, the rules, SiLU decomposed again) in that model's first step.
 
 ``--widths 16 128`` measures the backend's joint-graph pass at each head dim (4 heads, 2 key/value
 heads, hidden 4 x head dim, MLP twice the hidden size; ``--heads``, ``--kv-heads``) and each of
@@ -204,11 +208,12 @@ def measure(layers: int, dtype=torch.float32, seq: int = 16, batch: int = 2, tar
 
 
 def measure_inductor(layers: int, target: str = "generic", dtype=torch.float32, seq: int = 16,
-                     batch: int = 2, forward: bool = None, off: bool = False) -> dict:
+                     batch: int = 2, forward: bool = None, off: bool = False, profiler=None) -> dict:
     """``measure`` through stock Inductor with ``npu_fusion.install_inductor``: the first call is
     Dynamo, AOTAutograd, Inductor's joint passes (the npu-fusion pass among them), its partition,
     code generation and C++ compilation of both graphs. The pass's CPU time is taken around its
-    own call (the ``CustomGraphPass``), the pass time from ``FusionResult.seconds``."""
+    own call (the ``CustomGraphPass``: recomposing SiLU, the rules, decomposing again), the pass
+    time from ``FusionResult.seconds``; given a ``cProfile.Profile``, only that call runs under it."""
     from npu_fusion.compat import no_compile_caches
     from npu_fusion.plugin import pass_manager
     from npu_fusion.plugin.inductor import uninstall_inductor
@@ -224,7 +229,13 @@ def measure_inductor(layers: int, target: str = "generic", dtype=torch.float32, 
     def timed(self, graph):
         with GcTimer() as gc_time:
             cpu = time.process_time()
-            real_call(self, graph)
+            if profiler is not None:
+                profiler.enable()
+            try:
+                real_call(self, graph)
+            finally:
+                if profiler is not None:
+                    profiler.disable()
             clock["cpu"] += time.process_time() - cpu
         clock["gc"] += gc_time.seconds
         clock["gc_full"] += gc_time.full
@@ -423,6 +434,24 @@ def profile_joint(layers: int, width: dict, target: str = "generic", top: int = 
     return out.getvalue()
 
 
+def profile_inductor(layers: int, target: str = "generic", top: int = 30) -> str:
+    """cProfile of the pass's call on Inductor's joint graph (``install_inductor``'s ``CustomGraphPass``) in
+    the first compiled step of a ``layers``-layer model (GC off under the profiler, as :func:`profile_joint`)."""
+    profiler = cProfile.Profile()
+    gc.collect()
+    gc.disable()
+    try:
+        row = measure_inductor(layers, target=target, profiler=profiler)
+    finally:
+        gc.enable()
+    out = io.StringIO()
+    out.write(f"Inductor's joint-graph pass on {row['nodes_before']} nodes, {layers} layers: "
+              f"{row['pass_cpu'] * 1e3:.0f} ms CPU (under cProfile, GC off)\n")
+    pstats.Stats(profiler, stream=out).sort_stats("cumulative").print_stats(top)
+    pstats.Stats(profiler, stream=out).sort_stats("tottime").print_stats(top)
+    return out.getvalue()
+
+
 def measure_widths(args: argparse.Namespace) -> list:
     """One row per (head_dim, layers) on the backend: ``--repeat`` runs each, medians of the times."""
     target = args.target or "generic"
@@ -463,7 +492,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--repeat", type=int, default=1, help="runs per size; the table shows the medians")
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads (default 1)")
     parser.add_argument("--profile", type=int, default=0, metavar="LAYERS",
-                        help="also print a cProfile of the pass on a model of this many layers")
+                        help="also print a cProfile of the pass on a model of this many layers (with --inductor: "
+                             "the pass's call on Inductor's joint graph)")
     parser.add_argument("--torchair", action="store_true",
                         help="compile through torchair.get_npu_backend with npu_fusion.install (torchair "
                              "from the torch_npu wheel, CANN stubbed, via tests/torchair; see the module doc)")
@@ -658,7 +688,8 @@ def measure_and_print(run, args) -> int:
     if len(rows) >= 2:
         print_fits(rows)
     if args.profile:
-        print(f"\n```\n{profile_pass(args.profile)}```")
+        text = profile_inductor(args.profile, args.target or "generic") if args.inductor else profile_pass(args.profile)
+        print(f"\n```\n{text}```")
     return 0
 
 

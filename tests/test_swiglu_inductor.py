@@ -98,3 +98,45 @@ def test_phi3_mlp_fuses_under_dynamic_shapes_through_inductor(installed):
             assert_close_as_unfused(f, e, w, factor=MODEL_FACTOR)
     (joint,) = [r for r in HISTORY.since(mark) if r.graph == "joint"]
     assert (joint.fused(FORWARD), joint.fused(BACKWARD)) == (1, 1) and not joint.misses, joint.misses
+
+
+def _decomposed_silu_graph():
+    """``silu(x) * y`` traced through Inductor's table on fake values of a fake mode of its own (one compile's)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from npu_fusion.compat import inductor_decompositions, traced_decomposition
+
+    with FakeTensorMode() as fake:
+        values = [torch.empty(3, 8), torch.empty(3, 8)]
+        return traced_decomposition(lambda x, y: torch.ops.aten.silu.default(x) * y, values, inductor_decompositions())
+
+
+def _calls(gm):
+    """The graph's calls as (target, arguments by position of the node read or constant), in order."""
+    place = {n: i for i, n in enumerate(gm.graph.nodes)}
+    return [(n.target, tuple(place[a] if isinstance(a, torch.fx.Node) else a for a in n.args))
+            for n in gm.graph.nodes if n.op == "call_function"]
+
+
+def test_a_second_graph_recomposes_from_the_kept_structure_and_decomposes_back():
+    """The second graph of one geometry recomposes SiLU as the first did, without tracing it (the trace's
+    structure is kept across graphs), and decompose_again, with this graph's traces, puts back the table's trace."""
+    from npu_fusion.compat import inductor_decompositions
+    from npu_fusion.plugin.options import FusionOptions
+    from npu_fusion.plugin.recompose import decompose_again, known_structures, recompose_decomposed
+
+    table, options = inductor_decompositions(), FusionOptions.from_mapping({"target": "generic", **ON})
+    first, second = _decomposed_silu_graph(), _decomposed_silu_graph()
+    decomposed = _calls(second)
+    assert [t for t, _ in decomposed].count(torch.ops.aten.exp.default) == 1
+    assert [c.target for c in recompose_decomposed(first, options, table)] == [torch.ops.aten.silu.default]
+    assert any(key[0][0] is torch.ops.aten.silu.default for key in known_structures(table))
+    traces = {}
+    calls = recompose_decomposed(second, options, table, traces, recompile=False)
+    assert [c.target for c in calls] == [torch.ops.aten.silu.default] and not traces  # matched, not traced
+    assert _calls(second) == _calls(first) and len(_calls(second)) == 2
+    assert decompose_again(second, calls, table, traces, recompile=False) == 1 and len(traces) == 1
+    assert _calls(second) == decomposed
+    second.recompile()
+    x, y = torch.randn(3, 8), torch.randn(3, 8)
+    assert torch.equal(second(x, y), x / (1 + torch.exp(-x)) * y)

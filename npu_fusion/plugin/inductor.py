@@ -68,17 +68,20 @@ def _make_pass_class():
             gm = graph.owning_module
             if gm is None:
                 return
-            table = inductor_decompositions()
-            recomposed = recompose_decomposed(gm, self.options, table)
+            # Inductor regenerates the module's code after its joint passes (when any custom pass
+            # ran): no step here recompiles it, and the SiLU traces serve both ways
+            table, traces = inductor_decompositions(), {}
+            recomposed = recompose_decomposed(gm, self.options, table, traces, recompile=False)
             if is_joint_graph(graph):
-                result = fuse_joint(gm, self.options, copy_op=_copy_by_multiplying, partitioner="min_cut")
+                result = fuse_joint(gm, self.options, copy_op=_copy_by_multiplying, partitioner="min_cut",
+                                    recompile=False)
             elif in_compiled_autograd():  # the whole backward, compiled as an inference graph
                 result = fuse_backward(gm, self.options)
             else:  # Inductor runs these passes on no other graph: an inference graph (no backward)
                 result = fuse_inference(gm, self.options)
-            decompose_again(gm, recomposed, table)
+            decompose_again(gm, recomposed, table, traces, recompile=False)
             if result.sites or recomposed:
-                decompose_what_inductor_refuses(gm)
+                decompose_what_inductor_refuses(gm, recompile=False)
 
         def uuid(self) -> Optional[bytes]:
             previous = [p.uuid() if hasattr(p, "uuid") else None for p in _as_passes(self.previous)]
@@ -121,13 +124,14 @@ def _copy_by_multiplying(graph, fake_mode, value):
     return call(graph, fake_mode, torch.ops.aten.mul.Tensor, (value, 1))
 
 
-def decompose_what_inductor_refuses(gm) -> int:
+def decompose_what_inductor_refuses(gm, recompile: bool = True) -> int:
     """Decompose, in place and with Inductor's own table, each call Inductor's lowering would refuse.
 
     Those are the ATen ops the pass emits after AOTAutograd decomposed the graph (casts, ones of
     a norm without weight or input gradient, a rotation table rebuilt by ``stack`` or
     ``repeat_interleave``...) that Inductor only knows by their decomposition: its implicit
-    fallback asserts there is none. Returns how many calls were decomposed."""
+    fallback asserts there is none. ``recompile=False`` leaves the module's code for the caller to
+    regenerate. Returns how many calls were decomposed."""
     from ..compat import inductor_refuses
     from ..patterns.context import fake_mode_of
 
@@ -137,7 +141,8 @@ def decompose_what_inductor_refuses(gm) -> int:
         for node in refused:
             replace_by_decomposition(gm, node, table, fake_mode)
         gm.graph.lint()
-        gm.recompile()
+        if recompile:
+            gm.recompile()
     return len(refused)
 
 

@@ -36,49 +36,61 @@ def recomposable_ops(options: FusionOptions, table: Optional[dict]) -> List:
     return [op for op in ops if op in table]
 
 
-def recompose_decomposed(gm: fx.GraphModule, options: FusionOptions, table: Optional[dict]) -> List[fx.Node]:
+def recompose_decomposed(gm: fx.GraphModule, options: FusionOptions, table: Optional[dict],
+                         traces: Optional[dict] = None, recompile: bool = True) -> List[fx.Node]:
     """Put ``aten.silu`` and ``aten.silu_backward`` back, in place, where ``gm`` holds exactly their decomposition in ``table``.
 
     A subgraph is recomposed only where it is, node for node, the trace of the op's
     decomposition (``table``) on the same inputs, so the op has its value bit for bit; an
     intermediate something else reads stays for that reader. Returns the calls it put back
-    (:func:`decompose_again` takes apart those the pass leaves)."""
+    (:func:`decompose_again` takes apart those the pass leaves). ``traces``: the traces made so
+    far on this graph, by :func:`_call_key`; given the same dict, :func:`decompose_again` reuses
+    them (the trace of a call it takes apart is the one that matched it). ``recompile=False``
+    leaves the module's Python code as it was, for a caller that regenerates it after its passes
+    (Inductor, after its joint passes)."""
     ops = recomposable_ops(options, table)
     if not ops:
         return []
     from ..patterns.context import fake_mode_of
 
-    fake_mode, calls, traces = fake_mode_of(gm.graph), [], {}
+    fake_mode, calls, structures = fake_mode_of(gm.graph), [], known_structures(table)
+    traces = {} if traces is None else traces
     for op in ops:
         erased = set()
         for inputs in list(_decomposition_inputs(gm.graph, op)):
             if not erased.intersection(inputs):
-                done = _recompose(gm, op, inputs, table, fake_mode, traces)
+                done = _recompose(gm, op, inputs, table, fake_mode, traces, structures)
                 if done is not None:
                     call, gone = done
                     calls.append(call)
                     erased.update(gone)
     if calls:
         gm.graph.lint()
-        gm.recompile()
+        if recompile:
+            gm.recompile()
     return calls
 
 
-def decompose_again(gm: fx.GraphModule, calls: Iterable[fx.Node], table: dict) -> int:
+def decompose_again(gm: fx.GraphModule, calls: Iterable[fx.Node], table: dict,
+                    traces: Optional[dict] = None, recompile: bool = True) -> int:
     """Put the trace of its decomposition (``table``) back in place of each of ``calls`` still in ``gm``.
 
     The calls :func:`recompose_decomposed` put back that the pass left unfused: the graph there
-    is again what the table made of the program. Returns how many it took apart."""
+    is again what the table made of the program. ``traces`` and ``recompile`` as for
+    :func:`recompose_decomposed` (the same ``traces``: a call whose inputs kept their geometry
+    takes the trace that matched it). Returns how many it took apart."""
     from ..patterns.context import fake_mode_of
 
     present = set(gm.graph.nodes)
     left = [c for c in calls if c in present]
     if left:
-        fake_mode, traces = fake_mode_of(gm.graph), {}
+        fake_mode = fake_mode_of(gm.graph)
+        traces = {} if traces is None else traces
         for node in left:
             replace_by_decomposition(gm, node, table, fake_mode, traces)
         gm.graph.lint()
-        gm.recompile()
+        if recompile:
+            gm.recompile()
     return len(left)
 
 
@@ -162,27 +174,85 @@ def _trace_key(op, values) -> Optional[tuple]:
     return tuple(key)
 
 
-def _recompose(gm: fx.GraphModule, op, inputs, table: dict, fake_mode, traces: Optional[dict] = None):
+#: per decomposition table (a copy of its entries) and determinism flag, the structure of each
+#: decomposition trace :func:`_recompose` made (by :func:`_call_key`); the newest few tables
+_STRUCTURES: List[tuple] = []
+_TABLES_KEPT = 4
+
+
+def known_structures(table: dict) -> dict:
+    """The traces' structures (:func:`_structure`) made with ``table``'s entries in this process, by :func:`_call_key`.
+
+    A trace is a function of the call's key, the table's entries and the determinism flag
+    (a decomposition may branch on it), so a structure found under all three is the trace a new
+    one would make, node for node: the next graph of the same geometry (another compile, a
+    recompile, the graph after a graph break) matches it without tracing. The match reads
+    nodes, targets and arguments only; the values stay with the graph that made them."""
+    flag = torch.are_deterministic_algorithms_enabled()
+    for entry in _STRUCTURES:
+        if entry[1] == flag and entry[0] == table:
+            return entry[2]
+    entry = (dict(table), flag, {})
+    _STRUCTURES.insert(0, entry)
+    del _STRUCTURES[_TABLES_KEPT:]
+    return entry[2]
+
+
+def _structure(traced: fx.Graph) -> fx.Graph:
+    """A copy of ``traced``'s nodes without their meta (the fake values of the graph that traced it)."""
+    copy = fx.Graph()
+    copy.output(copy.graph_copy(traced, {}))
+    for node in copy.nodes:
+        node.meta = {}
+    return copy
+
+
+def _flattened(args, kwargs):
+    """A call's arguments as pytree leaves and their spec (a node's kwargs as a plain dict, as a call's)."""
+    import torch.utils._pytree as pytree
+
+    return pytree.tree_flatten((tuple(args), dict(kwargs)))
+
+
+def _call_key(target, leaves, spec) -> Optional[tuple]:
+    """What the trace of a call's decomposition depends on: :func:`_trace_key` of its node inputs'
+    values, where its arguments sit, and its other arguments (None where a size is symbolic).
+
+    The one key of :func:`_recompose` (a call ``op(*inputs)``) and :func:`replace_by_decomposition`,
+    so a trace made to recompose a call serves to take it apart again."""
+    key = _trace_key(target, [leaf.meta["val"] for leaf in leaves if isinstance(leaf, fx.Node)])
+    if key is None:
+        return None
+    return key, str(spec), tuple(repr(leaf) for leaf in leaves if not isinstance(leaf, fx.Node))
+
+
+def _recompose(gm: fx.GraphModule, op, inputs, table: dict, fake_mode, traces: Optional[dict] = None,
+               structures: Optional[dict] = None):
     """Replace the subgraph that is the trace of ``op(*inputs)``'s decomposition by one call of ``op``.
 
     Returns (the call, the nodes it erased), or None where the subgraph is not there. An
     intermediate that something else reads stays for that reader: the call has the root's
-    value whatever reads it. ``traces`` keeps each trace by :func:`_trace_key` for the next
-    candidate of the same op and geometry (each layer's; a trace is only read)."""
+    value whatever reads it. ``traces`` keeps each trace by :func:`_call_key` for the next
+    candidate of the same op and geometry (each layer's; a trace is only read); ``structures``
+    (:func:`known_structures`) keeps each trace's nodes without their values, across graphs."""
     from ..compat import traced_decomposition
 
     if any(not isinstance(i, fx.Node) or i.op == "output" or i.meta.get("val") is None for i in inputs):
         return None
+    structures = {} if structures is None else structures
     try:  # read-only until the match is whole: a failure costs only this candidate
         values = [i.meta["val"] for i in inputs]
-        key = _trace_key(op, values) if traces is not None else None
+        key = _call_key(op, *_flattened(tuple(inputs), {})) if traces is not None else None
         traced = traces.get(key) if key is not None else None
-        if traced is None:
+        shape = traced.graph if traced is not None else structures.get(key) if key is not None else None
+        if shape is None:
             with fake_mode if fake_mode is not None else contextlib.nullcontext():
                 traced = traced_decomposition(lambda *a: op(*a), values, table)
+            shape = traced.graph
             if key is not None:
                 traces[key] = traced
-        root, matched = _match_trace(traced.graph, inputs)
+                structures[key] = _structure(shape)
+        root, matched = _match_trace(shape, inputs)
     except Exception:  # inputs the op does not take (a dtype or shape it refuses), or a graph it cannot read
         return None
     if root is None or root in inputs:
@@ -210,7 +280,7 @@ def replace_by_decomposition(gm: fx.GraphModule, node: fx.Node, table: dict, fak
 
     from ..compat import traced_decomposition
 
-    leaves, spec = pytree.tree_flatten((node.args, node.kwargs))
+    leaves, spec = _flattened(node.args, node.kwargs)
     inputs = [i for i, leaf in enumerate(leaves) if isinstance(leaf, fx.Node)]
 
     def as_called(*values):
@@ -221,9 +291,7 @@ def replace_by_decomposition(gm: fx.GraphModule, node: fx.Node, table: dict, fak
         return node.target(*args, **kwargs)
 
     values = [leaves[i].meta["val"] for i in inputs]
-    key = _trace_key(node.target, values) if traces is not None else None
-    if key is not None:
-        key = (key, str(spec), tuple(repr(leaf) for leaf in leaves if not isinstance(leaf, fx.Node)))
+    key = _call_key(node.target, leaves, spec) if traces is not None else None
     traced = traces.get(key) if key is not None else None
     if traced is None:
         with fake_mode if fake_mode is not None else contextlib.nullcontext():
