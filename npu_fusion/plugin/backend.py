@@ -126,14 +126,16 @@ def _fuser(options: FusionOptions, stage: str, around_pass: Optional[Callable], 
         result = []
 
         def run():
-            recomposed = recompose_decomposed(gm, options, table)
+            joint = stage == "joint" and split is not None and not inference  # partitioned next, never run
+            traces = {}  # SiLU's traces, shared by the recomposition and its undoing
+            recomposed = recompose_decomposed(gm, options, table, traces, recompile=not joint)
             if inference:
                 result.append(fuse_inference(gm, options))
-            elif stage == "joint" and split is not None:
-                result.append(fuse_joint(gm, options, recompile=False))  # partitioned next, never run
+            elif joint:
+                result.append(fuse_joint(gm, options, recompile=False))
             else:
                 result.append(fuse_backward(gm, options, forward=forward))
-            decompose_again(gm, recomposed, table)
+            decompose_again(gm, recomposed, table, traces, recompile=not joint)
             return result[-1]
         run.stage = "inference" if inference else stage
         run.forward, run.split, run.partitioned = forward, split, None
