@@ -102,7 +102,7 @@ def match_y(ev: LaneEvaluator, node: fx.Node) -> Optional[ForwardRopeMatch]:
     # a complex product is symmetric: x is the leaf over y's leading axes, not the broadcast table
     for x_lid in sorted(lids, key=lambda lid: (not _leads_like(ev.leaves[lid], node), lid)):
         offset = v.lowest_position(x_lid)
-        x = (x_lid, tuple(range(offset, offset + d)))
+        x = (x_lid, lane_pieces.consecutive(offset, d))
         for mode in ROPE_MODES:
             if d % rope_divisor(mode):
                 continue
