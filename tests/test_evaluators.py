@@ -206,6 +206,42 @@ def test_runs_of_positions_on_captured_graphs(name, monkeypatch):
         every_lane_value(graph, provenance, False, monkeypatch)
 
 
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 6), st.integers(1, 3), st.integers(0, 12)), min_size=1, max_size=6))
+def test_positions_known_by_runs_read_as_the_plain_tuple(assignments):
+    """Indices read at runs of positions (``(start, length, position of start)``, as :func:`read_partners`
+    finds them) give the positions position by position would give, or None where two runs disagree or an
+    index stays unread; what knows its runs answers :func:`run_offset` as the plain tuple does."""
+    from npu_fusion.patterns import lane_pieces
+
+    d = max(start + length for start, length, _ in assignments)
+    plain, runs, clash, run_clash = [None] * d, [], False, False
+    for start, length, first in assignments:
+        new = list(range(first, first + length))
+        old = plain[start:start + length]
+        clash = clash or any(p is not None and p != n for p, n in zip(old, new))
+        plain[start:start + length] = new
+        run = (start, start + length, first - start)
+        run_clash = run_clash or any(s < run[1] and run[0] < e and o != run[2] for s, e, o in runs)
+        runs.append(run)
+    assert clash == run_clash
+    merged = lane_pieces._covering(runs, d)
+    if None in plain:
+        assert merged is None
+        return
+    positions = lane_pieces._from_runs(merged)
+    if not clash:
+        assert positions == tuple(plain) and hash(positions) == hash(tuple(plain))
+    for lo in range(-1, d + 1):
+        for hi in range(lo, d + 2):
+            if not clash:
+                assert lane_pieces.run_offset(positions, lo, hi) == lane_pieces.run_offset(tuple(plain), lo, hi)
+    for start in range(-1, 3):
+        assert lane_pieces.is_consecutive(positions, start, d) == (tuple(positions) == tuple(range(start, start + d)))
+    consecutive = lane_pieces.consecutive(3, d)
+    assert consecutive == tuple(range(3, 3 + d)) and lane_pieces.is_consecutive(consecutive, 3, d)
+
+
 # -- the RMSNorm evaluator: symbolic over the normalized (last) axis, sums as symbols ------
 
 from npu_fusion.patterns.norm_algebra import NormEvaluator  # noqa: E402

@@ -17,6 +17,7 @@ polynomials, as before: the pieces are a faster spelling of the same value, neve
 """
 from __future__ import annotations
 
+import itertools
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 #: (lo, hi, template): positions lo <= i < hi read ``template`` at i
@@ -135,8 +136,7 @@ def reads_run(pieces: Pieces, lid: int, positions: Sequence[int]) -> bool:
         ((mono, coef),) = template.items()
         if coef != 1 or len(mono) != 1 or mono[0][0] != lid:
             return False
-        off = mono[0][1]
-        if tuple(positions[lo:hi]) != tuple(range(lo + off, hi + off)):
+        if lo < hi and run_offset(positions, lo, hi) != mono[0][1]:
             return False
     return True
 
@@ -163,10 +163,48 @@ def term_runs(terms) -> Optional[Pieces]:
     return tuple((lo, hi, relative) for lo, hi, relative in runs)
 
 
+class Positions(tuple):
+    """A role's leaf positions, a tuple of ints equal to any other with the same ints, that knows its runs.
+
+    ``runs`` are the maximal ``(lo, hi, offset)`` with ``self[k] == k + offset`` for ``lo <= k < hi``,
+    in order and covering every index: :func:`run_offset` reads them in a few steps, where a plain
+    tuple is compared element by element, so matching a formula along runs costs no more at a wide
+    head dim. A slice of it, or a copy, is a plain tuple or knows no runs: read element by element."""
+
+    def __new__(cls, positions=(), runs=None):
+        self = super().__new__(cls, positions)
+        self.runs = runs
+        return self
+
+
+def consecutive(start: int, n: int) -> Positions:
+    """The positions ``start, start + 1, ..., start + n - 1``."""
+    return Positions(range(start, start + n), ((0, n, start),) if n > 0 else ())
+
+
+def _from_runs(runs) -> Positions:
+    """The positions that maximal ``(lo, hi, offset)`` runs, in order and covering ``0 .. n``, say."""
+    return Positions(itertools.chain.from_iterable(range(lo + off, hi + off) for lo, hi, off in runs), tuple(runs))
+
+
+def is_consecutive(positions: Sequence[int], start: int, n: int) -> bool:
+    """Whether ``positions`` are ``start .. start + n - 1``, that is ``tuple(range(start, start + n))``."""
+    expected = range(start, start + n)
+    runs = getattr(positions, "runs", None)
+    if runs is not None:
+        return len(positions) == len(expected) and (not expected or runs == ((0, n, start),))
+    return tuple(positions) == tuple(expected)
+
+
 def run_offset(positions: Sequence[int], lo: int, hi: int) -> Optional[int]:
     """``o`` when ``positions[k] == k + o`` for every ``lo <= k < hi``, else None."""
     if not 0 <= lo < hi <= len(positions):
         return None
+    runs = getattr(positions, "runs", None)
+    if runs is not None:  # maximal runs: [lo, hi) is inside one, or its positions change offset
+        for a, b, off in runs:
+            if a <= lo < b:
+                return off if hi <= b else None
     o = positions[lo] - lo
     return o if tuple(positions[lo:hi]) == tuple(range(lo + o, hi + o)) else None
 
@@ -180,7 +218,8 @@ def read_partners(pieces: Pieces, runs: Pieces, anchor: Tuple[int, Sequence[int]
     ``squares`` is False: then no partner) the role's element. Returns ``({role: (leaf id, positions)}, {role: coefficients seen})``, or None
     when a position has no such single monomial, a role's index is read at two different positions,
     is not read at all, or reads two leaves: what reading position by position finds, found once a run."""
-    positions = {r: [None] * d for r in roles}
+    # each role's indices read so far, as runs (start, end, offset): index k is the leaf's position k + offset
+    assigned = {r: [] for r in roles}
     lids = {r: set() for r in roles}
     coefs = {r: set() for r in roles}
     for lo, hi, (template, terms) in combine([pieces, runs], lambda t, terms: (t, terms)):
@@ -198,14 +237,40 @@ def read_partners(pieces: Pieces, runs: Pieces, anchor: Tuple[int, Sequence[int]
             (other,) = partners
             lids[role].add(other[0])
             coefs[role].add((c, template[monos[0]]))
-            new = list(range(lo + other[1], hi + other[1]))
-            old = positions[role][lo + b:hi + b]
-            if old != new and any(p is not None and p != n for p, n in zip(old, new)):
+            # indices lo + b .. hi + b read positions lo + other[1] ..: an index read before at another
+            # offset is read at two different positions (overlapping runs of two offsets differ everywhere)
+            new = (lo + b, hi + b, other[1] - b)
+            if any(s < new[1] and new[0] < e and o != new[2] for s, e, o in assigned[role]):
                 return None
-            positions[role][lo + b:hi + b] = new
-    if any(len(l) != 1 for l in lids.values()) or any(None in p for p in positions.values()):
+            assigned[role].append(new)
+    if any(len(l) != 1 for l in lids.values()):
         return None
-    return {r: (next(iter(lids[r])), tuple(positions[r])) for r in roles}, coefs
+    found = {}
+    for r in roles:
+        merged = _covering(assigned[r], d)
+        if merged is None:  # an index no term reads
+            return None
+        found[r] = (next(iter(lids[r])), _from_runs(merged))
+    return found, coefs
+
+
+def _covering(runs, d: int):
+    """Runs ``(start, end, offset)`` that agree where they overlap as maximal runs covering ``0 .. d``, or None
+    when they leave an index of ``0 .. d`` unread."""
+    out = []
+    reached = 0
+    for s, e, o in sorted(runs):
+        if s > reached:
+            return None
+        if e <= reached:
+            continue
+        s = max(s, reached)
+        if out and out[-1][2] == o and out[-1][1] == s:
+            out[-1] = (out[-1][0], e, o)
+        else:
+            out.append((s, e, o))
+        reached = e
+    return out if reached >= d else None
 
 
 def equals_formula(pieces: Pieces, runs: Pieces, anchor: Tuple[int, Sequence[int]], roles, coefficient) -> Optional[bool]:

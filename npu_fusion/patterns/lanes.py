@@ -63,6 +63,9 @@ class LaneEvaluator(LaneMoves, MemoEvaluator):
         self.cut_values: Dict[fx.Node, Lanes] = {}
         self.leaf_ids: Dict[fx.Node, int] = {}
         self.leaves: List[fx.Node] = []
+        #: what a rule's matcher found at a node, by (matcher, node): it reads only the node's value and
+        #: the leaves', which this evaluator never changes (see :func:`~.rope.match.match_y`)
+        self.found: Dict[tuple, object] = {}
 
     def _too_wide(self, inner) -> bool:
         return self.max_lanes is not None and math.prod(inner) > self.max_lanes

@@ -30,7 +30,7 @@ Role = Tuple[int, Tuple[int, ...]]
 
 
 def contiguous(lid: int, offset: int, d: int) -> Role:
-    return lid, tuple(range(offset, offset + d))
+    return lid, lane_pieces.consecutive(offset, d)
 
 
 # -- docs/fused-ops.md#rotary_position_embedding_grad, position by position -------

@@ -92,6 +92,19 @@ def _read_roles(v: Lanes, mode: int, x: Role):
 
 
 def match_y(ev: LaneEvaluator, node: fx.Node) -> Optional[ForwardRopeMatch]:
+    """The rotation ``node``'s value is, or None; found once per evaluator (the rules ask again for the
+    same node: the backward rule's tables of a site of table gradients alone, each check the forward
+    rule makes). A fresh copy each time, as a new search would give."""
+    key = ("y", node)
+    if key not in ev.found:
+        if node not in ev.memo:
+            return None
+        ev.found[key] = _match_y(ev, node)
+    found = ev.found[key]
+    return None if found is None else dataclasses.replace(found)
+
+
+def _match_y(ev: LaneEvaluator, node: fx.Node) -> Optional[ForwardRopeMatch]:
     v = ev.memo.get(node)
     if v is None or v.reduction is not None or v.complex or len(v.inner) != 1 or v.inner[0] < 2 or v.inner[0] % 2:
         return None
@@ -102,7 +115,7 @@ def match_y(ev: LaneEvaluator, node: fx.Node) -> Optional[ForwardRopeMatch]:
     # a complex product is symmetric: x is the leaf over y's leading axes, not the broadcast table
     for x_lid in sorted(lids, key=lambda lid: (not _leads_like(ev.leaves[lid], node), lid)):
         offset = v.lowest_position(x_lid)
-        x = (x_lid, tuple(range(offset, offset + d)))
+        x = (x_lid, lane_pieces.consecutive(offset, d))
         for mode in ROPE_MODES:
             if d % rope_divisor(mode):
                 continue

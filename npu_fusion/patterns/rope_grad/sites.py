@@ -18,7 +18,8 @@ from ..rewrite import Miss, RuleContext, gradient_accumulation
 from ..pairing import calls, source
 from ..rule import RoundReport
 from ..rope.sites import forward_rotations
-from ..rotation import (DX_DEPTH, MAX_LANES, Role, head_dim_mark, lane_evaluator, moves_elements, rotation_sums,
+from ..lane_pieces import is_consecutive
+from ..rotation import (DX_DEPTH, MAX_LANES, Role, contiguous, head_dim_mark, lane_evaluator, moves_elements, rotation_sums,
                         sums_dx_terms, symbolic_head_dim_reason)
 from .match import RopeMatch, keeps_tables, site_region, match_dx, match_table
 
@@ -213,7 +214,7 @@ def _match_table_gradients(examine, ev: LaneEvaluator, graph: fx.Graph, matches)
             for lid in {var[0] for var in next(iter(v.poly_at(0)))}:
                 tables_by_leaf.setdefault(lid, []).append(node)
     for site in matches:
-        if not all(r[1] == tuple(range(static_int(shape(ev.leaves[r[0]])[-1]))) for r in (site.cos, site.sin)):
+        if not all(is_consecutive(r[1], 0, static_int(shape(ev.leaves[r[0]])[-1])) for r in (site.cos, site.sin)):
             continue  # dcos/dsin are grads of whole tables; rebuilt tables have none in the graph
         if site.signs != (1, 1):
             continue  # the graph's table gradients are of the leaves, not of the negated tables
@@ -261,7 +262,7 @@ def _table_only_matches(rewrites: RuleContext, ev: LaneEvaluator, graph: fx.Grap
         x, cos, sin = (fev.leaves[r[0]] for r in (rotation.x, rotation.cos, rotation.sin))
         d = len(rotation.x[1])
         if rotation.signs != (1, 1) or source(cos) in handled or source(sin) in handled or any(
-                r[1] != tuple(range(static_int(shape(fev.leaves[r[0]])[-1]))) for r in (rotation.cos, rotation.sin)):
+                not is_consecutive(r[1], 0, static_int(shape(fev.leaves[r[0]])[-1])) for r in (rotation.cos, rotation.sin)):
             continue
         candidates = [n for n in downstream(graph, [x], 2 * DX_DEPTH) if n in gradient and n.op == "call_function"]
         for node in candidates:
@@ -270,8 +271,8 @@ def _table_only_matches(rewrites: RuleContext, ev: LaneEvaluator, graph: fx.Grap
         for dy_lid in sorted({var[0] for n in products for var in next(iter(ev.memo[n].polys[0]))
                               if ev.depends_on_gradient(ev.leaves[var[0]])}):
             anchor = next(n for n in products if any(var[0] == dy_lid for var in next(iter(ev.memo[n].polys[0]))))
-            site = RopeMatch(rotation.mode, anchor, (dy_lid, tuple(range(d))), (ev.leaf_id(cos), tuple(range(d))),
-                             (ev.leaf_id(sin), tuple(range(d))), ev=ev, table_only=True)
+            site = RopeMatch(rotation.mode, anchor, contiguous(dy_lid, 0, d), contiguous(ev.leaf_id(cos), 0, d),
+                             contiguous(ev.leaf_id(sin), 0, d), ev=ev, table_only=True)
             _choose_table_gradients(rewrites.examine, ev, site, products)
             if site.dcos is not None and site.dsin is not None:
                 site.dx = site.dcos
