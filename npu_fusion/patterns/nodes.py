@@ -116,7 +116,7 @@ def is_float_cast(node: fx.Node) -> bool:
         extra = set(node.kwargs) - {"dtype", "layout", "device", "memory_format", "non_blocking"}
         if extra or (src_value.device != out_value.device):
             return False
-    src_dtype, out_dtype = src_value.dtype, out_value.dtype
+    src_dtype, out_dtype = dtype(src), dtype(node)
     if src_dtype.is_complex or out_dtype.is_complex:
         return src_dtype == out_dtype
     return src_dtype.is_floating_point and out_dtype.is_floating_point
@@ -139,6 +139,7 @@ def is_value_preserving_cast(node: fx.Node) -> bool:
             return False
         origin = origin.args[0]
 
+@functools.lru_cache(maxsize=None)
 def holds(wide: torch.dtype, narrow: torch.dtype) -> bool:
     """Every value of float dtype ``narrow`` is a value of ``wide``."""
     w, n = torch.finfo(wide), torch.finfo(narrow)
