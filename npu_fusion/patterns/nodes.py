@@ -15,21 +15,58 @@ aten = torch.ops.aten
 prims = torch.ops.prims
 
 
+#: the classes of recorded values that are tensors (``isinstance`` of a tensor class is slow, its answer fixed)
+_TENSOR_TYPES = set()
+
+
 def val(node) -> Optional[torch.Tensor]:
     """The node's recorded tensor value (its ``meta["val"]``), or None (not a node, not a tensor)."""
     if isinstance(node, fx.Node):
         v = node.meta.get("val")
+        kind = type(v)
+        if kind in _TENSOR_TYPES:
+            return v
         if isinstance(v, torch.Tensor):
+            _TENSOR_TYPES.add(kind)
             return v
     return None
 
 def shape(node) -> Optional[tuple]:
+    """The shape of the node's recorded tensor value (:func:`val`), or None; inside :func:`one_round`
+    remembered per node while its recorded value is the same object (a fake tensor's ``shape`` is slow)."""
+    cache = _SHAPES
+    if cache is not None and isinstance(node, fx.Node):
+        known = cache.get(node)
+        if known is not None and known[0] is node.meta.get("val"):
+            return known[1]
+        v = val(node)
+        if v is None:
+            return None
+        cache[node] = (v, v.shape)
+        return v.shape
     v = val(node)
     return v.shape if v is not None else None  # a torch.Size: a tuple
 
 def dtype(node) -> Optional[torch.dtype]:
+    """The dtype of the node's recorded tensor value (:func:`val`), or None; remembered as :func:`shape` is."""
+    cache = _DTYPES
+    if cache is not None and isinstance(node, fx.Node):
+        known = cache.get(node)
+        if known is not None and known[0] is node.meta.get("val"):
+            return known[1]
+        v = val(node)
+        if v is None:
+            return None
+        cache[node] = (v, v.dtype)
+        return v.dtype
     v = val(node)
     return v.dtype if v is not None else None
+
+
+#: inside :func:`one_round`, each node's shape and dtype with the recorded value they were read off
+#: (an answer holds while ``meta["val"]`` is that object); None outside, where nothing is remembered
+_SHAPES: Optional[Dict[fx.Node, tuple]] = None
+_DTYPES: Optional[Dict[fx.Node, tuple]] = None
 
 def meta_value(arg):
     """A node argument as a value: symbolic sizes are nodes in FX, their SymInt in meta."""
@@ -79,7 +116,7 @@ def is_float_cast(node: fx.Node) -> bool:
         extra = set(node.kwargs) - {"dtype", "layout", "device", "memory_format", "non_blocking"}
         if extra or (src_value.device != out_value.device):
             return False
-    src_dtype, out_dtype = src_value.dtype, out_value.dtype
+    src_dtype, out_dtype = dtype(src), dtype(node)
     if src_dtype.is_complex or out_dtype.is_complex:
         return src_dtype == out_dtype
     return src_dtype.is_floating_point and out_dtype.is_floating_point
@@ -102,6 +139,7 @@ def is_value_preserving_cast(node: fx.Node) -> bool:
             return False
         origin = origin.args[0]
 
+@functools.lru_cache(maxsize=None)
 def holds(wide: torch.dtype, narrow: torch.dtype) -> bool:
     """Every value of float dtype ``narrow`` is a value of ``wide``."""
     w, n = torch.finfo(wide), torch.finfo(narrow)
@@ -229,12 +267,19 @@ _ROUND_ANSWERS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 def one_round(graph: fx.Graph):
     """One round of the rules on ``graph``: :func:`gradient_dependent` is computed once in it.
     Rewrites insert fused ops and casts whose inputs say what they depend on, and replace
-    regions by values that depend on the same gradient, so the answer holds through the round."""
+    regions by values that depend on the same gradient, so the answer holds through the round.
+    Each node's :func:`shape` and :func:`dtype` are remembered through the outermost round too."""
+    global _SHAPES, _DTYPES
     _ROUND_ANSWERS[graph] = _UNKNOWN
+    outer = _SHAPES is None
+    if outer:
+        _SHAPES, _DTYPES = {}, {}
     try:
         yield
     finally:
         _ROUND_ANSWERS.pop(graph, None)
+        if outer:
+            _SHAPES = _DTYPES = None
 
 
 def gradient_product(node: fx.Node, gradient: set) -> Optional[tuple]:

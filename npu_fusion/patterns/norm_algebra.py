@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 import operator
 from typing import Dict, List, Optional
 
@@ -28,7 +29,7 @@ from ..compat import symbolic_expr
 from ..lowering.sizes import same_shape, static_int
 from .algebra import Expr, accumulate, graph_constant
 from .evaluator import MemoEvaluator, Provenance, Unsupported
-from .nodes import CAST_TARGETS, VIEWS, aten, is_float_cast, is_value_preserving_cast, normalize_dim, shape, val
+from .nodes import CAST_TARGETS, VIEWS, aten, dtype, is_float_cast, is_value_preserving_cast, normalize_dim, shape, val
 
 
 @dataclasses.dataclass
@@ -108,6 +109,7 @@ class NormEvaluator(MemoEvaluator):
         self._by_value: Dict[Expr, List[fx.Node]] = {}
         self._by_body: Dict[tuple, List[fx.Node]] = {}
         self._indexed = -1
+        self._indexed_settled = False  # the index was made with no evaluation under way
         self._size_symbols: Dict[object, int] = {}
         self._origin_symbol: Dict[fx.Node, int] = {}
         #: N, the number of normalized elements: a number, or a product of size symbols
@@ -177,14 +179,21 @@ class NormEvaluator(MemoEvaluator):
         return tuple((s, e) for s, e in mono if s in self.varying)
 
     def _values(self):
-        """Evaluated backward-graph nodes by value, and the one-term ones by varying part."""
-        if self._indexed != len(self.memo):
-            self._by_value, self._by_body, self._indexed = {}, {}, len(self.memo)
-            for n, v in self.memo.items():
+        """Evaluated backward-graph nodes by value, and the one-term ones by varying part.
+
+        Indexed in memo order; an index made with no evaluation under way (every value in the memo
+        final, and only ever added to) is extended by the nodes evaluated since, any other is made again."""
+        memo = self.memo
+        if self._indexed != len(memo):
+            start = self._indexed if self._indexed_settled else 0
+            if start <= 0:
+                self._by_value, self._by_body, start = {}, {}, 0
+            for n, v in itertools.islice(memo.items(), start, None):
                 if v is not None and v.lead_sum is None and not self._is_forward(n):
                     self._by_value.setdefault(v.expr, []).append(n)
                     if len(v.expr.terms) == 1:
                         self._by_body.setdefault(self.varying_part(next(iter(v.expr.terms))), []).append(n)
+            self._indexed, self._indexed_settled = len(memo), not self._depth
         return self._by_value, self._by_body
 
     def is_full(self, s) -> bool:
@@ -221,10 +230,9 @@ class NormEvaluator(MemoEvaluator):
     def _leaf(self, node) -> Optional[NormValue]:
         if self.provenance is not None and self.provenance.is_forward(node):
             raise Unsupported("forward node not saved for backward")
-        v = val(node)
-        if v is None or not v.dtype.is_floating_point:
+        if val(node) is None or not dtype(node).is_floating_point:
             return None
-        spans = self.spans(v.shape)
+        spans = self.spans(shape(node))
         # copies of one constant along the normalized axes are one leaf, whatever axes of size 1 they keep
         origin = (self._origin(node) or node) if spans is not True else None
         sym = self._origin_symbol.get(origin) if origin is not None else None
@@ -298,7 +306,7 @@ class NormEvaluator(MemoEvaluator):
             return Expr.number(s)
         if isinstance(arg, fx.Node) and isinstance(arg.meta.get("val"), torch.SymInt):
             return self.size(arg.meta["val"])  # mean's backward divides by a symbolic N
-        if not isinstance(arg, fx.Node) or val(arg) is None or self.spans(val(arg).shape) is None:
+        if not isinstance(arg, fx.Node) or val(arg) is None or self.spans(shape(arg)) is None:
             raise Unsupported("operand")
         v = self.value(arg)
         if v is None or v.lead_sum is not None or v.dropped:
@@ -351,8 +359,7 @@ class NormEvaluator(MemoEvaluator):
         """Read ``node`` through :attr:`FORWARD_SAFE` or :attr:`BACKWARD_ONLY`, after the checks
         that hold for every op."""
         t = node.target
-        out = val(node)
-        if out is None or not out.dtype.is_floating_point:
+        if val(node) is None or not dtype(node).is_floating_point:
             raise Unsupported("not a float tensor")
         if t in self.policy_leaves:
             raise Unsupported("policy leaf")
@@ -361,7 +368,7 @@ class NormEvaluator(MemoEvaluator):
             if v is None:
                 raise Unsupported("cast of opaque")
             return v
-        if self.spans(out.shape) is None and t not in SHAPE_CHECK_EXEMPT:
+        if self.spans(shape(node)) is None and t not in SHAPE_CHECK_EXEMPT:
             raise Unsupported("shape")
         if t in self.FORWARD_SAFE:
             return getattr(self, self.FORWARD_SAFE[t])(node, forward)

@@ -43,14 +43,15 @@ from ..lowering.ops.swiglu import OP, swiglu_target_problem
 from ..lowering.ops.swiglu_grad import OP as GRAD_OP
 from .evaluator import saved_by_the_forward
 from .lanes import LaneEvaluator
-from .nodes import aten, gradient_dependent, is_float_cast, shape
+from .nodes import aten, calls_to, gradient_dependent, is_float_cast, shape
 from .pairing import site_key
 from .rewrite import Insertion, Miss, RuleContext, as_forward_work, commit, emit_fused_op
 from .rule import Form, FusionRule, RoundReport, SiteProbe
 
-from .swiglu_halves import (dead_region, decomposed_silu_misses, glu_problem, is_product_value, is_silu, numel,
-                            order_problem, outermost_cast, piece_of, precision_problem, scaled_from, scaled_users,
-                            swiglu_evaluator, through_casts, unread_glu_problem)
+from .swiglu_halves import (DECOMPOSED_SILU_TARGETS, dead_region, decomposed_silu_misses, glu_problem,
+                            is_product_value, is_silu, numel, order_problem, outermost_cast, piece_of,
+                            precision_problem, scaled_from, scaled_users, swiglu_evaluator, through_casts,
+                            unread_glu_problem)
 
 
 @dataclasses.dataclass
@@ -190,7 +191,7 @@ def unread_forward_misses(graph: fx.Graph, misses) -> List[Miss]:
     site nor a near miss there, and :func:`unread_glu_problem` says why."""
     ev, gradient = swiglu_evaluator(), gradient_dependent(graph)
     seen, out = {m.node for m in misses}, []
-    for silu in [n for n in graph.nodes if is_silu(n) and (gradient is None or n not in gradient)]:
+    for silu in [n for n in calls_to(graph, aten.silu.default) if gradient is None or n not in gradient]:
         matches, near = _examine(ev, silu, gradient)
         if matches or near:
             continue
@@ -232,5 +233,7 @@ class SwigluForwardRule(FusionRule):
         each direction of the site ends fused or as one recorded miss."""
         unread = unread_forward_misses(graph, misses)
         gradient = gradient_dependent(graph)
-        forward = None if gradient is None else {n for n in graph.nodes if n not in gradient}
+        # the forward calls among those the decomposed SiLUs' scan reads (it reads no other)
+        forward = None if gradient is None else {n for n in calls_to(graph, *DECOMPOSED_SILU_TARGETS)
+                                                 if n not in gradient}
         return unread + decomposed_silu_misses(graph, OP.name, [*misses, *unread], forward)

@@ -31,7 +31,7 @@ from ..lowering.ops.swiglu import OP as FORWARD_OP, swiglu_target_problem
 from ..lowering.sizes import same_shape
 from .evaluator import JointProvenance
 from .lanes import LaneEvaluator
-from .nodes import aten, dtype, gradient_dependent, is_float_cast, last_of, shape, val
+from .nodes import aten, calls_to, dtype, gradient_dependent, is_float_cast, last_of, shape, val
 from .pairing import backwards_of_forward_misses, site_key
 from .rewrite import Insertion, Miss, RuleContext, commit, emit_fused_op, exact_common_dtype
 from .rule import Form, FusionRule, RoundReport, SiteProbe
@@ -314,8 +314,8 @@ def unread_backward_misses(graph: fx.Graph, ctx: RuleContext, misses) -> List[Mi
     gradient = gradient_dependent(graph)
     ev = swiglu_evaluator()
     seen, out = {m.node for m in misses}, []
-    for sb in [n for n in graph.nodes if n.op == "call_function" and n.target is aten.silu_backward.default
-               and (gradient is None or n in gradient) and n.name not in seen]:
+    for sb in [n for n in calls_to(graph, aten.silu_backward.default)
+               if (gradient is None or n in gradient) and n.name not in seen]:
         if _examine(ev, sb) is not None or _saved_halves_miss(ctx.provenance, sb) is not None:
             continue  # a site or a near miss, recorded when the rule found it
         problem = unread_glu_problem(ev, sb.args[1], sb.args[0])

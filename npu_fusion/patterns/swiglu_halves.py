@@ -21,7 +21,7 @@ from . import lane_pieces
 from .lanes import LaneEvaluator
 from ..lowering.checks import numel as product_of, size_equal
 from ..lowering.sizes import same_shape, static_int
-from .nodes import aten, dtype, holds, is_float_cast, shape
+from .nodes import aten, calls_to, dtype, holds, is_float_cast, shape
 from .rewrite import Miss
 
 
@@ -378,6 +378,10 @@ def scaled_from(node, silu: fx.Node, depth: int = FACTOR_DEPTH + 1) -> bool:
     return node is silu
 
 
+#: the calls :func:`decomposed_silu_operand` reads a decomposed SiLU at
+DECOMPOSED_SILU_TARGETS = (aten.sigmoid.default, aten.exp.default)
+
+
 def decomposed_silu_operand(node: fx.Node):
     """The operand of a decomposed SiLU at ``node``: ``sigmoid(a)`` (core ATen) or ``exp(-a)`` (Inductor's)."""
     if node.op != "call_function":
@@ -411,7 +415,7 @@ def decomposed_silu_misses(graph: fx.Graph, op: str, misses, nodes=None) -> List
     unless a recorded miss is at it already. ``nodes``: where to look (every node when None)."""
     ev = swiglu_evaluator()
     seen, out = {m.node for m in misses}, []
-    for node in graph.nodes if nodes is None else [n for n in graph.nodes if n in nodes]:
+    for node in [n for n in calls_to(graph, *DECOMPOSED_SILU_TARGETS) if nodes is None or n in nodes]:
         operand = decomposed_silu_operand(node)
         source = _halves_source(ev, operand) if operand is not None else None
         if source is None or source.name in seen:

@@ -9,7 +9,7 @@ import torch.fx as fx
 from ...lowering import RMS_NORM_GRAD as OP
 from ...lowering.sizes import static_int
 from ..evaluator import Provenance
-from ..nodes import aten, downstream, gradient_dependent, gradient_product, normalize_dim, shape
+from ..nodes import aten, calls_to, downstream, gradient_dependent, gradient_product, normalize_dim, shape
 from ..rewrite import Miss
 from .sites import DX_DEPTH, taken_norms
 from ..rms_statistic import (EVERY_AXIS_REASON, definition_of, is_rms_statistic, exact_source, fused_normalized_operand,
@@ -33,7 +33,7 @@ def unexplained(graph: fx.Graph, provenance: Optional[Provenance], misses: List[
     norms: Dict[object, list] = {}  # the norm's statistic (or the product itself) -> [node, reason, reach]
     reached = set()
     weight_gradient = _unfused_weight_gradient(graph, provenance, missed)
-    for node in graph.nodes:
+    for node in calls_to(graph, aten.mul.Tensor, aten.div.Tensor):  # what _forward_operand reads
         operand = _forward_operand(node, gradient) if node not in reached else None
         spelled = node if node.target is aten.div.Tensor else operand
         reason = unmatched_spelling(spelled, provenance) if operand is not None else None
