@@ -90,16 +90,35 @@ def outside_fake_mode():
     return unset_fake_temporarily()
 
 
-def set_value_meta(node, value) -> None:
-    """Give a node the pass inserts its fake ``value`` as ``make_fx`` does: ``val``, and for a
-    tensor ``tensor_meta`` too. Torch 2.6 and 2.7's default partitioner reads a forward node
-    without ``tensor_meta`` as a tuple (it saves its users, and asserts they are all getitems),
-    which a fused forward op's outputs are not."""
+def plain_dispatch():
+    """A context in which ops dispatch without the Python dispatcher.
+
+    Their C++ kernels run (``torch._C._DisablePythonDispatcher``), where AOTAutograd enables the
+    Python dispatcher around the backward compiler: a factory or ``as_strided`` on meta tensors then
+    costs microseconds, not a Python dispatch."""
+    return torch._C._DisablePythonDispatcher()
+
+
+def active_fake_mode():
+    """The fake mode active in this thread, or None."""
+    return torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE)
+
+
+def tensor_metadata(value):
+    """``make_fx``'s ``tensor_meta`` of a tensor (``torch.fx.passes.shape_prop._extract_tensor_metadata``)."""
     from torch.fx.passes.shape_prop import _extract_tensor_metadata
 
+    return _extract_tensor_metadata(value)
+
+
+def set_value_meta(node, value, tensor_meta=None) -> None:
+    """Give a node the pass inserts its fake ``value`` as ``make_fx`` does: ``val``, and for a
+    tensor ``tensor_meta`` too (``tensor_meta`` when the caller has it). Torch 2.6 and 2.7's default
+    partitioner reads a forward node without ``tensor_meta`` as a tuple (it saves its users, and
+    asserts they are all getitems), which a fused forward op's outputs are not."""
     node.meta["val"] = value
     if isinstance(value, torch.Tensor):
-        node.meta["tensor_meta"] = _extract_tensor_metadata(value)
+        node.meta["tensor_meta"] = tensor_meta if tensor_meta is not None else tensor_metadata(value)
 
 
 class UnsupportedTorchair(RuntimeError):

@@ -109,3 +109,31 @@ def test_shared_forward_read_changes_no_decision(name, monkeypatch):
     assert run(True) == run(False)
     if name == "llama_bf16_joint":  # both RoPE rules read its forward: the second read is the first's
         assert any(reused)
+
+
+def _geometry(value):
+    """A node's fake value as the comparison reads it: each tensor's shape, strides, storage offset, dtype and device."""
+    if isinstance(value, torch.Tensor):
+        return (tuple(value.shape), value.stride(), value.storage_offset(), value.dtype, value.device)
+    return tuple(map(_geometry, value)) if isinstance(value, (list, tuple)) else value
+
+
+@pytest.mark.parametrize("name", sorted(fx_corpus.PROGRAMS))
+def test_remembered_fake_values_change_no_graph(name, monkeypatch):
+    """The inserted nodes' fake values and ``tensor_meta`` made from remembered meta results
+    (:mod:`npu_fusion.patterns.fake_values`) are the fake mode's own: with every value computed by the
+    fake mode instead, the same sites, misses and code, and every node's value of the same geometry."""
+    from npu_fusion.patterns import fake_values
+
+    def run(remembered: bool):
+        if not remembered:
+            monkeypatch.setattr(fake_values, "static_fake_value", lambda *args: None)
+            monkeypatch.setattr(fake_values, "set_fake_value", fake_values.set_value_meta)
+        entry = fx_corpus.load(name)
+        options = {"target": "generic", "rms_norm_forward": True, "rope_forward": True}
+        result = fuse_joint(entry.gm, options) if entry.stage == "joint" else \
+            fuse_backward(entry.gm, options, forward=entry.forward)
+        return result.sites, result.misses, entry.gm.code, [
+            (n.name, _geometry(n.meta.get("val")), n.meta.get("tensor_meta")) for n in entry.gm.graph.nodes]
+
+    assert run(True) == run(False)

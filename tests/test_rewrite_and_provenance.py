@@ -6,7 +6,7 @@ from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
 import npu_fusion  # noqa: F401  (registers the fused ops)
-from npu_fusion.patterns.rewrite import _static_fake_value
+from npu_fusion.patterns.fake_values import static_fake_value as _static_fake_value
 
 aten = torch.ops.aten
 
@@ -48,24 +48,26 @@ def test_static_fake_value_equals_fake_dispatch(name):
         assert (f.shape, f.stride(), f.dtype, f.device) == (s.shape, s.stride(), s.dtype, s.device)
 
 
-#: the cases whose meta result is fresh memory (the others' are views of an input: never remembered)
-FRESH_RESULTS = {"to_copy", "cat", "stack", "rms_norm_grad", "rope_grad"}
+#: the cases whose meta result is not remembered: a view in another dtype than its input's, a view of
+#: a tensor the kernel made
+NOT_REMEMBERED = {"view_as_real", "repeat_interleave"}
 
 
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_remembered_fake_values_equal_fake_dispatch(name):
     """A second call of one op on the same geometry (the next layer's), in another fake mode, answered
-    from the remembered meta result where that is fresh memory: the same geometry as the fake mode's
-    own dispatch, in that mode, never aliasing the first call's result; a view is computed again."""
-    from npu_fusion.patterns import rewrite
+    from the remembered meta result: the same geometry (the storage offset included) as
+    the fake mode's own dispatch, in that mode, never sharing the first call's memory; a view in another
+    dtype than its input's, or of a tensor the kernel made, is computed again."""
+    from npu_fusion.patterns import fake_values
 
     target, make = CASES[name]
     first = FakeTensorMode()
     args, kwargs = make(_tensors(first))
     earlier = _static_fake_value(first, target, args, kwargs)
     earlier = earlier if isinstance(earlier, tuple) else (earlier,)
-    key = rewrite._geometry_key(target, args, kwargs)
-    assert (key in rewrite._META_RESULTS) == (name in FRESH_RESULTS)
+    key = fake_values.geometry_key(target, args, kwargs)
+    assert (key in fake_values.META_RESULTS) == (name not in NOT_REMEMBERED)
     mode = FakeTensorMode()
     args, kwargs = make(_tensors(mode))
     fast = _static_fake_value(mode, target, args, kwargs)
@@ -78,6 +80,41 @@ def test_remembered_fake_values_equal_fake_dispatch(name):
         assert (f.shape, f.stride(), f.dtype, f.device, f.storage_offset()) == \
             (s.shape, s.stride(), s.dtype, s.device, s.storage_offset())
         assert f.untyped_storage()._cdata != e.untyped_storage()._cdata
+
+
+def test_remembered_views_share_their_input_as_the_kernels_do():
+    """Two views of one input that one call returns, made from the remembered result, share one storage
+    of the input's size, as the meta kernel's do."""
+    mode = FakeTensorMode()
+    x = _tensors(mode)["x"]
+    for _ in range(2):  # computed, then remembered
+        halves = _static_fake_value(mode, aten.split.Tensor, (x, 32, -1), {})
+        with mode:
+            slow = aten.split.Tensor(x, 32, -1)
+        assert [(h.shape, h.stride(), h.storage_offset()) for h in halves] == \
+            [(s.shape, s.stride(), s.storage_offset()) for s in slow]
+        assert halves[0].untyped_storage()._cdata == halves[1].untyped_storage()._cdata
+        assert halves[0].untyped_storage().nbytes() == x.untyped_storage().nbytes()
+
+
+def test_tensor_meta_is_the_extracted_one():
+    """The ``tensor_meta`` remembered by geometry equals the one extracted from each value (channels-last
+    and transposed strides included), and is never one object shared by two nodes."""
+    from torch.fx.passes.shape_prop import _extract_tensor_metadata
+
+    from npu_fusion.patterns.fake_values import set_fake_value
+
+    mode = FakeTensorMode()
+    with mode:
+        values = [torch.empty(2, 4, 64), torch.empty(2, 4, 64).transpose(0, 1), torch.empty(2, 3, 4, 5).to(
+            memory_format=torch.channels_last), torch.empty(2, 4, 64, dtype=torch.bfloat16), torch.empty(())]
+    graph = torch.fx.Graph()
+    for value in values * 2:
+        node = graph.placeholder("v")
+        set_fake_value(node, value)
+        assert node.meta["val"] is value and node.meta["tensor_meta"] == _extract_tensor_metadata(value)
+    metas = [n.meta["tensor_meta"] for n in graph.nodes]
+    assert len({id(m) for m in metas}) == len(metas)
 
 
 def test_symbolic_shapes_go_through_the_fake_mode():

@@ -21,12 +21,13 @@ from typing import Dict, Iterable, List, Optional, Sequence, Union
 import torch
 import torch.fx as fx
 
-from ..compat import fake_tensor_type, is_erased, outside_fake_mode, set_value_meta
+from ..compat import active_fake_mode, is_erased
 from ..lowering.checks import FusedOpInputError
 from ..lowering.fused_op import FusedOp
 from ..lowering.sizes import same_shape
 from .context import PassContext, fake_mode_of
 from .evaluator import MemoEvaluator, Unsupported
+from . import fake_values
 from .layout import relaid_like, restored, same_layout
 from .nodes import aten, dtype, holds, is_float_cast, shape, target_name, val
 from .traffic import node_traffic
@@ -89,121 +90,18 @@ def call(graph: fx.Graph, fake_mode, target, args, kwargs=None, value=None, crea
     node = graph.call_function(target, tuple(args), kwargs)
     if created is not None:
         created.append(node)
-    if value is not None:
-        set_value_meta(node, value)
-        return node
-    meta_args, meta_kwargs = fx.node.map_arg((tuple(args), kwargs), lambda n: n.meta.get("val"))
-    if fake_mode is None:
-        value = target(*meta_args, **meta_kwargs)
-    else:
-        value = _static_fake_value(fake_mode, target, meta_args, meta_kwargs)
-        if value is None:
-            with fake_mode:
-                value = target(*meta_args, **meta_kwargs)
-    set_value_meta(node, value)
+    if value is None:
+        meta_args, meta_kwargs = fx.node.map_arg((tuple(args), kwargs), lambda n: n.meta.get("val"))
+        value = target(*meta_args, **meta_kwargs) if fake_mode is None else \
+            fake_values.fake_value_of(fake_mode, target, meta_args, meta_kwargs)
+    fake_values.set_fake_value(node, value)
     return node
-
-def _static_fake_value(fake_mode, target, args, kwargs):
-    """The fake value of ``target(*args, **kwargs)`` from its meta kernel, or None.
-
-    FakeTensorMode's dispatch costs ~0.1-0.5 ms a call, most of it bookkeeping that
-    only symbolic shapes need. With static shapes, running the op's meta kernel on
-    meta tensors of the same geometry and wrapping the results gives the same
-    shapes, strides and dtypes for a tenth of that. Anything else (symbolic sizes,
-    an explicit device, an op without a meta kernel) goes through the fake mode. A result
-    computed once is remembered by the op and its arguments' geometry (:data:`_META_RESULTS`):
-    the same call in the next layer makes fresh tensors of that geometry without running the op.
-    """
-    FakeTensor = fake_tensor_type()
-    if "device" in kwargs:
-        return None
-    devices = []
-    try:
-        known = _META_RESULTS.get(_geometry_key(target, args, kwargs))
-    except Unsupported:  # a symbolic size, an argument that is no plain value: computed, never remembered
-        known = None
-
-    def to_meta(v):
-        if not isinstance(v, torch.Tensor):
-            return v
-        if not (isinstance(v, FakeTensor) and v.fake_mode is fake_mode and v.storage_offset() == 0
-                and all(type(x) is int for x in (*v.shape, *v.stride()))):
-            raise Unsupported("not a static fake tensor")
-        devices.append(v.device)
-        if known is not None:  # the result is known: the op will not run
-            return None
-        return torch.empty_strided(v.shape, v.stride(), dtype=v.dtype, device="meta")
-
-    def convert(v):  # op arguments nest tensors in lists at most (cat, stack)
-        return type(v)(to_meta(x) for x in v) if isinstance(v, (list, tuple)) else to_meta(v)
-
-    try:
-        with outside_fake_mode():  # torch 2.6 and 2.7 call backward compilers inside the fake mode
-            meta_args = tuple(convert(a) for a in args)
-            meta_kwargs = {k: convert(v) for k, v in kwargs.items()}
-            if not devices:
-                return None
-            if known is not None:  # the same op on the same geometry before: fresh outputs of its result's
-                container, geometries = known
-                out = [torch.empty_strided(size, stride, dtype=dtype, device="meta") for size, stride, dtype in geometries]
-                out = container(out) if container is not None else out[0]
-            else:
-                out = target(*meta_args, **meta_kwargs)
-    except Exception:  # the fake mode decides: it has decompositions and fallbacks
-        return None
-    outs = out if isinstance(out, (tuple, list)) else (out,)
-    if not all(isinstance(o, torch.Tensor) and o.device.type == "meta" for o in outs):
-        return None
-    if known is None:
-        _remember_meta_result(target, args, kwargs, out, outs)
-    fakes = [FakeTensor(fake_mode, o, devices[0]) for o in outs]
-    return type(out)(fakes) if isinstance(out, (tuple, list)) else fakes[0]
-
-
-#: meta kernels' results by the op and the geometry of its arguments (:func:`_geometry_key`): shapes,
-#: strides and dtypes, which is all a meta kernel reads of a tensor, so one computed result serves
-#: every later call of the op on the same geometry (each layer of a model repeats the previous one's)
-_META_RESULTS: Dict[tuple, tuple] = {}
-#: how many results :data:`_META_RESULTS` keeps (it starts over past that)
-META_RESULTS_KEPT = 4096
-
-
-def _geometry_key(target, args, kwargs) -> tuple:
-    """What a meta kernel reads of a call: the op, each tensor's static geometry, dtype and device,
-    and every other argument with its type; raises :class:`Unsupported` for anything else."""
-    def key(v):
-        if isinstance(v, torch.Tensor):
-            if not all(type(x) is int for x in (*v.shape, *v.stride())) or v.storage_offset() != 0:
-                raise Unsupported("not a static tensor")
-            return ("tensor", tuple(v.shape), v.stride(), v.dtype, v.device)
-        if isinstance(v, (list, tuple)):
-            return (type(v).__name__, tuple(key(x) for x in v))
-        if v is None or type(v) in (bool, int, float, str, torch.dtype, torch.device, torch.layout,
-                                    torch.memory_format):
-            return (type(v).__name__, v)
-        raise Unsupported(f"argument {type(v).__name__}")
-    return (target, key(tuple(args)), tuple((k, key(v)) for k, v in sorted(kwargs.items())))
-
-
-def _remember_meta_result(target, args, kwargs, out, outs) -> None:
-    """Keep a meta kernel's result's geometry for :func:`_static_fake_value`, where it is fresh memory
-    (no view of an input, which would have to alias it)."""
-    if not all(not o._is_view() and o.storage_offset() == 0 for o in outs):
-        return
-    try:
-        key = _geometry_key(target, args, kwargs)
-    except Unsupported:
-        return
-    if len(_META_RESULTS) >= META_RESULTS_KEPT:
-        _META_RESULTS.clear()
-    container = type(out) if isinstance(out, (tuple, list)) else None
-    _META_RESULTS[key] = (container, tuple((tuple(o.shape), o.stride(), o.dtype) for o in outs))
 
 def getitem(graph, fake_mode, node, index, created=None) -> fx.Node:
     item = graph.call_function(operator.getitem, (node, index))
     if created is not None:
         created.append(item)
-    set_value_meta(item, node.meta["val"][index])
+    fake_values.set_fake_value(item, node.meta["val"][index])
     return item
 
 def cast(graph, fake_mode, node: fx.Node, to: torch.dtype, created=None) -> fx.Node:
@@ -282,8 +180,8 @@ def input_problem(fake_mode, check, *args) -> Optional[str]:
     """The message of the fused op's own input ``check`` (a constraint of docs/fused-ops.md it breaks)
     on the values of ``args`` (nodes, None or plain values), under the graph's fake mode; None if none."""
     values = [val(a) if isinstance(a, fx.Node) else a for a in args]
-    try:
-        with fake_mode if fake_mode is not None else contextlib.nullcontext():
+    try:  # entering the mode that is active already (the backward compiler's) changes nothing but costs
+        with fake_mode if fake_mode is not None and fake_mode is not active_fake_mode() else contextlib.nullcontext():
             check(*values)
     except FusedOpInputError as exc:
         return str(exc)

@@ -1,0 +1,172 @@
+"""The fake values of the nodes a rewrite inserts, computed once per op and geometry.
+
+Every node the pass inserts (a fused call, a cast, a view) needs its fake value and its
+``tensor_meta``. FakeTensorMode's dispatch costs ~0.1-0.5 ms a call, most of it bookkeeping that
+only symbolic shapes need, and inside the backward compiler every op also goes through the Python
+dispatcher. With static shapes :func:`static_fake_value` runs the op's meta kernel on meta tensors
+of the same geometry once, remembers the result's geometry by the op and its arguments' geometry
+(:data:`META_RESULTS`), and answers every later call of that op on that geometry (each layer of a
+model repeats the previous one's) by making tensors of the remembered geometry with the C++ kernels
+alone: fresh memory, or a view of a fresh tensor of its input's geometry where the meta kernel's
+result was a view of that input. ``tensor_meta`` is likewise remembered by geometry
+(:func:`set_fake_value`). Neither depends on the tensors' widths.
+"""
+from __future__ import annotations
+
+from typing import Dict, Optional
+
+import torch
+
+from ..compat import fake_tensor_type, outside_fake_mode, plain_dispatch, set_value_meta, tensor_metadata
+from .evaluator import Unsupported
+
+__all__ = ["static_fake_value", "set_fake_value", "geometry_key", "META_RESULTS", "META_RESULTS_KEPT"]
+
+#: meta kernels' results by the op and the geometry of its arguments (:func:`geometry_key`): the
+#: device of the first tensor argument (the results' fake device), and per result its shape,
+#: strides, dtype, storage offset and the input it is a view of (the index of a top-level argument
+#: and that argument's shape and strides; None for fresh memory), which is all a meta kernel reads
+#: of a tensor, so one computed result serves every later call of the op on the same geometry
+META_RESULTS: Dict[tuple, tuple] = {}
+#: how many results :data:`META_RESULTS` keeps (it starts over past that)
+META_RESULTS_KEPT = 4096
+#: ``tensor_meta`` by a static tensor's shape, strides, dtype and ``requires_grad``
+_TENSOR_METAS: Dict[tuple, object] = {}
+
+
+def geometry_key(target, args, kwargs) -> tuple:
+    """What a meta kernel reads of a call: the op, each tensor's static geometry, dtype and device,
+    and every other argument with its type; raises :class:`Unsupported` for anything else."""
+    def key(v):
+        if isinstance(v, torch.Tensor):
+            if not all(type(x) is int for x in (*v.shape, *v.stride())) or v.storage_offset() != 0:
+                raise Unsupported("not a static tensor")
+            return ("tensor", tuple(v.shape), v.stride(), v.dtype, v.device)
+        if isinstance(v, (list, tuple)):
+            return (type(v).__name__, tuple(key(x) for x in v))
+        if v is None or type(v) in (bool, int, float, str, torch.dtype, torch.device, torch.layout,
+                                    torch.memory_format):
+            return (type(v).__name__, v)
+        raise Unsupported(f"argument {type(v).__name__}")
+    return (target, key(tuple(args)), tuple((k, key(v)) for k, v in sorted(kwargs.items())))
+
+
+def static_fake_value(fake_mode, target, args, kwargs):
+    """The fake value of ``target(*args, **kwargs)`` from its meta kernel, or None.
+
+    The fake value of ``target(*args, **kwargs)`` in ``fake_mode`` from the op's meta kernel run on
+    meta tensors of its arguments' geometry (or from :data:`META_RESULTS`), or None where the fake
+    mode must decide: symbolic sizes, an explicit device, an argument that is no static fake tensor
+    of ``fake_mode``, an op without a meta kernel."""
+    if "device" in kwargs:
+        return None
+    try:
+        key = geometry_key(target, args, kwargs)
+    except Unsupported:  # a symbolic size, an argument that is no plain value: computed, never remembered
+        key = None
+    known = META_RESULTS.get(key) if key is not None else None
+    FakeTensor = fake_tensor_type()
+    tensors = [v for a in (*args, *kwargs.values()) for v in (a if isinstance(a, (list, tuple)) else (a,))
+               if isinstance(v, torch.Tensor)]
+    if not tensors or not all(isinstance(v, FakeTensor) and v.fake_mode is fake_mode for v in tensors):
+        return None
+    if known is not None:
+        return _made(fake_mode, known)
+    computed = _computed(target, args, kwargs)
+    if computed is None:
+        return None
+    out, outs, meta_args = computed
+    if key is not None:
+        _remember(key, tensors[0].device, out, outs, meta_args)
+    fakes = [FakeTensor(fake_mode, o, tensors[0].device) for o in outs]
+    return type(out)(fakes) if isinstance(out, (tuple, list)) else fakes[0]
+
+
+def _computed(target, args, kwargs):
+    """(result, its tensors, the meta arguments) of the op's meta kernel on meta tensors of the
+    arguments' geometry, each a static tensor at offset 0; None where it is none or the kernel fails."""
+    def to_meta(v):
+        if not isinstance(v, torch.Tensor):
+            return v
+        if not (v.storage_offset() == 0 and all(type(x) is int for x in (*v.shape, *v.stride()))):
+            raise Unsupported("not a static fake tensor")
+        return torch.empty_strided(v.shape, v.stride(), dtype=v.dtype, device="meta")
+
+    def convert(v):  # op arguments nest tensors in lists at most (cat, stack)
+        return type(v)(to_meta(x) for x in v) if isinstance(v, (list, tuple)) else to_meta(v)
+
+    try:
+        with outside_fake_mode():  # torch 2.6 and 2.7 call backward compilers inside the fake mode
+            meta_args = tuple(convert(a) for a in args)
+            out = target(*meta_args, **{k: convert(v) for k, v in kwargs.items()})
+    except Exception:  # the fake mode decides: it has decompositions and fallbacks
+        return None
+    outs = out if isinstance(out, (tuple, list)) else (out,)
+    if not all(isinstance(o, torch.Tensor) and o.device.type == "meta" for o in outs):
+        return None
+    return out, outs, meta_args
+
+
+def _remember(key, device, out, outs, meta_args) -> None:
+    """Keep a meta kernel's result's geometry for :func:`static_fake_value`, where each result is
+    fresh memory at offset 0 or a view of one top-level argument in that argument's dtype (else
+    nothing: the op runs again next time)."""
+    results = []
+    for o in outs:
+        base = next((i for i, a in enumerate(meta_args) if o._is_view() and o._base is a), None)
+        if base is not None and o.dtype == meta_args[base].dtype and o is not meta_args[base]:
+            alias = (base, tuple(meta_args[base].shape), meta_args[base].stride())
+        elif not o._is_view() and o.storage_offset() == 0 and not any(o is a for a in meta_args):
+            alias = None
+        else:
+            return
+        results.append((tuple(o.shape), o.stride(), o.dtype, o.storage_offset(), alias))
+    if len(META_RESULTS) >= META_RESULTS_KEPT:
+        META_RESULTS.clear()
+    container = type(out) if isinstance(out, (tuple, list)) else None
+    META_RESULTS[key] = (container, device, tuple(results))
+
+
+def _made(fake_mode, known):
+    """Fresh fake tensors of a remembered result's geometry (each view a view of a fresh tensor of its
+    input's geometry, one per input, as the meta kernel's views share their input)."""
+    container, device, results = known
+    FakeTensor = fake_tensor_type()
+    bases, outs = {}, []
+    with outside_fake_mode(), plain_dispatch():
+        for size, stride, dtype, offset, alias in results:
+            if alias is None:
+                outs.append(torch.empty_strided(size, stride, dtype=dtype, device="meta"))
+                continue
+            index, base_size, base_stride = alias
+            if index not in bases:
+                bases[index] = torch.empty_strided(base_size, base_stride, dtype=dtype, device="meta")
+            outs.append(bases[index].as_strided(size, stride, offset))
+    fakes = [FakeTensor(fake_mode, o, device) for o in outs]
+    return container(fakes) if container is not None else fakes[0]
+
+
+def set_fake_value(node, value) -> None:
+    """:func:`~..compat.set_value_meta`, its ``tensor_meta`` remembered by geometry for a static
+    tensor (the same memory format, ``TensorMetadata`` otherwise made afresh)."""
+    tensor_meta = None
+    if isinstance(value, torch.Tensor) and value.layout is torch.strided and not value.is_quantized:
+        shape, stride = tuple(value.shape), value.stride()
+        if all(type(x) is int for x in (*shape, *stride)):
+            key = (shape, stride, value.dtype, value.requires_grad)
+            known = _TENSOR_METAS.get(key)
+            if known is None:
+                known = _TENSOR_METAS[key] = tensor_metadata(value)
+                if len(_TENSOR_METAS) >= META_RESULTS_KEPT:
+                    _TENSOR_METAS.clear()
+            tensor_meta = known._replace(shape=value.shape, qparams={})
+    set_value_meta(node, value, tensor_meta)
+
+
+def fake_value_of(fake_mode, target, args, kwargs) -> Optional[object]:
+    """The fake value of a call on fake values: :func:`static_fake_value`, else the fake mode's dispatch."""
+    value = static_fake_value(fake_mode, target, args, kwargs)
+    if value is None:
+        with fake_mode:
+            value = target(*args, **kwargs)
+    return value
