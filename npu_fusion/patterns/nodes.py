@@ -31,42 +31,36 @@ def val(node) -> Optional[torch.Tensor]:
             return v
     return None
 
-def shape(node) -> Optional[tuple]:
-    """The shape of the node's recorded tensor value (:func:`val`), or None; inside :func:`one_round`
+def _geometry(node) -> Optional[tuple]:
+    """(shape, dtype) of the node's recorded tensor value (:func:`val`), or None; inside :func:`one_round`
     remembered per node while its recorded value is the same object (a fake tensor's ``shape`` is slow)."""
-    cache = _SHAPES
+    cache = _GEOMETRIES
     if cache is not None and isinstance(node, fx.Node):
         known = cache.get(node)
         if known is not None and known[0] is node.meta.get("val"):
             return known[1]
-        v = val(node)
-        if v is None:
-            return None
-        cache[node] = (v, v.shape)
-        return v.shape
     v = val(node)
-    return v.shape if v is not None else None  # a torch.Size: a tuple
+    if v is None:
+        return None
+    geometry = (v.shape, v.dtype)  # a torch.Size: a tuple
+    if cache is not None:
+        cache[node] = (v, geometry)
+    return geometry
+
+def shape(node) -> Optional[tuple]:
+    """The shape of the node's recorded tensor value (:func:`val`), or None (remembered as :func:`_geometry` says)."""
+    geometry = _geometry(node)
+    return geometry[0] if geometry is not None else None
 
 def dtype(node) -> Optional[torch.dtype]:
-    """The dtype of the node's recorded tensor value (:func:`val`), or None; remembered as :func:`shape` is."""
-    cache = _DTYPES
-    if cache is not None and isinstance(node, fx.Node):
-        known = cache.get(node)
-        if known is not None and known[0] is node.meta.get("val"):
-            return known[1]
-        v = val(node)
-        if v is None:
-            return None
-        cache[node] = (v, v.dtype)
-        return v.dtype
-    v = val(node)
-    return v.dtype if v is not None else None
+    """The dtype of the node's recorded tensor value (:func:`val`), or None (remembered as :func:`_geometry` says)."""
+    geometry = _geometry(node)
+    return geometry[1] if geometry is not None else None
 
 
 #: inside :func:`one_round`, each node's shape and dtype with the recorded value they were read off
 #: (an answer holds while ``meta["val"]`` is that object); None outside, where nothing is remembered
-_SHAPES: Optional[Dict[fx.Node, tuple]] = None
-_DTYPES: Optional[Dict[fx.Node, tuple]] = None
+_GEOMETRIES: Optional[Dict[fx.Node, tuple]] = None
 
 def meta_value(arg):
     """A node argument as a value: symbolic sizes are nodes in FX, their SymInt in meta."""
@@ -269,17 +263,17 @@ def one_round(graph: fx.Graph):
     Rewrites insert fused ops and casts whose inputs say what they depend on, and replace
     regions by values that depend on the same gradient, so the answer holds through the round.
     Each node's :func:`shape` and :func:`dtype` are remembered through the outermost round too."""
-    global _SHAPES, _DTYPES
+    global _GEOMETRIES
     _ROUND_ANSWERS[graph] = _UNKNOWN
-    outer = _SHAPES is None
+    outer = _GEOMETRIES is None
     if outer:
-        _SHAPES, _DTYPES = {}, {}
+        _GEOMETRIES = {}
     try:
         yield
     finally:
         _ROUND_ANSWERS.pop(graph, None)
         if outer:
-            _SHAPES = _DTYPES = None
+            _GEOMETRIES = None
 
 
 def gradient_product(node: fx.Node, gradient: set) -> Optional[tuple]:
