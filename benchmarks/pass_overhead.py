@@ -416,40 +416,36 @@ def profile_pass(layers: int, top: int = 25) -> str:
     return out.getvalue()
 
 
-def profile_joint(layers: int, width: dict, target: str = "generic", top: int = 25) -> str:
-    """cProfile of ``fuse_joint`` alone, in the backend's first compiled step of a ``layers``-layer model
-    of the given widths (GC off under the profiler: its pauses would land on whichever function allocates)."""
+def _profiled(run, sort_first: str, top: int):
+    """``run(profiler)``'s row and the profile's two listings (``sort_first``, then the other of tottime and
+    cumulative), with GC off under the profiler: its pauses would land on whichever function allocates."""
     profiler = cProfile.Profile()
     gc.collect()
     gc.disable()
     try:
-        row = measure(layers, target=target, width=width, profiler=profiler)
+        row = run(profiler)
     finally:
         gc.enable()
     out = io.StringIO()
-    out.write(f"fuse_joint on {row['nodes_before']} nodes, {layers} layers, head_dim {row['head_dim']}, hidden "
-              f"{row['hidden']}: {row['pass_cpu'] * 1e3:.0f} ms CPU (under cProfile, GC off)\n")
-    pstats.Stats(profiler, stream=out).sort_stats("tottime").print_stats(top)
-    pstats.Stats(profiler, stream=out).sort_stats("cumulative").print_stats(top)
-    return out.getvalue()
+    for order in (sort_first, "cumulative" if sort_first == "tottime" else "tottime"):
+        pstats.Stats(profiler, stream=out).sort_stats(order).print_stats(top)
+    return row, out.getvalue()
+
+
+def profile_joint(layers: int, width: dict, target: str = "generic", top: int = 25) -> str:
+    """cProfile of ``fuse_joint`` alone, in the backend's first compiled step of a ``layers``-layer model
+    of the given widths (GC off under the profiler)."""
+    row, listings = _profiled(lambda p: measure(layers, target=target, width=width, profiler=p), "tottime", top)
+    return (f"fuse_joint on {row['nodes_before']} nodes, {layers} layers, head_dim {row['head_dim']}, hidden "
+            f"{row['hidden']}: {row['pass_cpu'] * 1e3:.0f} ms CPU (under cProfile, GC off)\n{listings}")
 
 
 def profile_inductor(layers: int, target: str = "generic", top: int = 30) -> str:
     """cProfile of the pass's call on Inductor's joint graph (``install_inductor``'s ``CustomGraphPass``) in
     the first compiled step of a ``layers``-layer model (GC off under the profiler, as :func:`profile_joint`)."""
-    profiler = cProfile.Profile()
-    gc.collect()
-    gc.disable()
-    try:
-        row = measure_inductor(layers, target=target, profiler=profiler)
-    finally:
-        gc.enable()
-    out = io.StringIO()
-    out.write(f"Inductor's joint-graph pass on {row['nodes_before']} nodes, {layers} layers: "
-              f"{row['pass_cpu'] * 1e3:.0f} ms CPU (under cProfile, GC off)\n")
-    pstats.Stats(profiler, stream=out).sort_stats("cumulative").print_stats(top)
-    pstats.Stats(profiler, stream=out).sort_stats("tottime").print_stats(top)
-    return out.getvalue()
+    row, listings = _profiled(lambda p: measure_inductor(layers, target=target, profiler=p), "cumulative", top)
+    return (f"Inductor's joint-graph pass on {row['nodes_before']} nodes, {layers} layers: "
+            f"{row['pass_cpu'] * 1e3:.0f} ms CPU (under cProfile, GC off)\n{listings}")
 
 
 def measure_widths(args: argparse.Namespace) -> list:
