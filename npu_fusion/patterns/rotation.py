@@ -12,7 +12,7 @@ from ..lowering.sizes import static_int
 from . import lane_pieces
 from .evaluator import Provenance
 from .lanes import LaneEvaluator
-from .nodes import CAST_TARGETS, VIEWS, aten, axis_order, downstream, dtype, gradient_dependent, outermost, shape
+from .nodes import CAST_TARGETS, VIEWS, aten, axis_order, calls_to, downstream, dtype, gradient_dependent, outermost, shape
 from .pairing import source
 
 
@@ -184,7 +184,7 @@ def symbolic_head_dims(graph: fx.Graph, gradient: bool, is_rotation_sum) -> list
     size alone may leave the head dim symbolic (HF's ``rotate_half`` slices ``x[..., :d // 2]``,
     whose size ``d // 2`` keeps its example value for two head dims; ``chunk`` splits at ``(d + 1) // 2``)."""
     moved = gradient_dependent(graph) or set()
-    seeds = [n for n in graph.nodes if moves_elements(n) and (n in moved) == gradient]
+    seeds = [n for n in element_moves(graph) if (n in moved) == gradient]
     sizes = {}
     for seed in rotation_seeds(seeds, is_rotation_sum).values():
         # the moved tensor's own last axis too: an interleaved rotation's seed is a strided slice
@@ -284,6 +284,14 @@ MOVES_ELEMENTS = {
 #: (DeepSeek's ``view(..., D/2, 2).transpose(-1, -2)``), not when they swap heads
 #: and sequence, as attention does on every q, k and v
 REORDERS_AXES = {aten.transpose.int, aten.permute.default}
+
+
+def element_moves(graph: fx.Graph) -> List[fx.Node]:
+    """The graph's calls that move elements along trailing axes (:func:`moves_elements`), in graph order.
+
+    Read off the graph's index of nodes by target (a few hundred of a model's thousands of nodes),
+    not by asking every node."""
+    return [n for n in calls_to(graph, *MOVES_ELEMENTS, *REORDERS_AXES) if moves_elements(n)]
 
 
 def moves_elements(node: fx.Node) -> bool:

@@ -49,7 +49,7 @@ from ..pairing import calls, source
 from ..rms_statistic import (EVERY_AXIS_REASON, over_every_axis, resembling_statistic, rms_root, rms_statistic_operand,
                              spelled_root, unmatched_spelling, whole_forward_misses)
 from ..rule import Form, FusionRule, RoundReport, SiteProbe
-from .sites import ForwardNormMatch, Y_DEPTH, is_root, find_sites
+from .sites import ROOT_TARGETS, ForwardNormMatch, Y_DEPTH, is_root, find_sites
 from .emit import emit as emit_site
 
 
@@ -62,11 +62,11 @@ def unexplained(graph: fx.Graph, provenance: Optional[Provenance], misses: List[
     gradient = gradient_dependent(graph) or set()
     missed = {m.node for m in misses}
     # each scan reads only the calls its tests can accept (a root, a division, a reciprocal), in graph order
-    found = [n for n in calls_to(graph, *_ROOTS) if n not in gradient and is_root(n)
+    found = [n for n in calls_to(graph, *ROOT_TARGETS) if n not in gradient and is_root(n)
              and rms_statistic_operand(n, None) is not None
              and not any(r.name in missed for r in downstream(graph, [n], Y_DEPTH))]
     spelled = {}  # one miss per root, at its first reader: recomputed copies read it too
-    for n in calls_to(graph, *_ROOTS, aten.div.Tensor, aten.reciprocal.default):
+    for n in calls_to(graph, *ROOT_TARGETS, aten.div.Tensor, aten.reciprocal.default):
         root = spelled_root(n, None) if n not in gradient and n.op == "call_function" and n.target in (
             aten.div.Tensor, aten.rsqrt.default, aten.pow.Tensor_Scalar) else None
         if root is not None and root not in spelled and not any(
@@ -88,10 +88,6 @@ def unexplained(graph: fx.Graph, provenance: Optional[Provenance], misses: List[
     return statistics + spellings + whole + _unpaired_backwards(graph, gradient, misses + statistics + spellings + whole)
 
 
-#: the calls a root of a statistic is (:func:`.sites.is_root`, :func:`~..rms_statistic.resembling_statistic`)
-_ROOTS = (aten.rsqrt.default, aten.sqrt.default, aten.pow.Tensor_Scalar)
-
-
 def _resembling_statistics(graph: fx.Graph, gradient: set, missed: set) -> List[Miss]:
     """A miss at each forward root of a mean of squares plus eps that is no RMS statistic (:func:`resembling_statistic`).
 
@@ -100,7 +96,7 @@ def _resembling_statistics(graph: fx.Graph, gradient: set, missed: set) -> List[
     near which no miss was recorded: the backward rule's scans read such a norm's backward as an
     RMSNorm's and record it, so its forward (the only site of an inference graph) is recorded too."""
     out = []
-    for n in calls_to(graph, *_ROOTS):
+    for n in calls_to(graph, *ROOT_TARGETS):
         how = resembling_statistic(n, None) if n not in gradient else None
         if how is not None and not any(r.name in missed for r in downstream(graph, [n], Y_DEPTH)):
             out.append(Miss(OP.name, n.name, f"a root of a mean of squares plus eps like an RMS statistic, but {how}: "

@@ -13,7 +13,7 @@ from ...lowering.ops.rms_norm_grad import RMS_NORM_DTYPES
 from ...lowering.sizes import same_shape, static_int
 from ..algebra import Expr
 from ..evaluator import JointProvenance, Unsupported, kept_precision, rounding_problem
-from ..nodes import (aten, downstream, dtype, gradient_dependent, is_value_preserving_cast, normalize_dim, outermost,
+from ..nodes import (aten, calls_to, downstream, dtype, gradient_dependent, is_value_preserving_cast, normalize_dim, outermost,
                      region_of, shape, val)
 from ..rewrite import Miss, RuleContext, exact_common_dtype
 from ..norm_algebra import NormEvaluator, size_key
@@ -51,7 +51,7 @@ def _statistic_nodes(graph: fx.Graph, forward) -> Dict[tuple, tuple]:
     nodes of a keep-dim shape, grouped by the trailing axes of the keep-dim mean or sum they
     are built on (a hint for the evaluator's abstract axes; the match itself is by value)."""
     found: Dict[tuple, tuple] = {}
-    for node in graph.nodes:
+    for node in calls_to(graph, *ROOT_TARGETS):
         if node not in forward or not is_root(node) or val(node) is None:
             continue
         for reduction in _reductions_below(node.args[0]):
@@ -65,6 +65,10 @@ def _statistic_nodes(graph: fx.Graph, forward) -> Dict[tuple, tuple]:
             if node not in entry[1]:
                 entry[1].append(node)
     return found
+
+
+#: the calls a root of a statistic is (:func:`is_root`, :func:`~..rms_statistic.resembling_statistic`)
+ROOT_TARGETS = (aten.rsqrt.default, aten.sqrt.default, aten.pow.Tensor_Scalar)
 
 
 def is_root(node: fx.Node) -> bool:
@@ -328,7 +332,8 @@ def _forward_inputs(ev: NormEvaluator, graph: fx.Graph, forward) -> set:
             return False
         rank = len(shape(n.args[0]))
         return spanning(n) and all(normalize_dim(d, rank) < rank - ev.k for d in n.args[1])
-    return {n for n in graph.nodes if n in forward and n.op == "call_function" and isinstance(val(n), torch.Tensor)
+    candidates = calls_to(graph, aten.add.Tensor, aten.sub.Tensor, aten.sum.dim_IntList)  # the only ops read
+    return {n for n in candidates if n in forward and isinstance(val(n), torch.Tensor)
             and len(shape(n)) > ev.k and (tensor_sum(n) or leading_sum(n) or centred(n))}
 
 

@@ -258,10 +258,9 @@ def _statistic_candidates(graph: fx.Graph, provenance, gradient) -> Dict[tuple, 
     """{norm shape key: (norm shape, [(node, y, has_rstd)])}: backward nodes (forward values)
     that are an RMS statistic of y (has_rstd) or y normalized by it."""
     found: Dict[tuple, tuple] = {}
-    for node in graph.nodes:
-        # a statistic or a normalized value is, through what it keeps its values through, a root or a product
-        if not (node.op == "placeholder" or node.op == "call_function" and node.target in _STATISTIC_SPELLINGS) \
-                or (gradient is not None and node in gradient):
+    # a statistic or a normalized value is, through what it keeps its values through, a root or a product
+    for node in sorted(graph.find_nodes(op="placeholder", sort=False) + calls_to(graph, *_STATISTIC_SPELLINGS)):
+        if gradient is not None and node in gradient:
             continue
         if val(node) is None or not val(node).dtype.is_floating_point:
             continue
@@ -395,7 +394,7 @@ def _statistic_scales_another_gradient(graph: fx.Graph, provenance: Optional[Pro
     if found is None or gradient is None:
         return False
     normalized = exact_source(found[0], provenance)  # the norm's input: one key per norm, as the scans key it
-    for node in graph.nodes:
+    for node in calls_to(graph, aten.mul.Tensor):  # the only products gradient_product reads
         product = gradient_product(node, gradient)
         stat = rms_statistic_operand(product[1], provenance) if product is not None else None
         if stat is not None and exact_source(stat[0], provenance) is normalized \

@@ -41,7 +41,7 @@ from ..evaluator import InferenceProvenance, JointProvenance
 from ..nodes import downstream, gradient_dependent
 from ..rewrite import Miss, RuleContext
 from ..pairing import calls, forward_is_complex, source, unpaired
-from ..rotation import DX_DEPTH, moves_elements, rotation_sums, symbolic_head_dims
+from ..rotation import DX_DEPTH, element_moves, rotation_sums, symbolic_head_dims
 from ..rule import Form, FusionRule, RoundReport, SiteProbe
 from .match import ForwardRopeMatch
 from .sites import sums_rotation_terms, find_sites
@@ -66,6 +66,8 @@ def unexplained(graph: fx.Graph, provenance, misses: List[Miss]) -> List[Miss]:
 
     lone = unpaired(calls(graph, ROPE_GRAD), calls(graph, OP), lambda n: tables(n, 1), lambda n: tables(n, 1),
                     misses)
+    if not lone:
+        return []
     why = ("its forward multiplies complex numbers (view_as_complex(x) * freqs_cis), and the fused op reads real "
            "cos and sin tables the program never holds whole; write the rotation with real cos/sin tables to fuse "
            "it" if forward_is_complex(graph, gradient) else
@@ -87,7 +89,7 @@ def _left_rotations(graph: fx.Graph, misses: List[Miss]) -> List[Miss]:
     Where no backward pairs a rotation (an inference graph), each sum of rotation terms (:func:`sums_rotation_terms`) near a move of elements along the last axis, left
     after the pass, that no recorded miss at it or after it accounts for, is a miss."""
     missed = {m.node for m in misses}
-    seeds = [n for n in graph.nodes if moves_elements(n)]
+    seeds = element_moves(graph)
     left = rotation_sums(seeds, sums_rotation_terms, symbolic_only=False)
     return [Miss(OP.name, n.name, LEFT_ROTATION_REASON) for n in left
             if not any(d.name in missed for d in downstream(graph, [n], DX_DEPTH))]

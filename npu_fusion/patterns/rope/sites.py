@@ -16,7 +16,7 @@ from ..nodes import (CAST_TARGETS, VIEWS, GradientNodes, aten, downstream, dtype
                      outermost, region_of, shape)
 from ..rewrite import Miss, RuleContext
 from ..pairing import source
-from ..rotation import (DX_DEPTH, MAX_LANES, head_dim_mark, lane_evaluator, moves_elements, rotation_sums,
+from ..rotation import (DX_DEPTH, MAX_LANES, head_dim_mark, element_moves, lane_evaluator, moves_elements, rotation_sums,
                         symbolic_head_dim_reason, unscaled, varying_product)
 from ..rule import RoundReport
 from .match import ForwardRopeMatch, looks_like_y, site_region, match_y
@@ -291,7 +291,7 @@ def _evaluated(ctx: RuleContext, nodes, forced=(), graph: Optional[fx.Graph] = N
 def forward_rotations(graph: fx.Graph, gradient: set) -> List[ForwardRopeMatch]:
     """The forward rotations of a joint graph over one tracked axis, matched by value and recording
     nothing (the backward rule reads their tables for a site of table gradients alone)."""
-    seeds = [n for n in graph.nodes if n not in gradient and moves_elements(n)]
+    seeds = [n for n in element_moves(graph) if n not in gradient]
     nodes = _forward_nodes(graph, gradient, seeds)
     ev = _forward_read(graph, gradient, nodes)
     looks = [n for n in nodes if looks_like_y(ev.memo.get(n))]
@@ -303,7 +303,7 @@ def find_sites(graph: fx.Graph, ctx: RuleContext) -> RoundReport:
     if not isinstance(ctx.provenance, JointProvenance):
         return RoundReport()
     gradient = gradient_dependent(graph) or set()
-    seeds = [n for n in graph.nodes if n not in gradient and moves_elements(n)]
+    seeds = [n for n in element_moves(graph) if n not in gradient]
     symbolic = _symbolic_last_axis(seeds, gradient)
     nodes = _forward_nodes(graph, gradient, seeds)
     ev, looks = _evaluated(ctx, nodes, graph=graph, gradient=gradient)

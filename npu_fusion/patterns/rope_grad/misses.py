@@ -9,7 +9,7 @@ import torch.fx as fx
 from ...lowering import ROPE, ROPE_GRAD as OP
 from ..evaluator import JointProvenance, Provenance
 from ..lanes import LaneEvaluator
-from ..nodes import CAST_TARGETS, VIEWS, aten, downstream, gradient_dependent, gradient_product, is_float_cast
+from ..nodes import CAST_TARGETS, VIEWS, aten, calls_to, downstream, gradient_dependent, gradient_product, is_float_cast
 from ..rewrite import Miss
 from ..pairing import calls, source
 from ..rotation import DX_DEPTH, lane_evaluator
@@ -97,7 +97,8 @@ def unexplained(graph: fx.Graph, provenance: Optional[Provenance], misses: List[
     if gradient is None:
         return []
     fused = _fused_forward_tables(graph)
-    tables = {n: _table_product(n, gradient, provenance, fused) for n in graph.nodes}
+    # the only products gradient_product reads
+    tables = {n: _table_product(n, gradient, provenance, fused) for n in calls_to(graph, aten.mul.Tensor)}
     anchors = [n for n, table in tables.items() if table is not None]
     missed = {m.node for m in misses}
     groups: List[Tuple[fx.Node, set]] = []
@@ -140,7 +141,7 @@ def _saved_rotation_misses(graph: fx.Graph, provenance: Optional[Provenance], gr
     if forward is None or isinstance(provenance, JointProvenance) or misses or calls(graph, OP):
         return []
     out, seen = [], set()
-    for node in graph.nodes:
+    for node in calls_to(graph, aten.mul.Tensor):  # the only products gradient_product reads
         product = gradient_product(node, gradient)
         saved = product[1] if product is not None else None
         definition = provenance.forward_definition(saved) if saved is not None and saved.op == "placeholder" else None

@@ -19,7 +19,7 @@ from ..pairing import calls, source
 from ..rule import RoundReport
 from ..rope.sites import forward_rotations
 from ..lane_pieces import is_consecutive
-from ..rotation import (DX_DEPTH, MAX_LANES, Role, contiguous, head_dim_mark, lane_evaluator, moves_elements, rotation_sums,
+from ..rotation import (DX_DEPTH, MAX_LANES, Role, contiguous, head_dim_mark, element_moves, lane_evaluator, rotation_sums,
                         sums_dx_terms, symbolic_head_dim_reason)
 from .match import RopeMatch, keeps_tables, site_region, match_dx, match_table
 
@@ -77,7 +77,7 @@ def find_sites(graph: fx.Graph, rewrites: RuleContext) -> RoundReport:
     """This round's RoPE backward sites of the graph (each match with its evaluator), near
     misses and pending candidates; an internal error while examining one candidate is a miss
     in ``rewrites``."""
-    seeds = [n for n in graph.nodes if moves_elements(n)]
+    seeds = element_moves(graph)
     nodes = list(_candidates(downstream(graph, seeds, DX_DEPTH)))
     ev = _evaluated(rewrites, graph, nodes)
     makers = _gradient_axis_makers(ev, nodes)
