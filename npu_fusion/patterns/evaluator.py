@@ -327,7 +327,8 @@ class MemoEvaluator:
                 continue
             seen.add(node)
             value, rounded = self.memo.get(node), self.rounded.get(node, frozenset())
-            differ = next((rounded ^ r for v, r in role_values if value is not None and v == value and rounded != r),
+            # the roundings compared first: equal values (polynomials, expressions) cost more to compare
+            differ = next((rounded ^ r for v, r in role_values if value is not None and rounded != r and v == value),
                           None)
             if differ:
                 rounded_roles.append((node, differ))
