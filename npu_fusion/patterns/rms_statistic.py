@@ -244,6 +244,46 @@ def spelled_root(node: fx.Node, provenance: Optional[Provenance]) -> Optional[fx
     return None
 
 
+#: why an RMSNorm whose eps bounds the mean square from below stays unfused (in either direction)
+CLAMPED_EPS_REASON = ("an RMS statistic rsqrt(clamp_min(mean(x*x), eps)) (eps as a lower bound of the mean square, not "
+                      "added to it): another function than the fused ops' rsqrt(mean(x*x) + eps), so no RMSNorm form "
+                      "reads it; if the model can take eps added inside the root, write "
+                      "x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) and it fuses")
+
+
+def clamped_statistic(node: fx.Node, provenance: Optional[Provenance]) -> Optional[tuple]:
+    """``(y, k)`` when ``node`` is ``root(clamp_min(mean(y*y, last k axes), eps))``, eps a number >= 0: a clamped statistic.
+
+    ``node`` (through casts, views and saved tensors' definitions) is ``rsqrt``, ``** -0.5`` or
+    ``sqrt`` of ``clamp_min(mean(y*y), eps)`` (or ``clamp(..., min=eps)``) over y's last k axes, not
+    all of them: a norm no form reads, each way one miss (:data:`CLAMPED_EPS_REASON`)."""
+    node = definition_of(node, provenance)
+    if node.op != "call_function" or not node.args or not isinstance(node.args[0], fx.Node) or not (
+            node.target in (aten.rsqrt.default, aten.sqrt.default)
+            or (node.target is aten.pow.Tensor_Scalar and node.args[1] == -0.5)):
+        return None
+    clamped = definition_of(node.args[0], provenance)
+    if clamped.op != "call_function" or clamped.target not in (aten.clamp_min.default, aten.clamp.default):
+        return None
+    low = clamped.args[1] if len(clamped.args) > 1 else clamped.kwargs.get("min")
+    high = clamped.args[2] if len(clamped.args) > 2 else clamped.kwargs.get("max")
+    mean = definition_of(clamped.args[0], provenance) if isinstance(clamped.args[0], fx.Node) else None
+    if high is not None or isinstance(low, fx.Node) or graph_constant(low) is None or graph_constant(low) < 0 \
+            or mean is None or mean.target is not aten.mean.dim or len(mean.args) < 2 or not mean.args[1]:
+        return None
+    square = mean.args[0]
+    if not isinstance(square, fx.Node) or not (
+            (square.target is aten.pow.Tensor_Scalar and square.args[1] == 2)
+            or (square.target is aten.mul.Tensor and square.args[0] is square.args[1])):
+        return None
+    y = square.args[0]
+    rank = len(shape(y)) if isinstance(y, fx.Node) and shape(y) is not None else 0
+    dims = sorted(normalize_dim(d, rank) for d in mean.args[1]) if rank else []
+    if not dims or dims != list(range(rank - len(dims), rank)) or len(dims) == rank or is_centred(y, provenance):
+        return None
+    return y, len(dims)
+
+
 #: arithmetic by a number a near miss's mean of squares may pass through before eps is added
 _SCALINGS = (aten.mul.Tensor, aten.mul.Scalar, aten.div.Tensor, aten.div.Scalar)
 

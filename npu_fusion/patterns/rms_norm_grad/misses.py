@@ -12,9 +12,9 @@ from ..evaluator import Provenance
 from ..nodes import aten, calls_to, downstream, gradient_dependent, gradient_product, normalize_dim, shape
 from ..rewrite import Miss
 from .sites import DX_DEPTH, taken_norms
-from ..rms_statistic import (EVERY_AXIS_REASON, definition_of, is_rms_statistic, exact_source, fused_normalized_operand,
-                             fused_statistic_operand, normalized_operand, over_every_axis, rms_statistic_operand,
-                             spelled_root, unmatched_spelling)
+from ..rms_statistic import (CLAMPED_EPS_REASON, EVERY_AXIS_REASON, clamped_statistic, definition_of, is_rms_statistic,
+                             exact_source, fused_normalized_operand, fused_statistic_operand, normalized_operand,
+                             over_every_axis, rms_statistic_operand, spelled_root, unmatched_spelling)
 
 
 def unexplained(graph: fx.Graph, provenance: Optional[Provenance], misses: List[Miss]) -> List[Miss]:
@@ -37,13 +37,18 @@ def unexplained(graph: fx.Graph, provenance: Optional[Provenance], misses: List[
         operand = _forward_operand(node, gradient) if node not in reached else None
         spelled = node if node.target is aten.div.Tensor else operand
         reason = unmatched_spelling(spelled, provenance) if operand is not None else None
+        clamped = operand is not None and reason is None and (
+            clamped_statistic(operand, provenance) or normalized_operand(operand, provenance, clamped_statistic))
+        if clamped:  # eps bounding the mean square: its dx and dgamma products, one miss per norm, keyed by its input
+            reason = CLAMPED_EPS_REASON
         if operand is None or not (reason or is_rms_statistic(operand, provenance)
                                    or fused_statistic_operand(operand, provenance) is not None
                                    or weight_gradient(node, operand)):
             continue
         reach = set(downstream(graph, [node], 2 * DX_DEPTH))
         reached |= reach
-        entry = norms.setdefault(_statistic_key(operand, spelled, provenance) or node, [node, reason, set()])
+        key = ("clamped", exact_source(clamped[0], provenance)) if clamped else _statistic_key(operand, spelled, provenance)
+        entry = norms.setdefault(key or node, [node, reason, set()])
         entry[1] = entry[1] or reason or (UNIT_AXIS_REASON if _over_a_unit_axis(node) else None) or (
             EVERY_AXIS_REASON if over_every_axis(operand, provenance) else None)
         entry[2] |= reach
