@@ -333,6 +333,13 @@ def resembling_statistic(node: fx.Node, provenance: Optional[Provenance]) -> Opt
     return None
 
 
+def resembling_reason(how: str) -> str:
+    """The reason of a miss at a norm whose statistic :func:`resembling_statistic` says ``how`` differs (either way)."""
+    return (f"a root of a mean of squares plus eps like an RMS statistic, but {how}: no RMSNorm form is "
+            "rsqrt(mean(x*x) + eps) over x's last axes with eps a number; if this is an RMSNorm, write "
+            "x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) and it fuses")
+
+
 def _is_scalar_eps(eps) -> bool:
     """A number >= 0, or a one-element tensor (``dynamic=True`` passes a float as a graph input)."""
     if isinstance(eps, fx.Node):

@@ -14,7 +14,8 @@ from ..rewrite import Miss
 from .sites import DX_DEPTH, taken_norms
 from ..rms_statistic import (CLAMPED_EPS_REASON, EVERY_AXIS_REASON, clamped_statistic, definition_of, is_rms_statistic,
                              exact_source, fused_normalized_operand, fused_statistic_operand, normalized_operand,
-                             over_every_axis, rms_statistic_operand, spelled_root, unmatched_spelling)
+                             over_every_axis, resembling_reason, resembling_statistic, rms_statistic_operand,
+                             spelled_root, unmatched_spelling)
 
 
 def unexplained(graph: fx.Graph, provenance: Optional[Provenance], misses: List[Miss]) -> List[Miss]:
@@ -50,7 +51,7 @@ def unexplained(graph: fx.Graph, provenance: Optional[Provenance], misses: List[
         key = ("clamped", exact_source(clamped[0], provenance)) if clamped else _statistic_key(operand, spelled, provenance)
         entry = norms.setdefault(key or node, [node, reason, set()])
         entry[1] = entry[1] or reason or (UNIT_AXIS_REASON if _over_a_unit_axis(node) else None) or (
-            EVERY_AXIS_REASON if over_every_axis(operand, provenance) else None)
+            EVERY_AXIS_REASON if over_every_axis(operand, provenance) else None) or _resembling(operand, provenance)
         entry[2] |= reach
     return [Miss(OP.name, n.name, reason or (
         "a gradient scaled by an RMS statistic rsqrt(mean(x*x) + eps), or by the normalized value "
@@ -64,6 +65,12 @@ UNIT_AXIS_REASON = ("a norm over a last axis of size 1 (hidden size 1) whose bac
                     "autograd writes it without the sum over that axis, so the pass reads it as "
                     "rstd*dy*g - rstd**3*x*(dy*g*x) per element, and this one differs (another statistic, a "
                     "missing term); per element the norm is x * rsqrt(x*x + eps) * w, cheap as it is")
+
+
+def _resembling(operand: fx.Node, provenance: Optional[Provenance]) -> Optional[str]:
+    """Why a statistic a gradient is scaled by is no RMSNorm's (another axis, a scaled mean), as the forward's miss says."""
+    how = resembling_statistic(definition_of(operand, provenance), provenance)
+    return resembling_reason(how) if how is not None else None
 
 
 def _over_a_unit_axis(node: fx.Node) -> bool:
