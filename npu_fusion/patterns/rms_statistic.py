@@ -296,7 +296,24 @@ def resembling_statistic(node: fx.Node, provenance: Optional[Provenance]) -> Opt
     ``root(mean(y*y, last axes) + eps)`` itself (:func:`rms_root`): the statistic an RMSNorm
     near miss computes (a scaled mean, a sum over another count, another axis), which the
     backward rule's scans read as an RMS statistic too. None for anything else."""
-    if node.op != "call_function" or not isinstance(node.args[0], fx.Node) or not (
+    found = _resembling(node, provenance)
+    return found[0] if found is not None else None
+
+
+def resembling_operand(node: fx.Node, provenance: Optional[Provenance]) -> Optional[tuple]:
+    """``(y, k, how)`` when ``node`` (through casts, views and saved tensors' definitions) is a statistic of y
+    over k axes that :func:`resembling_statistic` says ``how`` differs from an RMS statistic, over some of y's
+    axes (one over every axis is :func:`over_every_axis`'s)."""
+    found = _resembling(definition_of(node, provenance), provenance)
+    if found is None or found[2] == len(shape(found[1])):
+        return None
+    how, y, k = found
+    return y, k, how
+
+
+def _resembling(node: fx.Node, provenance: Optional[Provenance]) -> Optional[tuple]:
+    """``(how, y, k)`` for :func:`resembling_statistic`: how it differs, what it is a statistic of, over how many axes."""
+    if node.op != "call_function" or not node.args or not isinstance(node.args[0], fx.Node) or not (
             node.target in (aten.rsqrt.default, aten.sqrt.default)
             or (node.target is aten.pow.Tensor_Scalar and node.args[1] == -0.5)):
         return None
@@ -324,12 +341,13 @@ def resembling_statistic(node: fx.Node, provenance: Optional[Provenance]) -> Opt
         rank = len(shape(squared))
         dims = sorted(normalize_dim(d, rank) for d in (axes or range(rank)))
         if dims != list(range(rank - len(dims), rank)):
-            return f"a mean of squares over axes {dims} of a rank-{rank} tensor, not its last axes"
+            return f"a mean of squares over axes {dims} of a rank-{rank} tensor, not its last axes", squared, len(dims)
         if len(dims) == rank:
-            return "a mean of squares over every axis of the tensor (an RMSNorm keeps a leading axis)"
+            return "a mean of squares over every axis of the tensor (an RMSNorm keeps a leading axis)", squared, rank
         if scaled or reduced.target is aten.sum.dim_IntList:
-            return "a mean of squares scaled by a constant, or a sum of squares divided by a count"
-        return "a cast or a view between the root and its mean plus eps"
+            return ("a mean of squares scaled by a constant, or a sum of squares divided by a count", squared,
+                    len(dims))
+        return "a cast or a view between the root and its mean plus eps", squared, len(dims)
     return None
 
 
