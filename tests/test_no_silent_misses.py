@@ -242,18 +242,29 @@ def test_norm_over_the_second_last_axis_is_one_miss_each_way_naming_the_axis(tra
             assert m.node.startswith("rsqrt" if m.op == NORM else "mul"), m
 
 
+BIAS = _seeded(9, 8)
+#: name: (SwiGLU of the two halves with a half read with another term, the half it combines)
+COMBINED_HALVES = {
+    "up_plus_gate": (lambda gate, up: F.silu(gate) * (up + gate), "up"),
+    "gate_plus_a_bias": (lambda gate, up: F.silu(gate + BIAS) * up, "gate"),
+}
+
+
+@pytest.mark.parametrize("name", COMBINED_HALVES)
 @pytest.mark.parametrize("training", [True, False], ids=["training", "inference"])
-def test_swiglu_whose_up_is_read_with_the_gate_is_one_miss_each_way(training):
-    """``silu(gate) * (up + gate)`` of one chunked projection: another function than ``silu(x[:H]) * x[H:]``.
-    The near-miss readers followed pointwise ops of one tensor only, so it was silent both ways; now one miss
-    per op, at the product and at ``silu_backward``, naming the op that combines the up."""
+def test_swiglu_with_a_half_read_with_another_term_is_one_miss_each_way(training, name):
+    """``silu(gate) * (up + gate)`` of one chunked projection (or ``silu(gate + bias) * up``): another function
+    than ``silu(x[:H]) * x[H:]``. The near-miss readers followed pointwise ops of one tensor only, so it was
+    silent both ways; now one miss per op, at the product and at ``silu_backward``, naming the op that
+    combines the half; outputs and gradients are eager's."""
+    program, role = COMBINED_HALVES[name]
     x = _seeded(1, 2, 3, 16).requires_grad_(training)
-    results = compiled_step(lambda x: (lambda gate, up: F.silu(gate) * (up + gate))(*_halves(x)), [x], [GATE_UP])
+    results = compiled_step(lambda x: program(*_halves(x)), [x], [GATE_UP])
     for graph in ("inference", "joint"):
         misses = [m for r in results if r.graph == graph for m in r.misses]
         assert sorted(m.op for m in misses) == (["swiglu", "swiglu_grad"] if graph == "joint" else ["swiglu"]), misses
         assert not any(r.sites for r in results), results
         for m in misses:
             assert m.node == ("mul" if m.op == "swiglu" else "silu_backward"), m
-            assert "add (aten.add.Tensor) combines the up with" in m.reason, m
-            assert "it fuses only where silu(gate) multiplies the second half itself" in m.reason, m
+            assert f"add (aten.add.Tensor) combines the {role} with" in m.reason, m
+            assert "it fuses only where silu of the first half multiplies the second half itself" in m.reason, m

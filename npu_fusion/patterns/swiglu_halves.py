@@ -339,17 +339,20 @@ def unread_glu_problem(ev: LaneEvaluator, gate_input, gated) -> Optional[str]:
     if len(gates) != 1:
         return None
     source, axis, which = gates[0][1]
-    ups = [node for node, p in factor_pieces(gated, transforms=transforms) if p[0] is source and p[2] != which]
+    up_transforms: list = []
+    ups = [node for node, p in factor_pieces(gated, transforms=up_transforms) if p[0] is source and p[2] != which]
+    transforms += up_transforms
     if not ups:
         return None
     combined = next((t for t in transforms if len(t.all_input_nodes) > 1), None)
-    if combined is not None:  # the up read with another term (silu(gate) * (up + gate)): another function
-        term = _combined_term(combined, ups[0])
+    if combined is not None:  # a half read with another term (silu(gate) * (up + gate)): another function
+        gate_side = combined in transforms[:len(transforms) - len(up_transforms)]
+        role, piece = ("gate", gates[0][0]) if gate_side else ("up", ups[0])
         return (f"silu gates a piece of {source.name} and another piece is the up, but {combined.name} "
-                f"({combined.target}) combines the up with {term.name} between the split and the product: the fused "
-                f"op computes silu(x[:H]) * x[H:] of the halves as they are, and silu(gate) * (up + other) is another "
-                f"function, which no SwiGLU form fuses; it fuses only where silu(gate) multiplies the second half "
-                f"itself")
+                f"({combined.target}) combines the {role} with {_combined_term(combined, piece).name} between the "
+                f"split and the product: the fused op computes silu(x[:H]) * x[H:] of the halves as they are, and "
+                f"this is another function, which no SwiGLU form fuses; it fuses only where silu of the first half "
+                f"multiplies the second half itself")
     if transforms:  # a clamped SwiGLU (GPT-OSS's), a shifted up: not the two halves as the split cut them
         return (f"silu gates a piece of {source.name} and another piece is the up, but {transforms[0].name} "
                 f"({transforms[0].target}) changes a piece between the split and the product: the fused op computes "

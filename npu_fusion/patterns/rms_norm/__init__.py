@@ -47,8 +47,8 @@ from ..nodes import aten, calls_to, downstream, gradient_dependent
 from ..rewrite import Miss, RuleContext
 from ..pairing import calls, source
 from ..rms_statistic import (CLAMPED_EPS_REASON, EVERY_AXIS_REASON, clamped_statistic, over_every_axis,
-                             resembling_reason, resembling_statistic, rms_root, rms_statistic_operand, spelled_root, unmatched_spelling,
-                             whole_forward_misses)
+                             resembling_reason, resembling_statistic, rms_root, rms_statistic_operand, spelled_root,
+                             unmatched_spelling, whole_forward_misses)
 from ..rule import Form, FusionRule, RoundReport, SiteProbe
 from .sites import ForwardNormMatch, Y_DEPTH, is_root, find_sites
 from .emit import emit as emit_site
