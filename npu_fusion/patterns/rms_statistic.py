@@ -301,9 +301,11 @@ def resembling_statistic(node: fx.Node, provenance: Optional[Provenance]) -> Opt
 
 
 def resembling_operand(node: fx.Node, provenance: Optional[Provenance]) -> Optional[tuple]:
-    """``(y, k, how)`` when ``node`` (through casts, views and saved tensors' definitions) is a statistic of y
-    over k axes that :func:`resembling_statistic` says ``how`` differs from an RMS statistic, over some of y's
-    axes (one over every axis is :func:`over_every_axis`'s)."""
+    """``(y, k, how)`` when ``node`` is a statistic of y over k axes resembling an RMS statistic.
+
+    ``node`` (through casts, views and saved tensors' definitions) is a statistic of y over k axes that
+    :func:`resembling_statistic` says ``how`` differs from an RMS statistic, over some of y's axes (one
+    over every axis is :func:`over_every_axis`'s)."""
     found = _resembling(definition_of(node, provenance), provenance)
     if found is None or found[2] == len(shape(found[1])):
         return None
