@@ -4,11 +4,13 @@ compiled by the ``npu_fusion`` backend (target ``generic``), with the forward ru
 outputs and every gradient pass the float64 criterion against eager (``check``)."""
 import pytest
 import torch
+import torch.nn.functional as F
 
-from npu_fusion.patterns.rms_statistic import DIVISION_REASON, KEEPDIM_REASON
+from npu_fusion.patterns.rms_statistic import CLAMPED_EPS_REASON, DIVISION_REASON, KEEPDIM_REASON
 from npu_fusion.patterns.rope.sites import SCALED_COPY_REASON
 from npu_fusion.plugin.options import forward_options
 from npu_fusion_testing.capture import compile_and_compare
+from test_attacks_backend import GATE_UP, _halves, compiled_step
 from test_forward_fusion import calls, check
 
 EPS = 1e-6
@@ -194,3 +196,75 @@ def test_a_forward_miss_whose_site_takes_no_gradient_has_no_backward_miss(name):
     capture = compile_and_compare(lambda *inputs: program(*inputs[:-1]) * inputs[-1], [*make(), y], **BOTH)
     (result,) = capture.results
     assert [m.op for m in result.misses] == [forward_op] and not result.sites, result.misses
+
+
+# -- near misses an attacking session found silent: each one recorded miss per op, with what to write ---------
+
+def _clamped_eps_norm(x, w):
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True).clamp_min(EPS)) * w
+
+
+@pytest.mark.parametrize("options", [{}, BACKWARD_ALONE], ids=["every_rule", "backward_rules"])
+@pytest.mark.parametrize("training", [True, False], ids=["training", "inference"])
+def test_norm_with_eps_as_a_lower_bound_of_the_mean_square_is_one_miss_each_way(training, options):
+    """``rsqrt(clamp_min(mean(x*x), eps))`` is another function than the fused ops' ``rsqrt(mean(x*x) + eps)``:
+    no form read it and no scan looked for it, silent both ways (in training and in the inference graph of
+    ``torch.no_grad()``). Each graph now records one miss per op it holds (the weight's gradient alone, where x
+    takes none), saying so and what fuses; outputs and gradients are eager's."""
+    w = torch.nn.Parameter(_seeded(3, 16))
+    x = _seeded(1, 2, 3, 16).requires_grad_(training)
+    results = compiled_step(lambda x: _clamped_eps_norm(x, w), [x], [w], **options)
+    forward_rule = not options
+    for graph, ops in (("inference", [NORM]), ("joint", [NORM, NORM_GRAD] if forward_rule else [NORM_GRAD])):
+        misses = [m for r in results if r.graph == graph for m in r.misses]
+        assert not [s for r in results if r.graph == graph for s in r.sites], results
+        assert sorted(m.op for m in misses) == sorted(ops if forward_rule or graph == "joint" else []), misses
+        for m in misses:
+            assert m.reason == CLAMPED_EPS_REASON and m.node.startswith("rsqrt" if m.op == NORM else "mul"), m
+    assert "clamp_min" in CLAMPED_EPS_REASON and "x.pow(2).mean(-1, keepdim=True) + eps" in CLAMPED_EPS_REASON
+
+
+@pytest.mark.parametrize("training", [True, False], ids=["training", "inference"])
+def test_norm_over_the_second_last_axis_is_one_miss_each_way_naming_the_axis(training):
+    """A mean over ``dim=-2``: the forward scan records it in the inference graph, and the backward's miss,
+    which said only that no form matched (and was silent where the weight alone takes a gradient), names
+    the axis as the forward's does."""
+    w = torch.nn.Parameter(_seeded(3, 3, 1))
+    x = _seeded(1, 2, 3, 16).requires_grad_(training)
+    results = compiled_step(lambda x: x * torch.rsqrt(x.pow(2).mean(-2, keepdim=True) + EPS) * w, [x], [w])
+    for graph in ("inference", "joint"):
+        misses = [m for r in results if r.graph == graph for m in r.misses]
+        ops = [NORM, NORM_GRAD] if graph == "joint" else [NORM]  # the weight takes a gradient in both
+        assert sorted(m.op for m in misses) == sorted(ops) and not any(r.sites for r in results), misses
+        for m in misses:
+            assert "axes [1] of a rank-3 tensor, not its last axes" in m.reason, m
+            assert "x.pow(2).mean(-1, keepdim=True) + eps" in m.reason, m
+            assert m.node.startswith("rsqrt" if m.op == NORM else "mul"), m
+
+
+BIAS = _seeded(9, 8)
+#: name: (SwiGLU of the two halves with a half read with another term, the half it combines)
+COMBINED_HALVES = {
+    "up_plus_gate": (lambda gate, up: F.silu(gate) * (up + gate), "up"),
+    "gate_plus_a_bias": (lambda gate, up: F.silu(gate + BIAS) * up, "gate"),
+}
+
+
+@pytest.mark.parametrize("name", COMBINED_HALVES)
+@pytest.mark.parametrize("training", [True, False], ids=["training", "inference"])
+def test_swiglu_with_a_half_read_with_another_term_is_one_miss_each_way(training, name):
+    """``silu(gate) * (up + gate)`` of one chunked projection (or ``silu(gate + bias) * up``): another function
+    than ``silu(x[:H]) * x[H:]``. The near-miss readers followed pointwise ops of one tensor only, so it was
+    silent both ways; now one miss per op, at the product and at ``silu_backward``, naming the op that
+    combines the half; outputs and gradients are eager's."""
+    program, role = COMBINED_HALVES[name]
+    x = _seeded(1, 2, 3, 16).requires_grad_(training)
+    results = compiled_step(lambda x: program(*_halves(x)), [x], [GATE_UP])
+    for graph in ("inference", "joint"):
+        misses = [m for r in results if r.graph == graph for m in r.misses]
+        assert sorted(m.op for m in misses) == (["swiglu", "swiglu_grad"] if graph == "joint" else ["swiglu"]), misses
+        assert not any(r.sites for r in results), results
+        for m in misses:
+            assert m.node == ("mul" if m.op == "swiglu" else "silu_backward"), m
+            assert f"add (aten.add.Tensor) combines the {role} with" in m.reason, m
+            assert "it fuses only where silu of the first half multiplies the second half itself" in m.reason, m

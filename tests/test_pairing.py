@@ -115,12 +115,17 @@ def test_hook_uses_a_matching_forward_and_runs_alone_on_a_mismatched_one(npu_fus
         assert result.fused(ROPE) == model.expected_sites[ROPE] and result.fused(RMS) == model.expected_sites[RMS]
 
 
-@pytest.mark.xfail(strict=False, reason="torch 2.10 and 2.13: on the backward alone, the one-layer Llama's "
-                                        "3 RMSNorm sites end 0 fused and 2 recorded misses, one silent "
-                                        "(patterns/rms_norm_grad/misses.py unexplained); torch 2.6 and 2.7.1 fuse all three")
 def test_backward_alone_leaves_no_silent_miss():
+    """On torch 2.10 and 2.13 the partition saves each norm's rstd twice (as it is and detached), which the
+    backward alone cannot prove one statistic: its 3 norms were 2 recorded misses and one silent (the
+    residual gradient sums each norm's dx into the next, and the third's sum was too large to read).
+    Each is now one miss per norm saying what to give the pass (torch 2.6 and 2.7.1 fuse all three)."""
     (bw,), _ = llama_partitions(2)
     result = pass_manager.fuse_backward(bw, {"target": "generic", "strict": True}, forward=None)
     expected = bundled("llama", num_layers=1).expected_sites
     for op in (ROPE, RMS):
-        assert result.fused(op) + sum(m.op == op for m in result.misses) == expected[op]
+        assert result.fused(op) + sum(m.op == op for m in result.misses) == expected[op], result.misses
+    norm_misses = [m for m in result.misses if m.op == RMS]
+    assert len({m.node for m in norm_misses}) == len(norm_misses), norm_misses
+    if not result.fused(RMS):  # the torch versions that save rstd twice: the miss says what to do
+        assert all("forward=fw" in m.reason and "backend='npu_fusion'" in m.reason for m in norm_misses), norm_misses

@@ -244,6 +244,46 @@ def spelled_root(node: fx.Node, provenance: Optional[Provenance]) -> Optional[fx
     return None
 
 
+#: why an RMSNorm whose eps bounds the mean square from below stays unfused (in either direction)
+CLAMPED_EPS_REASON = ("an RMS statistic rsqrt(clamp_min(mean(x*x), eps)) (eps as a lower bound of the mean square, not "
+                      "added to it): another function than the fused ops' rsqrt(mean(x*x) + eps), so no RMSNorm form "
+                      "reads it; if the model can take eps added inside the root, write "
+                      "x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) and it fuses")
+
+
+def clamped_statistic(node: fx.Node, provenance: Optional[Provenance]) -> Optional[tuple]:
+    """``(y, k)`` when ``node`` is ``root(clamp_min(mean(y*y, last k axes), eps))``, eps a number >= 0: a clamped statistic.
+
+    ``node`` (through casts, views and saved tensors' definitions) is ``rsqrt``, ``** -0.5`` or
+    ``sqrt`` of ``clamp_min(mean(y*y), eps)`` (or ``clamp(..., min=eps)``) over y's last k axes, not
+    all of them: a norm no form reads, each way one miss (:data:`CLAMPED_EPS_REASON`)."""
+    node = definition_of(node, provenance)
+    if node.op != "call_function" or not node.args or not isinstance(node.args[0], fx.Node) or not (
+            node.target in (aten.rsqrt.default, aten.sqrt.default)
+            or (node.target is aten.pow.Tensor_Scalar and node.args[1] == -0.5)):
+        return None
+    clamped = definition_of(node.args[0], provenance)
+    if clamped.op != "call_function" or clamped.target not in (aten.clamp_min.default, aten.clamp.default):
+        return None
+    low = clamped.args[1] if len(clamped.args) > 1 else clamped.kwargs.get("min")
+    high = clamped.args[2] if len(clamped.args) > 2 else clamped.kwargs.get("max")
+    mean = definition_of(clamped.args[0], provenance) if isinstance(clamped.args[0], fx.Node) else None
+    if high is not None or isinstance(low, fx.Node) or graph_constant(low) is None or graph_constant(low) < 0 \
+            or mean is None or mean.target is not aten.mean.dim or len(mean.args) < 2 or not mean.args[1]:
+        return None
+    square = mean.args[0]
+    if not isinstance(square, fx.Node) or not (
+            (square.target is aten.pow.Tensor_Scalar and square.args[1] == 2)
+            or (square.target is aten.mul.Tensor and square.args[0] is square.args[1])):
+        return None
+    y = square.args[0]
+    rank = len(shape(y)) if isinstance(y, fx.Node) and shape(y) is not None else 0
+    dims = sorted(normalize_dim(d, rank) for d in mean.args[1]) if rank else []
+    if not dims or dims != list(range(rank - len(dims), rank)) or len(dims) == rank or is_centred(y, provenance):
+        return None
+    return y, len(dims)
+
+
 #: arithmetic by a number a near miss's mean of squares may pass through before eps is added
 _SCALINGS = (aten.mul.Tensor, aten.mul.Scalar, aten.div.Tensor, aten.div.Scalar)
 
@@ -256,7 +296,26 @@ def resembling_statistic(node: fx.Node, provenance: Optional[Provenance]) -> Opt
     ``root(mean(y*y, last axes) + eps)`` itself (:func:`rms_root`): the statistic an RMSNorm
     near miss computes (a scaled mean, a sum over another count, another axis), which the
     backward rule's scans read as an RMS statistic too. None for anything else."""
-    if node.op != "call_function" or not isinstance(node.args[0], fx.Node) or not (
+    found = _resembling(node, provenance)
+    return found[0] if found is not None else None
+
+
+def resembling_operand(node: fx.Node, provenance: Optional[Provenance]) -> Optional[tuple]:
+    """``(y, k, how)`` when ``node`` is a statistic of y over k axes resembling an RMS statistic.
+
+    ``node`` (through casts, views and saved tensors' definitions) is a statistic of y over k axes that
+    :func:`resembling_statistic` says ``how`` differs from an RMS statistic, over some of y's axes (one
+    over every axis is :func:`over_every_axis`'s)."""
+    found = _resembling(definition_of(node, provenance), provenance)
+    if found is None or found[2] == len(shape(found[1])):
+        return None
+    how, y, k = found
+    return y, k, how
+
+
+def _resembling(node: fx.Node, provenance: Optional[Provenance]) -> Optional[tuple]:
+    """``(how, y, k)`` for :func:`resembling_statistic`: how it differs, what it is a statistic of, over how many axes."""
+    if node.op != "call_function" or not node.args or not isinstance(node.args[0], fx.Node) or not (
             node.target in (aten.rsqrt.default, aten.sqrt.default)
             or (node.target is aten.pow.Tensor_Scalar and node.args[1] == -0.5)):
         return None
@@ -284,13 +343,21 @@ def resembling_statistic(node: fx.Node, provenance: Optional[Provenance]) -> Opt
         rank = len(shape(squared))
         dims = sorted(normalize_dim(d, rank) for d in (axes or range(rank)))
         if dims != list(range(rank - len(dims), rank)):
-            return f"a mean of squares over axes {dims} of a rank-{rank} tensor, not its last axes"
+            return f"a mean of squares over axes {dims} of a rank-{rank} tensor, not its last axes", squared, len(dims)
         if len(dims) == rank:
-            return "a mean of squares over every axis of the tensor (an RMSNorm keeps a leading axis)"
+            return "a mean of squares over every axis of the tensor (an RMSNorm keeps a leading axis)", squared, rank
         if scaled or reduced.target is aten.sum.dim_IntList:
-            return "a mean of squares scaled by a constant, or a sum of squares divided by a count"
-        return "a cast or a view between the root and its mean plus eps"
+            return ("a mean of squares scaled by a constant, or a sum of squares divided by a count", squared,
+                    len(dims))
+        return "a cast or a view between the root and its mean plus eps", squared, len(dims)
     return None
+
+
+def resembling_reason(how: str) -> str:
+    """The reason of a miss at a norm whose statistic :func:`resembling_statistic` says ``how`` differs (either way)."""
+    return (f"a root of a mean of squares plus eps like an RMS statistic, but {how}: no RMSNorm form is "
+            "rsqrt(mean(x*x) + eps) over x's last axes with eps a number; if this is an RMSNorm, write "
+            "x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) and it fuses")
 
 
 def _is_scalar_eps(eps) -> bool:

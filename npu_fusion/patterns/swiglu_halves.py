@@ -282,8 +282,8 @@ def factor_pieces(node, depth: int = FACTOR_DEPTH, transforms: Optional[list] = 
     """The split pieces ``node`` is a product of, up to constant factors and signs: ``(piece node, split_piece)``.
 
     Followed through float casts, negations, products and divisions by a number, ``depth`` steps;
-    with a list ``transforms``, also through the other pointwise ops of one tensor (a clamp, a shift),
-    whose nodes are appended to it."""
+    with a list ``transforms``, also through the other pointwise ops (a clamp, a shift, a sum of the
+    up and another term: ``up + gate``), whose nodes are appended to it."""
     piece = split_piece(node)
     if piece is not None:
         return [(node, piece)]
@@ -296,6 +296,9 @@ def factor_pieces(node, depth: int = FACTOR_DEPTH, transforms: Optional[list] = 
     elif transforms is not None and _pointwise_of_one_tensor(node) is not None:
         transforms.append(node)
         factors = [_pointwise_of_one_tensor(node)]
+    elif transforms is not None and _pointwise_of_tensors(node):
+        transforms.append(node)
+        factors = node.all_input_nodes
     else:
         return []
     return [p for f in factors for p in factor_pieces(f, depth - 1, transforms)]
@@ -311,6 +314,18 @@ def _pointwise_of_one_tensor(node: fx.Node) -> Optional[fx.Node]:
     return inputs[0]
 
 
+def _pointwise_of_tensors(node: fx.Node) -> bool:
+    """``node`` is a pointwise op of several tensors with its own shape (``up + gate``, ``up * 2 - bias``)."""
+    return (isinstance(node.target, torch._ops.OpOverload) and torch.Tag.pointwise in node.target.tags
+            and len(node.all_input_nodes) > 1 and shape(node) is not None)
+
+
+def _combined_term(transform: fx.Node, up: fx.Node) -> fx.Node:
+    """The tensor a pointwise op of several tensors combines the ``up`` piece with (``gate`` in ``up + gate``)."""
+    others = [a for a in transform.all_input_nodes if up not in [n for n, _ in factor_pieces(a, transforms=[])]]
+    return (others or transform.all_input_nodes)[-1]
+
+
 def unread_glu_problem(ev: LaneEvaluator, gate_input, gated) -> Optional[str]:
     """Why a SiLU of ``gate_input`` times ``gated``, two pieces of one split, is not a site the rules read.
 
@@ -324,9 +339,20 @@ def unread_glu_problem(ev: LaneEvaluator, gate_input, gated) -> Optional[str]:
     if len(gates) != 1:
         return None
     source, axis, which = gates[0][1]
-    ups = [node for node, p in factor_pieces(gated, transforms=transforms) if p[0] is source and p[2] != which]
+    up_transforms: list = []
+    ups = [node for node, p in factor_pieces(gated, transforms=up_transforms) if p[0] is source and p[2] != which]
+    transforms += up_transforms
     if not ups:
         return None
+    combined = next((t for t in transforms if len(t.all_input_nodes) > 1), None)
+    if combined is not None:  # a half read with another term (silu(gate) * (up + gate)): another function
+        gate_side = combined in transforms[:len(transforms) - len(up_transforms)]
+        role, piece = ("gate", gates[0][0]) if gate_side else ("up", ups[0])
+        return (f"silu gates a piece of {source.name} and another piece is the up, but {combined.name} "
+                f"({combined.target}) combines the {role} with {_combined_term(combined, piece).name} between the "
+                f"split and the product: the fused op computes silu(x[:H]) * x[H:] of the halves as they are, and "
+                f"this is another function, which no SwiGLU form fuses; it fuses only where silu of the first half "
+                f"multiplies the second half itself")
     if transforms:  # a clamped SwiGLU (GPT-OSS's), a shifted up: not the two halves as the split cut them
         return (f"silu gates a piece of {source.name} and another piece is the up, but {transforms[0].name} "
                 f"({transforms[0].target}) changes a piece between the split and the product: the fused op computes "

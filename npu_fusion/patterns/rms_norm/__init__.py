@@ -46,8 +46,9 @@ from ..evaluator import JointProvenance, Provenance
 from ..nodes import aten, calls_to, downstream, gradient_dependent
 from ..rewrite import Miss, RuleContext
 from ..pairing import calls, source
-from ..rms_statistic import (EVERY_AXIS_REASON, over_every_axis, resembling_statistic, rms_root, rms_statistic_operand,
-                             spelled_root, unmatched_spelling, whole_forward_misses)
+from ..rms_statistic import (CLAMPED_EPS_REASON, EVERY_AXIS_REASON, clamped_statistic, over_every_axis,
+                             resembling_reason, resembling_statistic, rms_root, rms_statistic_operand, spelled_root,
+                             unmatched_spelling, whole_forward_misses)
 from ..rule import Form, FusionRule, RoundReport, SiteProbe
 from .sites import ROOT_TARGETS, ForwardNormMatch, Y_DEPTH, is_root, find_sites
 from .emit import emit as emit_site
@@ -78,6 +79,9 @@ def unexplained(graph: fx.Graph, provenance: Optional[Provenance], misses: List[
         elif n not in gradient and n.op == "call_function" and is_root(n) and over_every_axis(n, None) and not any(
                 r.name in missed for r in downstream(graph, [n], Y_DEPTH)):
             spelled[n] = (n, EVERY_AXIS_REASON)
+        elif n not in gradient and clamped_statistic(n, None) and not any(
+                r.name in missed for r in downstream(graph, [n], Y_DEPTH)):
+            spelled[n] = (n, CLAMPED_EPS_REASON)
     statistics = [Miss(OP.name, n.name, "a forward RMS statistic rsqrt(mean(x*x) + eps) that no forward RMSNorm "
                                         "form matched (run with TORCH_LOGS=npu_fusion and dump_graphs to see it)")
                   for n in found]
@@ -99,10 +103,7 @@ def _resembling_statistics(graph: fx.Graph, gradient: set, missed: set) -> List[
     for n in calls_to(graph, *ROOT_TARGETS):
         how = resembling_statistic(n, None) if n not in gradient else None
         if how is not None and not any(r.name in missed for r in downstream(graph, [n], Y_DEPTH)):
-            out.append(Miss(OP.name, n.name, f"a root of a mean of squares plus eps like an RMS statistic, but {how}: "
-                                             "no RMSNorm form is rsqrt(mean(x*x) + eps) over x's last axes with eps a "
-                                             "number; if this is an RMSNorm, write x * torch.rsqrt(x.pow(2).mean(-1, "
-                                             "keepdim=True) + eps) and it fuses"))
+            out.append(Miss(OP.name, n.name, resembling_reason(how)))
     return out
 
 

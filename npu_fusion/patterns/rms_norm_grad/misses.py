@@ -12,8 +12,9 @@ from ..evaluator import Provenance
 from ..nodes import aten, calls_to, downstream, gradient_dependent, gradient_product, normalize_dim, shape
 from ..rewrite import Miss
 from .sites import DX_DEPTH, taken_norms
-from ..rms_statistic import (EVERY_AXIS_REASON, definition_of, is_rms_statistic, exact_source, fused_normalized_operand,
-                             fused_statistic_operand, normalized_operand, over_every_axis, rms_statistic_operand,
+from ..rms_statistic import (CLAMPED_EPS_REASON, EVERY_AXIS_REASON, clamped_statistic, definition_of, is_rms_statistic,
+                             exact_source, fused_normalized_operand, fused_statistic_operand, normalized_operand,
+                             over_every_axis, resembling_operand, resembling_reason, rms_statistic_operand,
                              spelled_root, unmatched_spelling)
 
 
@@ -37,13 +38,17 @@ def unexplained(graph: fx.Graph, provenance: Optional[Provenance], misses: List[
         operand = _forward_operand(node, gradient) if node not in reached else None
         spelled = node if node.target is aten.div.Tensor else operand
         reason = unmatched_spelling(spelled, provenance) if operand is not None else None
+        other = _other_statistic(operand, provenance) if operand is not None and reason is None else None
+        if other is not None:  # a statistic no form reads: its dx and dgamma products, one miss keyed by its input
+            reason = other[1]
         if operand is None or not (reason or is_rms_statistic(operand, provenance)
                                    or fused_statistic_operand(operand, provenance) is not None
                                    or weight_gradient(node, operand)):
             continue
         reach = set(downstream(graph, [node], 2 * DX_DEPTH))
         reached |= reach
-        entry = norms.setdefault(_statistic_key(operand, spelled, provenance) or node, [node, reason, set()])
+        key = ("other", exact_source(other[0], provenance)) if other else _statistic_key(operand, spelled, provenance)
+        entry = norms.setdefault(key or node, [node, reason, set()])
         entry[1] = entry[1] or reason or (UNIT_AXIS_REASON if _over_a_unit_axis(node) else None) or (
             EVERY_AXIS_REASON if over_every_axis(operand, provenance) else None)
         entry[2] |= reach
@@ -59,6 +64,19 @@ UNIT_AXIS_REASON = ("a norm over a last axis of size 1 (hidden size 1) whose bac
                     "autograd writes it without the sum over that axis, so the pass reads it as "
                     "rstd*dy*g - rstd**3*x*(dy*g*x) per element, and this one differs (another statistic, a "
                     "missing term); per element the norm is x * rsqrt(x*x + eps) * w, cheap as it is")
+
+
+def _other_statistic(operand: fx.Node, provenance: Optional[Provenance]) -> Optional[tuple]:
+    """``(y, reason)`` when ``operand`` is, or is y normalized by, a statistic of y no form reads.
+
+    Eps bounding the mean square (:func:`clamped_statistic`), another axis or a scaled mean
+    (:func:`resembling_operand`): the reason says how it differs, as the forward's miss does. The norm
+    of y is one miss, its dx's product and its weight gradient's (a norm whose input takes no gradient)."""
+    found = clamped_statistic(operand, provenance) or normalized_operand(operand, provenance, clamped_statistic)
+    if found:
+        return found[0], CLAMPED_EPS_REASON
+    found = resembling_operand(operand, provenance) or normalized_operand(operand, provenance, resembling_operand)
+    return (found[0], resembling_reason(found[2])) if found else None
 
 
 def _over_a_unit_axis(node: fx.Node) -> bool:

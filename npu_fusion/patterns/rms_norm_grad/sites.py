@@ -187,17 +187,82 @@ def _near_misses(rewrites: RuleContext, ev: NormEvaluator, nodes, matched: List[
         if sums_and_region is not None:
             done |= sums_and_region[0]
             inside.update(sums_and_region[1])
-    suspects, pending = [], 0
+    suspects, pending, accumulated = [], 0, []
     for n in nodes:
         verdict = rewrites.examine(n, _near_miss_verdict, ev, n, done, inside)
         if verdict == "pending":
             pending += 1
         elif verdict == "suspect":
             suspects.append(n)
-    outer = outermost(suspects)
-    return RoundReport([], [Miss(OP.name, n.name, _spelling_above(n, rewrites.provenance) or (
+        elif verdict in ("accumulated", "term"):
+            accumulated.append(n)
+    suspects += _accumulated_suspects(ev, suspects, accumulated)
+    outer = outermost(sorted(suspects))
+    return RoundReport([], [Miss(OP.name, n.name, _spelling_above(n, rewrites.provenance) or _two_copies(ev, n) or (
         "normalizes over the last axes like an RMSNorm dx, but its terms differ from rstd*dy*g - "
         "rstd**3*x*sum(dy*g*x)/N (eps outside the root, another statistic or a missing term)")) for n in outer], pending)
+
+
+def _accumulated_suspects(ev: NormEvaluator, suspects: List[fx.Node], accumulated: List[fx.Node]) -> List[fx.Node]:
+    """The nodes of ``accumulated`` that add one more norm's unmatched dx to earlier suspects' (in graph order).
+
+    A residual stream's gradient sums each norm's dx into the next: where no norm matched (a backward
+    alone whose statistics cannot be proven), the second norm's dx is read with the first's sum in it,
+    and so on. A node whose sums over the normalized axes are an earlier suspect's but one, that one
+    a dx's (:func:`_dx_sum`), is that norm's suspect: one per norm, none silent."""
+    claimed = {s for n in suspects for s in ev.memo[n].expr.free_symbols if s in ev.sum_body}
+    found = []
+    # sums of dx first; a dx's summed term alone (the sum beside it too many symbols to read) last
+    for n in sorted(accumulated, key=lambda n: len(ev.memo[n].expr.terms) == 1):
+        expr = ev.memo[n].expr
+        new = {s for s in expr.free_symbols if s in ev.sum_body} - claimed
+        if len(new) == 1 and _dx_sum(ev, expr, next(iter(new))):
+            found.append(n)
+            claimed |= new
+    return found
+
+
+def _dx_sum(ev: NormEvaluator, expr, total) -> bool:
+    """Whether ``total`` is a sum a dx term of ``expr`` reads: of a product of degree >= 2 (dy*g*x), beside x."""
+    return sum(abs(e) for _, e in ev.sum_body[total]) >= 2 and any(
+        total in symbols_of(m) and symbols_of(m) & ev.varying for m, _ in expr.split_terms())
+
+
+def _two_copies(ev: NormEvaluator, node: fx.Node) -> Optional[str]:
+    """Why a dx-shaped ``node`` is unproven when its rstd reaches it as two saved tensors, or None.
+
+    A backward graph alone (no forward graph to read saved tensors' definitions from) where the
+    partition saved a norm's rstd twice, as it is and detached (AOTAutograd's ``rsqrt`` and
+    ``detach``): ``rstd*dy*g`` reads one and ``rstd**3*x*sum(dy*g*x)/N`` the other, two leaves the
+    algebra cannot prove equal."""
+    plain, cubed = _saved_copies(ev, ev.memo[node].expr)
+    if not cubed or plain and plain <= cubed:
+        return None
+    copies = ", ".join(n.name for n in [*sorted(plain - cubed)[:1], *sorted(cubed)[:1]])
+    return (f"normalizes over the last axes like an RMSNorm dx whose rstd reaches the backward as saved tensors "
+            f"({copies}: the partition saves the statistic as it is and detached), which a backward graph alone cannot "
+            f"prove to be one statistic: give the pass this partition's forward graph (fuse_backward(gm, options, "
+            f"forward=fw), or torchair's hook with the forward compiled in the same process), or compile with "
+            f"backend='npu_fusion', which fuses the norm on the joint graph")
+
+
+def _saved_copies(ev: NormEvaluator, expr) -> tuple:
+    """(placeholders read to the power 1 in terms without a sum, placeholders cubed beside a sum) of ``expr``,
+    on a backward graph without its forward (none where the pass has the forward: it reads their definitions)."""
+    plain, cubed = set(), set()
+    if ev.provenance is not None and ev.provenance.forward is not None:
+        return plain, cubed
+    for mono, _ in expr.split_terms():
+        has_sum = any(s in ev.sum_body for s, _ in mono)
+        for s, e in mono:
+            leaf = ev.node_of.get(s)
+            if s in ev.varying or leaf is None or leaf.op != "placeholder":
+                continue
+            if has_sum and e == 3:
+                cubed.add(leaf)
+            elif not has_sum and e == 1:
+                plain.add(leaf)
+    return plain, cubed
 
 
 def _spelling_above(node: fx.Node, provenance: Optional[Provenance]) -> Optional[str]:
@@ -238,6 +303,10 @@ def _near_miss_verdict(ev: NormEvaluator, n: fx.Node, done: set, inside: set) ->
         # its own sum over a gradient that expands into matched sites' dx (a norm whose dy
         # is several norms' dx summed): the next round reads that dy as their fused outputs
         return "pending"
+    if len(sums) > 1 and not sums & done and stat_leaves(ev, v.expr) and len(v.expr.terms) >= 2:
+        return "accumulated"  # several unmatched norms' dx summed (:func:`_accumulated_suspects`)
+    if len(sums) == 1 and not sums & done and len(v.expr.terms) == 1 and _saved_copies(ev, v.expr)[1]:
+        return "term"  # a dx's summed term whose rstd a backward alone cannot read (:func:`_two_copies`)
     # a norm's dx scales by a saved statistic and has a term x * sum(product) with the
     # product of degree >= 2 (dy*g*x): (log-)softmax's backward has no statistic or sums
     # the gradient alone, normalizing by a plain sum (MoE routing weights) has no x there
