@@ -58,7 +58,7 @@ def interleaved(x, w):
     (halves_along_minus_2, (2, 3), "along axis 1"),
     (scaled_inside, (2, 3), "constant, a sign"),
     (negated_up, (2, 3), "constant, a sign"),
-    (interleaved, (2, 3), "not the second half"),
+    (interleaved, (2, 3), "interleave element by element"),
 ], ids=lambda v: getattr(v, "__name__", None))
 def test_swiglu_like_site_the_rules_cannot_read_is_one_recorded_miss(form, lead, reason):
     _one_miss_each(check(form, _inputs(torch.float32, lead=lead)), reason)

@@ -51,7 +51,7 @@ from .rule import Form, FusionRule, RoundReport, SiteProbe
 from .swiglu_halves import (DECOMPOSED_SILU_TARGETS, dead_region, decomposed_silu_misses, glu_problem,
                             is_product_value, is_silu, numel, order_problem, outermost_cast, piece_of,
                             precision_problem, scaled_from, scaled_users, swiglu_evaluator, through_casts,
-                            unread_glu_problem)
+                            unread_glu_problem, view_leaf_evaluator)
 
 
 @dataclasses.dataclass
@@ -96,7 +96,8 @@ def _gated_products(silu: fx.Node) -> List[fx.Node]:
 def _examine(ev: LaneEvaluator, silu: fx.Node, gradient) -> Tuple[List[SwigluMatch], List[Miss]]:
     gate = piece_of(ev, silu.args[0])
     if gate is None:
-        return [], []
+        over_view = view_leaf_evaluator(ev, silu.args[0])
+        return _examine(over_view, silu, gradient) if over_view is not None else ([], [])
     silu_v = ev.value(silu)
     if silu_v is None or silu_v.poly_at(0) != {((ev.leaf_id(silu), 0),): 1}:
         return [], []
@@ -115,7 +116,8 @@ def _examine(ev: LaneEvaluator, silu: fx.Node, gradient) -> Tuple[List[SwigluMat
             v = ev.value(product)
             if v is None or not is_product_value(v, (ev.leaf_id(silu), 0), gate.lid, gate.size, gate.size):
                 problem = f"{product.name} is not silu(gate) * up position by position"
-        problem = problem or order_problem([product], {gate.x}, [(numel(product), numel(gate.x) // 2)])
+        problem = problem or order_problem([product], {gate.x}, [(numel(product), numel(gate.x) // 2)],
+                                           shape(gate.x)[:-1])
         if problem is not None:
             misses.append(Miss(OP.name, y.name, problem))
         else:
@@ -151,7 +153,8 @@ def _pairing_problem(match: SwigluMatch, path, gradient, provenance=None) -> Opt
             if saved_by_the_forward(provenance, user):
                 return (f"the forward saves {node.name} for its backward (a training forward after the partition): "
                         f"the fused op would compute it again beside it; SwiGLU fuses on the joint graph")
-            if user not in path and gradient is not None and user in gradient and user.target not in fused:
+            if user not in path and gradient is not None and user in gradient and user.target not in fused and \
+                    user.op != "output":  # the joint graph's outputs (a half the model returns) are no backward
                 return (f"{user.name}, a decomposed backward, reads {node.name}: the forward fuses once its backward "
                         f"is a fused swiglu_grad (option swiglu)")
     return None
@@ -163,7 +166,7 @@ def emit(ctx: RuleContext, match: SwigluMatch):
     graph = ctx.graph
     gradient = gradient_dependent(graph)
     path = _region(match.y, match.x)
-    ev = swiglu_evaluator()
+    ev = swiglu_evaluator((match.x,))
     ev.value(match.y)
     # the verdict its backward was given first (the site's), then its own roundings, then its pairing
     problem = ctx.context.judgements.binding(site_key(GRAD_OP.option, match.x)) or \

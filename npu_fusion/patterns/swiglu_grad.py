@@ -28,16 +28,18 @@ import torch.fx as fx
 
 from ..lowering.ops.swiglu_grad import OP
 from ..lowering.ops.swiglu import OP as FORWARD_OP, swiglu_target_problem
-from ..lowering.sizes import same_shape
+from ..lowering.sizes import same_shape, static_int
 from .evaluator import JointProvenance
 from .lanes import LaneEvaluator
 from .nodes import aten, calls_to, dtype, gradient_dependent, is_float_cast, last_of, shape, val
 from .pairing import backwards_of_forward_misses, site_key
-from .rewrite import Insertion, Miss, RuleContext, commit, emit_fused_op, exact_common_dtype
+from .rewrite import (Insertion, Miss, RuleContext, commit, emit_fused_op, exact_common_dtype, in_layout_of,
+                      replacement_of)
 from .rule import Form, FusionRule, RoundReport, SiteProbe
 from .swiglu_halves import (Piece, dead_region, decomposed_silu_misses, decomposed_silu_operand, glu_problem,
                             is_silu, numel, order_problem, piece_of, precision_problem, run_monomials,
-                            swiglu_evaluator, through_casts, unread_glu_problem)
+                            swiglu_evaluator, through_casts, unread_glu_problem,
+                            view_leaf_evaluator)
 
 
 #: how far below the silu_backward node dx may lie (cat, slice_backward and add, casts, a view)
@@ -47,8 +49,12 @@ DX_DEPTH = 6
 class GradMatch:
     """A backward site: ``dx_node`` is the gradient of x (``x``), ``dy`` the incoming gradient."""
 
-    def __init__(self, dx_node: fx.Node, dy: fx.Node, x: fx.Node, silu_backward: fx.Node):
+    def __init__(self, dx_node: fx.Node, dy: fx.Node, x: fx.Node, silu_backward: fx.Node, halves=None):
         self.dx_node, self.dy, self.x, self.silu_backward = dx_node, dy, x, silu_backward
+        #: ``(d_gate, d_up)`` where autograd adds another gradient to a half before joining them (the
+        #: gate or the up has other users): the two halves' gradients, each replaced by its half of
+        #: the fused dx; None where ``dx_node`` holds the whole dx
+        self.halves: Optional[Tuple[fx.Node, fx.Node]] = halves
 
     @property
     def dx(self) -> fx.Node:
@@ -175,7 +181,8 @@ def _examine(ev: LaneEvaluator, sb: fx.Node):
     grad, inp = sb.args[:2]
     gate = piece_of(ev, inp)
     if gate is None:
-        return None
+        over_view = view_leaf_evaluator(ev, inp)
+        return _examine(over_view, sb) if over_view is not None else None
     found = _up_and_dy(ev, grad, gate)
     if found is None:
         return None  # dy * up of another projection (Llama's MLP): no candidate
@@ -193,17 +200,50 @@ def _examine(ev: LaneEvaluator, sb: fx.Node):
     sb_lid = next(iter(sb_value.poly_at(0)))[0][0]
     dx = next((n for n in _downstream(sb, DX_DEPTH) if _is_dx(ev, n, sb_lid, dy, gate)), None)
     if dx is None:
-        return Miss(OP.name, sb.name, f"no node holds the gradient of {gate.x.name} alone (summed with another "
-                                      f"gradient of it, or its halves never joined): the fused op writes one dx")
-    while len(dx.users) == 1 and is_float_cast(next(iter(dx.users))):
-        dx = next(iter(dx.users))
-    return GradMatch(dx, dy_node, gate.x, sb)
+        d_up = next((n for n in _downstream(dy_node, UP_DEPTH) if _is_up_gradient(ev, n, dy, gate)), None)
+        if d_up is None:
+            return Miss(OP.name, sb.name, f"no node holds the gradient of {gate.x.name} alone, nor dy * silu(gate), "
+                                          f"the up's: the fused op writes one dx, whose halves are these")
+        # another gradient of the gate or the up is added to its half before the halves join: the halves
+        # of the fused dx replace the two gradients the product contributes, and the sums stay as they are
+        return GradMatch(_outermost_cast(sb), dy_node, gate.x, sb, (_outermost_cast(sb), _outermost_cast(d_up)))
+    return GradMatch(_outermost_cast(dx), dy_node, gate.x, sb)
+
+
+#: how far below dy the up's gradient ``dy * silu(gate)`` may lie (a cast of dy, the product, its cast)
+UP_DEPTH = 3
+
+
+def _outermost_cast(node: fx.Node) -> fx.Node:
+    """``node`` past the float casts that are its only users (where the program keeps its value)."""
+    while len(node.users) == 1 and is_float_cast(next(iter(node.users))):
+        node = next(iter(node.users))
+    return node
+
+
+def _is_up_gradient(ev: LaneEvaluator, node: fx.Node, dy: Tuple[int, int], gate: Piece) -> bool:
+    """Whether ``node`` holds ``dy[i] * silu(gate)[i]`` position by position (the up's gradient)."""
+    factors = _factors(ev, node)
+    if factors is None or len(factors) != gate.size:
+        return False
+    silus = set()
+    for i, mono in enumerate(factors):
+        others = [u for u in mono if u != (dy[0], dy[1] + i)]
+        if len(others) != 1 or others[0][1] != i:
+            return False
+        silus.add(others[0][0])
+    if len(silus) != 1:
+        return False
+    silu = ev.leaves[silus.pop()]
+    return is_silu(silu) and piece_of(ev, silu.args[0]) == gate
 
 
 def _order_problem(match: GradMatch) -> Optional[str]:
     """Why the backward's nodes may move elements across the leading axes, or None."""
-    return order_problem([match.dx_node], {match.x, match.dy},
-                         [(numel(match.dx_node), numel(match.x)), (2 * numel(match.dy), numel(match.x))])
+    outputs = list(match.halves or [match.dx_node])
+    return order_problem(outputs, {match.x, match.dy},
+                         [(len(outputs) * numel(o), numel(match.x)) for o in outputs] +
+                         [(2 * numel(match.dy), numel(match.x))], shape(match.x)[:-1])
 
 
 def _split_source(provenance, node) -> Optional[fx.Node]:
@@ -283,13 +323,16 @@ def find_sites(graph: fx.Graph, ctx: RuleContext) -> RoundReport:
 def emit(ctx: RuleContext, match: GradMatch):
     """One backward site rewritten into ``swiglu_grad(dy, x, -1)`` (a :class:`Site`), or a :class:`Miss`."""
     graph, x, dy, dx = ctx.graph, match.x, match.dy, match.dx_node
-    ev = swiglu_evaluator()
-    ev.value(dx)
+    ev = swiglu_evaluator((x,))
+    outputs = dict(zip(("dx_gate", "dx_up"), match.halves)) if match.halves else {"dx": dx}
+    for output in outputs.values():
+        ev.value(output)
     problem = _order_problem(match)
     compute = exact_common_dtype([dtype(dy), dtype(x)])
     silus = [n for n in ev.leaves if is_silu(n)]
-    problem = problem or precision_problem(ev, dx, "dx", [dy, x], [match.silu_backward, *silus]) or \
-        swiglu_target_problem(ctx.target, OP.ge_op, tuple(shape(x)))
+    for name, output in outputs.items():
+        problem = problem or precision_problem(ev, output, name, [dy, x], [match.silu_backward, *silus])
+    problem = problem or swiglu_target_problem(ctx.target, OP.ge_op, tuple(shape(x)))
     lead = list(shape(dy)[:-1])
     if problem is None and not same_shape(shape(x)[:-1], lead) and not val(x).is_contiguous():
         problem = f"{x.name} is not contiguous: it cannot be viewed in dy's leading shape {lead}"
@@ -301,11 +344,15 @@ def emit(ctx: RuleContext, match: GradMatch):
         x_in = x if same_shape(shape(x)[:-1], lead) else \
             ctx.edit.call(aten.view.default, (x, lead + [shape(x)[-1]]))
         operands = (ctx.edit.cast(dy, compute), ctx.edit.cast(x_in, compute), -1)
-        emitted = emit_fused_op(ctx, OP, dx, operands, {"dx": dx})
+        emitted = emit_fused_op(ctx, OP, dx, operands, {} if match.halves else {"dx": dx})
         if isinstance(emitted, Miss):
             return emitted
         fused, replacements = emitted
-    return commit(ctx.edit, OP.name, None, dead_region([dx], {x, dy}), {"dx": dx}, replacements,
+        for i, half in enumerate(match.halves or ()):  # each half of the fused dx where the program keeps it
+            h = static_int(shape(x)[-1]) // 2
+            piece = ctx.edit.call(aten.slice.Tensor, (fused, -1, i * h, (i + 1) * h))
+            replacements[half] = in_layout_of(ctx.edit, replacement_of(ctx.edit, piece, half), half)
+    return commit(ctx.edit, OP.name, None, dead_region(list(outputs.values()), {x, dy}), outputs, replacements,
                   {"dy": dy, "x": x}, inserted.nodes(), fused)
 
 
