@@ -389,8 +389,13 @@ def up_returned_upcast(x, w):
     return (F.silu(gate.float()) * up.float()).to(x.dtype), up
 
 
+def gate_squared(x, w):  # the gate's other gradient is a backward of its own that reads the gate
+    gate, up = (x @ w).chunk(2, dim=-1)
+    return F.silu(gate) * up + gate * gate
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-@pytest.mark.parametrize("form", [gate_reused, up_reused, gate_returned, up_returned_upcast],
+@pytest.mark.parametrize("form", [gate_reused, up_reused, gate_returned, up_returned_upcast, gate_squared],
                          ids=lambda f: f.__name__)
 def test_halves_with_other_users_fuse_both_ways(form, dtype):
     """The gate or the up read besides the product (returned, added): autograd adds their other
@@ -407,3 +412,18 @@ def test_halves_with_other_users_fuse_both_ways(form, dtype):
         eager, exact = form(*inputs), float64_output(form, inputs)
     for g, e, x in zip(*(o if isinstance(o, tuple) else (o,) for o in (got, eager, exact))):
         assert_close_as_unfused(g, e, x, factor=MODEL_FACTOR)
+
+
+def rounded_inside_gate_reused(x, w):  # a float32 program rounding the gate to bf16 inside the site
+    gate, up = (x @ w).chunk(2, dim=-1)
+    return F.silu(gate.to(torch.bfloat16).float()) * up + gate
+
+
+def test_halves_with_other_users_keep_the_near_misses_of_the_site():
+    """A site whose halves have other users is judged as any other: silu reading a copy of the gate
+    rounded to bf16 in a float32 program stays unfused both ways, one miss each saying so."""
+    capture = check(rounded_inside_gate_reused, _inputs(torch.float32))
+    assert (_fused(capture, FORWARD), _fused(capture, BACKWARD)) == (0, 0)
+    for op in (FORWARD, BACKWARD):
+        (miss,) = _misses(capture, op)
+        assert "rounded to torch.bfloat16" in miss.reason, miss.reason

@@ -143,18 +143,23 @@ def find_sites(graph: fx.Graph, ctx: RuleContext) -> RoundReport:
     return report
 
 
-def _pairing_problem(match: SwigluMatch, path, gradient, provenance=None) -> Optional[str]:
-    """Why the forward waits: a decomposed backward still reads one of its intermediates."""
+def _pairing_problem(match: SwigluMatch, path, gradient, provenance=None, backward_fused=False) -> Optional[str]:
+    """Why the forward waits: a decomposed backward still reads one of its intermediates.
+
+    Once its own backward is fused (``backward_fused``), a backward that reads a half is another
+    user's (``gate * gate``'s), which reads the half the split still computes: only a backward that
+    reads silu keeps the forward waiting."""
     fused = {op.overload for op in FUSED_OPS}
     for node in path:
         if through_casts(node) is match.product:  # y: the program's later readers read the fused y
             continue
+        others_only = backward_fused and not _reads_silu(node, match.silu)
         for user in node.users:
             if saved_by_the_forward(provenance, user):
                 return (f"the forward saves {node.name} for its backward (a training forward after the partition): "
                         f"the fused op would compute it again beside it; SwiGLU fuses on the joint graph")
             if user not in path and gradient is not None and user in gradient and user.target not in fused and \
-                    user.op != "output":  # the joint graph's outputs (a half the model returns) are no backward
+                    user.op != "output" and not others_only:  # the joint graph's outputs are no backward
                 return (f"{user.name}, a decomposed backward, reads {node.name}: the forward fuses once its backward "
                         f"is a fused swiglu_grad (option swiglu)")
     return None
@@ -169,9 +174,10 @@ def emit(ctx: RuleContext, match: SwigluMatch):
     ev = swiglu_evaluator((match.x,))
     ev.value(match.y)
     # the verdict its backward was given first (the site's), then its own roundings, then its pairing
-    problem = ctx.context.judgements.binding(site_key(GRAD_OP.option, match.x)) or \
+    key = site_key(GRAD_OP.option, match.x)
+    problem = ctx.context.judgements.binding(key) or \
         precision_problem(ev, match.y, "y", [match.x, match.x], [match.silu]) or \
-        _pairing_problem(match, path, gradient, ctx.provenance)
+        _pairing_problem(match, path, gradient, ctx.provenance, ctx.context.judgements.accepted(key))
     problem = problem or swiglu_target_problem(ctx.target, OP.ge_op, tuple(shape(match.x)))
     if problem is not None:
         return Miss(OP.name, match.y.name, problem)
@@ -221,6 +227,9 @@ class SwigluForwardRule(FusionRule):
         ("forward on the joint graph, after its fused backward: `silu(gate) * up` of the two halves of one "
          "projection (`chunk`, `split`, slices), the product in the halves' dtype or upcast and cast back",
          "Phi-3, GLM-4 (`gate_up_proj`), Megatron fc1 with gated linear units"),
+        ("forward of the viewed projections and of halves read besides the product (the backward rule's "
+         "forms): `swiglu` over the projection or the view whose halves they are; a half the model returns stays",
+         "MLPs that view gate_up_proj's output, or return or reuse its halves"),
     ))
 
     def find(self, graph: fx.Graph, ctx: RuleContext) -> RoundReport:

@@ -385,6 +385,12 @@ class SwigluGradRule(FusionRule):
         ("`silu(gate) * up` of the two halves of one projection: `chunk(2, -1)`, `split`, slices, "
          "upcast to float32 and cast back; dx joined by `cat` or by `slice_backward` and `add`",
          "Phi-3, GLM-4 (`gate_up_proj`), Megatron fc1 with gated linear units"),
+        ("the projection viewed before its halves: `view(..., 2, I).unbind(-2)` or its selects (the halves of "
+         "the projection), `view(..., N, 2 * I).chunk(2, -1)` (the halves of the view, which the fused op reads)",
+         "MLPs that view gate_up_proj's output per half or per head"),
+        ("the gate or the up read besides the product (returned, added): the fused dx's halves replace the "
+         "product's gradients of the halves, autograd's sums with the other gradients stay",
+         "a gate_up_proj whose halves the model also returns or reuses"),
     ))
 
     def find(self, graph: fx.Graph, ctx: RuleContext) -> RoundReport:
