@@ -314,6 +314,11 @@ def selected(x, w):
     return F.silu(h[..., 0, :]) * h[..., 1, :]
 
 
+def chunked_across(x, w):  # chunk(2, -2) of [..., 2, H]: halves [..., 1, H], swiglu(x, -1) viewed so
+    gate, up = (x @ w).view(*x.shape[:-1], 2, H).chunk(2, dim=-2)
+    return F.silu(gate) * up
+
+
 def per_head(x, w):  # each of 2 heads has its own halves: swiglu over the view [..., 2, H] (halves H/2 wide)
     gate, up = (x @ w).view(*x.shape[:-1], 2, H).chunk(2, dim=-1)
     return F.silu(gate) * up
@@ -338,8 +343,9 @@ def _inference_fused(form, inputs):
     return result.fused(FORWARD), result.misses
 
 
-@pytest.mark.parametrize("form, lead", [(unbound, (2, 3)), (selected, (2, 3)), (per_head, (2, 3)),
-                                        (chunked, (2, 3, 2))], ids=["unbound", "selected", "per_head", "x_4d"])
+@pytest.mark.parametrize("form, lead", [(unbound, (2, 3)), (selected, (2, 3)), (chunked_across, (2, 3)),
+                                        (per_head, (2, 3)), (chunked, (2, 3, 2))],
+                         ids=["unbound", "selected", "chunked_across", "per_head", "x_4d"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_projection_viewed_before_its_halves_fuses_both_ways(form, lead, dtype):
     """A view of the projection whose halves are the fused op's over the projection (``unbind(-2)`` of

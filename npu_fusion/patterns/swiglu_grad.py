@@ -22,6 +22,7 @@ up of two projections read two leaves: no candidate. The rounding rules are the 
 """
 from __future__ import annotations
 
+import math
 from typing import List, Optional, Tuple
 
 import torch.fx as fx
@@ -65,7 +66,7 @@ class GradMatch:
 def _factors(ev: LaneEvaluator, node) -> Optional[List[Tuple[Tuple[int, int], Tuple[int, int]]]]:
     """Each position of ``node`` as one product of two leaf elements (coefficient 1), or None."""
     v = ev.value(node) if isinstance(node, fx.Node) else None
-    if v is None or v.reduction is not None or v.complex or len(v.inner) != 1:
+    if v is None or v.reduction is not None or v.complex or not v.inner:
         return None
     out = []
     for poly in v.polys:
@@ -81,11 +82,11 @@ def _factors(ev: LaneEvaluator, node) -> Optional[List[Tuple[Tuple[int, int], Tu
 def _up_and_dy(ev: LaneEvaluator, grad: fx.Node, gate: Piece) -> Optional[Tuple[Piece, Tuple[int, int]]]:
     """The up (a piece of the gate's x) and dy (leaf id, start) of ``grad = dy * up``, or None."""
     v = ev.value(grad) if isinstance(grad, fx.Node) else None
-    if v is None or v.reduction is not None or v.complex or len(v.inner) != 1:
+    if v is None or v.reduction is not None or v.complex or not v.inner:
         return None
     runs = run_monomials(v)
     if runs is not None:  # once a run: position i reads (up leaf, i + o) * (dy leaf, i + o'), the same o, o' in all
-        if v.inner[0] != gate.size:
+        if math.prod(v.inner) != gate.size:
             return None
         pairs = set()
         for _, _, mono in runs:
@@ -115,7 +116,7 @@ def _is_dx(ev: LaneEvaluator, node: fx.Node, sb_lid: int, dy: Tuple[int, int], g
     """Whether ``node`` holds ``cat(silu_backward, dy * silu(gate))`` position by position."""
     v = ev.value(node)
     h = gate.size
-    if v is None or v.reduction is not None or v.complex or len(v.inner) != 1 or v.inner[0] != 2 * h:
+    if v is None or v.reduction is not None or v.complex or not v.inner or math.prod(v.inner) != 2 * h:
         return False
     silu_lids = _dx_silu_leaves(v, sb_lid, dy, h)
     if silu_lids is None or len(silu_lids) != 1:
@@ -192,7 +193,7 @@ def _examine(ev: LaneEvaluator, sb: fx.Node):
         return Miss(OP.name, sb.name, problem)
     dy_node = ev.leaves[dy[0]]
     dy_value = ev.value(dy_node)
-    if dy[1] != 0 or dy_value is None or dy_value.inner != (gate.size,):
+    if dy[1] != 0 or dy_value is None or math.prod(dy_value.inner) != gate.size:
         return Miss(OP.name, sb.name, f"dy ({dy_node.name}) is a piece of a wider value: the fused op reads dy whole")
     sb_value = ev.value(sb)
     if sb_value is None:

@@ -10,6 +10,7 @@ SiLU spelled ``x * sigmoid(x)``, so that no such site is silent.
 from __future__ import annotations
 
 import dataclasses
+import math
 import operator
 from typing import List, Optional, Tuple
 
@@ -77,11 +78,11 @@ class Piece:
 
 
 def piece_of(ev: LaneEvaluator, node) -> Optional[Piece]:
-    """``node``'s value as a contiguous piece of one leaf's last axis, or None."""
+    """``node``'s value as a contiguous piece of one leaf's last axis (its tracked positions in order), or None."""
     if not isinstance(node, fx.Node):
         return None
-    v = ev.value(node)
-    if v is None or v.reduction is not None or v.complex or len(v.inner) != 1 or not v.inner[0]:
+    v = ev.value(node)  # over every tracked axis: [..., 1, H] of a chunk(2, -2) of [..., 2, H] is a piece too
+    if v is None or v.reduction is not None or v.complex or not v.inner or not math.prod(v.inner):
         return None
     runs = run_monomials(v)
     if runs is not None:  # position i of a run reads (leaf, i + offset): one leaf, one offset for all of them
@@ -89,7 +90,7 @@ def piece_of(ev: LaneEvaluator, node) -> Optional[Piece]:
         if len(variables) != 1 or len(next(iter(variables))) != 1:
             return None
         (lid, start), = variables.pop()
-        return _piece(ev, lid, start, v.inner[0])
+        return _piece(ev, lid, start, math.prod(v.inner))
     vars_ = []
     for poly in v.polys:
         if len(poly) != 1:
