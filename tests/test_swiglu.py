@@ -334,6 +334,11 @@ def halves_across_leading(x, w):  # [B, S, 2H] viewed [B, 2, S, H]: each "half" 
     return F.silu(gate) * up
 
 
+def halves_moved_first(x, w):  # [..., 2, H] permuted so the halves' axis leads: no permutation is followed
+    gate, up = (x @ w).view(*x.shape[:-1], 2, H).permute(2, 0, 1, 3)
+    return F.silu(gate) * up
+
+
 def _inference_fused(form, inputs):
     capture = Capture(**ON)
     torch._dynamo.reset()
@@ -359,11 +364,12 @@ def test_projection_viewed_before_its_halves_fuses_both_ways(form, lead, dtype):
 
 
 @pytest.mark.parametrize("form, reason", [(interleaved_view, "interleave element by element"),
-                                          (halves_across_leading, "along axis 1")],
-                         ids=["interleaved_view", "across_leading"])
+                                          (halves_across_leading, "along axis 1"),
+                                          (halves_moved_first, "moved there from axis 2")],
+                         ids=["interleaved_view", "across_leading", "moved_first"])
 def test_view_whose_halves_are_not_the_fused_ops_is_one_miss_each_way(form, reason):
-    """Halves that interleave along x's last axis, or that a view cuts across the leading axes: another
-    layout than two blocks of x's last axis (or of a view of it), one recorded miss each way."""
+    """Halves that interleave along x's last axis, that a view cuts across the leading axes, or whose axis
+    a permutation moves among the leading ones: not two blocks the rules read, one recorded miss each way."""
     capture = check(form, _inputs(torch.float32))
     assert (_fused(capture, FORWARD), _fused(capture, BACKWARD)) == (0, 0)
     for op in (FORWARD, BACKWARD):

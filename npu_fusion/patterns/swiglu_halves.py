@@ -388,6 +388,12 @@ def unread_glu_problem(ev: LaneEvaluator, gate_input, gated) -> Optional[str]:
                 f"({transforms[0].target}) changes a piece between the split and the product: the fused op computes "
                 f"silu(x[:H]) * x[H:] of the halves as they are")
     rank = len(shape(source))
+    if axis != rank - 1 and source.target in (aten.permute.default, aten.transpose.int):
+        moved_from = axis_order(source.target, source.args[1:], rank)[axis]
+        return (f"silu gates a piece of {source.name} split along axis {axis} of {rank}, which {source.name} "
+                f"({source.target}) moved there from axis {moved_from} of {source.args[0].name}: the rules read the "
+                f"halves over the axes after the leading ones and follow no permutation that moves one of those "
+                f"among the leading axes (split {source.args[0].name} itself, swiglu(x, -1) reads its halves)")
     if axis != rank - 1:
         return (f"silu gates a piece of {source.name} split along axis {axis} of {rank}, and the other piece is "
                 f"the up: the rules find the two halves along the last axis only (swiglu(x, -1))")
