@@ -20,9 +20,10 @@ two leaves and are no site at all (concatenating the two weights is a change of 
 pass does not make). Casts are identities of the domain; :func:`~.evaluator.rounding_problem`
 refuses a site that rounds inside more coarsely than it keeps y, and the fused op's result,
 in x's dtype, must hold the precision y is kept at (a float32 product of bf16 halves kept in
-float32 is refused). Only views, splits, slices and casts may lie between x and the product (no
-permutation or broadcast of the leading axes), so the fused op's output is y's elements in y's
-order.
+float32 is refused). Only views, splits, slices and casts may lie between x and the product, and
+selects, joins and permutations of the axes after x's leading ones (``view(..., 2, H).unbind(-2)``),
+never a permutation or broadcast of the leading axes, so the fused op's output is y's elements in
+y's order. The gate of a view of x split along its last axis makes the view x (``swiglu(view, -1)``).
 
 Pairing: the rule runs after the backward rule (:mod:`.swiglu_grad`) in each round; a forward
 whose ``silu`` or halves a decomposed backward still reads stays as it is this round (a miss,

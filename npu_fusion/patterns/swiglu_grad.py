@@ -15,9 +15,13 @@ backward rules share): a candidate is a ``silu_backward`` node (a leaf of the do
 is a piece of a leaf x and whose incoming gradient is ``dy[i] * x[j(i)]`` of the same x. It is a
 site when the input is x's first half, ``j(i) = H + i`` (x's second half, the up) and some node
 downstream (dx) holds, position by position, the ``silu_backward`` lanes in its first half and
-``dy[i] * silu(x[:H])[i]`` in its second; a candidate whose pieces are not the two halves in order,
-or whose dx is not one value (summed with another gradient of x), is a near miss. A gate and an
-up of two projections read two leaves: no candidate. The rounding rules are the forward's
+``dy[i] * silu(x[:H])[i]`` in its second. Where no node holds that dx (the gate or the up has other
+users, whose gradients autograd adds to the half before the halves join), the site is the two
+halves' gradients, ``silu_backward`` and a node holding ``dy[i] * silu(x[:H])[i]``: each is replaced
+by its half of the fused dx and the sums stay. A candidate whose pieces are not the two halves in
+order is a near miss. A gate and an up of two projections read two leaves: no candidate. Where
+the gate is no piece of the projection but of a view of it split along its last axis
+(``view(..., N, 2 * I).chunk(2, -1)``), that view is x (:func:`~.swiglu_halves.view_leaf_evaluator`). The rounding rules are the forward's
 (:func:`~.swiglu_halves.precision_problem`); the fused op runs in the narrowest dtype that holds dy and x.
 """
 from __future__ import annotations
