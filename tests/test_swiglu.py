@@ -300,3 +300,142 @@ def test_runs_of_positions_change_no_decision(form, width, monkeypatch):
     with_runs = decided(True)
     assert with_runs == decided(False)
     assert with_runs[0] or with_runs[1]  # each form is a site or a recorded near miss
+
+
+# -- a projection viewed with more axes before its halves ------------------------------------
+
+def unbound(x, w):  # the halves on an axis of their own: view(B, S, 2, H).unbind(-2) is chunk(2, -1)
+    gate, up = (x @ w).view(*x.shape[:-1], 2, H).unbind(-2)
+    return F.silu(gate) * up
+
+
+def selected(x, w):
+    h = (x @ w).view(*x.shape[:-1], 2, H)
+    return F.silu(h[..., 0, :]) * h[..., 1, :]
+
+
+def chunked_across(x, w):  # chunk(2, -2) of [..., 2, H]: halves [..., 1, H], swiglu(x, -1) viewed so
+    gate, up = (x @ w).view(*x.shape[:-1], 2, H).chunk(2, dim=-2)
+    return F.silu(gate) * up
+
+
+def per_head(x, w):  # each of 2 heads has its own halves: swiglu over the view [..., 2, H] (halves H/2 wide)
+    gate, up = (x @ w).view(*x.shape[:-1], 2, H).chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def interleaved_view(x, w):  # gate x[..., 0::2], up x[..., 1::2]: halves one element wide
+    gate, up = (x @ w).view(*x.shape[:-1], H, 2).unbind(-1)
+    return F.silu(gate) * up
+
+
+def halves_across_leading(x, w):  # [B, S, 2H] viewed [B, 2, S, H]: each "half" mixes gate and up rows
+    gate, up = (x @ w).view(x.shape[0], 2, x.shape[1], H).unbind(1)
+    return F.silu(gate) * up
+
+
+def halves_moved_first(x, w):  # [..., 2, H] permuted so the halves' axis leads: no permutation is followed
+    gate, up = (x @ w).view(*x.shape[:-1], 2, H).permute(2, 0, 1, 3)
+    return F.silu(gate) * up
+
+
+def _inference_fused(form, inputs):
+    capture = Capture(**ON)
+    torch._dynamo.reset()
+    with torch.no_grad():
+        torch.compile(form, backend=capture)(*[t.detach() for t in inputs])
+    (result,) = capture.results
+    return result.fused(FORWARD), result.misses
+
+
+@pytest.mark.parametrize("form, lead", [(unbound, (2, 3)), (selected, (2, 3)), (chunked_across, (2, 3)),
+                                        (per_head, (2, 3)), (chunked, (2, 3, 2))],
+                         ids=["unbound", "selected", "chunked_across", "per_head", "x_4d"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_projection_viewed_before_its_halves_fuses_both_ways(form, lead, dtype):
+    """A view of the projection whose halves are the fused op's over the projection (``unbind(-2)`` of
+    ``[..., 2, H]``) or over the view (``chunk(2, -1)`` of ``[..., N, 2I]``): fused both ways, outputs and
+    gradients by the float64 criterion, and the inference graph's forward too."""
+    inputs = _inputs(dtype, lead=lead)
+    capture = check(form, inputs)
+    assert (_fused(capture, FORWARD), _fused(capture, BACKWARD)) == (1, 1), _joint(capture).misses
+    assert not _joint(capture).misses
+    assert _inference_fused(form, inputs) == (1, [])
+
+
+@pytest.mark.parametrize("form, reason", [(interleaved_view, "interleave element by element"),
+                                          (halves_across_leading, "along axis 1"),
+                                          (halves_moved_first, "moved there from axis 2")],
+                         ids=["interleaved_view", "across_leading", "moved_first"])
+def test_view_whose_halves_are_not_the_fused_ops_is_one_miss_each_way(form, reason):
+    """Halves that interleave along x's last axis, that a view cuts across the leading axes, or whose axis
+    a permutation moves among the leading ones: not two blocks the rules read, one recorded miss each way."""
+    capture = check(form, _inputs(torch.float32))
+    assert (_fused(capture, FORWARD), _fused(capture, BACKWARD)) == (0, 0)
+    for op in (FORWARD, BACKWARD):
+        (miss,) = _misses(capture, op)
+        assert reason in miss.reason, miss.reason
+    fused, (miss,) = _inference_fused(form, _inputs(torch.float32))
+    assert fused == 0 and reason in miss.reason
+
+
+# -- the halves read elsewhere: their other gradients are added to the fused dx's halves ----------
+
+def gate_reused(x, w):
+    gate, up = (x @ w).chunk(2, dim=-1)
+    return F.silu(gate) * up + gate
+
+
+def up_reused(x, w):
+    gate, up = (x @ w).chunk(2, dim=-1)
+    return F.silu(gate) * up + up.sum(-1, keepdim=True)
+
+
+def gate_returned(x, w):
+    gate, up = (x @ w).chunk(2, dim=-1)
+    return F.silu(gate) * up, gate
+
+
+def up_returned_upcast(x, w):
+    gate, up = (x @ w).chunk(2, dim=-1)
+    return (F.silu(gate.float()) * up.float()).to(x.dtype), up
+
+
+def gate_squared(x, w):  # the gate's other gradient is a backward of its own that reads the gate
+    gate, up = (x @ w).chunk(2, dim=-1)
+    return F.silu(gate) * up + gate * gate
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("form", [gate_reused, up_reused, gate_returned, up_returned_upcast, gate_squared],
+                         ids=lambda f: f.__name__)
+def test_halves_with_other_users_fuse_both_ways(form, dtype):
+    """The gate or the up read besides the product (returned, added): autograd adds their other
+    gradients to the halves' before joining them; the fused dx's halves replace the product's two,
+    the sums stay. Fused both ways, outputs and every gradient by the float64 criterion."""
+    from npu_fusion_testing.capture import compile_and_compare
+
+    inputs = _inputs(dtype)
+    capture = compile_and_compare(form, inputs, **ON)
+    (result,) = capture.results
+    assert sorted(s.op for s in result.sites) == [FORWARD, BACKWARD] and not result.misses, result.misses
+    with torch.no_grad():
+        got = torch.compile(form, backend=Capture(**ON))(*inputs)
+        eager, exact = form(*inputs), float64_output(form, inputs)
+    for g, e, x in zip(*(o if isinstance(o, tuple) else (o,) for o in (got, eager, exact))):
+        assert_close_as_unfused(g, e, x, factor=MODEL_FACTOR)
+
+
+def rounded_inside_gate_reused(x, w):  # a float32 program rounding the gate to bf16 inside the site
+    gate, up = (x @ w).chunk(2, dim=-1)
+    return F.silu(gate.to(torch.bfloat16).float()) * up + gate
+
+
+def test_halves_with_other_users_keep_the_near_misses_of_the_site():
+    """A site whose halves have other users is judged as any other: silu reading a copy of the gate
+    rounded to bf16 in a float32 program stays unfused both ways, one miss each saying so."""
+    capture = check(rounded_inside_gate_reused, _inputs(torch.float32))
+    assert (_fused(capture, FORWARD), _fused(capture, BACKWARD)) == (0, 0)
+    for op in (FORWARD, BACKWARD):
+        (miss,) = _misses(capture, op)
+        assert "rounded to torch.bfloat16" in miss.reason, miss.reason

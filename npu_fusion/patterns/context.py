@@ -60,6 +60,11 @@ class SiteJudgements:
         verdicts = set(self._verdicts.get((by, key), ()))
         return next(iter(verdicts)) if len(verdicts) == 1 else None
 
+    def accepted(self, key: Hashable, by: str = "backward") -> bool:
+        """Whether the ``by`` rule judged sites under ``key``, and found no problem with any of them."""
+        verdicts = self._verdicts.get((by, key), ())
+        return bool(verdicts) and all(v is None for v in verdicts)
+
     def defer(self, miss, keys) -> None:
         """``miss`` (a backward no form read) takes the forward rule's refusal under one of ``keys``."""
         self._deferred.append((miss, tuple(keys)))

@@ -20,9 +20,10 @@ two leaves and are no site at all (concatenating the two weights is a change of 
 pass does not make). Casts are identities of the domain; :func:`~.evaluator.rounding_problem`
 refuses a site that rounds inside more coarsely than it keeps y, and the fused op's result,
 in x's dtype, must hold the precision y is kept at (a float32 product of bf16 halves kept in
-float32 is refused). Only views, splits, slices and casts may lie between x and the product (no
-permutation or broadcast of the leading axes), so the fused op's output is y's elements in y's
-order.
+float32 is refused). Only views, splits, slices and casts may lie between x and the product, and
+selects, joins and permutations of the axes after x's leading ones (``view(..., 2, H).unbind(-2)``),
+never a permutation or broadcast of the leading axes, so the fused op's output is y's elements in
+y's order. The gate of a view of x split along its last axis makes the view x (``swiglu(view, -1)``).
 
 Pairing: the rule runs after the backward rule (:mod:`.swiglu_grad`) in each round; a forward
 whose ``silu`` or halves a decomposed backward still reads stays as it is this round (a miss,
@@ -51,7 +52,7 @@ from .rule import Form, FusionRule, RoundReport, SiteProbe
 from .swiglu_halves import (DECOMPOSED_SILU_TARGETS, dead_region, decomposed_silu_misses, glu_problem,
                             is_product_value, is_silu, numel, order_problem, outermost_cast, piece_of,
                             precision_problem, scaled_from, scaled_users, swiglu_evaluator, through_casts,
-                            unread_glu_problem)
+                            unread_glu_problem, view_leaf_evaluator)
 
 
 @dataclasses.dataclass
@@ -96,7 +97,8 @@ def _gated_products(silu: fx.Node) -> List[fx.Node]:
 def _examine(ev: LaneEvaluator, silu: fx.Node, gradient) -> Tuple[List[SwigluMatch], List[Miss]]:
     gate = piece_of(ev, silu.args[0])
     if gate is None:
-        return [], []
+        over_view = view_leaf_evaluator(ev, silu.args[0])
+        return _examine(over_view, silu, gradient) if over_view is not None else ([], [])
     silu_v = ev.value(silu)
     if silu_v is None or silu_v.poly_at(0) != {((ev.leaf_id(silu), 0),): 1}:
         return [], []
@@ -115,7 +117,8 @@ def _examine(ev: LaneEvaluator, silu: fx.Node, gradient) -> Tuple[List[SwigluMat
             v = ev.value(product)
             if v is None or not is_product_value(v, (ev.leaf_id(silu), 0), gate.lid, gate.size, gate.size):
                 problem = f"{product.name} is not silu(gate) * up position by position"
-        problem = problem or order_problem([product], {gate.x}, [(numel(product), numel(gate.x) // 2)])
+        problem = problem or order_problem([product], {gate.x}, [(numel(product), numel(gate.x) // 2)],
+                                           shape(gate.x)[:-1])
         if problem is not None:
             misses.append(Miss(OP.name, y.name, problem))
         else:
@@ -141,17 +144,23 @@ def find_sites(graph: fx.Graph, ctx: RuleContext) -> RoundReport:
     return report
 
 
-def _pairing_problem(match: SwigluMatch, path, gradient, provenance=None) -> Optional[str]:
-    """Why the forward waits: a decomposed backward still reads one of its intermediates."""
+def _pairing_problem(match: SwigluMatch, path, gradient, provenance=None, backward_fused=False) -> Optional[str]:
+    """Why the forward waits: a decomposed backward still reads one of its intermediates.
+
+    Once its own backward is fused (``backward_fused``), a backward that reads a half is another
+    user's (``gate * gate``'s), which reads the half the split still computes: only a backward that
+    reads silu keeps the forward waiting."""
     fused = {op.overload for op in FUSED_OPS}
     for node in path:
         if through_casts(node) is match.product:  # y: the program's later readers read the fused y
             continue
+        others_only = backward_fused and not _reads_silu(node, match.silu)
         for user in node.users:
             if saved_by_the_forward(provenance, user):
                 return (f"the forward saves {node.name} for its backward (a training forward after the partition): "
                         f"the fused op would compute it again beside it; SwiGLU fuses on the joint graph")
-            if user not in path and gradient is not None and user in gradient and user.target not in fused:
+            if user not in path and gradient is not None and user in gradient and user.target not in fused and \
+                    user.op != "output" and not others_only:  # the joint graph's outputs are no backward
                 return (f"{user.name}, a decomposed backward, reads {node.name}: the forward fuses once its backward "
                         f"is a fused swiglu_grad (option swiglu)")
     return None
@@ -163,12 +172,13 @@ def emit(ctx: RuleContext, match: SwigluMatch):
     graph = ctx.graph
     gradient = gradient_dependent(graph)
     path = _region(match.y, match.x)
-    ev = swiglu_evaluator()
+    ev = swiglu_evaluator((match.x,))
     ev.value(match.y)
     # the verdict its backward was given first (the site's), then its own roundings, then its pairing
-    problem = ctx.context.judgements.binding(site_key(GRAD_OP.option, match.x)) or \
+    key = site_key(GRAD_OP.option, match.x)
+    problem = ctx.context.judgements.binding(key) or \
         precision_problem(ev, match.y, "y", [match.x, match.x], [match.silu]) or \
-        _pairing_problem(match, path, gradient, ctx.provenance)
+        _pairing_problem(match, path, gradient, ctx.provenance, ctx.context.judgements.accepted(key))
     problem = problem or swiglu_target_problem(ctx.target, OP.ge_op, tuple(shape(match.x)))
     if problem is not None:
         return Miss(OP.name, match.y.name, problem)
@@ -218,6 +228,9 @@ class SwigluForwardRule(FusionRule):
         ("forward on the joint graph, after its fused backward: `silu(gate) * up` of the two halves of one "
          "projection (`chunk`, `split`, slices), the product in the halves' dtype or upcast and cast back",
          "Phi-3, GLM-4 (`gate_up_proj`), Megatron fc1 with gated linear units"),
+        ("forward of the viewed projections and of halves read besides the product (the backward rule's "
+         "forms): `swiglu` over the projection or the view whose halves they are; a half the model returns stays",
+         "MLPs that view gate_up_proj's output, or return or reuse its halves"),
     ))
 
     def find(self, graph: fx.Graph, ctx: RuleContext) -> RoundReport:

@@ -15,29 +15,36 @@ backward rules share): a candidate is a ``silu_backward`` node (a leaf of the do
 is a piece of a leaf x and whose incoming gradient is ``dy[i] * x[j(i)]`` of the same x. It is a
 site when the input is x's first half, ``j(i) = H + i`` (x's second half, the up) and some node
 downstream (dx) holds, position by position, the ``silu_backward`` lanes in its first half and
-``dy[i] * silu(x[:H])[i]`` in its second; a candidate whose pieces are not the two halves in order,
-or whose dx is not one value (summed with another gradient of x), is a near miss. A gate and an
-up of two projections read two leaves: no candidate. The rounding rules are the forward's
+``dy[i] * silu(x[:H])[i]`` in its second. Where no node holds that dx (the gate or the up has other
+users, whose gradients autograd adds to the half before the halves join), the site is the two
+halves' gradients, ``silu_backward`` and a node holding ``dy[i] * silu(x[:H])[i]``: each is replaced
+by its half of the fused dx and the sums stay. A candidate whose pieces are not the two halves in
+order is a near miss. A gate and an up of two projections read two leaves: no candidate. Where
+the gate is no piece of the projection but of a view of it split along its last axis
+(``view(..., N, 2 * I).chunk(2, -1)``), that view is x (:func:`~.swiglu_halves.view_leaf_evaluator`). The rounding rules are the forward's
 (:func:`~.swiglu_halves.precision_problem`); the fused op runs in the narrowest dtype that holds dy and x.
 """
 from __future__ import annotations
 
+import math
 from typing import List, Optional, Tuple
 
 import torch.fx as fx
 
 from ..lowering.ops.swiglu_grad import OP
 from ..lowering.ops.swiglu import OP as FORWARD_OP, swiglu_target_problem
-from ..lowering.sizes import same_shape
+from ..lowering.sizes import same_shape, static_int
 from .evaluator import JointProvenance
 from .lanes import LaneEvaluator
 from .nodes import aten, calls_to, dtype, gradient_dependent, is_float_cast, last_of, shape, val
 from .pairing import backwards_of_forward_misses, site_key
-from .rewrite import Insertion, Miss, RuleContext, commit, emit_fused_op, exact_common_dtype
+from .rewrite import (Insertion, Miss, RuleContext, commit, emit_fused_op, exact_common_dtype, in_layout_of,
+                      replacement_of)
 from .rule import Form, FusionRule, RoundReport, SiteProbe
 from .swiglu_halves import (Piece, dead_region, decomposed_silu_misses, decomposed_silu_operand, glu_problem,
                             is_silu, numel, order_problem, piece_of, precision_problem, run_monomials,
-                            swiglu_evaluator, through_casts, unread_glu_problem)
+                            swiglu_evaluator, through_casts, unread_glu_problem,
+                            view_leaf_evaluator)
 
 
 #: how far below the silu_backward node dx may lie (cat, slice_backward and add, casts, a view)
@@ -47,8 +54,12 @@ DX_DEPTH = 6
 class GradMatch:
     """A backward site: ``dx_node`` is the gradient of x (``x``), ``dy`` the incoming gradient."""
 
-    def __init__(self, dx_node: fx.Node, dy: fx.Node, x: fx.Node, silu_backward: fx.Node):
+    def __init__(self, dx_node: fx.Node, dy: fx.Node, x: fx.Node, silu_backward: fx.Node, halves=None):
         self.dx_node, self.dy, self.x, self.silu_backward = dx_node, dy, x, silu_backward
+        #: ``(d_gate, d_up)`` where autograd adds another gradient to a half before joining them (the
+        #: gate or the up has other users): the two halves' gradients, each replaced by its half of
+        #: the fused dx; None where ``dx_node`` holds the whole dx
+        self.halves: Optional[Tuple[fx.Node, fx.Node]] = halves
 
     @property
     def dx(self) -> fx.Node:
@@ -59,7 +70,7 @@ class GradMatch:
 def _factors(ev: LaneEvaluator, node) -> Optional[List[Tuple[Tuple[int, int], Tuple[int, int]]]]:
     """Each position of ``node`` as one product of two leaf elements (coefficient 1), or None."""
     v = ev.value(node) if isinstance(node, fx.Node) else None
-    if v is None or v.reduction is not None or v.complex or len(v.inner) != 1:
+    if v is None or v.reduction is not None or v.complex or not v.inner:
         return None
     out = []
     for poly in v.polys:
@@ -75,11 +86,11 @@ def _factors(ev: LaneEvaluator, node) -> Optional[List[Tuple[Tuple[int, int], Tu
 def _up_and_dy(ev: LaneEvaluator, grad: fx.Node, gate: Piece) -> Optional[Tuple[Piece, Tuple[int, int]]]:
     """The up (a piece of the gate's x) and dy (leaf id, start) of ``grad = dy * up``, or None."""
     v = ev.value(grad) if isinstance(grad, fx.Node) else None
-    if v is None or v.reduction is not None or v.complex or len(v.inner) != 1:
+    if v is None or v.reduction is not None or v.complex or not v.inner:
         return None
     runs = run_monomials(v)
     if runs is not None:  # once a run: position i reads (up leaf, i + o) * (dy leaf, i + o'), the same o, o' in all
-        if v.inner[0] != gate.size:
+        if math.prod(v.inner) != gate.size:
             return None
         pairs = set()
         for _, _, mono in runs:
@@ -109,7 +120,7 @@ def _is_dx(ev: LaneEvaluator, node: fx.Node, sb_lid: int, dy: Tuple[int, int], g
     """Whether ``node`` holds ``cat(silu_backward, dy * silu(gate))`` position by position."""
     v = ev.value(node)
     h = gate.size
-    if v is None or v.reduction is not None or v.complex or len(v.inner) != 1 or v.inner[0] != 2 * h:
+    if v is None or v.reduction is not None or v.complex or not v.inner or math.prod(v.inner) != 2 * h:
         return False
     silu_lids = _dx_silu_leaves(v, sb_lid, dy, h)
     if silu_lids is None or len(silu_lids) != 1:
@@ -175,7 +186,8 @@ def _examine(ev: LaneEvaluator, sb: fx.Node):
     grad, inp = sb.args[:2]
     gate = piece_of(ev, inp)
     if gate is None:
-        return None
+        over_view = view_leaf_evaluator(ev, inp)
+        return _examine(over_view, sb) if over_view is not None else None
     found = _up_and_dy(ev, grad, gate)
     if found is None:
         return None  # dy * up of another projection (Llama's MLP): no candidate
@@ -185,7 +197,7 @@ def _examine(ev: LaneEvaluator, sb: fx.Node):
         return Miss(OP.name, sb.name, problem)
     dy_node = ev.leaves[dy[0]]
     dy_value = ev.value(dy_node)
-    if dy[1] != 0 or dy_value is None or dy_value.inner != (gate.size,):
+    if dy[1] != 0 or dy_value is None or math.prod(dy_value.inner) != gate.size:
         return Miss(OP.name, sb.name, f"dy ({dy_node.name}) is a piece of a wider value: the fused op reads dy whole")
     sb_value = ev.value(sb)
     if sb_value is None:
@@ -193,17 +205,50 @@ def _examine(ev: LaneEvaluator, sb: fx.Node):
     sb_lid = next(iter(sb_value.poly_at(0)))[0][0]
     dx = next((n for n in _downstream(sb, DX_DEPTH) if _is_dx(ev, n, sb_lid, dy, gate)), None)
     if dx is None:
-        return Miss(OP.name, sb.name, f"no node holds the gradient of {gate.x.name} alone (summed with another "
-                                      f"gradient of it, or its halves never joined): the fused op writes one dx")
-    while len(dx.users) == 1 and is_float_cast(next(iter(dx.users))):
-        dx = next(iter(dx.users))
-    return GradMatch(dx, dy_node, gate.x, sb)
+        d_up = next((n for n in _downstream(dy_node, UP_DEPTH) if _is_up_gradient(ev, n, dy, gate)), None)
+        if d_up is None:
+            return Miss(OP.name, sb.name, f"no node holds the gradient of {gate.x.name} alone, nor dy * silu(gate), "
+                                          f"the up's: the fused op writes one dx, whose halves are these")
+        # another gradient of the gate or the up is added to its half before the halves join: the halves
+        # of the fused dx replace the two gradients the product contributes, and the sums stay as they are
+        return GradMatch(_outermost_cast(sb), dy_node, gate.x, sb, (_outermost_cast(sb), _outermost_cast(d_up)))
+    return GradMatch(_outermost_cast(dx), dy_node, gate.x, sb)
+
+
+#: how far below dy the up's gradient ``dy * silu(gate)`` may lie (a cast of dy, the product, its cast)
+UP_DEPTH = 3
+
+
+def _outermost_cast(node: fx.Node) -> fx.Node:
+    """``node`` past the float casts that are its only users (where the program keeps its value)."""
+    while len(node.users) == 1 and is_float_cast(next(iter(node.users))):
+        node = next(iter(node.users))
+    return node
+
+
+def _is_up_gradient(ev: LaneEvaluator, node: fx.Node, dy: Tuple[int, int], gate: Piece) -> bool:
+    """Whether ``node`` holds ``dy[i] * silu(gate)[i]`` position by position (the up's gradient)."""
+    factors = _factors(ev, node)
+    if factors is None or len(factors) != gate.size:
+        return False
+    silus = set()
+    for i, mono in enumerate(factors):
+        others = [u for u in mono if u != (dy[0], dy[1] + i)]
+        if len(others) != 1 or others[0][1] != i:
+            return False
+        silus.add(others[0][0])
+    if len(silus) != 1:
+        return False
+    silu = ev.leaves[silus.pop()]
+    return is_silu(silu) and piece_of(ev, silu.args[0]) == gate
 
 
 def _order_problem(match: GradMatch) -> Optional[str]:
     """Why the backward's nodes may move elements across the leading axes, or None."""
-    return order_problem([match.dx_node], {match.x, match.dy},
-                         [(numel(match.dx_node), numel(match.x)), (2 * numel(match.dy), numel(match.x))])
+    outputs = list(match.halves or [match.dx_node])
+    return order_problem(outputs, {match.x, match.dy},
+                         [(len(outputs) * numel(o), numel(match.x)) for o in outputs] +
+                         [(2 * numel(match.dy), numel(match.x))], shape(match.x)[:-1])
 
 
 def _split_source(provenance, node) -> Optional[fx.Node]:
@@ -283,13 +328,16 @@ def find_sites(graph: fx.Graph, ctx: RuleContext) -> RoundReport:
 def emit(ctx: RuleContext, match: GradMatch):
     """One backward site rewritten into ``swiglu_grad(dy, x, -1)`` (a :class:`Site`), or a :class:`Miss`."""
     graph, x, dy, dx = ctx.graph, match.x, match.dy, match.dx_node
-    ev = swiglu_evaluator()
-    ev.value(dx)
+    ev = swiglu_evaluator((x,))
+    outputs = dict(zip(("dx_gate", "dx_up"), match.halves)) if match.halves else {"dx": dx}
+    for output in outputs.values():
+        ev.value(output)
     problem = _order_problem(match)
     compute = exact_common_dtype([dtype(dy), dtype(x)])
     silus = [n for n in ev.leaves if is_silu(n)]
-    problem = problem or precision_problem(ev, dx, "dx", [dy, x], [match.silu_backward, *silus]) or \
-        swiglu_target_problem(ctx.target, OP.ge_op, tuple(shape(x)))
+    for name, output in outputs.items():
+        problem = problem or precision_problem(ev, output, name, [dy, x], [match.silu_backward, *silus])
+    problem = problem or swiglu_target_problem(ctx.target, OP.ge_op, tuple(shape(x)))
     lead = list(shape(dy)[:-1])
     if problem is None and not same_shape(shape(x)[:-1], lead) and not val(x).is_contiguous():
         problem = f"{x.name} is not contiguous: it cannot be viewed in dy's leading shape {lead}"
@@ -301,11 +349,15 @@ def emit(ctx: RuleContext, match: GradMatch):
         x_in = x if same_shape(shape(x)[:-1], lead) else \
             ctx.edit.call(aten.view.default, (x, lead + [shape(x)[-1]]))
         operands = (ctx.edit.cast(dy, compute), ctx.edit.cast(x_in, compute), -1)
-        emitted = emit_fused_op(ctx, OP, dx, operands, {"dx": dx})
+        emitted = emit_fused_op(ctx, OP, dx, operands, {} if match.halves else {"dx": dx})
         if isinstance(emitted, Miss):
             return emitted
         fused, replacements = emitted
-    return commit(ctx.edit, OP.name, None, dead_region([dx], {x, dy}), {"dx": dx}, replacements,
+        for i, half in enumerate(match.halves or ()):  # each half of the fused dx where the program keeps it
+            h = static_int(shape(x)[-1]) // 2
+            piece = ctx.edit.call(aten.slice.Tensor, (fused, -1, i * h, (i + 1) * h))
+            replacements[half] = in_layout_of(ctx.edit, replacement_of(ctx.edit, piece, half), half)
+    return commit(ctx.edit, OP.name, None, dead_region(list(outputs.values()), {x, dy}), outputs, replacements,
                   {"dy": dy, "x": x}, inserted.nodes(), fused)
 
 
@@ -338,6 +390,12 @@ class SwigluGradRule(FusionRule):
         ("`silu(gate) * up` of the two halves of one projection: `chunk(2, -1)`, `split`, slices, "
          "upcast to float32 and cast back; dx joined by `cat` or by `slice_backward` and `add`",
          "Phi-3, GLM-4 (`gate_up_proj`), Megatron fc1 with gated linear units"),
+        ("the projection viewed before its halves: `view(..., 2, I).unbind(-2)` or its selects (the halves of "
+         "the projection), `view(..., N, 2 * I).chunk(2, -1)` (the halves of the view, which the fused op reads)",
+         "MLPs that view gate_up_proj's output per half or per head"),
+        ("the gate or the up read besides the product (returned, added): the fused dx's halves replace the "
+         "product's gradients of the halves, autograd's sums with the other gradients stay",
+         "a gate_up_proj whose halves the model also returns or reuses"),
     ))
 
     def find(self, graph: fx.Graph, ctx: RuleContext) -> RoundReport:

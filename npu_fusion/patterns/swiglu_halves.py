@@ -10,6 +10,7 @@ SiLU spelled ``x * sigmoid(x)``, so that no such site is silent.
 from __future__ import annotations
 
 import dataclasses
+import math
 import operator
 from typing import List, Optional, Tuple
 
@@ -21,7 +22,7 @@ from . import lane_pieces
 from .lanes import LaneEvaluator
 from ..lowering.checks import numel as product_of, size_equal
 from ..lowering.sizes import same_shape, static_int
-from .nodes import aten, calls_to, dtype, holds, is_float_cast, shape
+from .nodes import aten, axis_order, calls_to, dtype, holds, is_float_cast, shape
 from .rewrite import Miss
 
 
@@ -34,9 +35,27 @@ REORDERING = {aten.permute.default, aten.transpose.int, aten.t.default, aten.exp
 JOINING = {aten.cat.default, aten.stack.default}
 
 
-def swiglu_evaluator() -> LaneEvaluator:
-    """The lanes domain over the whole graph: every node read as itself (silu a leaf)."""
-    return LaneEvaluator(None)
+def swiglu_evaluator(leaves=()) -> LaneEvaluator:
+    """The lanes domain over the whole graph: every node read as itself (silu a leaf), ``leaves`` read as leaves."""
+    return LaneEvaluator(None, forced_leaves=leaves)
+
+
+#: the ops that lay a value out in another shape, element for element
+VIEWS = {aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.unflatten.int}
+
+
+def view_leaf_evaluator(ev: LaneEvaluator, gate_input) -> Optional[LaneEvaluator]:
+    """An evaluator that reads as a leaf the view a gate is a piece of, split along its last axis, or None.
+
+    ``h.view(B, S, N, 2 * I).chunk(2, -1)`` of a ``[B, S, 2 * N * I]`` projection: the lanes domain
+    tracks the projection's last axis, where the gate is N pieces, no half; over the view (a leaf
+    here) the gate and the up are its two halves, and ``swiglu(view, -1)`` the same function.
+    None where ``ev`` reads that view as a leaf already, or the gate is no piece of a view's last axis."""
+    found = split_piece(gate_input)
+    if found is None or found[0] in ev.forced_leaves or found[0].target not in VIEWS or \
+            found[1] != len(shape(found[0])) - 1:
+        return None
+    return swiglu_evaluator((found[0],))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,11 +78,11 @@ class Piece:
 
 
 def piece_of(ev: LaneEvaluator, node) -> Optional[Piece]:
-    """``node``'s value as a contiguous piece of one leaf's last axis, or None."""
+    """``node``'s value as a contiguous piece of one leaf's last axis (its tracked positions in order), or None."""
     if not isinstance(node, fx.Node):
         return None
-    v = ev.value(node)
-    if v is None or v.reduction is not None or v.complex or len(v.inner) != 1 or not v.inner[0]:
+    v = ev.value(node)  # over every tracked axis: [..., 1, H] of a chunk(2, -2) of [..., 2, H] is a piece too
+    if v is None or v.reduction is not None or v.complex or not v.inner or not math.prod(v.inner):
         return None
     runs = run_monomials(v)
     if runs is not None:  # position i of a run reads (leaf, i + offset): one leaf, one offset for all of them
@@ -71,7 +90,7 @@ def piece_of(ev: LaneEvaluator, node) -> Optional[Piece]:
         if len(variables) != 1 or len(next(iter(variables))) != 1:
             return None
         (lid, start), = variables.pop()
-        return _piece(ev, lid, start, v.inner[0])
+        return _piece(ev, lid, start, math.prod(v.inner))
     vars_ = []
     for poly in v.polys:
         if len(poly) != 1:
@@ -167,13 +186,16 @@ def glu_problem(gate: Piece, up: Piece) -> Optional[str]:
     return None
 
 
-def order_problem(outputs, stops, numels) -> Optional[str]:
+def order_problem(outputs, stops, numels, lead=None) -> Optional[str]:
     """Why the nodes between ``stops`` and ``outputs`` may move elements across the leading axes, or None.
 
     Why the nodes from ``stops`` (exclusive) to ``outputs`` (their inputs, recursively) may move
     elements across the leading axes, which the lanes domain does not track, or None: a permutation,
     broadcast or selection among them, a join along another axis than the last, or, with ``numels``
-    (pairs of sizes that must be equal), a site whose outputs are not as large as the fused op's."""
+    (pairs of sizes that must be equal), a site whose outputs are not as large as the fused op's.
+    With ``lead`` (x's leading shape), a selection, join or permutation of only the axes after
+    ``lead`` (``x.view(B, S, 2, H).unbind(-2)`` and its backward's ``stack``) moves no element across
+    them: the lanes domain read it exactly."""
     for a, b in numels:
         if not size_equal(a, b):
             return f"the site's sizes ({a} and {b} elements) are not the fused op's: a broadcast inside"
@@ -187,11 +209,38 @@ def order_problem(outputs, stops, numels) -> Optional[str]:
         rank = len(shape(node)) if shape(node) is not None else 0
         joins_last = node.target in JOINING and rank and \
             (node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0)) % rank == rank - 1
-        if node.target in REORDERING or (node.target in JOINING and not joins_last):
+        if (node.target in REORDERING or (node.target in JOINING and not joins_last)) and \
+                not (lead is not None and _after_leading_axes(node, lead)):
             return (f"{node.name} ({name}) lies inside the site: it may move elements across the leading axes, "
                     f"which the fused op keeps in place")
         stack.extend(node.all_input_nodes)
     return None
+
+
+#: the ops that move elements along the axes they name only: ``(axes of, the shape they index)``
+_AXIS_OPS = {aten.select.int: lambda n: ([n.args[1]], shape(n.args[0])),
+             aten.unbind.int: lambda n: ([n.args[1] if len(n.args) > 1 else n.kwargs.get("dim", 0)], shape(n.args[0])),
+             aten.select_backward.default: lambda n: ([n.args[2]], n.args[1]),
+             aten.stack.default: lambda n: ([n.args[1] if len(n.args) > 1 else n.kwargs.get("dim", 0)], shape(n)),
+             aten.cat.default: lambda n: ([n.args[1] if len(n.args) > 1 else n.kwargs.get("dim", 0)], shape(n))}
+
+
+def _after_leading_axes(node: fx.Node, lead) -> bool:
+    """Whether ``node`` selects, joins or permutes only axes after ``lead``, the leading axes it keeps."""
+    if node.target in (aten.transpose.int, aten.permute.default):
+        ref = shape(node.args[0])
+        if ref is None:
+            return False
+        order = axis_order(node.target, node.args[1:], len(ref))
+        axes = [i for i, a in enumerate(order) if i != a]
+    elif node.target in _AXIS_OPS:
+        dims, ref = _AXIS_OPS[node.target](node)
+        if ref is None or not all(isinstance(d, int) for d in dims):
+            return False
+        axes = [d % len(ref) for d in dims]
+    else:
+        return False
+    return len(ref) > len(lead) and all(a >= len(lead) for a in axes) and same_shape(ref[:len(lead)], lead)
 
 
 def precision_problem(ev: LaneEvaluator, output: fx.Node, name: str, roles, leaves=()) -> Optional[str]:
@@ -265,6 +314,13 @@ def split_piece(node) -> Optional[Tuple[fx.Node, int, tuple]]:
         split = node.args[0]
         source, axis = split.args[0], split.args[2] if len(split.args) > 2 else split.kwargs.get("dim", 0)
         which = ("piece", node.args[1])
+    elif node.target is operator.getitem and isinstance(node.args[0], fx.Node) and \
+            node.args[0].target is aten.unbind.int:  # one index of an axis: h.view(..., 2).unbind(-1)
+        unbind = node.args[0]
+        source, axis = unbind.args[0], unbind.args[1] if len(unbind.args) > 1 else unbind.kwargs.get("dim", 0)
+        which = ("index", str(node.args[1]))
+    elif node.target is aten.select.int:
+        source, axis, which = node.args[0], node.args[1], ("index", str(node.args[2]))
     elif node.target is aten.slice.Tensor:
         source, axis = node.args[0], node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0)
         which = ("slice",) + tuple(str(a) for a in node.args[2:4])
@@ -358,6 +414,12 @@ def unread_glu_problem(ev: LaneEvaluator, gate_input, gated) -> Optional[str]:
                 f"({transforms[0].target}) changes a piece between the split and the product: the fused op computes "
                 f"silu(x[:H]) * x[H:] of the halves as they are")
     rank = len(shape(source))
+    if axis != rank - 1 and source.target in (aten.permute.default, aten.transpose.int):
+        moved_from = axis_order(source.target, source.args[1:], rank)[axis]
+        return (f"silu gates a piece of {source.name} split along axis {axis} of {rank}, which {source.name} "
+                f"({source.target}) moved there from axis {moved_from} of {source.args[0].name}: the rules read the "
+                f"halves over the axes after the leading ones and follow no permutation that moves one of those "
+                f"among the leading axes (split {source.args[0].name} itself, swiglu(x, -1) reads its halves)")
     if axis != rank - 1:
         return (f"silu gates a piece of {source.name} split along axis {axis} of {rank}, and the other piece is "
                 f"the up: the rules find the two halves along the last axis only (swiglu(x, -1))")
@@ -367,9 +429,45 @@ def unread_glu_problem(ev: LaneEvaluator, gate_input, gated) -> Optional[str]:
     if static_int(shape(source)[axis]) is None:
         return (f"{source.name}'s last axis ({shape(source)[axis]}) is symbolic: the rules prove the two halves over "
                 f"a static width (mark only the batch and sequence axes dynamic)")
+    interleaved = _interleaving(ev, gate_input, ups[0])
+    if interleaved is not None:
+        return interleaved
     return (f"silu({through_casts(gate_input).name}) and another piece of {source.name} are multiplied with a "
             f"constant, a sign or a piece that is not the second half: not silu(x[:H]) * x[H:] position by position, "
             f"which the fused op computes")
+
+
+def _positions(ev: LaneEvaluator, node) -> Optional[Tuple[fx.Node, List[int]]]:
+    """``(leaf, positions)`` where ``node`` reads, position by position, one element of one leaf's last axis."""
+    v = ev.value(node) if isinstance(node, fx.Node) else None
+    if v is None or v.reduction is not None or v.complex:
+        return None
+    read = []
+    for poly in v.polys:
+        if len(poly) != 1 or next(iter(poly.values())) != 1 or len(next(iter(poly))) != 1:
+            return None
+        read.append(next(iter(poly))[0])
+    if not read or len({lid for lid, _ in read}) != 1:
+        return None
+    return ev.leaves[read[0][0]], [p for _, p in read]
+
+
+def _interleaving(ev: LaneEvaluator, gate_input, up) -> Optional[str]:
+    """Why a gate and an up that read one leaf's last axis in alternation are not the fused op's halves, or None.
+
+    ``h.view(B, S, I, 2).unbind(-1)``, ``h[..., ::2]``: the gate reads every other element of x and the
+    up the ones between; the same function as ``swiglu`` over x viewed ``[..., I, 2]``, with halves
+    one element wide, which the rules do not emit (they read halves that are blocks of x's last axis)."""
+    gate, ups = _positions(ev, gate_input), _positions(ev, up)
+    if gate is None or ups is None or gate[0] is not ups[0]:
+        return None
+    (x, g), (_, u) = gate, ups
+    width = static_int(shape(x)[-1]) if shape(x) else None
+    if width is None or 2 * len(g) != width or g != list(range(0, width, 2)) or u != list(range(1, width, 2)):
+        return None
+    return (f"the gate reads {x.name}[..., 0::2] and the up {x.name}[..., 1::2]: the halves interleave element by "
+            f"element along its last axis, where swiglu reads two blocks (silu(x[..., :H]) * x[..., H:]; over "
+            f"{x.name} viewed [..., {width // 2}, 2] the halves would be one element wide, which the rules do not emit)")
 
 
 def scaled_users(node: fx.Node, depth: int = FACTOR_DEPTH) -> List[fx.Node]:
