@@ -293,7 +293,7 @@ def _emit_call(ctx: RuleContext, site: ForwardRopeMatch, roles, compute, order):
     for table, sign in zip(built[1:], site.signs):
         table = permuted(ctx.edit, ctx.edit.cast(table, compute), order)
         operands.append(table if sign == 1 else ctx.edit.call(aten.neg.default, (table,)))
-    folded = heads_folded(shape(operands[0]), shape(operands[1]))
+    folded = all(heads_folded(shape(operands[0]), shape(table)) for table in operands[1:])
     if folded:  # a 3-D x whose tables broadcast over its first axis: run as BNSD, the result viewed back
         operands = [fold_heads(ctx.edit, n) for n in operands]
     problem = input_problem(ctx.edit.fake_mode, OP.check_inputs, *operands, site.mode)

@@ -135,7 +135,7 @@ def _operands(edit: Edit, site: RopeMatch, leaves, outputs) -> tuple:
     # viewed as 4-D (:func:`~..rotation.heads_folded`); dx, dcos and dsin come back in the program's shapes
     rank = len(shape(operands[0]))
     operands[1:3] = [permuted(edit, n, list(range(rank))) for n in operands[1:3]]
-    folded = heads_folded(shape(operands[0]), shape(operands[1]))
+    folded = all(heads_folded(shape(operands[0]), shape(table)) for table in operands[1:3])
     if folded:  # a 3-D dy with [S, D] tables: run as BNSD
         operands = [fold_heads(edit, n) for n in operands]
     return [edit.cast(n, compute) if n is not None else None for n in operands], folded
