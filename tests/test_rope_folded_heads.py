@@ -143,6 +143,31 @@ def test_rope_of_projected_3d_q_and_k_fuses_both_ways(program, spelling, dynamic
     assert_fused_as_bnsd(seen, sites=2, mode=mode, rows=None if dynamic else B * H if program == "heads_in_batch" else B)
 
 
+
+@pytest.mark.parametrize("stage, partitioner", [("backward", "default"), ("joint", "min_cut")],
+                         ids=["partitioned_backward", "min_cut"])
+def test_rope_of_heads_folded_into_the_batch_fuses_after_the_partition_and_under_min_cut(stage, partitioner):
+    """The backward graph after the partition (with its forward for provenance, as torchair's hook
+    sees it), and the joint graph under min-cut: both rotations' backwards fuse, gradients as eager's."""
+    seen = {}
+
+    def around(gm, run):
+        result = run()
+        seen[result.graph] = (result, gm.graph)
+
+    cos, sin = _tables()
+    weight = torch.nn.Parameter(_seeded(4, 2 * H * D, 32) / 8)
+    x = _seeded(1, B, S, 32).requires_grad_()
+    torch._dynamo.reset()
+    options = FusionOptions.from_mapping(dict({"strict": True, "target": "generic", "partitioner": partitioner},
+                                              **ROPE_ON))
+    compiled = torch.compile(lambda x: _neox_style_attention_scores(x, weight, cos, sin),
+                             backend=aot_backend(options, around, stage=stage))
+    check_gradients(compiled, lambda x: _neox_style_attention_scores(x, weight, cos, sin), [x], [weight])
+    result, after = seen[stage]
+    assert not result.misses and result.fused(ROPE_GRAD) == len(calls(after, ROPE_GRAD)) == 2, result.misses
+    assert all(_shapes(call) == [(B * H, 1, S, D), (1, 1, S, D)] for call in calls(after, ROPE_GRAD))
+
 def test_learned_sequence_tables_of_a_3d_q_fuse_with_their_gradients():
     """[S, D] tables that take a gradient: x is passed and dcos, dsin (summed over the folded axis, as
     the program sums them over q's first) come back in the tables' shape."""
