@@ -231,3 +231,13 @@ def test_rope_of_a_3d_q_near_miss_is_one_recorded_miss_each_way(near_miss):
         assert not result.sites and not calls(after, ROPE) and not calls(after, ROPE_GRAD)
         assert sorted(m.op for m in result.misses) == ops, (graph, result.misses)
         assert all(re.search(reason, m.reason) for m in result.misses), result.misses
+
+
+@pytest.mark.parametrize("spelling", SPELLINGS)
+def test_rope_of_one_sequence_of_one_head_fuses_on_a2(spelling):
+    """q ``[1, S, D]``: TND with T = 1 reads it too, but A2 takes only 4-D tensors; as BNSD with
+    B = N = 1 and 11SD tables it fuses there."""
+    rotation, mode = SPELLINGS[spelling]
+    cos, sin = _tables()
+    seen = compiled_step(lambda q: rotation(q, cos, sin) * 2, [_seeded(1, 1, S, D).requires_grad_()], target="a2")
+    assert_fused_as_bnsd(seen, mode=mode, rows=1)

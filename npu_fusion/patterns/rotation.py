@@ -138,12 +138,13 @@ def heads_folded(rotated_shape, table_shape) -> bool:
     ``(0, 0, s, d)``, which is ``(0, s, d)`` of the 3-D tables, the element ``(a, s, d)`` read,
     for every a; so the 4-D op computes the 3-D rotation, and its results viewed back (the axis
     of size 1 dropped; table gradients summed over the same axes, in the tables' shape) are the
-    same values. ``table_shape`` right-aligned to the rotated tensor's; a first axis that is 1 in
-    the rotated tensor too is TND's (T = 1) and stays."""
+    same values. ``table_shape`` right-aligned to the rotated tensor's. Where the rotated tensor's
+    first axis is 1 too (one sequence of one head, ``[1, S, D]``), TND (T = 1) reads it as well, but
+    A2/A3 take only 4-D tensors: BNSD with B = N = 1 runs everywhere."""
     if len(rotated_shape) != 3:
         return False
     table = (1,) * (3 - len(table_shape)) + tuple(table_shape)
-    return static_int(table[0]) == 1 and static_int(rotated_shape[0]) != 1
+    return static_int(table[0]) == 1
 
 
 def fold_heads(edit, node: Optional[fx.Node]) -> Optional[fx.Node]:
