@@ -121,8 +121,46 @@ def rope_layout_problem(target: str, mode: int, rotated_shape, table_shape, with
     rank = len(rotated_shape)
     table = (1,) * (rank - len(table_shape)) + tuple(table_shape)
     order = list(order) if order is not None else list(range(rank))
-    return rope_target_problem(target, mode, tuple(rotated_shape[d] for d in order), tuple(table[d] for d in order),
-                               with_x, compute)
+    rotated, table = tuple(rotated_shape[d] for d in order), tuple(table[d] for d in order)
+    if heads_folded(rotated, table):
+        rotated, table = (rotated[0], 1, *rotated[1:]), (table[0], 1, *table[1:])
+    return rope_target_problem(target, mode, rotated, table, with_x, compute)
+
+
+def heads_folded(rotated_shape, table_shape) -> bool:
+    """Whether a 3-D rotation runs as the fused op's 4-D BNSD layout, an axis of size 1 inserted at 1.
+
+    A 3-D tensor is the op's TND layout, whose tables vary along its first axis (T1D, TND). A q
+    ``[B*H, S, D]`` or ``[B, S, D]`` (heads folded into the batch, or one head) rotated by ``[S, D]``
+    or ``[1, S, D]`` tables, right-aligned ``[1, S, D]`` and so broadcast over the first axis, is
+    no TND rotation. Viewed ``[A, 1, S, D]`` with tables ``[1, 1, S, D]`` (both unsqueezed at 1),
+    it is BNSD with B = A, N = 1 and 11SD tables: element ``(a, 0, s, d)`` reads the tables at
+    ``(0, 0, s, d)``, which is ``(0, s, d)`` of the 3-D tables, the element ``(a, s, d)`` read,
+    for every a; so the 4-D op computes the 3-D rotation, and its results viewed back (the axis
+    of size 1 dropped; table gradients summed over the same axes, in the tables' shape) are the
+    same values. ``table_shape`` right-aligned to the rotated tensor's. Where the rotated tensor's
+    first axis is 1 too (one sequence of one head, ``[1, S, D]``), TND (T = 1) reads it as well, but
+    A2/A3 take only 4-D tensors: BNSD with B = N = 1 runs everywhere."""
+    if len(rotated_shape) != 3:
+        return False
+    table = (1,) * (3 - len(table_shape)) + tuple(table_shape)
+    return static_int(table[0]) == 1
+
+
+def fold_heads(edit, node: Optional[fx.Node]) -> Optional[fx.Node]:
+    """``node`` (a 3-D rotated tensor or a table right-aligned to it) with an axis of size 1
+    inserted at 1, as :func:`heads_folded` views it; None stays None."""
+    return None if node is None else edit.call(aten.unsqueeze.default, (node, 1))
+
+
+def unfold_heads(edit, result: fx.Node, rank: int) -> fx.Node:
+    """A result of a call :func:`fold_heads` prepared, with the inserted axis dropped and as many
+    leading axes of size 1 as make it ``rank``-D (a table gradient in the table's own shape).
+
+    Squeezes, not views: they name no size, so a symbolic one needs no node of its own."""
+    result = edit.call(aten.squeeze.dim, (result, 1))
+    extra = len(shape(result)) - rank
+    return edit.call(aten.squeeze.dims, (result, list(range(extra)))) if extra > 0 else result
 
 
 #: uses from an element move to the sum of a rotation (slice, neg, stack, flatten view, multiply, add)

@@ -106,7 +106,8 @@ class RopeForwardRule(FusionRule):
     site_probe = SiteProbe(kind=OP.option, same_sites_as=ROPE_GRAD.option)
     forms = tuple(Form(*row) for row in (
         ("forward on the joint graph, modes 0 to 3 (2 and 3 on Ascend 950 and `generic`), a table negated as "
-         "a whole, partial rotary (the slice of x the rotation reads), tables broadcast from 11SD/1S1D/...",
+         "a whole, partial rotary (the slice of x the rotation reads), tables broadcast from 11SD/1S1D/..., a 3-D x "
+         "with `[S, D]` tables (as BNSD with N = 1)",
          "HF `apply_rotary_pos_emb`, GPT-J, DeepSeek-V3, nanochat"),
         ("forward operands only in pieces, rebuilt from the node holding them and checked by value: half-width "
          "tables read twice, x's even/odd lanes, complex `freqs_cis` (its real parts), a cache's selects",

@@ -18,7 +18,7 @@ from ..rewrite import (Insertion, Miss, RuleContext, commit, exact_common_dtype,
                        replacement_of, as_forward_work)
 from ..pairing import site_key
 from ..layout import memory_order, permuted, restored, same_layout
-from ..rotation import rope_layout_problem
+from ..rotation import fold_heads, heads_folded, rope_layout_problem, unfold_heads
 from .match import ForwardRopeMatch, Role, site_region
 
 
@@ -293,11 +293,15 @@ def _emit_call(ctx: RuleContext, site: ForwardRopeMatch, roles, compute, order):
     for table, sign in zip(built[1:], site.signs):
         table = permuted(ctx.edit, ctx.edit.cast(table, compute), order)
         operands.append(table if sign == 1 else ctx.edit.call(aten.neg.default, (table,)))
+    folded = all(heads_folded(shape(operands[0]), shape(table)) for table in operands[1:])
+    if folded:  # a 3-D x whose tables broadcast over its first axis: run as BNSD, the result viewed back
+        operands = [fold_heads(ctx.edit, n) for n in operands]
     problem = input_problem(ctx.edit.fake_mode, OP.check_inputs, *operands, site.mode)
     if problem is not None:
         return Miss(OP.name, site.y.name, problem)
     fused = ctx.edit.call(OP.overload, (*operands, site.mode))
-    replacement = in_layout_of(ctx.edit, replacement_of(ctx.edit, restored(ctx.edit, fused, order), site.y), site.y)
+    result = unfold_heads(ctx.edit, fused, len(shape(site.y))) if folded else fused
+    replacement = in_layout_of(ctx.edit, replacement_of(ctx.edit, restored(ctx.edit, result, order), site.y), site.y)
     if not same_layout(replacement, site.y):
         return Miss(OP.name, site.y.name, f"the output's strides {list(val(site.y).stride())} are no dense layout "
                                           f"of its shape with the rotated axis innermost")

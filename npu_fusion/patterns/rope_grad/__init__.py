@@ -64,6 +64,9 @@ class RopeGradRule(FusionRule):
         ("partial rotary (`rotary_dim < head_dim`)", "GPT-NeoX `rotary_pct`, GPT-J `rotary_dim`, `partial_rotary_factor`"),
         ("half-width or complex tables rebuilt to full width", "`x1*cos - x2*sin` spellings, `freqs_cis`"),
         ("layouts BNSD, BSND, SBND, TND; cos/sin 11SD, B1SD, BNSD, 1S1D, BS1D, BSND, S11D, SB1D, T1D, TND, [S, D]", "`unsqueeze_dim=1/2`, packed sequences"),
+        ("a 3-D q with `[S, D]` or `[1, S, D]` tables (heads folded into the batch, `[B*H, S, D]`, or one head, "
+         "`[B, S, D]`): run as BNSD with N = 1 and 11SD tables, an axis of size 1 inserted",
+         "GPT-NeoX-style code, single-head tutorials (`tests/test_rope_folded_heads.py`)"),
         ("cos/sin requiring grad: x passed, dcos/dsin wired", "learned or scaled tables; q and k sharing them"),
         ("learned tables rotating an x that takes no gradient: dcos/dsin alone, x passed and dx unused",
          "adversarial programs (`tests/test_spellings.py`)"),

@@ -11,11 +11,11 @@ from ...lowering.sizes import same_shape, static_int
 from ..evaluator import kept_precision, rounding_problem
 from ..nodes import aten, dtype, last_of, shape
 from ..rewrite import (Edit, Insertion, Miss, RuleContext, add_back_accumulated, commit, emit_fused_op,
-                       exact_common_dtype)
+                       exact_common_dtype, in_layout_of, replacement_of)
 from ..layout import permuted
 from ..pairing import site_key
 from .match import RopeMatch
-from ..rotation import rope_layout_problem
+from ..rotation import fold_heads, heads_folded, rope_layout_problem, unfold_heads
 
 
 def _role_node(edit: Edit, leaf: fx.Node, positions: Tuple[int, ...]) -> fx.Node:
@@ -72,7 +72,7 @@ def emit(rewrites: RuleContext, site: RopeMatch, outputs, region):
                                            f"have different shapes")
     with Insertion(graph, last_of(graph, [n for n in leaves if n is not None])) as inserted:
         try:
-            operands = _operands(edit, site, leaves, outputs)
+            operands, folded = _operands(edit, site, leaves, outputs)
         except TableLayoutError as exc:
             return Miss(OP.name, site.dx.name, str(exc))
         dy, cos, sin, x = operands
@@ -88,10 +88,12 @@ def emit(rewrites: RuleContext, site: RopeMatch, outputs, region):
             problem = f"x {list(shape(x))} and dy {list(shape(dy))} have different shapes"
         if problem is not None:
             return Miss(OP.name, site.dx.name, problem)
-        emitted = emit_fused_op(rewrites, OP, site.dx, (dy, cos, sin, x, site.mode), outputs)
+        emitted = emit_fused_op(rewrites, OP, site.dx, (dy, cos, sin, x, site.mode), {} if folded else outputs)
         if isinstance(emitted, Miss):
             return emitted
-    fused, replacements = emitted
+        fused, replacements = emitted
+        if folded:
+            replacements = _unfolded(edit, fused, outputs)
     added = inserted.nodes()
     if site.rest:
         added += add_back_accumulated(edit, site, replacements)
@@ -99,8 +101,22 @@ def emit(rewrites: RuleContext, site: RopeMatch, outputs, region):
                   {"dy": dy_leaf, "cos": cos_leaf, "sin": sin_leaf, "x": x_leaf}, added, fused)
 
 
-def _operands(edit: Edit, site: RopeMatch, leaves, outputs) -> list:
-    """Build dy, cos, sin and x for the fused op from the site's role leaves.
+def _unfolded(edit: Edit, fused: fx.Node, outputs) -> dict:
+    """What replaces each output of a site whose fused call runs as BNSD
+    (:func:`~..rotation.heads_folded`): its result in the output's shape (:func:`~..rotation.unfold_heads`),
+    cast and laid out as :func:`~..rewrite.emit_fused_op` does."""
+    replacements = {}
+    for index, name in enumerate(OP.outputs):
+        old = outputs.get(name)
+        if old is not None:
+            result = unfold_heads(edit, edit.getitem(fused, index), len(shape(old)))
+            replacements[old] = in_layout_of(edit, replacement_of(edit, result, old), old)
+    return replacements
+
+
+def _operands(edit: Edit, site: RopeMatch, leaves, outputs) -> tuple:
+    """Build dy, cos, sin and x for the fused op from the site's role leaves, and whether they
+    were viewed as BNSD (:func:`~..rotation.heads_folded`).
 
     Tables are negated where the site's table is the leaf negated and widened to dy's number of
     axes (as the forward rule widens them); all four are cast to the narrowest dtype that holds
@@ -115,7 +131,11 @@ def _operands(edit: Edit, site: RopeMatch, leaves, outputs) -> list:
     compute = exact_common_dtype([*(dtype(n) for n in operands if n is not None),
                                   *(kept_precision(o) for o in outputs.values())])
     # the tables right-aligned to dy's rank, as the forward rule calls its op (A2/A3 take 4-D tables
-    # only: a [S, D] table is 11SD to both rules); dcos and dsin come back in the program's shapes
+    # only: a [S, D] table is 11SD to both rules), a 3-D dy whose tables broadcast over its first axis
+    # viewed as 4-D (:func:`~..rotation.heads_folded`); dx, dcos and dsin come back in the program's shapes
     rank = len(shape(operands[0]))
     operands[1:3] = [permuted(edit, n, list(range(rank))) for n in operands[1:3]]
-    return [edit.cast(n, compute) if n is not None else None for n in operands]
+    folded = all(heads_folded(shape(operands[0]), shape(table)) for table in operands[1:3])
+    if folded:  # a 3-D dy with [S, D] tables: run as BNSD
+        operands = [fold_heads(edit, n) for n in operands]
+    return [edit.cast(n, compute) if n is not None else None for n in operands], folded
