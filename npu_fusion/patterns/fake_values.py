@@ -99,16 +99,18 @@ def _aliasing(fake_mode, device, o, pairs):
     return fake_tensor_type()(fake_mode, o, device)
 
 
-def _on_storage_of(fake, size, stride, dtype, offset, like=None):
+def _on_storage_of(fake, size, stride, dtype, offset, like, requires_grad=False):
     """A meta tensor of the given geometry on ``fake``'s storage (as the fake mode makes a view), with
     ``like``'s conjugate and negative bits."""
     with outside_fake_mode(), plain_dispatch():
         t = torch.empty((0,), dtype=dtype, device="meta")
         t.set_(fake.untyped_storage(), offset, size, stride)
-        if like is not None and like.is_conj():
+        if like.is_conj():
             torch._C._set_conj(t, True)
-        if like is not None and like.is_neg():
+        if like.is_neg():
             torch._C._set_neg(t, True)
+        if requires_grad:
+            t.requires_grad_()
     return t
 
 
@@ -210,8 +212,8 @@ def move_views(old, new, users=None) -> None:
             end = offset + sum((n - 1) * s for n, s in zip(v.shape, v.stride())) + 1 if v.numel() else offset
             if rest or offset < 0 or end * v.element_size() > after.untyped_storage().nbytes():
                 return v
-            t = _on_storage_of(after, v.shape, v.stride(), v.dtype, offset, v)
-            remade[id(v)] = fake_tensor_type()(v.fake_mode, t.requires_grad_(v.requires_grad), v.device)
+            t = _on_storage_of(after, v.shape, v.stride(), v.dtype, offset, v, v.requires_grad)
+            remade[id(v)] = fake_tensor_type()(v.fake_mode, t, v.device)
         return remade[id(v)]
 
     stack, seen = list(old.users if users is None else users), set()
