@@ -7,9 +7,12 @@ dispatcher. With static shapes :func:`static_fake_value` runs the op's meta kern
 of the same geometry once, remembers the result's geometry by the op and its arguments' geometry
 (:data:`META_RESULTS`), and answers every later call of that op on that geometry (each layer of a
 model repeats the previous one's) by making tensors of the remembered geometry with the C++ kernels
-alone: fresh memory, or a view of a fresh tensor of its input's geometry where the meta kernel's
-result was a view of that input. ``tensor_meta`` is likewise remembered by geometry
-(:func:`set_fake_value`). Neither depends on the tensors' widths.
+alone: fresh memory, or, where the meta kernel's result was a view of an input, a tensor on that
+input's fake storage, as the fake mode's own dispatch makes a view (its storage, storage offset and
+strides are what tracing records, which Inductor's and AOTAutograd's aliasing analyses read: donated
+buffers, reinplacing). ``tensor_meta`` is likewise remembered by geometry (:func:`set_fake_value`).
+Neither depends on the tensors' widths. :func:`move_views` moves the program's views of a replaced
+node onto its replacement's storage.
 """
 from __future__ import annotations
 
@@ -20,13 +23,13 @@ import torch
 from ..compat import fake_tensor_type, outside_fake_mode, plain_dispatch, set_value_meta, tensor_metadata
 from .evaluator import Unsupported
 
-__all__ = ["static_fake_value", "set_fake_value", "geometry_key", "META_RESULTS", "META_RESULTS_KEPT"]
+__all__ = ["static_fake_value", "set_fake_value", "geometry_key", "move_views", "META_RESULTS", "META_RESULTS_KEPT"]
 
 #: meta kernels' results by the op and the geometry of its arguments (:func:`geometry_key`): the
 #: device of the first tensor argument (the results' fake device), and per result its shape,
-#: strides, dtype, storage offset and the input it is a view of (the index of a top-level argument
-#: and that argument's shape and strides; None for fresh memory), which is all a meta kernel reads
-#: of a tensor, so one computed result serves every later call of the op on the same geometry
+#: strides, dtype, storage offset and the input it is a view of (the index of a top-level argument;
+#: None for fresh memory), which is all a meta kernel reads of a tensor, so one computed result
+#: serves every later call of the op on the same geometry
 META_RESULTS: Dict[tuple, tuple] = {}
 #: how many results :data:`META_RESULTS` keeps (it starts over past that)
 META_RESULTS_KEPT = 4096
@@ -71,26 +74,60 @@ def static_fake_value(fake_mode, target, args, kwargs):
     if not tensors or not all(isinstance(v, FakeTensor) and v.fake_mode is fake_mode for v in tensors):
         return None
     if known is not None:
-        return _made(fake_mode, known)
+        return _made(fake_mode, known, args)
     computed = _computed(target, args, kwargs)
     if computed is None:
         return None
-    out, outs, meta_args = computed
+    out, outs, meta_args, pairs = computed
     if key is not None:
         _remember(key, tensors[0].device, out, outs, meta_args)
-    fakes = [FakeTensor(fake_mode, o, tensors[0].device) for o in outs]
+    fakes = [_aliasing(fake_mode, tensors[0].device, o, pairs) for o in outs]
     return type(out)(fakes) if isinstance(out, (tuple, list)) else fakes[0]
 
 
+def _aliasing(fake_mode, device, o, pairs):
+    """The fake tensor of the meta kernel's result ``o``: the argument itself where ``o`` is its meta
+    tensor (an op that returns its input), on the argument's storage where ``o`` is a view of it, else
+    ``o``'s own memory. ``pairs``: (meta tensor, the fake argument it stands for)."""
+    storage = o.untyped_storage()._cdata
+    for meta, fake in pairs:
+        if o is meta:
+            return fake
+        if meta.untyped_storage()._cdata == storage:
+            return fake_tensor_type()(fake_mode, _on_storage_of(fake, o.shape, o.stride(), o.dtype,
+                                                                o.storage_offset(), o), device)
+    return fake_tensor_type()(fake_mode, o, device)
+
+
+def _on_storage_of(fake, size, stride, dtype, offset, like, requires_grad=False):
+    """A meta tensor of the given geometry on ``fake``'s storage (as the fake mode makes a view), with
+    ``like``'s conjugate and negative bits."""
+    with outside_fake_mode(), plain_dispatch():
+        t = torch.empty((0,), dtype=dtype, device="meta")
+        t.set_(fake.untyped_storage(), offset, size, stride)
+        if like.is_conj():
+            torch._C._set_conj(t, True)
+        if like.is_neg():
+            torch._C._set_neg(t, True)
+        if requires_grad:
+            t.requires_grad_()
+    return t
+
+
 def _computed(target, args, kwargs):
-    """(result, its tensors, the meta arguments) of the op's meta kernel on meta tensors of the
-    arguments' geometry, each a static tensor at offset 0; None where it is none or the kernel fails."""
+    """(result, its tensors, the meta arguments, (meta tensor, fake argument) pairs) of the op's meta
+    kernel on meta tensors of the arguments' geometry, each a static tensor at offset 0; None where it
+    is none or the kernel fails."""
+    pairs = []
+
     def to_meta(v):
         if not isinstance(v, torch.Tensor):
             return v
         if not (v.storage_offset() == 0 and all(type(x) is int for x in (*v.shape, *v.stride()))):
             raise Unsupported("not a static fake tensor")
-        return torch.empty_strided(v.shape, v.stride(), dtype=v.dtype, device="meta")
+        meta = torch.empty_strided(v.shape, v.stride(), dtype=v.dtype, device="meta")
+        pairs.append((meta, v))
+        return meta
 
     def convert(v):  # op arguments nest tensors in lists at most (cat, stack)
         return type(v)(to_meta(x) for x in v) if isinstance(v, (list, tuple)) else to_meta(v)
@@ -104,7 +141,7 @@ def _computed(target, args, kwargs):
     outs = out if isinstance(out, (tuple, list)) else (out,)
     if not all(isinstance(o, torch.Tensor) and o.device.type == "meta" for o in outs):
         return None
-    return out, outs, meta_args
+    return out, outs, meta_args, pairs
 
 
 def _remember(key, device, out, outs, meta_args) -> None:
@@ -113,9 +150,11 @@ def _remember(key, device, out, outs, meta_args) -> None:
     nothing: the op runs again next time)."""
     results = []
     for o in outs:
+        if o.is_conj() or o.is_neg():  # bits the remembered geometry does not hold
+            return
         base = next((i for i, a in enumerate(meta_args) if o._is_view() and o._base is a), None)
         if base is not None and o.dtype == meta_args[base].dtype and o is not meta_args[base]:
-            alias = (base, tuple(meta_args[base].shape), meta_args[base].stride())
+            alias = base
         elif not o._is_view() and o.storage_offset() == 0 and not any(o is a for a in meta_args):
             alias = None
         else:
@@ -127,23 +166,73 @@ def _remember(key, device, out, outs, meta_args) -> None:
     META_RESULTS[key] = (container, device, tuple(results))
 
 
-def _made(fake_mode, known):
-    """Fresh fake tensors of a remembered result's geometry (each view a view of a fresh tensor of its
-    input's geometry, one per input, as the meta kernel's views share their input)."""
+def _made(fake_mode, known, args):
+    """Fake tensors of a remembered result's geometry: fresh memory, or a view on the storage of the
+    argument the meta kernel's result was a view of (``args``: the call's arguments)."""
     container, device, results = known
     FakeTensor = fake_tensor_type()
-    bases, outs = {}, []
+    outs = []
     with outside_fake_mode(), plain_dispatch():
         for size, stride, dtype, offset, alias in results:
             if alias is None:
                 outs.append(torch.empty_strided(size, stride, dtype=dtype, device="meta"))
-                continue
-            index, base_size, base_stride = alias
-            if index not in bases:
-                bases[index] = torch.empty_strided(base_size, base_stride, dtype=dtype, device="meta")
-            outs.append(bases[index].as_strided(size, stride, offset))
+            else:
+                outs.append(torch.empty((0,), dtype=dtype, device="meta").set_(
+                    args[alias].untyped_storage(), offset, size, stride))
     fakes = [FakeTensor(fake_mode, o, device) for o in outs]
     return container(fakes) if container is not None else fakes[0]
+
+
+def move_views(old, new, users=None) -> None:
+    """Put the program's views of ``old`` on the storage of ``new``, which replaces it.
+
+    The fake values of ``old``'s views (its ``users``, by default all, and theirs, transitively, whose
+    values share ``old``'s storage) were traced on ``old``'s storage; once they read ``new`` they alias
+    its memory, and Inductor's and AOTAutograd's aliasing analyses read that from the fake values (a
+    saved tensor that seems to alias no output is a donated buffer the backward overwrites). Each such
+    value is remade on ``new``'s storage, its geometry kept, the storage offset moved as ``new``'s is
+    from ``old``'s; nothing moves where the two differ in shape, strides or dtype, or a value is
+    symbolic or would not fit in ``new``'s storage."""
+    before, after = old.meta.get("val"), new.meta.get("val")
+    if not (_static(before) and _static(after)) or before.untyped_storage()._cdata == after.untyped_storage()._cdata:
+        return
+    if (before.shape, before.stride(), before.dtype) != (after.shape, after.stride(), after.dtype):
+        return
+    shift = (after.storage_offset() - before.storage_offset()) * before.element_size()  # bytes
+    source, remade = before.untyped_storage()._cdata, {}
+
+    def moved(v):
+        if isinstance(v, (tuple, list)):
+            items = [moved(x) for x in v]
+            return type(v)(items) if any(a is not b for a, b in zip(items, v)) else v
+        if not _static(v) or v.untyped_storage()._cdata != source:
+            return v
+        if id(v) not in remade:
+            offset, rest = divmod(v.storage_offset() * v.element_size() + shift, v.element_size())
+            end = offset + sum((n - 1) * s for n, s in zip(v.shape, v.stride())) + 1 if v.numel() else offset
+            if rest or offset < 0 or end * v.element_size() > after.untyped_storage().nbytes():
+                return v
+            t = _on_storage_of(after, v.shape, v.stride(), v.dtype, offset, v, v.requires_grad)
+            remade[id(v)] = fake_tensor_type()(v.fake_mode, t, v.device)
+        return remade[id(v)]
+
+    stack, seen = list(old.users if users is None else users), set()
+    while stack:
+        node = stack.pop()
+        if node in seen:
+            continue
+        seen.add(node)
+        value = node.meta.get("val")
+        now = moved(value)
+        if now is not value:  # a view of old: its own users may view it in turn
+            node.meta["val"] = now
+            stack.extend(node.users)
+
+
+def _static(v) -> bool:
+    """Whether ``v`` is a strided fake tensor of static geometry."""
+    return (isinstance(v, fake_tensor_type()) and v.layout is torch.strided
+            and all(type(x) is int for x in (*v.shape, *v.stride(), v.storage_offset())))
 
 
 def set_fake_value(node, value) -> None:

@@ -205,6 +205,7 @@ def commit(edit: Edit, op: str, mode: Optional[str], region: List[fx.Node], outp
         tx.committed = True
         tx.replacements = replacements
     for old, new in replacements.items():
+        fake_values.move_views(old, new)  # the program's views of old now alias new's memory
         old.replace_all_uses_with(new)
     inputs = {a for n in region for a in n.all_input_nodes}
     erase_dead(edit.graph, region)
