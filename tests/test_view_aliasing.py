@@ -255,14 +255,15 @@ def inductor_installed():
     torch._dynamo.reset()
 
 
+@pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dynamic"])
 @pytest.mark.parametrize("fn", PROGRAMS, ids=lambda f: f.__name__)
-def test_a_returned_rotation_survives_the_backward_in_inductor(inductor_installed, fn):
+def test_a_returned_rotation_survives_the_backward_in_inductor(inductor_installed, fn, dynamic):
     """Through ``install_inductor``: the rotated q the caller holds is the same after the backward as
     before it and as eager's; the gradients are eager's. Before the fake values aliased, AOTAutograd
     took the saved fused output for a donated buffer and Inductor's backward wrote a gradient into it."""
     inputs = _inputs()
     expected = _run(fn, inputs)
-    got = _run(torch.compile(fn), inputs)
+    got = _run(torch.compile(fn, dynamic=dynamic), inputs)
     assert dict(torch._dynamo.utils.counters[COUNTER]) == {"rotary_position_embedding": 1,
                                                            "rotary_position_embedding_grad": 1}
     for what, g, e in zip(("outputs", "outputs after the backward", "gradients"), got, expected):
