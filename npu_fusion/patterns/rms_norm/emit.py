@@ -11,6 +11,7 @@ from ...lowering.ops.rms_norm_grad import rms_norm_target_problem
 from ..nodes import CAST_TARGETS, VIEWS, aten, gradient_dependent, last_of, outside_users, region_of, shape, val
 from ..rewrite import Insertion, Miss, RuleContext, commit, emit_fused_op, replacement_of, as_forward_work
 from ..evaluator import saved_by_the_forward
+from ..fake_values import move_views
 from ..layout import memory_order, permuted, same_layout
 from ..pairing import site_key
 from .sites import ForwardNormMatch, site_dtypes, site_region, root_power, rounds_inside
@@ -179,7 +180,9 @@ def emit(ctx: RuleContext, site: ForwardNormMatch):
     done = commit(ctx.edit, OP.name, None, replaced, outputs, replacements, {"x": site.x, "gamma": site.gamma},
                   added, fused)
     if fused_y is not None:  # the forward reads the fused y, the backward the program's, recomputable
+        moved = [user for user in site.y.users if user not in readers]
         site.y.replace_all_uses_with(fused_y, delete_user_cb=lambda user: user not in readers)
+        move_views(site.y, fused_y, moved)  # the moved readers' views of y now alias the fused y's memory
     return done
 
 
