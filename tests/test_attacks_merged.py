@@ -88,6 +88,7 @@ def halves_of_four_heads(x, w):  # [..., 4, H/2], chunk(2, -2): rows 0-1 are the
     return F.silu(gate) * up
 
 
+@pytest.mark.xfail(strict=True, reason="known (this session's attack): the forward's miss of view(B,S,4,H//2).chunk(2,-2) says 'not silu(gate) * up position by position', which is false (the base said 'split along axis 2 of 4')")
 def test_halves_across_a_head_axis_miss_says_the_same_true_thing_both_ways():
     """FINDING (A, false reason, a regression from 28be57e): at the base both ops' misses said the halves are
     split along axis 2 of 4; now the forward's says "mul is not silu(gate) * up position by position",
@@ -108,6 +109,7 @@ def scalar_offset_projection(x, w):  # (x @ w + 0.1) viewed [..., 2, H]: unbind(
     return F.silu(gate) * up
 
 
+@pytest.mark.xfail(strict=True, reason="known (this session's attack): reshape(B*S, 2, H).unbind(1) and (x@w + 0.1).view(B,S,2,H).unbind(-2) stay a miss saying 'the last axis only', which is false; values are right")
 @pytest.mark.parametrize("form", [flattened_leading, scalar_offset_projection], ids=lambda f: f.__name__)
 def test_halves_of_a_two_row_view_are_not_called_a_split_the_rules_cannot_read(form):
     """FINDING (A, false reason / missed fusion): each splits ``[..., 2, H]`` along its second-to-last
@@ -132,6 +134,7 @@ def gate_scaled_in_place_first(x, w):  # the projection's gate half updated in p
     return F.silu(gate) * up
 
 
+@pytest.mark.xfail(strict=True, reason="known (this session's attack, silent at the base too): halves by as_strided, and a half scaled in place before the chunk, end neither fused nor recorded")
 @pytest.mark.parametrize("form", [strided_halves, gate_scaled_in_place_first], ids=lambda f: f.__name__)
 def test_swiglu_of_one_projection_is_never_silent(form):
     """FINDING (silent miss, already at 28be57e): silu of the first half times the second half of one
@@ -294,6 +297,7 @@ def rms_residual(x, w):
     return h
 
 
+@pytest.mark.xfail(strict=True, reason="known (this session's attack): three clamped-eps norms on a residual stream give one rms_norm_grad miss, not three")
 def test_each_clamped_norm_of_a_residual_stream_is_one_backward_miss():
     """FINDING (B, silent misses): three clamped norms are three forward misses but ONE rms_norm_grad
     miss; the other two norms' backwards are silent."""
@@ -302,6 +306,7 @@ def test_each_clamped_norm_of_a_residual_stream_is_one_backward_miss():
     assert sum(m.op == RMS_GRAD for m in result.misses) == 3, result.misses
 
 
+@pytest.mark.xfail(strict=True, reason="known (this session's attack, silent at the base too): clamped-eps norms on a backward graph alone record no miss")
 def test_clamped_norms_backward_alone_are_not_silent():
     """FINDING (B, silent misses, as at 28be57e): the same three clamped norms' backward alone: no miss."""
     (result,) = _backward_alone(clamped_residual)
@@ -309,6 +314,7 @@ def test_clamped_norms_backward_alone_are_not_silent():
     assert sum(m.op == RMS_GRAD for m in result.misses) == 3, result.misses
 
 
+@pytest.mark.xfail(strict=True, reason="known (this session's attack; the count was the same at the base): three residual norms on a backward alone under the core decompositions give six misses, not one per norm")
 def test_residual_norms_backward_alone_core_decomposed_are_one_miss_per_norm():
     """FINDING (B, duplicate misses, count as at 28be57e): with core decompositions the three residual
     norms' backward alone is SIX rms_norm_grad misses, five of them naming rsqrt_2 (``none``: three)."""
@@ -321,6 +327,7 @@ def clamped_over_axis_0(x, w):  # clamp_min and a statistic over the batch axis:
     return x * torch.rsqrt(x.pow(2).mean(0, keepdim=True).clamp_min(1e-6)) * w
 
 
+@pytest.mark.xfail(strict=True, reason="known (this session's attack): a clamped-eps norm over axis 0 ends neither fused nor recorded")
 def test_clamped_statistic_over_another_axis_is_not_silent():
     """FINDING (B, silent miss): clamped eps is a miss, another axis is a miss, both together are silent."""
     result = _norm_result(clamped_over_axis_0)

@@ -87,6 +87,7 @@ def call(graph: fx.Graph, fake_mode, target, args, kwargs=None, value=None, crea
     if erased:  # a stale match: the candidate fails here, before anything is inserted or rewired
         raise ValueError(f"{erased[0]}, an operand of the {target_name(target)} to insert, was erased by an "
                          f"earlier rewrite")
+    args, kwargs = _symbolic_sizes_as_nodes(graph, (tuple(args), kwargs), created)
     node = graph.call_function(target, tuple(args), kwargs)
     if created is not None:
         created.append(node)
@@ -96,6 +97,42 @@ def call(graph: fx.Graph, fake_mode, target, args, kwargs=None, value=None, crea
             fake_values.fake_value_of(fake_mode, target, meta_args, meta_kwargs)
     fake_values.set_fake_value(node, value)
     return node
+
+def _symbolic_sizes_as_nodes(graph: fx.Graph, arguments, created):
+    """``arguments`` with each symbolic size (a ``SymInt`` the caller read off a recorded value: a view's
+    shape) replaced by a node of the graph that computes it, inserted where the call goes.
+
+    FX names a symbolic size in a call's arguments by the node that computes it; a bare ``SymInt``
+    would be printed as its symbol (``s77``), which the graph's code does not define. The size is a
+    graph input (a ``SymInt`` placeholder) or one axis of an input tensor (``sym_size``, added at the
+    insertion point); an expression no input is raises :class:`Unsupported` (the candidate stays)."""
+    def size(v):
+        if isinstance(v, (list, tuple)):
+            return type(v)(size(x) for x in v)
+        if not isinstance(v, torch.SymInt):
+            return v
+        if v.node.expr.is_number:
+            return int(v.node.expr)
+        inputs = graph.find_nodes(op="placeholder")
+        same = next((p for p in inputs if isinstance(p.meta.get("val"), torch.SymInt)
+                     and p.meta["val"].node.expr == v.node.expr), None)
+        if same is not None:
+            return same
+        for p in inputs:
+            tensor = p.meta.get("val")
+            axis = next((d for d, n in enumerate(tensor.shape) if isinstance(n, torch.SymInt) and n.node.expr == v.node.expr),
+                        None) if isinstance(tensor, torch.Tensor) else None
+            if axis is not None:
+                read = graph.call_function(aten.sym_size.int, (p, axis))
+                read.meta["val"] = tensor.shape[axis]
+                if created is not None:
+                    created.append(read)
+                return read
+        raise Unsupported(f"the symbolic size {v} is neither a graph input nor an axis of one")
+
+    args, kwargs = arguments
+    return size(args), {k: size(v) for k, v in kwargs.items()}
+
 
 def getitem(graph, fake_mode, node, index, created=None) -> fx.Node:
     item = graph.call_function(operator.getitem, (node, index))
