@@ -147,9 +147,21 @@ def gate_up_swiglu():
     return [x, w], fn
 
 
+def rope_of_a_3d_q():
+    """A rotation of q ``[B*H, S, D]`` (heads folded into the batch) by ``[S, D]`` tables: the fused ops
+    run as BNSD with an axis of size 1 inserted (``unsqueeze``) and dropped again (``squeeze``; from the
+    tables' gradients their leading axes too)."""
+    q, emb = _randn(B * 2, 8, 16, seed=21), _randn(8, 8, seed=22)  # learned angles: the tables take gradients
+
+    def fn(q, emb):
+        cos, sin = torch.cat((emb, emb), -1).cos(), torch.cat((emb, emb), -1).sin()
+        return q * cos + rotate_half(q) * sin
+    return [q, emb], fn
+
+
 PROGRAMS = {f.__name__: f for f in (frozen_input_norm, complex_rope_s5, complex_rope_s1, norm_divided_by_its_root,
                                       norms_without_weight_or_input_gradient, rotations_of_rebuilt_tables,
-                                      norm_and_rope_in_another_memory_order, gate_up_swiglu)}
+                                      norm_and_rope_in_another_memory_order, gate_up_swiglu, rope_of_a_3d_q)}
 
 
 @pytest.fixture(scope="module")

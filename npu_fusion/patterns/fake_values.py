@@ -225,7 +225,8 @@ def move_views(old, new, users=None) -> None:
         value = node.meta.get("val")
         now = moved(value)
         if now is not value:  # a view of old: its own users may view it in turn
-            node.meta["val"] = now
+            # a new dict, never the old one changed: the pass's rollback snapshot holds that (Snapshot)
+            node.meta = {**node.meta, "val": now}
             stack.extend(node.users)
 
 

@@ -101,7 +101,7 @@ def backwards_of_forward_misses(context: PassContext, forward_op: str, op: Fused
     if gradient is None or forward_graph is None or not forward_misses:
         return []
     forward_nodes = {n.name: n for n in forward_graph.nodes}
-    joint = forward_graph is graph
+    joint, provenance = forward_graph is graph, context.provenance
     sides: Dict[fx.Node, set] = {}
 
     def forward_side(value: fx.Node) -> set:
@@ -119,9 +119,21 @@ def backwards_of_forward_misses(context: PassContext, forward_op: str, op: Fused
                     for name in forward_side(a):
                         read_by_gradients.setdefault(name, node)
 
+    definitions: Dict[fx.Node, set] = {}
+
+    def defined_from(value: fx.Node) -> set:
+        """In a backward graph, the forward values a saved value was computed from (by name, ``depth``
+        steps back): a backward miss at a norm's weight gradient reads the saved normalized value, which
+        the forward computed from the statistic its forward miss names."""
+        if value not in definitions:
+            definition = provenance.forward_definition(value) if not joint and provenance is not None \
+                and value.op == "placeholder" else None
+            definitions[value] = {n.name for n in _upstream(definition, depth)} if definition is not None else set()
+        return definitions[value]
+
     def forward_reads(node: fx.Node) -> set:
         return {name for n in (node, *_upstream(node, depth)) if n is node or n in gradient
-                for a in n.all_input_nodes if a not in gradient for name in forward_side(a)}
+                for a in n.all_input_nodes if a not in gradient for name in forward_side(a) | defined_from(a)}
     by_name = {n.name: n for n in graph.nodes}
     accounted = [by_name[m.node] for m in backward_misses if m.node in by_name] + calls(graph, op)
     left = [forward_reads(n) for n in accounted]
