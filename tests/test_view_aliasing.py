@@ -15,10 +15,8 @@ import torch.fx as fx
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 import fx_corpus
-import npu_fusion
-from npu_fusion.compat import no_compile_caches
+from test_inductor import installed  # noqa: F401  (the fixture: the pass in Inductor, compile caches off)
 from npu_fusion.patterns import fake_values
-from npu_fusion.plugin.inductor import uninstall_inductor
 from npu_fusion.plugin.pass_manager import COUNTER, fuse_backward, fuse_joint
 
 aten = torch.ops.aten
@@ -244,20 +242,9 @@ def _run(fn, inputs):
 PROGRAMS = [rope_bhsd_returned, rope_bhsd_returned_as_view, rope_bshd_returned_as_view]
 
 
-@pytest.fixture
-def inductor_installed():
-    npu_fusion.install_inductor(target="generic", strict=True)
-    torch._dynamo.reset()
-    torch._dynamo.utils.counters.clear()
-    with no_compile_caches():
-        yield
-    uninstall_inductor()
-    torch._dynamo.reset()
-
-
 @pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dynamic"])
 @pytest.mark.parametrize("fn", PROGRAMS, ids=lambda f: f.__name__)
-def test_a_returned_rotation_survives_the_backward_in_inductor(inductor_installed, fn, dynamic):
+def test_a_returned_rotation_survives_the_backward_in_inductor(installed, fn, dynamic):
     """Through ``install_inductor``: the rotated q the caller holds is the same after the backward as
     before it and as eager's; the gradients are eager's. Before the fake values aliased, AOTAutograd
     took the saved fused output for a donated buffer and Inductor's backward wrote a gradient into it."""
