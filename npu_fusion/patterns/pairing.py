@@ -122,9 +122,10 @@ def backwards_of_forward_misses(context: PassContext, forward_op: str, op: Fused
     definitions: Dict[fx.Node, set] = {}
 
     def defined_from(value: fx.Node) -> set:
-        """In a backward graph, the forward values a saved value was computed from (by name, ``depth``
-        steps back): a backward miss at a norm's weight gradient reads the saved normalized value, which
-        the forward computed from the statistic its forward miss names."""
+        """Name the forward values a saved backward input was computed from, ``depth`` steps back.
+
+        A backward miss at a norm's weight gradient reads the saved normalized value, which the forward
+        computed from the statistic its forward miss names."""
         if value not in definitions:
             definition = provenance.forward_definition(value) if not joint and provenance is not None \
                 and value.op == "placeholder" else None
