@@ -191,10 +191,13 @@ def move_views(old, new, users=None) -> None:
     its memory, and Inductor's and AOTAutograd's aliasing analyses read that from the fake values (a
     saved tensor that seems to alias no output is a donated buffer the backward overwrites). Each such
     value is remade on ``new``'s storage, its geometry kept, the storage offset moved as ``new``'s is
-    from ``old``'s; nothing moves where the two differ in shape, strides or dtype, or a value is
-    symbolic or would not fit in ``new``'s storage."""
+    from ``old``'s; nothing moves where the two differ in shape, strides or dtype (a symbolic geometry:
+    or storage offset), or a value would not fit in ``new``'s storage."""
     before, after = old.meta.get("val"), new.meta.get("val")
-    if not (_static(before) and _static(after)) or before.untyped_storage()._cdata == after.untyped_storage()._cdata:
+    if not (_static(before) and _static(after)):
+        _move_symbolic_views(old, before, after, users)
+        return
+    if before.untyped_storage()._cdata == after.untyped_storage()._cdata:
         return
     if (before.shape, before.stride(), before.dtype) != (after.shape, after.stride(), after.dtype):
         return
@@ -216,6 +219,12 @@ def move_views(old, new, users=None) -> None:
             remade[id(v)] = fake_tensor_type()(v.fake_mode, t, v.device)
         return remade[id(v)]
 
+    _move_users(old, users, moved)
+
+
+def _move_users(old, users, moved) -> None:
+    """Set each of ``old``'s users' (``users``, by default all) fake values to ``moved`` of them, and
+    their users' in turn where a value moved."""
     stack, seen = list(old.users if users is None else users), set()
     while stack:
         node = stack.pop()
@@ -228,6 +237,49 @@ def move_views(old, new, users=None) -> None:
             # a new dict, never the old one changed: the pass's rollback snapshot holds that (Snapshot)
             node.meta = {**node.meta, "val": now}
             stack.extend(node.users)
+
+
+def _move_symbolic_views(old, before, after, users) -> None:
+    """:func:`move_views` where a geometry is symbolic: each view is made again by the fake mode, as
+    ``as_strided`` of ``new``'s value with its own geometry, where ``old``'s and ``new``'s values have
+    the same shape, strides, storage offset and dtype (else nothing moves)."""
+    FakeTensor = fake_tensor_type()
+    if not (isinstance(before, FakeTensor) and isinstance(after, FakeTensor)) or before.fake_mode is not after.fake_mode \
+            or before.layout is not torch.strided or after.layout is not torch.strided:
+        return
+    if before.untyped_storage()._cdata == after.untyped_storage()._cdata:
+        return
+    try:
+        same = (before.dtype == after.dtype and len(before.shape) == len(after.shape)
+                and all(_same_size(a, b) for a, b in zip((*before.shape, *before.stride(), before.storage_offset()),
+                                                         (*after.shape, *after.stride(), after.storage_offset()))))
+    except Exception:  # a comparison the shape environment cannot decide
+        same = False
+    if not same:
+        return
+    source, mode, remade = before.untyped_storage()._cdata, after.fake_mode, {}
+
+    def moved(v):
+        if isinstance(v, (tuple, list)):
+            items = [moved(x) for x in v]
+            return type(v)(items) if any(a is not b for a, b in zip(items, v)) else v
+        if not isinstance(v, FakeTensor) or v.layout is not torch.strided or v.untyped_storage()._cdata != source \
+                or v.requires_grad or v.is_conj() or v.is_neg():
+            return v
+        if id(v) not in remade:
+            with mode:
+                remade[id(v)] = torch.as_strided(after, v.shape, v.stride(), v.storage_offset()) \
+                    if v.dtype == after.dtype else None
+        return remade[id(v)] if remade[id(v)] is not None else v
+
+    _move_users(old, users, moved)
+
+
+def _same_size(a, b) -> bool:
+    """Whether two sizes (ints or SymInts) are the same expression."""
+    if type(a) is int and type(b) is int:
+        return a == b
+    return str(a) == str(b)
 
 
 def _static(v) -> bool:

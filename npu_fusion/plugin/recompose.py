@@ -19,6 +19,7 @@ from typing import Iterable, List, Optional
 import torch
 import torch.fx as fx
 
+from ..patterns.fake_values import move_views
 from .options import FusionOptions
 
 #: node meta that describes a call's value (the trace of its decomposition has its own)
@@ -312,13 +313,38 @@ def replace_by_decomposition(gm: fx.GraphModule, node: fx.Node, table: dict, fak
                 result = fx.node.map_arg(inner.args[0], env.__getitem__)
             else:
                 env[inner] = copied = graph.node_copy(inner, env.__getitem__)
-                # the replaced call's partitioner tag and recompute policy, the trace's own values
+                # the replaced call's partitioner tag and recompute policy, values of its own (below)
                 copied.meta = {**{k: v for k, v in node.meta.items() if k not in VALUE_META}, **copied.meta}
+                _value_of_its_own(copied, fake_mode)
     if isinstance(result, fx.Node):
+        move_views(node, result)
         node.replace_all_uses_with(result)
     else:  # an op of several outputs: its users are getitems
         for user in list(node.users):
             assert user.target is operator.getitem, user
+            move_views(user, result[user.args[1]])
             user.replace_all_uses_with(result[user.args[1]])
             graph.erase_node(user)
     graph.erase_node(node)
+
+
+def _value_of_its_own(copied: fx.Node, fake_mode) -> None:
+    """Give a node copied from a decomposition's trace a fake value computed from its own inputs' values.
+
+    The trace's values are of the inputs it was traced on (another layer's, for a trace reused),
+    and shared by every copy; aliasing analyses read storages from the fake values (a saved tensor
+    whose storage no output shares is a donated buffer), so each copy's value is on its own inputs'
+    storage or its own memory, as tracing would have made it. Where no fake mode or value can be
+    had, the trace's value stays."""
+    from ..patterns.fake_values import fake_value_of, set_fake_value
+
+    if fake_mode is None or copied.op != "call_function":
+        return
+    values = fx.node.map_arg((copied.args, copied.kwargs), lambda n: n.meta.get("val"))
+    if any(isinstance(n, fx.Node) and n.meta.get("val") is None for n in copied.all_input_nodes):
+        return
+    try:
+        value = fake_value_of(fake_mode, copied.target, *values)
+    except Exception:  # the trace's value is the op's value on this geometry: keep it
+        return
+    set_fake_value(copied, value)
