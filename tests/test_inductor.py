@@ -12,6 +12,7 @@ from npu_fusion.compat import inductor_config, no_compile_caches
 from npu_fusion.plugin.inductor import uninstall_inductor
 from npu_fusion.plugin.pass_manager import COUNTER
 from npu_fusion.measure.grads import MODEL_FACTOR, assert_close_as_unfused, grad_failures
+from npu_fusion_testing.aliasing import views_checked
 from npu_fusion_testing.in_place import UPDATED_PROGRAMS, assert_updated_as_eager
 from npu_fusion.lowering import FUSED_OPS
 from npu_fusion.plugin.options import forward_options
@@ -22,13 +23,15 @@ B, S = 2, 8
 @pytest.fixture
 def installed():
     """The pass installed, and the compile caches off: a cache hit (from an earlier run of these
-    tests) would skip Inductor's joint passes, the pass among them, and count no site."""
+    tests) would skip Inductor's joint passes, the pass among them, and count no site. Every graph
+    the pass rewrites keeps its views on their inputs' fake storage (checked at the end)."""
     before = inductor_config().joint_custom_pre_pass
     npu_fusion.install_inductor(target="generic", strict=True)
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
-    with no_compile_caches():
+    with no_compile_caches(), views_checked() as unaliased:
         yield
+    assert all(views == [] for views in unaliased), unaliased  # the pass's views alias their inputs
     uninstall_inductor()
     assert inductor_config().joint_custom_pre_pass is before
     torch._dynamo.reset()

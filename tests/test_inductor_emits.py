@@ -21,6 +21,7 @@ from npu_fusion.plugin.inductor import uninstall_inductor
 from npu_fusion.plugin.pass_manager import HISTORY
 from npu_fusion_testing.emits import emittable_targets, scan
 from npu_fusion.measure.grads import float64_output
+from npu_fusion_testing.aliasing import views_checked
 from test_forward_fusion import check_gradients
 
 EPS = 1e-6
@@ -169,8 +170,9 @@ def installed():
     """The pass installed in Inductor, the compile caches off (a cache hit would skip the pass)."""
     before = inductor_config().joint_custom_pre_pass
     npu_fusion.install_inductor(target="generic", strict=True, swiglu=True, swiglu_forward=True)
-    with no_compile_caches():
+    with no_compile_caches(), views_checked() as unaliased:
         yield
+    assert all(views == [] for views in unaliased), unaliased  # the pass's views alias their inputs
     uninstall_inductor()
     assert inductor_config().joint_custom_pre_pass is before
     torch._dynamo.reset()

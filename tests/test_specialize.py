@@ -6,6 +6,7 @@ import torch
 from npu_fusion.measure.grads import MODEL_FACTOR, assert_close_as_unfused, float64_grads, run_grads
 from npu_fusion.plugin.backend import aot_backend
 from npu_fusion.plugin.options import FusionOptions
+from npu_fusion_testing.aliasing import views_checked
 
 
 def norm(x, w, eps, scale):
@@ -285,7 +286,9 @@ def inductor_installed():
     npu_fusion.install_inductor(target="generic", strict=True)
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
-    yield
+    with views_checked() as unaliased:
+        yield
+    assert all(views == [] for views in unaliased), unaliased  # the pass's views alias their inputs
     uninstall_inductor()
     assert (inductor_config().pre_grad_custom_pass, inductor_config().pre_grad_pass_timing) == before
     torch._dynamo.reset()

@@ -10,6 +10,7 @@ import npu_fusion
 from npu_fusion.compat import no_compile_caches
 from npu_fusion.measure.grads import MODEL_FACTOR, assert_close_as_unfused, float64_grads, float64_output, run_grads
 from npu_fusion.plugin.inductor import uninstall_inductor
+from npu_fusion_testing.aliasing import views_checked
 from npu_fusion.plugin.pass_manager import HISTORY
 
 from test_swiglu import BACKWARD, FORWARD, H, ON, Phi3Mlp
@@ -20,8 +21,9 @@ def installed():
     """The pass installed with SwiGLU on, and the compile caches off (a hit skips the pass)."""
     npu_fusion.install_inductor(target="generic", **ON)
     torch._dynamo.reset()
-    with no_compile_caches():
+    with no_compile_caches(), views_checked() as unaliased:
         yield
+    assert all(views == [] for views in unaliased), unaliased  # the pass's views alias their inputs
     uninstall_inductor()
     torch._dynamo.reset()
 

@@ -17,6 +17,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 import fx_corpus
 from test_inductor import installed  # noqa: F401  (the fixture: the pass in Inductor, compile caches off)
 from npu_fusion.patterns import fake_values
+from npu_fusion_testing.aliasing import unaliased_views as _unaliased_views, views_checked
 from npu_fusion.plugin.pass_manager import COUNTER, fuse_backward, fuse_joint
 
 aten = torch.ops.aten
@@ -25,31 +26,6 @@ B, S, H, D = 2, 8, 4, 16
 
 def _storage(t):
     return t.untyped_storage()._cdata
-
-
-def _is_view(node) -> bool:
-    """Whether the node calls an ATen op whose result aliases its first argument (its schema says so)."""
-    target = node.target
-    if node.op != "call_function" or not isinstance(target, torch._ops.OpOverload):
-        return False
-    returns = target._schema.returns
-    return bool(returns) and returns[0].alias_info is not None and not returns[0].alias_info.is_write
-
-
-def _unaliased_views(graph):
-    """The view nodes whose fake values (each, for a view returning several) are on another storage
-    than their input's; and how many view nodes were checked."""
-    bad, checked = [], 0
-    for node in graph.nodes:
-        source = node.args[0] if _is_view(node) else None
-        if not isinstance(source, fx.Node) or not isinstance(source.meta.get("val"), torch.Tensor):
-            continue
-        checked += 1
-        value = node.meta.get("val")
-        if any(_storage(v) != _storage(source.meta["val"])
-               for v in (value if isinstance(value, (tuple, list)) else (value,)) if isinstance(v, torch.Tensor)):
-            bad.append(f"{node.name} = {node.target}({source.name})")
-    return bad, checked
 
 
 # -- the fake values of inserted views ----------------------------------------------------------
@@ -250,7 +226,9 @@ def test_a_returned_rotation_survives_the_backward_in_inductor(installed, fn, dy
     took the saved fused output for a donated buffer and Inductor's backward wrote a gradient into it."""
     inputs = _inputs()
     expected = _run(fn, inputs)
-    got = _run(torch.compile(fn, dynamic=dynamic), inputs)
+    with views_checked() as unaliased:
+        got = _run(torch.compile(fn, dynamic=dynamic), inputs)
+    assert unaliased == [[]]  # one joint graph, every view on its input's storage after the pass
     assert dict(torch._dynamo.utils.counters[COUNTER]) == {"rotary_position_embedding": 1,
                                                            "rotary_position_embedding_grad": 1}
     for what, g, e in zip(("outputs", "outputs after the backward", "gradients"), got, expected):
@@ -298,7 +276,9 @@ def test_a_returned_silu_survives_the_backward_in_inductor(installed, fn, dynami
     caller holds (by up to 20.6). The views now move onto the trace's storage (symbolic ones too)."""
     inputs = _silu_inputs()
     expected = _run(fn, inputs)
-    got = _run(torch.compile(fn, dynamic=dynamic), inputs)
+    with views_checked() as unaliased:
+        got = _run(torch.compile(fn, dynamic=dynamic), inputs)
+    assert unaliased == [[]]  # one joint graph, every view on its input's storage after the pass
     for what, g, e in zip(("outputs", "outputs after the backward", "gradients"), got, expected):
         for a, b in zip(g, e):
             torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4, msg=lambda m: f"{what}: {m}")

@@ -240,9 +240,11 @@ def _move_users(old, users, moved) -> None:
 
 
 def _move_symbolic_views(old, before, after, users) -> None:
-    """:func:`move_views` where a geometry is symbolic: each view is made again by the fake mode, as
-    ``as_strided`` of ``new``'s value with its own geometry, where ``old``'s and ``new``'s values have
-    the same shape, strides, storage offset and dtype (else nothing moves)."""
+    """Do :func:`move_views` where a geometry is symbolic.
+
+    Each view is made again by the fake mode, as ``as_strided`` of ``new``'s value with its own
+    geometry, where ``old``'s and ``new``'s values have the same shape, strides, storage offset and
+    dtype (else nothing moves)."""
     FakeTensor = fake_tensor_type()
     if not (isinstance(before, FakeTensor) and isinstance(after, FakeTensor)) or before.fake_mode is not after.fake_mode \
             or before.layout is not torch.strided or after.layout is not torch.strided:
