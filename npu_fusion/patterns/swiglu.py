@@ -42,7 +42,7 @@ import torch.fx as fx
 from ..lowering import FUSED_OPS
 from ..lowering.ops.swiglu import OP, swiglu_target_problem
 from ..lowering.ops.swiglu_grad import OP as GRAD_OP
-from .evaluator import saved_by_the_forward
+from .evaluator import Unsupported, saved_by_the_forward
 from .lanes import LaneEvaluator
 from .nodes import aten, calls_to, gradient_dependent, is_float_cast, shape
 from .pairing import site_key
@@ -52,8 +52,8 @@ from .rule import Form, FusionRule, RoundReport, SiteProbe
 from .swiglu_halves import (DECOMPOSED_SILU_TARGETS, dead_region, decomposed_silu_misses, glu_problem,
                             is_product_value, is_silu, numel, order_problem, outermost_cast, piece_of,
                             precision_problem, rows_problem, scaled_from, scaled_users, unread_glu_problem)
-from .swiglu_views import (flat_shape, gate_unread, leaf_axes, swiglu_evaluator, through_casts, view_leaf_evaluator,
-                           viewable_problem)
+from .swiglu_views import (flat_shape, gate_unread, leaf_axes, swiglu_evaluator, through_casts, unnamed_size_problem,
+                           view_leaf_evaluator, viewable_problem)
 
 
 @dataclasses.dataclass
@@ -191,12 +191,16 @@ def emit(ctx: RuleContext, match: SwigluMatch):
         viewable_problem(match.x, match.axes)
     if problem is not None:
         return Miss(OP.name, match.y.name, problem)
-    with Insertion(graph, match.x) as inserted:
-        x = match.x if match.axes == 1 else ctx.edit.call(aten.view.default, (match.x, flat_shape(match.x, match.axes)))
-        emitted = emit_fused_op(ctx, OP, match.y, (x, -1), {"y": match.y})
-        if isinstance(emitted, Miss):
-            return emitted
-        fused, replacements = emitted
+    try:
+        with Insertion(graph, match.x) as inserted:
+            x = match.x if match.axes == 1 else \
+                ctx.edit.call(aten.view.default, (match.x, flat_shape(match.x, match.axes)))
+            emitted = emit_fused_op(ctx, OP, match.y, (x, -1), {"y": match.y})
+            if isinstance(emitted, Miss):
+                return emitted
+            fused, replacements = emitted
+    except Unsupported as exc:  # a view to a symbolic size the graph names nowhere
+        return Miss(OP.name, match.y.name, unnamed_size_problem(exc))
     added = inserted.nodes()
     as_forward_work(added, match.product)
     return commit(ctx.edit, OP.name, None, dead_region([match.y], {match.x}), {"y": match.y}, replacements,

@@ -34,7 +34,7 @@ import torch.fx as fx
 from ..lowering.ops.swiglu_grad import OP
 from ..lowering.ops.swiglu import OP as FORWARD_OP, swiglu_target_problem
 from ..lowering.sizes import same_shape, static_int
-from .evaluator import JointProvenance
+from .evaluator import JointProvenance, Unsupported
 from .lanes import LaneEvaluator
 from .nodes import aten, calls_to, dtype, gradient_dependent, is_float_cast, last_of, shape, val
 from .pairing import backwards_of_forward_misses, site_key
@@ -44,8 +44,8 @@ from .rule import Form, FusionRule, RoundReport, SiteProbe
 from .swiglu_halves import (Piece, dead_region, decomposed_silu_misses, decomposed_silu_operand, glu_problem,
                             is_silu, numel, order_problem, piece_of, precision_problem, run_monomials,
                             unread_glu_problem)
-from .swiglu_views import (flat_shape, gate_unread, leaf_axes, swiglu_evaluator, through_casts, view_leaf_evaluator,
-                           viewable_problem)
+from .swiglu_views import (flat_shape, gate_unread, leaf_axes, swiglu_evaluator, through_casts, unnamed_size_problem,
+                           view_leaf_evaluator, viewable_problem)
 
 
 #: how far below the silu_backward node dx may lie (cat, slice_backward and add, casts, a view)
@@ -350,21 +350,27 @@ def emit(ctx: RuleContext, match: GradMatch):
     if problem is None and not same_shape(x_shape[:-1], lead) and not val(x).is_contiguous():
         problem = f"{x.name} is not contiguous: it cannot be viewed in dy's leading shape {lead}"
     # the site's verdict binds its forward (which waits for a fused backward): one reason both ways
-    ctx.context.judgements.record(site_key(OP.option, x), problem)
     if problem is not None:
+        ctx.context.judgements.record(site_key(OP.option, x), problem)
         return Miss(OP.name, dx.name, problem)
-    with Insertion(graph, last_of(graph, [dy, x])) as inserted:
-        x_in = x if same_shape(x_shape[:-1], lead) and match.axes == 1 else \
-            ctx.edit.call(aten.view.default, (x, lead + [x_shape[-1]]))
-        operands = (ctx.edit.cast(dy, compute), ctx.edit.cast(x_in, compute), -1)
-        emitted = emit_fused_op(ctx, OP, dx, operands, {} if match.halves else {"dx": dx})
-        if isinstance(emitted, Miss):
-            return emitted
-        fused, replacements = emitted
-        for i, half in enumerate(match.halves or ()):  # each half of the fused dx where the program keeps it
-            h = static_int(x_shape[-1]) // 2
-            piece = ctx.edit.call(aten.slice.Tensor, (fused, -1, i * h, (i + 1) * h))
-            replacements[half] = in_layout_of(ctx.edit, replacement_of(ctx.edit, piece, half), half)
+    try:
+        with Insertion(graph, last_of(graph, [dy, x])) as inserted:
+            x_in = x if same_shape(x_shape[:-1], lead) and match.axes == 1 else \
+                ctx.edit.call(aten.view.default, (x, lead + [x_shape[-1]]))
+            operands = (ctx.edit.cast(dy, compute), ctx.edit.cast(x_in, compute), -1)
+            emitted = emit_fused_op(ctx, OP, dx, operands, {} if match.halves else {"dx": dx})
+            if isinstance(emitted, Miss):
+                ctx.context.judgements.record(site_key(OP.option, x), None)
+                return emitted
+            fused, replacements = emitted
+            for i, half in enumerate(match.halves or ()):  # each half of the fused dx where the program keeps it
+                h = static_int(x_shape[-1]) // 2
+                piece = ctx.edit.call(aten.slice.Tensor, (fused, -1, i * h, (i + 1) * h))
+                replacements[half] = in_layout_of(ctx.edit, replacement_of(ctx.edit, piece, half), half)
+    except Unsupported as exc:  # a view to a symbolic size the graph names nowhere
+        ctx.context.judgements.record(site_key(OP.option, x), unnamed_size_problem(exc))
+        return Miss(OP.name, dx.name, unnamed_size_problem(exc))
+    ctx.context.judgements.record(site_key(OP.option, x), None)
     return commit(ctx.edit, OP.name, None, dead_region(list(outputs.values()), {x, dy}), outputs, replacements,
                   {"dy": dy, "x": x}, inserted.nodes(), fused)
 

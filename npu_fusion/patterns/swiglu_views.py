@@ -73,6 +73,13 @@ def viewable_problem(x: fx.Node, axes: int) -> Optional[str]:
     return None
 
 
+def unnamed_size_problem(exc: Exception) -> str:
+    """The miss of a site whose rewrite would view a value to a symbolic size no graph input names."""
+    return (f"{exc}: the rewrite views x to the [..., 2H] the fused op reads, or its result to the program's "
+            f"shape, and an emitted view names each symbolic size by an input (keep the leading axes, "
+            f"view(B, S, 2, H), to fuse with them dynamic)")
+
+
 def through_casts(node: fx.Node) -> fx.Node:
     """The node past the float casts that end at it."""
     while is_float_cast(node):
@@ -124,25 +131,28 @@ def split_piece(node) -> Optional[Tuple[fx.Node, int, tuple]]:
 
 
 def view_leaf_evaluator(ev: LaneEvaluator, gate_input) -> Optional[LaneEvaluator]:
-    """An evaluator that reads as a leaf the view a gate is a piece of, or None.
+    """An evaluator that reads as a leaf the value a gate's split cuts (past float casts), or None.
 
     ``h.view(B, S, N, 2 * I).chunk(2, -1)`` of a ``[B, S, 2 * N * I]`` projection: the lanes domain
     tracks the projection's last axis, where the gate is N pieces, no half; over the view (a leaf
-    here) the gate and the up are its two halves, and ``swiglu(view, -1)`` the same function. A
-    ``[..., 2, H]`` view split into its two rows (``unbind(-2)``, ``select(-2)``, ``chunk(2, -2)``)
-    whose rows the domain could not read as the projection's halves (a view that merges the leading
-    axes, a projection plus a bias): the view is a leaf over its two trailing axes, the rows its halves,
-    and the fused op reads it viewed ``[..., 2H]``. None where ``ev`` reads that view as a leaf
-    already, or the gate is no such piece."""
+    here) the gate and the up are its two halves, and ``swiglu(view, -1)`` the same function. So
+    for any value split along its last axis that the domain read through (``(h + b).chunk(2, -1)``).
+    A ``[..., 2, H]`` value split into its two rows (``unbind(-2)``, ``select(-2)``, ``chunk(2, -2)``)
+    whose rows the domain could not read as a projection's halves (a view that merges the leading
+    axes, a projection plus a bias): that value is a leaf over its two trailing axes, the rows its
+    halves, and the fused op reads it viewed ``[..., 2H]``. None where ``ev`` reads that value as a
+    leaf already, or the gate is no such piece."""
     found = split_piece(gate_input)
-    if found is None or found[0] in ev.forced_leaves or found[0].target not in VIEWS or found[2][0] == "strided":
+    if found is None or found[2][0] == "strided":
         return None
-    view, axis, _ = found
-    rank = len(shape(view))
+    source, axis, _ = found
+    node, rank = through_casts(source), len(shape(source))
+    if node in ev.forced_leaves or shape(node) is None or len(shape(node)) != rank:
+        return None
     if axis == rank - 1:
-        return swiglu_evaluator((view,))
-    if axis == rank - 2 and static_int(shape(view)[axis]) == 2 and static_int(shape(view)[-1]) is not None:
-        return swiglu_evaluator((view,), {view: 2})
+        return swiglu_evaluator((node,))
+    if axis == rank - 2 and static_int(shape(node)[axis]) == 2 and static_int(shape(node)[-1]) is not None:
+        return swiglu_evaluator((node,), {node: 2})
     return None
 
 
