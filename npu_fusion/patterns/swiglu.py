@@ -23,7 +23,9 @@ in x's dtype, must hold the precision y is kept at (a float32 product of bf16 ha
 float32 is refused). Only views, splits, slices and casts may lie between x and the product, and
 selects, joins and permutations of the axes after x's leading ones (``view(..., 2, H).unbind(-2)``),
 never a permutation or broadcast of the leading axes, so the fused op's output is y's elements in
-y's order. The gate of a view of x split along its last axis makes the view x (``swiglu(view, -1)``).
+y's order. The gate of a view of x split along its last axis makes the view x (``swiglu(view, -1)``);
+where the domain reads no piece of a leaf in the gate, the value its split cuts is x (a ``[..., 2, H]``
+one read over its two rows, viewed ``[..., 2H]`` for the fused op: :mod:`.swiglu_views`).
 
 Pairing: the rule runs after the backward rule (:mod:`.swiglu_grad`) in each round; a forward
 whose ``silu`` or halves a decomposed backward still reads stays as it is this round (a miss,
@@ -99,7 +101,7 @@ def _gated_products(silu: fx.Node) -> List[fx.Node]:
 
 def _examine(ev: LaneEvaluator, silu: fx.Node, gradient) -> Tuple[List[SwigluMatch], List[Miss]]:
     gate = piece_of(ev, silu.args[0])
-    if gate_unread(ev, gate, silu.args[0]):
+    if gate_unread(gate, silu.args[0]):
         over_view = view_leaf_evaluator(ev, silu.args[0])
         if over_view is not None:
             return _examine(over_view, silu, gradient)

@@ -21,7 +21,8 @@ halves' gradients, ``silu_backward`` and a node holding ``dy[i] * silu(x[:H])[i]
 by its half of the fused dx and the sums stay. A candidate whose pieces are not the two halves in
 order is a near miss. A gate and an up of two projections read two leaves: no candidate. Where
 the gate is no piece of the projection but of a view of it split along its last axis
-(``view(..., N, 2 * I).chunk(2, -1)``), that view is x (:func:`~.swiglu_halves.view_leaf_evaluator`). The rounding rules are the forward's
+(``view(..., N, 2 * I).chunk(2, -1)``), that view is x, and so is the value a split cuts where the domain
+read no piece of a leaf in the gate (:func:`~.swiglu_views.view_leaf_evaluator`). The rounding rules are the forward's
 (:func:`~.swiglu_halves.precision_problem`); the fused op runs in the narrowest dtype that holds dy and x.
 """
 from __future__ import annotations
@@ -188,7 +189,7 @@ def _examine(ev: LaneEvaluator, sb: fx.Node):
     """A :class:`GradMatch`, a :class:`Miss`, or None (no SwiGLU candidate) at a silu_backward node."""
     grad, inp = sb.args[:2]
     gate = piece_of(ev, inp)
-    if gate_unread(ev, gate, inp):
+    if gate_unread(gate, inp):
         over_view = view_leaf_evaluator(ev, inp)
         if over_view is not None:
             return _examine(over_view, sb)

@@ -156,6 +156,6 @@ def view_leaf_evaluator(ev: LaneEvaluator, gate_input) -> Optional[LaneEvaluator
     return None
 
 
-def gate_unread(ev: LaneEvaluator, piece, gate_input) -> bool:
+def gate_unread(piece, gate_input) -> bool:
     """Whether the lanes domain read nothing of the gate's split: no piece, or the gate node is its own leaf."""
     return piece is None or piece.x is through_casts(gate_input)
