@@ -88,15 +88,17 @@ def halves_of_four_heads(x, w):  # [..., 4, H/2], chunk(2, -2): rows 0-1 are the
     return F.silu(gate) * up
 
 
-@pytest.mark.xfail(strict=True, reason="known (this session's attack): the forward's miss of view(B,S,4,H//2).chunk(2,-2) says 'not silu(gate) * up position by position', which is false (the base said 'split along axis 2 of 4')")
 def test_halves_across_a_head_axis_miss_says_the_same_true_thing_both_ways():
-    """FINDING (A, false reason, a regression from 28be57e): at the base both ops' misses said the halves are
-    split along axis 2 of 4; now the forward's says "mul is not silu(gate) * up position by position",
-    which is false (the product is exactly silu of the first half times the second)."""
+    """Was a finding (A, false reason, a regression from 28be57e): the forward's miss said "mul is not
+    silu(gate) * up position by position", which is false (the product is exactly silu of the first half
+    times the second). Both ways the miss now says the same true thing: the halves are the projection's,
+    each two rows of the view, and the rules read silu and its gradient a row at a time."""
     result = _checked(halves_of_four_heads, _inputs(torch.float32))
     assert _ops(result) == ([], [FORWARD, BACKWARD]) or _ops(result) == ([FORWARD, BACKWARD], [])
     for miss in result.misses:
         assert "is not silu(gate) * up position by position" not in miss.reason, miss.reason
+        assert "each half is 2 rows" in miss.reason and "a row at a time" in miss.reason, miss.reason
+    assert len({miss.reason for miss in result.misses}) <= 1  # the same reason both ways
 
 
 def flattened_leading(x, w):  # [B*S, 2, H].unbind(1): the two halves of the last axis, leading axes merged
@@ -109,15 +111,25 @@ def scalar_offset_projection(x, w):  # (x @ w + 0.1) viewed [..., 2, H]: unbind(
     return F.silu(gate) * up
 
 
-@pytest.mark.xfail(strict=True, reason="known (this session's attack): reshape(B*S, 2, H).unbind(1) and (x@w + 0.1).view(B,S,2,H).unbind(-2) stay a miss saying 'the last axis only', which is false; values are right")
 @pytest.mark.parametrize("form", [flattened_leading, scalar_offset_projection], ids=lambda f: f.__name__)
 def test_halves_of_a_two_row_view_are_not_called_a_split_the_rules_cannot_read(form):
-    """FINDING (A, false reason / missed fusion): each splits ``[..., 2, H]`` along its second-to-last
+    """Was a finding (A, false reason / missed fusion): each splits ``[..., 2, H]`` along its second-to-last
     axis, the form this change fuses (``unbind(-2)``: ``tests/test_swiglu.py::unbound`` fuses), yet the
-    miss says the rules "find the two halves along the last axis only". The values are right."""
+    miss said the rules "find the two halves along the last axis only". Now the view is x (its two rows the
+    halves, read ``[..., 2H]``): fused both ways, outputs and gradients by the float64 criterion
+    (``_checked``), and the inference graph's forward too."""
     result = _checked(form, _inputs(torch.float32))
     for miss in result.misses:
         assert "along the last axis only" not in miss.reason, miss.reason
+    assert _ops(result) == ([FORWARD, BACKWARD], []), result.misses
+    capture = Capture(**ON)
+    torch._dynamo.reset()
+    x, w = [t.detach() for t in _inputs(torch.float32)]
+    with torch.no_grad():
+        got = torch.compile(form, backend=capture)(x, w)
+    assert_close_as_unfused(got, form(x, w), float64_output(form, [x, w]), factor=MODEL_FACTOR)
+    (inference,) = capture.results
+    assert _ops(inference) == ([FORWARD], [])
 
 
 def strided_halves(x, w):  # the two halves spelled with as_strided
@@ -134,13 +146,18 @@ def gate_scaled_in_place_first(x, w):  # the projection's gate half updated in p
     return F.silu(gate) * up
 
 
-@pytest.mark.xfail(strict=True, reason="known (this session's attack, silent at the base too): halves by as_strided, and a half scaled in place before the chunk, end neither fused nor recorded")
-@pytest.mark.parametrize("form", [strided_halves, gate_scaled_in_place_first], ids=lambda f: f.__name__)
-def test_swiglu_of_one_projection_is_never_silent(form):
-    """FINDING (silent miss, already at 28be57e): silu of the first half times the second half of one
-    projection, reached through as_strided or after an in-place update of a slice: no site, no miss."""
+@pytest.mark.parametrize("form, reason", [(strided_halves, "not as_strided's sizes, strides and offset"),
+                                          (gate_scaled_in_place_first, "after an in-place update")],
+                         ids=["strided_halves", "gate_scaled_in_place_first"])
+def test_swiglu_of_one_projection_is_never_silent(form, reason):
+    """Was a finding (silent miss, already at 28be57e): silu of the first half times the second half of one
+    projection, reached through as_strided or after an in-place update of a slice: no site, no miss. Now
+    one recorded miss each way, saying what the rules do not read."""
     result = _checked(form, _inputs(torch.float32))
     assert result.sites or result.misses, "silent: no site and no recorded miss"
+    assert _ops(result) == ([], [FORWARD, BACKWARD])
+    for miss in result.misses:
+        assert reason in miss.reason, miss.reason
 
 
 # -- checked near misses (Change A): right values, each fused or recorded -----------------------

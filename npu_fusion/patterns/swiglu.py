@@ -23,7 +23,9 @@ in x's dtype, must hold the precision y is kept at (a float32 product of bf16 ha
 float32 is refused). Only views, splits, slices and casts may lie between x and the product, and
 selects, joins and permutations of the axes after x's leading ones (``view(..., 2, H).unbind(-2)``),
 never a permutation or broadcast of the leading axes, so the fused op's output is y's elements in
-y's order. The gate of a view of x split along its last axis makes the view x (``swiglu(view, -1)``).
+y's order. The gate of a view of x split along its last axis makes the view x (``swiglu(view, -1)``);
+where the domain reads no piece of a leaf in the gate, the value its split cuts is x (a ``[..., 2, H]``
+one read over its two rows, viewed ``[..., 2H]`` for the fused op: :mod:`.swiglu_views`).
 
 Pairing: the rule runs after the backward rule (:mod:`.swiglu_grad`) in each round; a forward
 whose ``silu`` or halves a decomposed backward still reads stays as it is this round (a miss,
@@ -42,7 +44,7 @@ import torch.fx as fx
 from ..lowering import FUSED_OPS
 from ..lowering.ops.swiglu import OP, swiglu_target_problem
 from ..lowering.ops.swiglu_grad import OP as GRAD_OP
-from .evaluator import saved_by_the_forward
+from .evaluator import Unsupported, saved_by_the_forward
 from .lanes import LaneEvaluator
 from .nodes import aten, calls_to, gradient_dependent, is_float_cast, shape
 from .pairing import site_key
@@ -51,8 +53,9 @@ from .rule import Form, FusionRule, RoundReport, SiteProbe
 
 from .swiglu_halves import (DECOMPOSED_SILU_TARGETS, dead_region, decomposed_silu_misses, glu_problem,
                             is_product_value, is_silu, numel, order_problem, outermost_cast, piece_of,
-                            precision_problem, scaled_from, scaled_users, swiglu_evaluator, through_casts,
-                            unread_glu_problem, view_leaf_evaluator)
+                            precision_problem, rows_problem, scaled_from, scaled_users, unread_glu_problem)
+from .swiglu_views import (flat_shape, gate_unread, leaf_axes, swiglu_evaluator, through_casts, unnamed_size_problem,
+                           view_leaf_evaluator, viewable_problem)
 
 
 @dataclasses.dataclass
@@ -62,6 +65,8 @@ class SwigluMatch:
     product: fx.Node
     silu: fx.Node
     x: fx.Node
+    #: x's trailing axes the fused op reads as its last (2: a ``[..., 2, H]`` view whose rows are the halves)
+    axes: int = 1
 
     @property
     def dx(self) -> fx.Node:
@@ -96,9 +101,13 @@ def _gated_products(silu: fx.Node) -> List[fx.Node]:
 
 def _examine(ev: LaneEvaluator, silu: fx.Node, gradient) -> Tuple[List[SwigluMatch], List[Miss]]:
     gate = piece_of(ev, silu.args[0])
-    if gate is None:
+    if gate_unread(gate, silu.args[0]):
         over_view = view_leaf_evaluator(ev, silu.args[0])
-        return _examine(over_view, silu, gradient) if over_view is not None else ([], [])
+        if over_view is not None:
+            return _examine(over_view, silu, gradient)
+        if gate is None:
+            return [], []
+    axes = leaf_axes(ev, gate.x)
     silu_v = ev.value(silu)
     if silu_v is None or silu_v.poly_at(0) != {((ev.leaf_id(silu), 0),): 1}:
         return [], []
@@ -116,13 +125,14 @@ def _examine(ev: LaneEvaluator, silu: fx.Node, gradient) -> Tuple[List[SwigluMat
         if problem is None:
             v = ev.value(product)
             if v is None or not is_product_value(v, (ev.leaf_id(silu), 0), gate.lid, gate.size, gate.size):
-                problem = f"{product.name} is not silu(gate) * up position by position"
+                problem = rows_problem(ev, silu.args[0], other) or \
+                    f"{product.name} is not silu(gate) * up position by position"
         problem = problem or order_problem([product], {gate.x}, [(numel(product), numel(gate.x) // 2)],
-                                           shape(gate.x)[:-1])
+                                           shape(gate.x)[:len(shape(gate.x)) - axes])
         if problem is not None:
             misses.append(Miss(OP.name, y.name, problem))
         else:
-            matches.append(SwigluMatch(y, product, silu, gate.x))
+            matches.append(SwigluMatch(y, product, silu, gate.x, axes))
     return matches, misses
 
 
@@ -172,21 +182,27 @@ def emit(ctx: RuleContext, match: SwigluMatch):
     graph = ctx.graph
     gradient = gradient_dependent(graph)
     path = _region(match.y, match.x)
-    ev = swiglu_evaluator((match.x,))
+    ev = swiglu_evaluator((match.x,), {match.x: match.axes})
     ev.value(match.y)
     # the verdict its backward was given first (the site's), then its own roundings, then its pairing
     key = site_key(GRAD_OP.option, match.x)
     problem = ctx.context.judgements.binding(key) or \
         precision_problem(ev, match.y, "y", [match.x, match.x], [match.silu]) or \
         _pairing_problem(match, path, gradient, ctx.provenance, ctx.context.judgements.accepted(key))
-    problem = problem or swiglu_target_problem(ctx.target, OP.ge_op, tuple(shape(match.x)))
+    problem = problem or swiglu_target_problem(ctx.target, OP.ge_op, tuple(flat_shape(match.x, match.axes))) or \
+        viewable_problem(match.x, match.axes)
     if problem is not None:
         return Miss(OP.name, match.y.name, problem)
-    with Insertion(graph, match.x) as inserted:
-        emitted = emit_fused_op(ctx, OP, match.y, (match.x, -1), {"y": match.y})
-        if isinstance(emitted, Miss):
-            return emitted
-        fused, replacements = emitted
+    try:
+        with Insertion(graph, match.x) as inserted:
+            x = match.x if match.axes == 1 else \
+                ctx.edit.call(aten.view.default, (match.x, flat_shape(match.x, match.axes)))
+            emitted = emit_fused_op(ctx, OP, match.y, (x, -1), {"y": match.y})
+            if isinstance(emitted, Miss):
+                return emitted
+            fused, replacements = emitted
+    except Unsupported as exc:  # a view to a symbolic size the graph names nowhere
+        return Miss(OP.name, match.y.name, unnamed_size_problem(exc))
     added = inserted.nodes()
     as_forward_work(added, match.product)
     return commit(ctx.edit, OP.name, None, dead_region([match.y], {match.x}), {"y": match.y}, replacements,

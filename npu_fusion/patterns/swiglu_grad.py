@@ -21,7 +21,8 @@ halves' gradients, ``silu_backward`` and a node holding ``dy[i] * silu(x[:H])[i]
 by its half of the fused dx and the sums stay. A candidate whose pieces are not the two halves in
 order is a near miss. A gate and an up of two projections read two leaves: no candidate. Where
 the gate is no piece of the projection but of a view of it split along its last axis
-(``view(..., N, 2 * I).chunk(2, -1)``), that view is x (:func:`~.swiglu_halves.view_leaf_evaluator`). The rounding rules are the forward's
+(``view(..., N, 2 * I).chunk(2, -1)``), that view is x, and so is the value a split cuts where the domain
+read no piece of a leaf in the gate (:func:`~.swiglu_views.view_leaf_evaluator`). The rounding rules are the forward's
 (:func:`~.swiglu_halves.precision_problem`); the fused op runs in the narrowest dtype that holds dy and x.
 """
 from __future__ import annotations
@@ -34,7 +35,7 @@ import torch.fx as fx
 from ..lowering.ops.swiglu_grad import OP
 from ..lowering.ops.swiglu import OP as FORWARD_OP, swiglu_target_problem
 from ..lowering.sizes import same_shape, static_int
-from .evaluator import JointProvenance
+from .evaluator import JointProvenance, Unsupported
 from .lanes import LaneEvaluator
 from .nodes import aten, calls_to, dtype, gradient_dependent, is_float_cast, last_of, shape, val
 from .pairing import backwards_of_forward_misses, site_key
@@ -43,8 +44,9 @@ from .rewrite import (Insertion, Miss, RuleContext, commit, emit_fused_op, exact
 from .rule import Form, FusionRule, RoundReport, SiteProbe
 from .swiglu_halves import (Piece, dead_region, decomposed_silu_misses, decomposed_silu_operand, glu_problem,
                             is_silu, numel, order_problem, piece_of, precision_problem, run_monomials,
-                            swiglu_evaluator, through_casts, unread_glu_problem,
-                            view_leaf_evaluator)
+                            unread_glu_problem)
+from .swiglu_views import (flat_shape, gate_unread, leaf_axes, swiglu_evaluator, through_casts, unnamed_size_problem,
+                           view_leaf_evaluator, viewable_problem)
 
 
 #: how far below the silu_backward node dx may lie (cat, slice_backward and add, casts, a view)
@@ -54,8 +56,10 @@ DX_DEPTH = 6
 class GradMatch:
     """A backward site: ``dx_node`` is the gradient of x (``x``), ``dy`` the incoming gradient."""
 
-    def __init__(self, dx_node: fx.Node, dy: fx.Node, x: fx.Node, silu_backward: fx.Node, halves=None):
+    def __init__(self, dx_node: fx.Node, dy: fx.Node, x: fx.Node, silu_backward: fx.Node, halves=None, axes=1):
         self.dx_node, self.dy, self.x, self.silu_backward = dx_node, dy, x, silu_backward
+        #: x's trailing axes the fused op reads as its last (2: a ``[..., 2, H]`` view whose rows are the halves)
+        self.axes = axes
         #: ``(d_gate, d_up)`` where autograd adds another gradient to a half before joining them (the
         #: gate or the up has other users): the two halves' gradients, each replaced by its half of
         #: the fused dx; None where ``dx_node`` holds the whole dx
@@ -185,9 +189,13 @@ def _examine(ev: LaneEvaluator, sb: fx.Node):
     """A :class:`GradMatch`, a :class:`Miss`, or None (no SwiGLU candidate) at a silu_backward node."""
     grad, inp = sb.args[:2]
     gate = piece_of(ev, inp)
-    if gate is None:
+    if gate_unread(gate, inp):
         over_view = view_leaf_evaluator(ev, inp)
-        return _examine(over_view, sb) if over_view is not None else None
+        if over_view is not None:
+            return _examine(over_view, sb)
+        if gate is None:
+            return None
+    axes = leaf_axes(ev, gate.x)
     found = _up_and_dy(ev, grad, gate)
     if found is None:
         return None  # dy * up of another projection (Llama's MLP): no candidate
@@ -211,8 +219,8 @@ def _examine(ev: LaneEvaluator, sb: fx.Node):
                                           f"the up's: the fused op writes one dx, whose halves are these")
         # another gradient of the gate or the up is added to its half before the halves join: the halves
         # of the fused dx replace the two gradients the product contributes, and the sums stay as they are
-        return GradMatch(_outermost_cast(sb), dy_node, gate.x, sb, (_outermost_cast(sb), _outermost_cast(d_up)))
-    return GradMatch(_outermost_cast(dx), dy_node, gate.x, sb)
+        return GradMatch(_outermost_cast(sb), dy_node, gate.x, sb, (_outermost_cast(sb), _outermost_cast(d_up)), axes)
+    return GradMatch(_outermost_cast(dx), dy_node, gate.x, sb, axes=axes)
 
 
 #: how far below dy the up's gradient ``dy * silu(gate)`` may lie (a cast of dy, the product, its cast)
@@ -248,7 +256,7 @@ def _order_problem(match: GradMatch) -> Optional[str]:
     outputs = list(match.halves or [match.dx_node])
     return order_problem(outputs, {match.x, match.dy},
                          [(len(outputs) * numel(o), numel(match.x)) for o in outputs] +
-                         [(2 * numel(match.dy), numel(match.x))], shape(match.x)[:-1])
+                         [(2 * numel(match.dy), numel(match.x))], shape(match.x)[:len(shape(match.x)) - match.axes])
 
 
 def _split_source(provenance, node) -> Optional[fx.Node]:
@@ -328,7 +336,8 @@ def find_sites(graph: fx.Graph, ctx: RuleContext) -> RoundReport:
 def emit(ctx: RuleContext, match: GradMatch):
     """One backward site rewritten into ``swiglu_grad(dy, x, -1)`` (a :class:`Site`), or a :class:`Miss`."""
     graph, x, dy, dx = ctx.graph, match.x, match.dy, match.dx_node
-    ev = swiglu_evaluator((x,))
+    ev = swiglu_evaluator((x,), {x: match.axes})
+    x_shape = flat_shape(x, match.axes)  # the [..., 2H] the fused op reads
     outputs = dict(zip(("dx_gate", "dx_up"), match.halves)) if match.halves else {"dx": dx}
     for output in outputs.values():
         ev.value(output)
@@ -337,26 +346,32 @@ def emit(ctx: RuleContext, match: GradMatch):
     silus = [n for n in ev.leaves if is_silu(n)]
     for name, output in outputs.items():
         problem = problem or precision_problem(ev, output, name, [dy, x], [match.silu_backward, *silus])
-    problem = problem or swiglu_target_problem(ctx.target, OP.ge_op, tuple(shape(x)))
+    problem = problem or swiglu_target_problem(ctx.target, OP.ge_op, tuple(x_shape)) or viewable_problem(x, match.axes)
     lead = list(shape(dy)[:-1])
-    if problem is None and not same_shape(shape(x)[:-1], lead) and not val(x).is_contiguous():
+    if problem is None and not same_shape(x_shape[:-1], lead) and not val(x).is_contiguous():
         problem = f"{x.name} is not contiguous: it cannot be viewed in dy's leading shape {lead}"
     # the site's verdict binds its forward (which waits for a fused backward): one reason both ways
-    ctx.context.judgements.record(site_key(OP.option, x), problem)
     if problem is not None:
+        ctx.context.judgements.record(site_key(OP.option, x), problem)
         return Miss(OP.name, dx.name, problem)
-    with Insertion(graph, last_of(graph, [dy, x])) as inserted:
-        x_in = x if same_shape(shape(x)[:-1], lead) else \
-            ctx.edit.call(aten.view.default, (x, lead + [shape(x)[-1]]))
-        operands = (ctx.edit.cast(dy, compute), ctx.edit.cast(x_in, compute), -1)
-        emitted = emit_fused_op(ctx, OP, dx, operands, {} if match.halves else {"dx": dx})
-        if isinstance(emitted, Miss):
-            return emitted
-        fused, replacements = emitted
-        for i, half in enumerate(match.halves or ()):  # each half of the fused dx where the program keeps it
-            h = static_int(shape(x)[-1]) // 2
-            piece = ctx.edit.call(aten.slice.Tensor, (fused, -1, i * h, (i + 1) * h))
-            replacements[half] = in_layout_of(ctx.edit, replacement_of(ctx.edit, piece, half), half)
+    try:
+        with Insertion(graph, last_of(graph, [dy, x])) as inserted:
+            x_in = x if same_shape(x_shape[:-1], lead) and match.axes == 1 else \
+                ctx.edit.call(aten.view.default, (x, lead + [x_shape[-1]]))
+            operands = (ctx.edit.cast(dy, compute), ctx.edit.cast(x_in, compute), -1)
+            emitted = emit_fused_op(ctx, OP, dx, operands, {} if match.halves else {"dx": dx})
+            if isinstance(emitted, Miss):
+                ctx.context.judgements.record(site_key(OP.option, x), None)
+                return emitted
+            fused, replacements = emitted
+            for i, half in enumerate(match.halves or ()):  # each half of the fused dx where the program keeps it
+                h = static_int(x_shape[-1]) // 2
+                piece = ctx.edit.call(aten.slice.Tensor, (fused, -1, i * h, (i + 1) * h))
+                replacements[half] = in_layout_of(ctx.edit, replacement_of(ctx.edit, piece, half), half)
+    except Unsupported as exc:  # a view to a symbolic size the graph names nowhere
+        ctx.context.judgements.record(site_key(OP.option, x), unnamed_size_problem(exc))
+        return Miss(OP.name, dx.name, unnamed_size_problem(exc))
+    ctx.context.judgements.record(site_key(OP.option, x), None)
     return commit(ctx.edit, OP.name, None, dead_region(list(outputs.values()), {x, dy}), outputs, replacements,
                   {"dy": dy, "x": x}, inserted.nodes(), fused)
 
@@ -391,7 +406,8 @@ class SwigluGradRule(FusionRule):
          "upcast to float32 and cast back; dx joined by `cat` or by `slice_backward` and `add`",
          "Phi-3, GLM-4 (`gate_up_proj`), Megatron fc1 with gated linear units"),
         ("the projection viewed before its halves: `view(..., 2, I).unbind(-2)` or its selects (the halves of "
-         "the projection), `view(..., N, 2 * I).chunk(2, -1)` (the halves of the view, which the fused op reads)",
+         "the projection; the view's two rows, read `[..., 2 * I]`, where a merged leading shape or a bias hides "
+         "the projection's), `view(..., N, 2 * I).chunk(2, -1)` (the halves of the view, which the fused op reads)",
          "MLPs that view gate_up_proj's output per half or per head"),
         ("the gate or the up read besides the product (returned, added): the fused dx's halves replace the "
          "product's gradients of the halves, autograd's sums with the other gradients stay",

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import operator
 from typing import List, Optional, Tuple
 
 import torch
@@ -24,6 +23,7 @@ from ..lowering.checks import numel as product_of, size_equal
 from ..lowering.sizes import same_shape, static_int
 from .nodes import aten, axis_order, calls_to, dtype, holds, is_float_cast, shape
 from .rewrite import Miss
+from .swiglu_views import VIEWS, split_piece, swiglu_evaluator, through_casts
 
 
 #: the ops that may move elements across the leading axes (the lanes domain tracks the last axis
@@ -33,29 +33,6 @@ REORDERING = {aten.permute.default, aten.transpose.int, aten.t.default, aten.exp
               aten.index.Tensor, aten.gather.default, aten.select_backward.default}
 #: the ops that join along an axis: only along the last one (the halves)
 JOINING = {aten.cat.default, aten.stack.default}
-
-
-def swiglu_evaluator(leaves=()) -> LaneEvaluator:
-    """The lanes domain over the whole graph: every node read as itself (silu a leaf), ``leaves`` read as leaves."""
-    return LaneEvaluator(None, forced_leaves=leaves)
-
-
-#: the ops that lay a value out in another shape, element for element
-VIEWS = {aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.unflatten.int}
-
-
-def view_leaf_evaluator(ev: LaneEvaluator, gate_input) -> Optional[LaneEvaluator]:
-    """An evaluator that reads as a leaf the view a gate is a piece of, split along its last axis, or None.
-
-    ``h.view(B, S, N, 2 * I).chunk(2, -1)`` of a ``[B, S, 2 * N * I]`` projection: the lanes domain
-    tracks the projection's last axis, where the gate is N pieces, no half; over the view (a leaf
-    here) the gate and the up are its two halves, and ``swiglu(view, -1)`` the same function.
-    None where ``ev`` reads that view as a leaf already, or the gate is no piece of a view's last axis."""
-    found = split_piece(gate_input)
-    if found is None or found[0] in ev.forced_leaves or found[0].target not in VIEWS or \
-            found[1] != len(shape(found[0])) - 1:
-        return None
-    return swiglu_evaluator((found[0],))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -107,9 +84,10 @@ def piece_of(ev: LaneEvaluator, node) -> Optional[Piece]:
 
 def _piece(ev: LaneEvaluator, lid: int, start: int, size: int) -> Optional[Piece]:
     leaf = ev.leaves[lid]
-    width = ev.value(leaf).inner[-1] if ev.value(leaf) is not None else None
-    if width is None:
+    value = ev.value(leaf)
+    if value is None:
         return None
+    width = math.prod(value.inner)  # over every tracked axis: a [..., 2, H] view read as a leaf is 2H wide
     return Piece(leaf, lid, start, size, width)
 
 
@@ -139,13 +117,6 @@ def numel(node: fx.Node):
 
 def is_silu(node) -> bool:
     return isinstance(node, fx.Node) and node.op == "call_function" and node.target is aten.silu.default
-
-
-def through_casts(node: fx.Node) -> fx.Node:
-    """The node past the float casts that end at it."""
-    while is_float_cast(node):
-        node = node.args[0]
-    return node
 
 
 def outermost_cast(node: fx.Node) -> fx.Node:
@@ -292,45 +263,8 @@ def dead_region(outputs, stops) -> List[fx.Node]:
 
 
 
-#: the ops that cut a value into pieces along one axis (the ATen spellings of chunk, split, narrow)
-SPLITTING = {aten.split.Tensor, aten.split_with_sizes.default, aten.unsafe_split.Tensor,
-             aten.unsafe_split_with_sizes.default}
 #: how many steps :func:`factor_pieces` follows products, negations and casts
 FACTOR_DEPTH = 3
-
-
-def split_piece(node) -> Optional[Tuple[fx.Node, int, tuple]]:
-    """``(source, axis, which)`` when ``node`` (past float casts) is one piece of a split, chunk or slice.
-
-    Read by structure, not by value, so that it answers where the lanes domain cannot (a split
-    along another axis than the last, a symbolic width): ``which`` tells two pieces of one
-    source apart."""
-    if not isinstance(node, fx.Node):
-        return None
-    node = through_casts(node)
-    if node.op != "call_function" or shape(node) is None:
-        return None
-    if node.target is operator.getitem and isinstance(node.args[0], fx.Node) and node.args[0].target in SPLITTING:
-        split = node.args[0]
-        source, axis = split.args[0], split.args[2] if len(split.args) > 2 else split.kwargs.get("dim", 0)
-        which = ("piece", node.args[1])
-    elif node.target is operator.getitem and isinstance(node.args[0], fx.Node) and \
-            node.args[0].target is aten.unbind.int:  # one index of an axis: h.view(..., 2).unbind(-1)
-        unbind = node.args[0]
-        source, axis = unbind.args[0], unbind.args[1] if len(unbind.args) > 1 else unbind.kwargs.get("dim", 0)
-        which = ("index", str(node.args[1]))
-    elif node.target is aten.select.int:
-        source, axis, which = node.args[0], node.args[1], ("index", str(node.args[2]))
-    elif node.target is aten.slice.Tensor:
-        source, axis = node.args[0], node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0)
-        which = ("slice",) + tuple(str(a) for a in node.args[2:4])
-    elif node.target is aten.narrow.default:
-        source, axis, which = node.args[0], node.args[1], ("narrow", str(node.args[2]), str(node.args[3]))
-    else:
-        return None
-    if not isinstance(source, fx.Node) or shape(source) is None or not len(shape(source)):
-        return None
-    return source, axis % len(shape(source)), which
 
 
 def factor_pieces(node, depth: int = FACTOR_DEPTH, transforms: Optional[list] = None
@@ -396,7 +330,8 @@ def unread_glu_problem(ev: LaneEvaluator, gate_input, gated) -> Optional[str]:
         return None
     source, axis, which = gates[0][1]
     up_transforms: list = []
-    ups = [node for node, p in factor_pieces(gated, transforms=up_transforms) if p[0] is source and p[2] != which]
+    ups = [node for node, p in factor_pieces(gated, transforms=up_transforms)
+           if _same_value(p[0], source) and p[2] != which]
     transforms += up_transforms
     if not ups:
         return None
@@ -413,6 +348,15 @@ def unread_glu_problem(ev: LaneEvaluator, gate_input, gated) -> Optional[str]:
         return (f"silu gates a piece of {source.name} and another piece is the up, but {transforms[0].name} "
                 f"({transforms[0].target}) changes a piece between the split and the product: the fused op computes "
                 f"silu(x[:H]) * x[H:] of the halves as they are")
+    strided = [n for n in (gates[0][0], ups[0]) if split_piece(n)[2][0] == "strided"]
+    if strided:
+        return (f"silu gates {through_casts(gates[0][0]).name} and the up is {through_casts(ups[0]).name}, pieces of "
+                f"{source.name} where {', '.join(through_casts(n).name for n in strided)} is an as_strided view: the "
+                f"rules follow slices, splits, chunks and views, not as_strided's sizes, strides and offset, so they "
+                f"prove no halves there (spell them {source.name}.chunk(2, -1) or slices, which fuse)")
+    rows = rows_problem(ev, gate_input, ups[0])
+    if rows is not None:
+        return rows
     rank = len(shape(source))
     if axis != rank - 1 and source.target in (aten.permute.default, aten.transpose.int):
         moved_from = axis_order(source.target, source.args[1:], rank)[axis]
@@ -422,9 +366,18 @@ def unread_glu_problem(ev: LaneEvaluator, gate_input, gated) -> Optional[str]:
                 f"among the leading axes (split {source.args[0].name} itself, swiglu(x, -1) reads its halves)")
     if axis != rank - 1:
         return (f"silu gates a piece of {source.name} split along axis {axis} of {rank}, and the other piece is "
-                f"the up: the rules find the two halves along the last axis only (swiglu(x, -1))")
+                f"the up: the rules find the two halves as blocks of a last axis (chunk(2, -1), swiglu(x, -1)) or as "
+                f"the two rows of a [..., 2, H] view's axis before its last (unbind(-2)), and this split is neither")
     gate_lanes, up_lanes = piece_of(ev, gate_input), piece_of(ev, ups[0])
     if gate_lanes is not None and up_lanes is not None and gate_lanes.lid != up_lanes.lid:
+        g, u, update = gate_lanes.x, up_lanes.x, _updated_in_place(source)
+        if _same_value(g, u) or update is not None:  # one value the domain reads as two
+            how = f"two views of {g.args[0].name} to one shape" if _same_value(g, u) else "the values it joins"
+            after = f", after an in-place update ({update.name}, {update.target})," if update is not None else ""
+            return (f"silu gates a piece of {source.name} and the up is another piece of that value, but{after} the "
+                    f"rules read the gate as a piece of {g.name} and the up of {u.name}, {how}, each a value of its "
+                    f"own: no two halves of one value, so no site is proven (fold the update into the projection's "
+                    f"weight to fuse)")
         return None  # two projections joined along the last axis: as Llama's MLP, no site
     if static_int(shape(source)[axis]) is None:
         return (f"{source.name}'s last axis ({shape(source)[axis]}) is symbolic: the rules prove the two halves over "
@@ -435,6 +388,42 @@ def unread_glu_problem(ev: LaneEvaluator, gate_input, gated) -> Optional[str]:
     return (f"silu({through_casts(gate_input).name}) and another piece of {source.name} are multiplied with a "
             f"constant, a sign or a piece that is not the second half: not silu(x[:H]) * x[H:] position by position, "
             f"which the fused op computes")
+
+
+#: the ops with which functionalization writes an in-place update of a slice into its base
+_SCATTERS = {aten.slice_scatter.default, aten.select_scatter.default, aten.as_strided_scatter.default,
+             aten.index_put.default, aten.copy.default}
+
+
+def _same_value(a: fx.Node, b: fx.Node) -> bool:
+    """Whether ``a`` and ``b`` are one node, or two views of one node to one shape (functionalization's twins)."""
+    return a is b or (a.target in VIEWS and a.target is b.target and a.args == b.args and a.kwargs == b.kwargs)
+
+
+def _updated_in_place(source: fx.Node) -> Optional[fx.Node]:
+    """The scatter ``source`` is a view of: functionalization's trace of an in-place update of a slice, or None."""
+    while source.op == "call_function" and source.target in VIEWS:
+        source = source.args[0]
+    return source if source.op == "call_function" and source.target in _SCATTERS else None
+
+
+def rows_problem(ev: LaneEvaluator, gate_input, up) -> Optional[str]:
+    """Why the two halves of one leaf, each several rows of a view (``view(B, S, 4, H // 2).chunk(2, -2)``), are
+    not read, or None where they are not such halves.
+
+    The rules read silu and its gradient over their last axis (leaves of the domain), a row at a time:
+    halves one row each (``view(..., 2, H).unbind(-2)``, ``chunk(2, -2)``) fuse, several rows each do not."""
+    gate, ups = piece_of(ev, gate_input), piece_of(ev, up) if isinstance(up, fx.Node) else None
+    v = ev.value(gate_input)
+    if gate is None or ups is None or gate.lid != ups.lid or not (gate.is_gate and ups.is_up) or \
+            v is None or len(v.inner) < 2 or math.prod(v.inner[:-1]) < 2:
+        return None
+    found = split_piece(gate_input)
+    where = f" of {found[0].name} ({list(shape(found[0]))}), split along its axis {found[1]}" if found else ""
+    return (f"silu gates {gate.x.name}[..., :{gate.size}] and the up is {gate.x.name}[..., {gate.size}:], its two "
+            f"halves, but each half is {math.prod(v.inner[:-1])} rows{where}: the rules read silu and its gradient "
+            f"over their last axis, a row at a time, and fuse halves of one row each (view(..., 2, {gate.size}) with "
+            f"unbind(-2) or chunk(2, -2), or chunk(2, -1) of {gate.x.name}), not halves that span several rows")
 
 
 def _positions(ev: LaneEvaluator, node) -> Optional[Tuple[fx.Node, List[int]]]:
