@@ -12,7 +12,7 @@ from ..evaluator import Provenance
 from ..nodes import aten, calls_to, downstream, gradient_dependent, gradient_product, normalize_dim, shape
 from ..rewrite import Miss
 from .sites import DX_DEPTH, taken_norms
-from ..rms_statistic import (CLAMPED_EPS_REASON, EVERY_AXIS_REASON, clamped_statistic, definition_of, is_rms_statistic,
+from ..rms_statistic import (EVERY_AXIS_REASON, clamped_statistic, definition_of, is_rms_statistic,
                              exact_source, fused_normalized_operand, fused_statistic_operand, normalized_operand,
                              over_every_axis, resembling_operand, resembling_reason, rms_statistic_operand,
                              spelled_root, unmatched_spelling)
@@ -35,7 +35,7 @@ def unexplained(graph: fx.Graph, provenance: Optional[Provenance], misses: List[
     reached = set()
     weight_gradient = _unfused_weight_gradient(graph, provenance, missed)
     for node in calls_to(graph, aten.mul.Tensor, aten.div.Tensor):  # what _forward_operand reads
-        operand = _forward_operand(node, gradient) if node not in reached else None
+        operand = _forward_operand(node, gradient)
         spelled = node if node.target is aten.div.Tensor else operand
         reason = unmatched_spelling(spelled, provenance) if operand is not None else None
         other = _other_statistic(operand, provenance) if operand is not None and reason is None else None
@@ -45,9 +45,12 @@ def unexplained(graph: fx.Graph, provenance: Optional[Provenance], misses: List[
                                    or fused_statistic_operand(operand, provenance) is not None
                                    or weight_gradient(node, operand)):
             continue
+        key = ("other", exact_source(other[0], provenance)) if other else _statistic_key(operand, spelled, provenance)
+        if key is None and node in reached:
+            continue  # no norm of its own: a product after one already counted (a residual stream carries a
+            # norm's dx into the next norm's products, which count by their own statistic's key)
         reach = set(downstream(graph, [node], 2 * DX_DEPTH))
         reached |= reach
-        key = ("other", exact_source(other[0], provenance)) if other else _statistic_key(operand, spelled, provenance)
         entry = norms.setdefault(key or node, [node, reason, set()])
         entry[1] = entry[1] or reason or (UNIT_AXIS_REASON if _over_a_unit_axis(node) else None) or (
             EVERY_AXIS_REASON if over_every_axis(operand, provenance) else None)
@@ -74,7 +77,7 @@ def _other_statistic(operand: fx.Node, provenance: Optional[Provenance]) -> Opti
     of y is one miss, its dx's product and its weight gradient's (a norm whose input takes no gradient)."""
     found = clamped_statistic(operand, provenance) or normalized_operand(operand, provenance, clamped_statistic)
     if found:
-        return found[0], CLAMPED_EPS_REASON
+        return found[0], found[2]
     found = resembling_operand(operand, provenance) or normalized_operand(operand, provenance, resembling_operand)
     return (found[0], resembling_reason(found[2])) if found else None
 
