@@ -26,7 +26,8 @@ def unexplained(graph: fx.Graph, provenance: Optional[Provenance], misses: List[
     whose input takes no gradient), that is left in the graph after the pass, and that no
     recorded miss accounts for, is an RMSNorm no form matched. One norm is one miss: its dx's
     product (by the statistic) and its weight gradient's (by the normalized value) are grouped
-    by the norm's statistic, and a recorded miss any of them reaches accounts for all."""
+    by the norm's statistic, and a recorded miss any of them reaches accounts for all (the nearest norm's
+    miss: :func:`_accounted`)."""
     gradient = gradient_dependent(graph)
     if gradient is None:
         return []
@@ -49,17 +50,41 @@ def unexplained(graph: fx.Graph, provenance: Optional[Provenance], misses: List[
         if key is None and node in reached:
             continue  # no norm of its own: a product after one already counted (a residual stream carries a
             # norm's dx into the next norm's products, which count by their own statistic's key)
-        reach = set(downstream(graph, [node], 2 * DX_DEPTH))
-        reached |= reach
-        entry = norms.setdefault(key or node, [node, reason, set()])
+        reached |= set(downstream(graph, [node], 2 * DX_DEPTH))
+        entry = norms.setdefault(key or node, [node, reason, []])
         entry[1] = entry[1] or reason or (UNIT_AXIS_REASON if _over_a_unit_axis(node) else None) or (
             EVERY_AXIS_REASON if over_every_axis(operand, provenance) else None)
-        entry[2] |= reach
+        entry[2].append(node)
+    accounted = _accounted([products for _, _, products in norms.values()], missed)
     return [Miss(OP.name, n.name, reason or (
         "a gradient scaled by an RMS statistic rsqrt(mean(x*x) + eps), or by the normalized value "
         "x*rsqrt(mean(x*x) + eps) and summed as a weight's gradient, that no RMSNorm form matched (run with "
-        "TORCH_LOGS=npu_fusion and dump_graphs to see it)")) for n, reason, reach in norms.values()
-        if not any(r.name in missed for r in reach)]
+        "TORCH_LOGS=npu_fusion and dump_graphs to see it)")) for i, (n, reason, _) in enumerate(norms.values())
+        if i not in accounted]
+
+
+def _accounted(norms: List[List[fx.Node]], missed: set) -> set:
+    """The indices of the norms (each its backward products) a recorded miss accounts for.
+
+    A recorded miss at a node at most ``2 * DX_DEPTH`` uses after a norm's products accounts for
+    that norm, and only for the norms nearest it (fewest uses): a residual stream carries each
+    norm's dx into the next norm's backward, so an earlier norm's products reach a later norm's
+    miss too, and that miss says nothing of them."""
+    nearest: Dict[str, tuple] = {}  # a missed node's name -> (uses from the nearest norms, their indices)
+    for i, products in enumerate(norms):
+        seen, frontier = set(products), list(products)
+        for uses in range(2 * DX_DEPTH + 1):
+            for n in frontier:
+                if n.name in missed:
+                    best = nearest.get(n.name, (uses, set()))
+                    if uses < best[0]:
+                        best = (uses, set())
+                    if uses == best[0]:
+                        best[1].add(i)
+                    nearest[n.name] = best
+            frontier = [u for n in frontier for u in n.users if u not in seen]
+            seen.update(frontier)
+    return {i for _, indices in nearest.values() for i in indices}
 
 
 #: why an RMSNorm over a last axis of size 1 keeps its backward decomposed
