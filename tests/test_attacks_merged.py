@@ -326,6 +326,32 @@ def test_residual_norms_backward_alone_core_decomposed_are_one_miss_per_norm(dec
     assert result.fused(RMS_GRAD) + len(misses) == 3, [(m.node, m.reason[:100]) for m in misses]
 
 
+def rounded_then_clamped(x, w):  # a norm rounding inside to bf16 (a recorded miss), then a clamped norm
+    h = x + torch.tanh((x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)).to(torch.bfloat16).float() * w)
+    return h + torch.tanh(h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True).clamp_min(1e-6)) * w)
+
+
+def test_a_norms_recorded_miss_does_not_account_for_the_next_norms_backward():
+    """The first norm's backward miss (its rounding) lies where the clamped norm's backward products reach it, down the
+    residual stream: it is the first norm's miss, not the clamped one's, whose backward is a miss of its own (once silent)."""
+    result = _norm_result(rounded_then_clamped)
+    grads = [m for m in result.misses if m.op == RMS_GRAD]
+    assert len(grads) == 2 and sorted(m.reason == CLAMPED_EPS_REASON for m in grads) == [False, True], result.misses
+
+
+def eps_outside_then_clamped(x, w):  # a norm with eps outside the root (a dx-shaped near miss), then a clamped norm
+    h = x + torch.tanh(x * (torch.rsqrt(x.pow(2).mean(-1, keepdim=True)) + 1e-6) * w)
+    return h + torch.tanh(h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True).clamp_min(1e-6)) * w)
+
+
+@pytest.mark.xfail(strict=True, reason="known (silent at 6a5f3f5 too): a near miss of a norm the backward's scan reads no statistic of accounts for the clamped norm after it")
+def test_a_near_miss_without_a_statistic_does_not_account_for_the_next_norms_backward():
+    """FINDING (silent miss): eps outside the root is no RMS statistic, so the first norm's dx near miss is the only norm
+    the clamped norm's backward products reach, and counts for it: the clamped norm's backward is silent."""
+    result = _norm_result(eps_outside_then_clamped)
+    assert sum(m.op == RMS_GRAD for m in result.misses) == 2, result.misses
+
+
 def clamped_over_axis_0(x, w):  # clamp_min and a statistic over the batch axis: both near misses at once
     return x * torch.rsqrt(x.pow(2).mean(0, keepdim=True).clamp_min(1e-6)) * w
 

@@ -22,15 +22,19 @@ from .match import symbols_of
 
 
 def sum_origins(ev: NormEvaluator) -> Dict[int, fx.Node]:
-    """The node each sum over the normalized axes first appears at (in graph order): one norm's reduction.
+    """The reduction each sum over the normalized axes is made by: one norm's.
 
-    A reduction whose summand holds earlier sums (a residual stream's gradient carrying a norm's dx
-    into the next norm's ``sum(dy*g*x)``) expands into several sums, all of that one reduction."""
+    The reduction each sum over the normalized axes is made by (a sum or mean whose value holds it and
+    whose input's does not). A reduction whose summand holds earlier sums (a residual stream's
+    gradient carrying a norm's dx into the next norm's ``sum(dy*g*x)``) expands into several sums,
+    all of that one reduction: one norm."""
     origin: Dict[int, fx.Node] = {}
-    for node in sorted(ev.memo):
-        v = ev.memo[node]
-        for s in (v.expr.free_symbols if v is not None else ()):
-            if s in ev.sum_body:
+    for node, v in ev.memo.items():
+        if v is None or node.op != "call_function" or node.target not in (aten.sum.dim_IntList, aten.mean.dim):
+            continue
+        below = {s for a in node.all_input_nodes if ev.memo.get(a) is not None for s in ev.memo[a].expr.free_symbols}
+        for s in v.expr.free_symbols:
+            if s in ev.sum_body and s not in below:
                 origin.setdefault(s, node)
     return origin
 
