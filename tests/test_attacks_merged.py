@@ -356,12 +356,18 @@ def clamped_over_axis_0(x, w):  # clamp_min and a statistic over the batch axis:
     return x * torch.rsqrt(x.pow(2).mean(0, keepdim=True).clamp_min(1e-6)) * w
 
 
-def test_clamped_statistic_over_another_axis_is_not_silent():
-    """Clamped eps is a miss, another axis is a miss, and both together (once silent) one miss each way naming the axis."""
-    result = _norm_result(clamped_over_axis_0)
+def clamped_over_every_axis(x, w):
+    return x * torch.rsqrt(x.pow(2).mean((0, 1, 2), keepdim=True).clamp_min(1e-6)) * w
+
+
+@pytest.mark.parametrize("fn, axes", [(clamped_over_axis_0, "axes [0]"), (clamped_over_every_axis, "every axis")],
+                         ids=["axis_0", "every_axis"])
+def test_clamped_statistic_over_another_axis_is_not_silent(fn, axes):
+    """Clamped eps is a miss, another axis is a miss, and both together (once silent) one miss each way naming the axes."""
+    result = _norm_result(fn)
     misses = [m for m in result.misses if m.op in (RMS, RMS_GRAD)]
     assert sorted(m.op for m in misses) == [RMS, RMS_GRAD], result.misses
-    assert all("clamp_min" in m.reason and "axes [0]" in m.reason for m in misses), result.misses
+    assert all("clamp_min" in m.reason and axes in m.reason for m in misses), result.misses
 
 
 # -- checked near misses (Change B) ----------------------------------------------------------
