@@ -252,11 +252,13 @@ CLAMPED_EPS_REASON = ("an RMS statistic rsqrt(clamp_min(mean(x*x), eps)) (eps as
 
 
 def clamped_statistic(node: fx.Node, provenance: Optional[Provenance]) -> Optional[tuple]:
-    """``(y, k)`` when ``node`` is ``root(clamp_min(mean(y*y, last k axes), eps))``, eps a number >= 0: a clamped statistic.
+    """``(y, k, reason)`` when ``node`` is ``root(clamp_min(mean(y*y, k axes), eps))``, eps a number >= 0: a clamped statistic.
 
     ``node`` (through casts, views and saved tensors' definitions) is ``rsqrt``, ``** -0.5`` or
-    ``sqrt`` of ``clamp_min(mean(y*y), eps)`` (or ``clamp(..., min=eps)``) over y's last k axes, not
-    all of them: a norm no form reads, each way one miss (:data:`CLAMPED_EPS_REASON`)."""
+    ``sqrt`` of ``clamp_min(mean(y*y), eps)`` (or ``clamp(..., min=eps)``) over k of y's axes: a norm
+    no form reads, each way one miss whose ``reason`` is :data:`CLAMPED_EPS_REASON` over some of y's
+    last axes, and says which axes where the mean is over others or over all of them (each alone a
+    miss too: :func:`resembling_statistic`, :data:`EVERY_AXIS_REASON`)."""
     node = definition_of(node, provenance)
     if node.op != "call_function" or not node.args or not isinstance(node.args[0], fx.Node) or not (
             node.target in (aten.rsqrt.default, aten.sqrt.default)
@@ -278,10 +280,21 @@ def clamped_statistic(node: fx.Node, provenance: Optional[Provenance]) -> Option
         return None
     y = square.args[0]
     rank = len(shape(y)) if isinstance(y, fx.Node) and shape(y) is not None else 0
-    dims = sorted(normalize_dim(d, rank) for d in mean.args[1]) if rank else []
-    if not dims or dims != list(range(rank - len(dims), rank)) or len(dims) == rank or is_centred(y, provenance):
+    dims = sorted(set(normalize_dim(d, rank) for d in mean.args[1])) if rank else []
+    if not dims or is_centred(y, provenance):
         return None
-    return y, len(dims)
+    if dims != list(range(rank - len(dims), rank)):
+        return y, len(dims), _clamped_over(f"axes {dims} of a rank-{rank} tensor, not its last axes")
+    if len(dims) == rank:
+        return y, len(dims), _clamped_over(f"every axis of a rank-{rank} tensor (an RMSNorm keeps a leading axis)")
+    return y, len(dims), CLAMPED_EPS_REASON
+
+
+def _clamped_over(axes: str) -> str:
+    """The reason of a miss at a clamped statistic whose mean is over ``axes``, not some of the last ones."""
+    return (f"an RMS statistic rsqrt(clamp_min(mean(x*x), eps)) whose mean is over {axes}: eps as a lower bound of "
+            "the mean square, not added to it, and no RMSNorm form is over those axes; if this is an RMSNorm, write "
+            "x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) and it fuses")
 
 
 #: arithmetic by a number a near miss's mean of squares may pass through before eps is added

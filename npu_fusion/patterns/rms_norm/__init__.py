@@ -46,7 +46,7 @@ from ..evaluator import JointProvenance, Provenance
 from ..nodes import aten, calls_to, downstream, gradient_dependent
 from ..rewrite import Miss, RuleContext
 from ..pairing import calls, source
-from ..rms_statistic import (CLAMPED_EPS_REASON, EVERY_AXIS_REASON, clamped_statistic, over_every_axis,
+from ..rms_statistic import (EVERY_AXIS_REASON, clamped_statistic, over_every_axis,
                              resembling_reason, resembling_statistic, rms_root, rms_statistic_operand, spelled_root,
                              unmatched_spelling, whole_forward_misses)
 from ..rule import Form, FusionRule, RoundReport, SiteProbe
@@ -81,7 +81,7 @@ def unexplained(graph: fx.Graph, provenance: Optional[Provenance], misses: List[
             spelled[n] = (n, EVERY_AXIS_REASON)
         elif n not in gradient and clamped_statistic(n, None) and not any(
                 r.name in missed for r in downstream(graph, [n], Y_DEPTH)):
-            spelled[n] = (n, CLAMPED_EPS_REASON)
+            spelled[n] = (n, clamped_statistic(n, None)[2])
     statistics = [Miss(OP.name, n.name, "a forward RMS statistic rsqrt(mean(x*x) + eps) that no forward RMSNorm "
                                         "form matched (run with TORCH_LOGS=npu_fusion and dump_graphs to see it)")
                   for n in found]

@@ -12,7 +12,7 @@ from ..evaluator import Provenance
 from ..nodes import aten, calls_to, downstream, gradient_dependent, gradient_product, normalize_dim, shape
 from ..rewrite import Miss
 from .sites import DX_DEPTH, taken_norms
-from ..rms_statistic import (CLAMPED_EPS_REASON, EVERY_AXIS_REASON, clamped_statistic, definition_of, is_rms_statistic,
+from ..rms_statistic import (EVERY_AXIS_REASON, clamped_statistic, definition_of, is_rms_statistic,
                              exact_source, fused_normalized_operand, fused_statistic_operand, normalized_operand,
                              over_every_axis, resembling_operand, resembling_reason, rms_statistic_operand,
                              spelled_root, unmatched_spelling)
@@ -26,7 +26,8 @@ def unexplained(graph: fx.Graph, provenance: Optional[Provenance], misses: List[
     whose input takes no gradient), that is left in the graph after the pass, and that no
     recorded miss accounts for, is an RMSNorm no form matched. One norm is one miss: its dx's
     product (by the statistic) and its weight gradient's (by the normalized value) are grouped
-    by the norm's statistic, and a recorded miss any of them reaches accounts for all."""
+    by the norm's statistic, and a recorded miss any of them reaches accounts for all (the nearest norm's
+    miss: :func:`_accounted`)."""
     gradient = gradient_dependent(graph)
     if gradient is None:
         return []
@@ -35,7 +36,7 @@ def unexplained(graph: fx.Graph, provenance: Optional[Provenance], misses: List[
     reached = set()
     weight_gradient = _unfused_weight_gradient(graph, provenance, missed)
     for node in calls_to(graph, aten.mul.Tensor, aten.div.Tensor):  # what _forward_operand reads
-        operand = _forward_operand(node, gradient) if node not in reached else None
+        operand = _forward_operand(node, gradient)
         spelled = node if node.target is aten.div.Tensor else operand
         reason = unmatched_spelling(spelled, provenance) if operand is not None else None
         other = _other_statistic(operand, provenance) if operand is not None and reason is None else None
@@ -45,18 +46,45 @@ def unexplained(graph: fx.Graph, provenance: Optional[Provenance], misses: List[
                                    or fused_statistic_operand(operand, provenance) is not None
                                    or weight_gradient(node, operand)):
             continue
-        reach = set(downstream(graph, [node], 2 * DX_DEPTH))
-        reached |= reach
         key = ("other", exact_source(other[0], provenance)) if other else _statistic_key(operand, spelled, provenance)
-        entry = norms.setdefault(key or node, [node, reason, set()])
+        if key is None and node in reached:
+            continue  # no norm of its own: a product after one already counted (a residual stream carries a
+            # norm's dx into the next norm's products, which count by their own statistic's key)
+        reached |= set(downstream(graph, [node], 2 * DX_DEPTH))
+        entry = norms.setdefault(key or node, [node, reason, []])
         entry[1] = entry[1] or reason or (UNIT_AXIS_REASON if _over_a_unit_axis(node) else None) or (
             EVERY_AXIS_REASON if over_every_axis(operand, provenance) else None)
-        entry[2] |= reach
+        entry[2].append(node)
+    accounted = _accounted([products for _, _, products in norms.values()], missed)
     return [Miss(OP.name, n.name, reason or (
         "a gradient scaled by an RMS statistic rsqrt(mean(x*x) + eps), or by the normalized value "
         "x*rsqrt(mean(x*x) + eps) and summed as a weight's gradient, that no RMSNorm form matched (run with "
-        "TORCH_LOGS=npu_fusion and dump_graphs to see it)")) for n, reason, reach in norms.values()
-        if not any(r.name in missed for r in reach)]
+        "TORCH_LOGS=npu_fusion and dump_graphs to see it)")) for i, (n, reason, _) in enumerate(norms.values())
+        if i not in accounted]
+
+
+def _accounted(norms: List[List[fx.Node]], missed: set) -> set:
+    """The indices of the norms (each its backward products) a recorded miss accounts for.
+
+    A recorded miss at a node at most ``2 * DX_DEPTH`` uses after a norm's products accounts for
+    that norm, and only for the norms nearest it (fewest uses): a residual stream carries each
+    norm's dx into the next norm's backward, so an earlier norm's products reach a later norm's
+    miss too, and that miss says nothing of them."""
+    nearest: Dict[str, tuple] = {}  # a missed node's name -> (uses from the nearest norms, their indices)
+    for i, products in enumerate(norms):
+        seen, frontier = set(products), list(products)
+        for uses in range(2 * DX_DEPTH + 1):
+            for n in frontier:
+                if n.name in missed:
+                    best = nearest.get(n.name, (uses, set()))
+                    if uses < best[0]:
+                        best = (uses, set())
+                    if uses == best[0]:
+                        best[1].add(i)
+                    nearest[n.name] = best
+            frontier = [u for n in frontier for u in n.users if u not in seen]
+            seen.update(frontier)
+    return {i for _, indices in nearest.values() for i in indices}
 
 
 #: why an RMSNorm over a last axis of size 1 keeps its backward decomposed
@@ -74,7 +102,7 @@ def _other_statistic(operand: fx.Node, provenance: Optional[Provenance]) -> Opti
     of y is one miss, its dx's product and its weight gradient's (a norm whose input takes no gradient)."""
     found = clamped_statistic(operand, provenance) or normalized_operand(operand, provenance, clamped_statistic)
     if found:
-        return found[0], CLAMPED_EPS_REASON
+        return found[0], found[2]
     found = resembling_operand(operand, provenance) or normalized_operand(operand, provenance, resembling_operand)
     return (found[0], resembling_reason(found[2])) if found else None
 

@@ -14,6 +14,7 @@ from ..nodes import (aten, calls_to, downstream, gradient_dependent, gradient_pr
                      outermost, shape, val)
 from ..rewrite import Miss, RuleContext, gradient_accumulation
 from ..rule import RoundReport
+from .per_norm import accumulated_suspects, backward_alone, clamped_gate, clamped_gate_reason, one_per_norm, sum_origins
 from .match import NormMatch, dgamma_summand, match_root, site_region, stat_leaves, symbols_of, match_dgamma
 from ..rms_statistic import (SAME_VALUES, exact_source, fused_statistic_operand, norm_evaluator, normalized_operand,
                              rms_statistic_operand, unmatched_spelling)
@@ -196,36 +197,14 @@ def _near_misses(rewrites: RuleContext, ev: NormEvaluator, nodes, matched: List[
             suspects.append(n)
         elif verdict in ("accumulated", "term"):
             accumulated.append(n)
-    suspects += _accumulated_suspects(ev, suspects, accumulated)
-    outer = outermost(sorted(suspects))
+    origin = sum_origins(ev)
+    suspects += accumulated_suspects(ev, suspects, accumulated, origin)
+    outer = one_per_norm(ev, outermost(sorted(suspects)), origin)
+    gates = [n for n in nodes if backward_alone(ev.provenance) and rewrites.examine(n, clamped_gate, ev, n, outer, origin)]
     return RoundReport([], [Miss(OP.name, n.name, _spelling_above(n, rewrites.provenance) or _two_copies(ev, n) or (
         "normalizes over the last axes like an RMSNorm dx, but its terms differ from rstd*dy*g - "
-        "rstd**3*x*sum(dy*g*x)/N (eps outside the root, another statistic or a missing term)")) for n in outer], pending)
-
-
-def _accumulated_suspects(ev: NormEvaluator, suspects: List[fx.Node], accumulated: List[fx.Node]) -> List[fx.Node]:
-    """The nodes of ``accumulated`` that add one more norm's unmatched dx to earlier suspects' (in graph order).
-
-    A residual stream's gradient sums each norm's dx into the next: where no norm matched (a backward
-    alone whose statistics cannot be proven), the second norm's dx is read with the first's sum in it,
-    and so on. A node whose sums over the normalized axes are an earlier suspect's but one, that one
-    a dx's (:func:`_dx_sum`), is that norm's suspect: one per norm, none silent."""
-    claimed = {s for n in suspects for s in ev.memo[n].expr.free_symbols if s in ev.sum_body}
-    found = []
-    # sums of dx first; a dx's summed term alone (the sum beside it too many symbols to read) last
-    for n in sorted(accumulated, key=lambda n: len(ev.memo[n].expr.terms) == 1):
-        expr = ev.memo[n].expr
-        new = {s for s in expr.free_symbols if s in ev.sum_body} - claimed
-        if len(new) == 1 and _dx_sum(ev, expr, next(iter(new))):
-            found.append(n)
-            claimed |= new
-    return found
-
-
-def _dx_sum(ev: NormEvaluator, expr, total) -> bool:
-    """Whether ``total`` is a sum a dx term of ``expr`` reads: of a product of degree >= 2 (dy*g*x), beside x."""
-    return sum(abs(e) for _, e in ev.sum_body[total]) >= 2 and any(
-        total in symbols_of(m) and symbols_of(m) & ev.varying for m, _ in expr.split_terms())
+        "rstd**3*x*sum(dy*g*x)/N (eps outside the root, another statistic or a missing term)")) for n in outer]
+        + [Miss(OP.name, n.name, clamped_gate_reason(n)) for n in gates], pending)
 
 
 def _two_copies(ev: NormEvaluator, node: fx.Node) -> Optional[str]:
