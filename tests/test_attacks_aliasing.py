@@ -225,6 +225,27 @@ def test_returned_tensors_and_views_survive_the_backward(installed, group, dynam
                                        msg=lambda m: f"{what} {i}: {m}")
 
 
+def silu_viewed_in_another_dtype(x, wg, wu, wgu):
+    """An unfused silu (two readers: taken apart again) returned as views, one in another dtype."""
+    s = F.silu(x @ wg)
+    return s * (x @ wu) + s.sum(), s.view(torch.int32), s.as_strided((4,), (3,)), s.mT, s
+
+
+def test_a_silu_viewed_in_another_dtype_stays_aliased_under_dynamic_shapes(installed):
+    """With ``dynamic=True`` the silu taken apart again moves its views onto the trace's storage, the
+    ``view(torch.int32)`` among them (the symbolic move left a view in another dtype behind, and
+    ``views_checked`` reported ``aten.view.dtype`` of the silu's last node); outputs survive the backward."""
+    inputs = _inputs("swiglu")
+    expected = _run(silu_viewed_in_another_dtype, inputs)
+    with views_checked() as unaliased:
+        got = _run(torch.compile(silu_viewed_in_another_dtype, dynamic=True), inputs)
+    assert unaliased == [[]]
+    for a, b in zip(got[0], got[1]):
+        assert torch.equal(a, b)
+    for g, e in zip(got[0] + got[2], expected[0] + expected[2]):
+        if e is not None:
+            torch.testing.assert_close(g, e, rtol=1e-4, atol=1e-4)
+
 # -- the caller's in-place update of a returned tensor the backward reads ----------------------
 
 def rotation_returned(x, wq, wk, cos, sin):
