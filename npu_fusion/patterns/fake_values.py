@@ -243,8 +243,8 @@ def _move_symbolic_views(old, before, after, users) -> None:
     """Do :func:`move_views` where a geometry is symbolic.
 
     Each view is made again by the fake mode, as ``as_strided`` of ``new``'s value with its own
-    geometry, where ``old``'s and ``new``'s values have the same shape, strides, storage offset and
-    dtype (else nothing moves)."""
+    geometry (a view in another dtype of the same item size as well), where ``old``'s and ``new``'s
+    values have the same shape, strides, storage offset and dtype (else nothing moves)."""
     FakeTensor = fake_tensor_type()
     if not (isinstance(before, FakeTensor) and isinstance(after, FakeTensor)) or before.fake_mode is not after.fake_mode \
             or before.layout is not torch.strided or after.layout is not torch.strided:
@@ -269,9 +269,10 @@ def _move_symbolic_views(old, before, after, users) -> None:
                 or v.requires_grad or v.is_conj() or v.is_neg():
             return v
         if id(v) not in remade:
-            with mode:
-                remade[id(v)] = torch.as_strided(after, v.shape, v.stride(), v.storage_offset()) \
-                    if v.dtype == after.dtype else None
+            with mode:  # a view in another dtype of the same item size (``view(torch.int32)``) too
+                remade[id(v)] = torch.as_strided(after if v.dtype == after.dtype else after.view(v.dtype), v.shape,
+                                                 v.stride(), v.storage_offset()) \
+                    if v.element_size() == after.element_size() else None
         return remade[id(v)] if remade[id(v)] is not None else v
 
     _move_users(old, users, moved)
