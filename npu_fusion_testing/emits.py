@@ -25,9 +25,10 @@ PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "npu_fusion"
 EMITTING_PACKAGES = ("patterns", "plugin")
 #: op namespaces a target is spelled with
 NAMESPACES = {"aten": torch.ops.aten, "prims": torch.ops.prims}
-#: target expressions that are not an op of their own: the helper passing its target on, and a
-#: fused op's overload (each fused op of the registry is counted instead)
-DELEGATING_TARGETS = {"target", "op.overload", "OP.overload"}
+#: target expressions that are not an op of their own: the helper passing its target on, a fused
+#: op's overload (each fused op of the registry is counted instead), and a view the graph holds made
+#: again in the backward (plugin/joint.py: the op is the graph's own, already compiled there)
+DELEGATING_TARGETS = {"target", "op.overload", "OP.overload", "view.target"}
 
 
 def _target_argument(call: ast.Call):

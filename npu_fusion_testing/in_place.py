@@ -5,6 +5,7 @@ of it (an HF-style norm's float32 upcast); the caller's update then must not rea
 :data:`UPDATED_PROGRAMS` holds them, norms and rotations, each with the update and the dtypes
 where eager allows it; :func:`assert_updated_as_eager` checks a compiled one."""
 import dataclasses
+import re
 from typing import Callable, Dict, Tuple
 
 import torch
@@ -91,6 +92,14 @@ def rope_returning_q_k(q, k, cos, sin):
     return (*rope_q_k(q, k, cos, sin), q.transpose(1, 2), k.view(-1))
 
 
+def rope_rotation_read_back(q, k, cos, sin):
+    """:func:`rope_q_k` on q and k [B, S, H, D] seen as [B, H, S, D] (the fused op runs on them as
+    they lie and its output is permuted back), the rotated q squared (its backward reads it) and
+    returned, and views of the tables returned: eager refuses an update of either."""
+    qr, kr = rope_q_k(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
+    return qr * qr + kr, qr, cos[0], sin.view(-1)
+
+
 def run_with_update(fn, inputs, update, rounding=None, differentiated=1):
     """``fn(*inputs)``, then ``update(inputs, outputs)`` under ``no_grad`` (the caller's in-place
     update), then the backward of the first ``differentiated`` outputs with fixed random gradients,
@@ -148,6 +157,26 @@ class UpdatedProgram:
         return self.name
 
 
+def refused(run) -> bool:
+    """Whether ``run()`` raises autograd's error for a saved tensor updated in place (else it runs)."""
+    try:
+        run()
+    except RuntimeError as error:
+        if re.search("modified (by an )?inplace", str(error)) is None:
+            raise
+        return True
+    return False
+
+
+def assert_refused_as_unfused(compiled, unfused, program: "UpdatedProgram", dtype) -> None:
+    """Where eager refuses ``program``'s update, ``compiled`` (the pass on) refuses it where
+    ``unfused`` (the same compile with every rule off) does, and runs where it runs (a compiled
+    program may save an alias without eager's version counter: its gradients are then no claim,
+    the update being illegal; the fused op may read other saved values than the unfused backward)."""
+    assert refused(lambda: program.run(program.fn, dtype))
+    assert refused(lambda: program.run(compiled, dtype)) == refused(lambda: program.run(unfused, dtype))
+
+
 def assert_updated_as_eager(compiled, program: UpdatedProgram, dtype, factor=4.0) -> None:
     """``compiled`` runs ``program`` with the caller's update without raising, and its outputs (as
     the forward returned them) and gradients keep eager's dtypes and shapes and pass the float64
@@ -173,8 +202,10 @@ ROPE = {"rotary_position_embedding_grad": 2, "rotary_position_embedding": 2}
 DGAMMA = {"rms_norm_grad": 1, "rms_norm": 0}
 _RESIDUAL = ((B, S, D), (B, S, D), (D,))
 _ROPE = ((B, H, S, D), (B, H, S, D), (1, 1, S, D), (1, 1, S, D))
+_ROPE_BSHD = ((B, S, H, D), (B, S, H, D), (1, 1, S, D), (1, 1, S, D))
 
-#: the programs (the unfused float32 program saves the returned sum, the input, the float32 tables)
+#: the programs (the unfused float32 program saves the returned sum, the input, the float32 tables;
+#: the rotation read back and the tables are saved in every dtype)
 UPDATED_PROGRAMS = (
     UpdatedProgram("returned_residual", residual_norm, _RESIDUAL, (True, True, True),
                    lambda i, o: o[1].mul_(2.0), HALF, NORM),
@@ -200,6 +231,10 @@ UPDATED_PROGRAMS = (
                    lambda i, o: (o[2].add_(1.0), o[3].add_(1.0)), FULL, ROPE, 2),
     UpdatedProgram("rope_returned_output", rope_returning_q_k, _ROPE, (True, True, False, False),
                    lambda i, o: o[1].mul_(2.0), FULL, ROPE, 2),
+    UpdatedProgram("rope_rotation_read_back", rope_rotation_read_back, _ROPE_BSHD, (True, True, False, False),
+                   lambda i, o: o[1].mul_(2.0), (), ROPE),
+    UpdatedProgram("rope_table_view_returned", rope_rotation_read_back, _ROPE_BSHD, (True, True, False, False),
+                   lambda i, o: o[2].mul_(2.0), (), ROPE),
     UpdatedProgram("rope_returned_tables", rope_returning_tables, ((B, H, S, D), (B, H, S, D), (D // 2,)),
                    (True, True, False), lambda i, o: (o[2].mul_(2.0), o[3].mul_(2.0)), HALF, ROPE, 2),
 )

@@ -7,7 +7,7 @@ RMSNorm, RoPE and SwiGLU spellings fused and near misses (the silu taken apart a
 programs is one compile: every output is the same after the backward as right after the forward and
 as eager's, the gradients are eager's, and no view the pass left is off its input's fake storage;
 ``mark_dynamic`` on a block's batch too. A caller's in-place update of a returned tensor that eager
-and stock Inductor refuse at the backward goes through with the pass (a strict xfail, named there)."""
+and stock Inductor refuse at the backward is refused with the pass too."""
 import pytest
 import torch
 import torch.nn.functional as F
@@ -298,15 +298,12 @@ def _updated(fn, k):
 
 
 @pytest.mark.parametrize("k", [1, 2], ids=["rotation", "cos-view"])
-@pytest.mark.xfail(strict=True, reason="the pass's rotation runs where eager and stock Inductor refuse the "
-                   "caller's in-place update of a tensor the backward reads, its gradients wrong by up to 39")
 def test_an_update_eager_refuses_is_refused(installed, k):
     """Eager refuses (at the backward) the caller doubling the returned rotation, or a returned view
     of cos, that the backward reads; so does stock Inductor, whose saved tensor is the returned one
-    or the input. With the pass the saved tensor is the fused op's output (the returned rotation is a
-    view of it, permuted back) or a view of cos of its own: no version counter is shared, nothing
-    raises, and the gradients use the doubled values (wrong by 7.0 and 38.9 for the rotation, 5.6
-    and 21.7 for cos, against eager's on a copy)."""
+    or the input; so does the pass, whose fused output permuted back is returned as a copy the
+    backward reads, and whose fused backward reads cos through views made in the backward (it used to
+    save aliases of its own: nothing raised, gradients wrong by up to 38.9)."""
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         _updated(rotation_returned, k)
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):

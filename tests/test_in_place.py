@@ -10,7 +10,8 @@ import torch
 from npu_fusion.plugin import pass_manager
 from npu_fusion.plugin.backend import aot_backend
 from npu_fusion.plugin.options import FusionOptions
-from npu_fusion_testing.in_place import UPDATED_PROGRAMS, assert_updated_as_eager
+from npu_fusion.patterns import RULES
+from npu_fusion_testing.in_place import UPDATED_PROGRAMS, assert_refused_as_unfused, assert_updated_as_eager
 
 LEGAL = [(p, dtype) for p in UPDATED_PROGRAMS for dtype in p.legal]
 ILLEGAL = [(p, dtype) for p in UPDATED_PROGRAMS
@@ -42,6 +43,20 @@ def test_the_dtypes_left_out_are_those_eager_refuses(program, dtype):
     are no claim of the test above (the program is not legal to begin with)."""
     with pytest.raises(RuntimeError, match="modified (by an )?inplace"):
         program.run(program.fn, dtype)
+
+
+@pytest.mark.parametrize("forward", [True, False], ids=["paired", "backward_only"])
+@pytest.mark.parametrize("partitioner", ["default", "min_cut"])
+@pytest.mark.parametrize("program, dtype", ILLEGAL, ids=[f"{p.name}-{str(d)[6:]}" for p, d in ILLEGAL])
+def test_caller_update_eager_refuses_is_refused_as_unfused(program, dtype, partitioner, forward):
+    """Where eager refuses the update, the pass does not let it through: the compiled program
+    raises where the same compile with every rule off raises, and runs alike where it runs."""
+    mark = pass_manager.HISTORY.mark()
+    compiled = _compiled(program, partitioner, forward)
+    unfused = torch.compile(program.fn, backend=aot_backend(FusionOptions(
+        target="generic", strict=True, partitioner=partitioner, **{rule.option: False for rule in RULES})))
+    assert_refused_as_unfused(compiled, unfused, program, dtype)
+    assert sum(r.fused(op) for r in pass_manager.HISTORY.since(mark) for op in program.fused) > 0
 
 
 def test_issue_reproducer_returned_residual_bf16():

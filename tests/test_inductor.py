@@ -13,7 +13,7 @@ from npu_fusion.plugin.inductor import uninstall_inductor
 from npu_fusion.plugin.pass_manager import COUNTER
 from npu_fusion.measure.grads import MODEL_FACTOR, assert_close_as_unfused, grad_failures
 from npu_fusion_testing.aliasing import views_checked
-from npu_fusion_testing.in_place import UPDATED_PROGRAMS, assert_updated_as_eager
+from npu_fusion_testing.in_place import UPDATED_PROGRAMS, refused, assert_updated_as_eager
 from npu_fusion.lowering import FUSED_OPS
 from npu_fusion.plugin.options import forward_options
 
@@ -316,6 +316,22 @@ def test_compile_caches_keep_the_fused_code_and_key_on_the_options():
 
 
 _UPDATED = [pytest.param(p, d, id=f"{p.name}-{str(d)[6:]}") for p in UPDATED_PROGRAMS for d in p.legal]
+
+
+_REFUSED = [pytest.param(p, torch.float32, id=p.name) for p in UPDATED_PROGRAMS if torch.float32 not in p.legal]
+
+
+@pytest.mark.parametrize("program, dtype", _REFUSED)
+def test_caller_update_eager_refuses_is_refused_as_stock(installed, program, dtype):
+    """Every program of ``tests/test_in_place.py`` whose update eager refuses in float32, through
+    Inductor: with the pass it is refused wherever stock Inductor refuses it (Inductor's aliases of
+    a saved tensor have version counters of their own: only the caller's tensor itself guards)."""
+    with inductor_config().patch(joint_custom_pre_pass=None):
+        stock = torch.compile(program.fn)
+        stock_refused = refused(lambda: program.run(stock, dtype))
+    torch._dynamo.reset()
+    assert refused(lambda: program.run(torch.compile(program.fn), dtype)) or not stock_refused
+    assert any(n for op, n in torch._dynamo.utils.counters[COUNTER].items() if not op.endswith("_missed"))
 
 
 @pytest.mark.parametrize("program, dtype", _UPDATED)

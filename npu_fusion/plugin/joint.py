@@ -34,6 +34,13 @@ Two things the partitioners need from the graph the pass leaves them:
   counts reads through forward values that activation checkpointing recomputes (their inputs
   are saved); the min-cut partitioner's own recomputation is not predicted, so under it a copy
   may be made where the unfused program would have saved the tensor itself (the safe side).
+  Where the unfused backward read that storage too, the refusal must survive: only the caller's
+  tensor itself carries the version counter (Inductor returns every view it computes as an alias
+  with a counter of its own, and min-cut may save a view of an input rather than the input). So a
+  read the pass made of a caller's storage reads the caller's tensor, through views made in the
+  backward (tagged ``must_be_in_backward``: every partitioner saves the tensor, not a view); a
+  returned tensor the pass made a view (a fused op's output permuted back) is returned as a
+  forward copy, which the backward then reads; another view of that output's base reads a copy.
 * **Recomputation** (min-cut only). Min-cut never recomputes a value that a backward op it
   cannot fuse with (a fused op, a custom op to it) reads: that value must be materialized in the
   backward anyway, so it saves it. The unfused backward read RoPE's tables through pointwise
@@ -157,7 +164,12 @@ class JointGraph:
         #: the places of the forward's outputs (the tensors the graph returns to the caller)
         self.returned_places = [i for i, o in enumerate(self._outputs())
                                 if isinstance(o, fx.Node) and o not in self.backward]
-        self.read_by_backward = set(self._backward_reads(self.backward))
+        #: the forward values the unfused backward reads, each with its readers
+        self.original_reads = self._backward_reads(self.backward)
+        self.read_by_backward = set(self.original_reads)
+        #: the returned places whose tensor is a view before the pass (the caller's is an alias)
+        outputs = self._outputs()
+        self.returned_views = {i for i in self.returned_places if aliased_input(outputs[i]) is not None}
         #: the caller-reachable storages the unfused backward reads, by :meth:`_reachable_keys`'s key
         reachable = self._reachable_keys()
         self.reachable_read = {reachable[base_of(v)] for v in self.read_by_backward if base_of(v) in reachable}
@@ -212,7 +224,7 @@ class JointGraph:
         for node in added:
             node.meta[TAG] = "is_backward"
         self._move_after_forward(added)
-        copies = self._copy_reachable_reads(added)
+        copies = self._guard_reachable_reads(added)
         if self.min_cut:
             self._hand_off_recomputable_reads(added)
         return copies
@@ -249,21 +261,93 @@ class JointGraph:
         return (isinstance(value, fx.Node) and value in self.original and value not in self.backward
                 and value.op == "call_function" and isinstance(value.meta.get("val"), torch.Tensor))
 
-    def _copy_reachable_reads(self, added: List[fx.Node]) -> List[fx.Node]:
-        """Every forward value the backward reads after the pass whose storage the caller can reach
-        and the unfused backward did not read: its readers read a forward copy instead."""
+    def _guard_reachable_reads(self, added: List[fx.Node]) -> List[fx.Node]:
+        """Guard the backward's reads of storages the caller can reach; returns the forward copies.
+
+        Where the unfused backward did not read that storage, the read goes through a forward copy;
+        where it did and the pass made the read, the read is of the caller's tensor itself
+        (:meth:`_read_as_callers`)."""
         backward = (self.backward & set(self.graph.nodes)) | set(added)
         reachable = self._reachable_keys()
-        copies = []
+        copies: List[fx.Node] = []
+        callers: Dict[Hashable, tuple] = {}  # per storage, :meth:`_callers_tensor`
+        position = {n: i for i, n in enumerate(self.graph.nodes)}  # readers keep their order
         for value, readers in self._backward_reads(backward).items():
             key = reachable.get(base_of(value))
-            if key is None or key in self.reachable_read or not isinstance(value.meta.get("val"), torch.Tensor):
+            if key is None or not isinstance(value.meta.get("val"), torch.Tensor):
                 continue
+            if key not in self.reachable_read:
+                copy = self._forward_copy(value)
+                for reader in readers:
+                    reader.replace_input_with(value, copy)
+                copies.append(copy)
+                continue
+            new_readers = [r for r in readers if r in backward and r not in self.original_reads.get(value, ())]
+            if new_readers and not (value is self._callers_node(key) and aliased_input(value) is None):
+                if key not in callers:
+                    callers[key] = self._callers_tensor(key, copies)
+                first = min(new_readers, key=position.__getitem__)
+                self._read_as_callers(value, new_readers, first, callers[key], copies)
+        for node in added:  # a view the pass made of the caller's storage: no partitioner saves it
+            if aliased_input(node) is not None and base_of(node) in reachable:
+                node.meta[TAG] = "must_be_in_backward"
+        return copies
+
+    def _callers_node(self, key: Hashable) -> fx.Node:
+        """The node the backward saves as the caller's tensor under ``key``.
+
+        That is the graph input, or the returned node; a node returned as a view before the pass
+        stands for its base (a compiler returns a view as an alias of its own at each place, with a
+        version counter of its own)."""
+        if key[0] == "input":
+            return next(p for p in self.graph.find_nodes(op="placeholder") if p.name == key[1])
+        returned = self._outputs()[key[1]]
+        return base_of(returned) if key[1] in self.returned_views else returned
+
+    def _callers_tensor(self, key: Hashable, copies: List[fx.Node]):
+        """The caller's node under ``key`` and the node saved as it: :meth:`_callers_node`, or where
+        the pass made a returned tensor a view (a fused op's output permuted back), a forward copy of
+        it, returned in its place."""
+        node = self._callers_node(key)
+        if key[0] == "input" or aliased_input(node) is None:
+            return node, node
+        copy = self._forward_copy(node)
+        output = next(iter(self.graph.find_nodes(op="output")))
+        outputs = list(output.args[0])
+        for place in self.returned_places:
+            if outputs[place] is node:
+                outputs[place] = copy
+        output.args = (tuple(outputs),) + tuple(output.args[1:])
+        copies.append(copy)
+        return node, copy
+
+    def _read_as_callers(self, value: fx.Node, readers: List[fx.Node], first: fx.Node, callers,
+                         copies: List[fx.Node]) -> None:
+        """Make ``readers`` read ``value`` as views of the caller's tensor made in the backward.
+
+        Every partitioner then saves the caller's tensor itself, whose version counter guards the
+        backward as the unfused program's did; a value that is no view of it reads a copy. The views
+        go before ``first``, the earliest reader."""
+        node_of_callers, saved = callers
+        chain = []  # the views from the caller's tensor (exclusive) to value (inclusive)
+        node = value
+        while node is not node_of_callers and node is not None:
+            chain.append(node)
+            node = aliased_input(node)
+        if node is None:  # another view of the returned node's base: its storage, not its tensor
             copy = self._forward_copy(value)
             for reader in readers:
                 reader.replace_input_with(value, copy)
             copies.append(copy)
-        return copies
+            return
+        made = {node_of_callers: saved}
+        with self.graph.inserting_before(first):
+            for view in reversed(chain):
+                args, kwargs = fx.node.map_arg((view.args, view.kwargs), lambda n: made.get(n, n))
+                made[view] = call(self.graph, fake_mode_of(self.graph), view.target, args, kwargs)
+                made[view].meta[TAG] = "must_be_in_backward"
+        for reader in readers:
+            reader.replace_input_with(value, made.get(value, saved))
 
     def _forward_copy(self, value: fx.Node) -> fx.Node:
         """A copy of ``value`` among the forward nodes, right after ``value`` (after the last
