@@ -38,7 +38,9 @@ Two things the partitioners need from the graph the pass leaves them:
   tensor itself carries the version counter (Inductor returns every view it computes as an alias
   with a counter of its own, and min-cut may save a view of an input rather than the input). So a
   read the pass made of a caller's storage reads the caller's tensor, through views made in the
-  backward (tagged ``must_be_in_backward``: every partitioner saves the tensor, not a view); a
+  backward (tagged ``must_be_in_backward``: every partitioner saves the tensor, not a view; they start
+  from a whole-tensor ``expand``, so min-cut's CSE cannot merge them with the forward's views, and
+  a split's piece re-makes the split); a
   returned tensor the pass made a view (a fused op's output permuted back) is returned as a
   forward copy, which the backward then reads; another view of that output's base reads a copy.
 * **Recomputation** (min-cut only). Min-cut never recomputes a value that a backward op it
@@ -333,6 +335,9 @@ class JointGraph:
         node = value
         while node is not node_of_callers and node is not None:
             chain.append(node)
+            if node.target is operator.getitem:  # a piece of a split: the split is re-made too
+                node = node.args[0]
+                chain.append(node)
             node = aliased_input(node)
         if node is None:  # another view of the returned node's base: its storage, not its tensor
             copy = self._forward_copy(value)
@@ -340,7 +345,13 @@ class JointGraph:
                 reader.replace_input_with(value, copy)
             copies.append(copy)
             return
-        made = {node_of_callers: saved}
+        with self.graph.inserting_before(first):
+            # the views start from a whole-tensor expand, which no forward view chain starts from:
+            # min-cut's CSE would merge a re-made view with the forward's (untagged) one, and save it
+            head = call(self.graph, fake_mode_of(self.graph), aten.expand.default,
+                        (saved, [-1] * saved.meta["val"].dim()))
+            head.meta[TAG] = "must_be_in_backward"
+        made = {node_of_callers: head}
         with self.graph.inserting_before(first):
             for view in reversed(chain):
                 args, kwargs = fx.node.map_arg((view.args, view.kwargs), lambda n: made.get(n, n))
