@@ -6,7 +6,8 @@ input between forward and backward; so must every compile path that refuses it u
 Inductor, min-cut's CSE merged the views the pass re-made in the backward with the forward's, saved
 a view (an alias with a version counter of its own), and let the update through; on the backend,
 a split's piece re-made in the backward read the forward's split, and the default partitioner failed
-(``Node getitem_2 was invalid, but is output``)."""
+(``Node getitem_2 was invalid, but is output``). A returned rotation the backward does not read,
+updated by the caller, fails on the backend (a strict xfail)."""
 import pytest
 import torch
 
@@ -101,3 +102,34 @@ def test_tables_viewed_from_one_input_through_inductor(installed):
                                                             "rotary_position_embedding_grad": 3}
     for name, update in _UPDATES.items():
         assert refused(lambda: _run(compiled, update)), name
+
+
+def rotation_returned_unread(q, cos, sin):
+    """q [B, S, H, D] rotated as [B, H, S, D] (the fused op's output permuted back) and returned;
+    the backward does not read the rotation."""
+    qr = q.transpose(1, 2) * cos + _rot(q.transpose(1, 2)) * sin
+    return qr * 3, qr
+
+
+@pytest.mark.xfail(strict=True, reason="the backend returns the fused forward's output permuted back as a view "
+                                       "of an intermediate; AOTAutograd's runtime makes it a view of a multi-output "
+                                       "function, and autograd raises 'Output 1 of CompiledFunction is a view ... "
+                                       "Such functions do not allow the output views to be modified inplace' at the "
+                                       "backward; eager, rules off and Inductor (with the pass) run (before f94a42b too)")
+def test_an_unread_returned_rotation_updated_in_place_on_the_backend():
+    """Eager allows the caller doubling the returned rotation (nothing saved it); so does the backend."""
+    cos, sin = _tables()
+    q = torch.randn(B, S, H, D, generator=torch.Generator().manual_seed(0))
+
+    def run(fn):
+        leaf = q.clone().requires_grad_()
+        out, qr = fn(leaf, cos, sin)
+        with torch.no_grad():
+            qr.mul_(2.0)
+        (out.sum() + (qr * torch.linspace(-1, 1, qr.numel()).view(qr.shape)).sum()).backward()
+        return out.detach(), leaf.grad
+
+    torch._dynamo.reset()
+    compiled = torch.compile(rotation_returned_unread, backend=aot_backend(FusionOptions(target="generic", strict=True)))
+    for got, expected in zip(run(compiled), run(rotation_returned_unread)):
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
