@@ -40,9 +40,11 @@ Two things the partitioners need from the graph the pass leaves them:
   read the pass made of a caller's storage reads the caller's tensor, through views made in the
   backward (tagged ``must_be_in_backward``: every partitioner saves the tensor, not a view; they start
   from a whole-tensor ``expand``, so min-cut's CSE cannot merge them with the forward's views, and
-  a split's piece re-makes the split); a
-  returned tensor the pass made a view (a fused op's output permuted back) is returned as a
-  forward copy, which the backward then reads; another view of that output's base reads a copy.
+  a split's piece re-makes the split); another view of a returned tensor's base reads a copy.
+  A returned tensor the pass made a view (a fused op's output permuted back) is returned as a
+  forward copy, read by the backward: the caller's tensor must be no view of a value it never
+  sees (AOTAutograd hands one out as a view of a multi-output function, which autograd forbids
+  the caller to update in place, and Inductor as an alias with a counter of its own).
 * **Recomputation** (min-cut only). Min-cut never recomputes a value that a backward op it
   cannot fuse with (a fused op, a custom op to it) reads: that value must be materialized in the
   backward anyway, so it saves it. The unfused backward read RoPE's tables through pointwise
@@ -227,9 +229,29 @@ class JointGraph:
             node.meta[TAG] = "is_backward"
         self._move_after_forward(added)
         copies = self._guard_reachable_reads(added)
+        copies += self._return_made_views_as_copies()
         if self.min_cut:
             self._hand_off_recomputable_reads(added)
         return copies
+
+    def _return_made_views_as_copies(self) -> List[fx.Node]:
+        """Return a forward copy of each returned tensor the pass made a view; returns the copies.
+
+        A fused op's output permuted back is a view of a value the caller never sees, where the
+        unfused program returned a tensor of its own; AOTAutograd's runtime hands such a view out as
+        a view of its multi-output function, which autograd then forbids the caller to update in
+        place (eager allows it). A copy the guard already returned is no view."""
+        output = next(iter(self.graph.find_nodes(op="output")))
+        outputs = list(output.args[0])
+        copies = {}
+        for place in self.returned_places:
+            node = outputs[place]
+            if place not in self.returned_views and isinstance(node, fx.Node) and aliased_input(node) is not None:
+                if node not in copies:
+                    copies[node] = self._forward_copy(node)
+                outputs[place] = copies[node]
+        output.args = (tuple(outputs),) + tuple(output.args[1:])
+        return list(copies.values())
 
     def _move_after_forward(self, added: List[fx.Node]) -> None:
         """Move inserted nodes that sit among the forward nodes to just after the last one, in
