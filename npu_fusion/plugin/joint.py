@@ -241,16 +241,15 @@ class JointGraph:
         unfused program returned a tensor of its own; AOTAutograd's runtime hands such a view out as
         a view of its multi-output function, which autograd then forbids the caller to update in
         place (eager allows it). A copy the guard already returned is no view."""
-        output = next(iter(self.graph.find_nodes(op="output")))
-        outputs = list(output.args[0])
+        outputs = self._outputs()
         copies = {}
         for place in self.returned_places:
             node = outputs[place]
             if place not in self.returned_views and isinstance(node, fx.Node) and aliased_input(node) is not None:
                 if node not in copies:
                     copies[node] = self._forward_copy(node)
-                outputs[place] = copies[node]
-        output.args = (tuple(outputs),) + tuple(output.args[1:])
+        if copies:
+            self._return_instead(copies)
         return list(copies.values())
 
     def _move_after_forward(self, added: List[fx.Node]) -> None:
@@ -336,14 +335,19 @@ class JointGraph:
         if key[0] == "input" or aliased_input(node) is None:
             return node, node
         copy = self._forward_copy(node)
+        self._return_instead({node: copy})
+        copies.append(copy)
+        return node, copy
+
+    def _return_instead(self, replacements: Dict[fx.Node, fx.Node]) -> None:
+        """Return each replacement at the returned places of the node it replaces (the outputs keep
+        their container: the gradients' places are untouched)."""
         output = next(iter(self.graph.find_nodes(op="output")))
         outputs = list(output.args[0])
         for place in self.returned_places:
-            if outputs[place] is node:
-                outputs[place] = copy
-        output.args = (tuple(outputs),) + tuple(output.args[1:])
-        copies.append(copy)
-        return node, copy
+            if isinstance(outputs[place], fx.Node) and outputs[place] in replacements:
+                outputs[place] = replacements[outputs[place]]
+        output.args = (type(output.args[0])(outputs),) + tuple(output.args[1:])
 
     def _read_as_callers(self, value: fx.Node, readers: List[fx.Node], first: fx.Node, callers,
                          copies: List[fx.Node]) -> None:
