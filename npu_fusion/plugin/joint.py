@@ -219,8 +219,8 @@ class JointGraph:
         return keys
 
     def prepare_for_partition(self) -> List[fx.Node]:
-        """Tag and place the inserted nodes; give the backward copies of caller-reachable tensors
-        the unfused backward did not read. Returns the copies made."""
+        """Tag and place the inserted nodes, guard the backward's reads of caller-reachable tensors
+        and return no view the pass made. Returns the forward copies made."""
         # a forward rule's nodes come tagged is_forward: forward work, left where it is
         added = [n for n in self.graph.nodes if n not in self.original and n.meta.get(TAG) != "is_forward"]
         if self.boundary is not None and self.boundary._erased:  # a forward rule replaced the last forward node
