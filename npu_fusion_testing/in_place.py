@@ -100,6 +100,12 @@ def rope_rotation_read_back(q, k, cos, sin):
     return qr * qr + kr, qr, cos[0], sin.view(-1)
 
 
+def rope_transposed_returned(q, k, cos, sin):
+    """:func:`rope_q_k` on q and k [B, S, H, D] seen as [B, H, S, D], both rotations returned (their
+    backward reads neither: the caller may update them in place)."""
+    return rope_q_k(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
+
+
 def run_with_update(fn, inputs, update, rounding=None, differentiated=1):
     """``fn(*inputs)``, then ``update(inputs, outputs)`` under ``no_grad`` (the caller's in-place
     update), then the backward of the first ``differentiated`` outputs with fixed random gradients,
@@ -235,6 +241,8 @@ UPDATED_PROGRAMS = (
                    lambda i, o: (o[2].add_(1.0), o[3].add_(1.0)), FULL, ROPE, 2),
     UpdatedProgram("rope_returned_output", rope_returning_q_k, _ROPE, (True, True, False, False),
                    lambda i, o: o[1].mul_(2.0), FULL, ROPE, 2),
+    UpdatedProgram("rope_transposed_rotation_returned", rope_transposed_returned, _ROPE_BSHD,
+                   (True, True, False, False), lambda i, o: (o[0].mul_(2.0), o[1].mul_(2.0)), FULL, ROPE, 2),
     UpdatedProgram("rope_rotation_read_back", rope_rotation_read_back, _ROPE_BSHD, (True, True, False, False),
                    lambda i, o: o[1].mul_(2.0), (), ROPE),
     UpdatedProgram("rope_table_view_returned", rope_rotation_read_back, _ROPE_BSHD, (True, True, False, False),

@@ -151,6 +151,59 @@ def copy_by_to_copy(graph: fx.Graph, fake_mode, value: fx.Node) -> fx.Node:
     return call(graph, fake_mode, aten._to_copy.default, (value,))
 
 
+class ReturnedTensors:
+    """The places of a graph's outputs the caller receives, and which were views before the pass.
+
+    A fused op's output permuted back is a view of a value the caller never sees, where the unfused
+    program returned a tensor of its own; AOTAutograd's runtime hands such a view out as a view of
+    its multi-output function, which autograd then forbids the caller to update in place (eager
+    allows it). :meth:`copy_made_views` returns a copy in its place."""
+
+    def __init__(self, graph: fx.Graph, places: List[int]):
+        self.graph = graph
+        self.places = places
+        outputs = _outputs_of(graph)
+        #: the places whose tensor is a view before the pass (the caller's is an alias already)
+        self.views = {i for i in places if aliased_input(outputs[i]) is not None}
+
+    @classmethod
+    def of_partitioned_forward(cls, graph: fx.Graph) -> "ReturnedTensors":
+        """A training forward after the partition: the outputs AOTAutograd marks as the user's
+        (its saved tensors are the backward's, no caller holds them); none where unmarked."""
+        output = next(iter(graph.find_nodes(op="output")))
+        descriptions = output.meta.get("desc") or ()
+        return cls(graph, [i for i, d in enumerate(descriptions) if type(d).__name__ == "PlainAOTOutput"])
+
+    def copy_made_views(self, copy_op: Callable) -> List[fx.Node]:
+        """Return a copy (``copy_op``, right after it) of each returned tensor the pass made a view;
+        returns the copies."""
+        outputs = _outputs_of(self.graph)
+        copies: Dict[fx.Node, fx.Node] = {}
+        for place in self.places:
+            node = outputs[place]
+            if place not in self.views and isinstance(node, fx.Node) and aliased_input(node) is not None \
+                    and node not in copies:
+                with self.graph.inserting_after(node):
+                    copies[node] = copy_op(self.graph, fake_mode_of(self.graph), node)
+        if copies:
+            self.return_instead(copies)
+        return list(copies.values())
+
+    def return_instead(self, replacements: Dict[fx.Node, fx.Node]) -> None:
+        """Return each replacement at the returned places of the node it replaces (the outputs keep
+        their container: the other places are untouched)."""
+        output = next(iter(self.graph.find_nodes(op="output")))
+        outputs = list(output.args[0])
+        for place in self.places:
+            if isinstance(outputs[place], fx.Node) and outputs[place] in replacements:
+                outputs[place] = replacements[outputs[place]]
+        output.args = (type(output.args[0])(outputs),) + tuple(output.args[1:])
+
+
+def _outputs_of(graph: fx.Graph) -> list:
+    return list(next(iter(graph.find_nodes(op="output"))).args[0])
+
+
 class JointGraph:
     """A joint graph as it was before the pass: its nodes, and the forward values its unfused
     backward reads. :meth:`prepare_for_partition` then places and guards what the pass added."""
@@ -171,9 +224,8 @@ class JointGraph:
         #: the forward values the unfused backward reads, each with its readers
         self.original_reads = self._backward_reads(self.backward)
         self.read_by_backward = set(self.original_reads)
-        #: the returned places whose tensor is a view before the pass (the caller's is an alias)
-        outputs = self._outputs()
-        self.returned_views = {i for i in self.returned_places if aliased_input(outputs[i]) is not None}
+        #: the returned tensors, and which were views before the pass
+        self.returned = ReturnedTensors(graph, self.returned_places)
         #: the caller-reachable storages the unfused backward reads, by :meth:`_reachable_keys`'s key
         reachable = self._reachable_keys()
         self.reachable_read = {reachable[base_of(v)] for v in self.read_by_backward if base_of(v) in reachable}
@@ -186,7 +238,7 @@ class JointGraph:
         return after | {n for n in gradient if n.op != "placeholder"}
 
     def _outputs(self) -> list:
-        return list(next(iter(self.graph.find_nodes(op="output"))).args[0])
+        return _outputs_of(self.graph)
 
     def _backward_reads(self, backward: Set[fx.Node]) -> Dict[fx.Node, List[fx.Node]]:
         """The forward values ``backward`` reads, each with its readers: the inputs of backward
@@ -235,22 +287,9 @@ class JointGraph:
         return copies
 
     def _return_made_views_as_copies(self) -> List[fx.Node]:
-        """Return a forward copy of each returned tensor the pass made a view; returns the copies.
-
-        A fused op's output permuted back is a view of a value the caller never sees, where the
-        unfused program returned a tensor of its own; AOTAutograd's runtime hands such a view out as
-        a view of its multi-output function, which autograd then forbids the caller to update in
-        place (eager allows it). A copy the guard already returned is no view."""
-        outputs = self._outputs()
-        copies = {}
-        for place in self.returned_places:
-            node = outputs[place]
-            if place not in self.returned_views and isinstance(node, fx.Node) and aliased_input(node) is not None:
-                if node not in copies:
-                    copies[node] = self._forward_copy(node)
-        if copies:
-            self._return_instead(copies)
-        return list(copies.values())
+        """Return a forward copy of each returned tensor the pass made a view (:class:`ReturnedTensors`;
+        a copy the guard already returned is no view); returns the copies."""
+        return self.returned.copy_made_views(lambda graph, fake_mode, node: self._forward_copy(node))
 
     def _move_after_forward(self, added: List[fx.Node]) -> None:
         """Move inserted nodes that sit among the forward nodes to just after the last one, in
@@ -325,7 +364,7 @@ class JointGraph:
         if key[0] == "input":
             return next(p for p in self.graph.find_nodes(op="placeholder") if p.name == key[1])
         returned = self._outputs()[key[1]]
-        return base_of(returned) if key[1] in self.returned_views else returned
+        return base_of(returned) if key[1] in self.returned.views else returned
 
     def _callers_tensor(self, key: Hashable, copies: List[fx.Node]):
         """The caller's node under ``key`` and the node saved as it: :meth:`_callers_node`, or where
@@ -335,19 +374,9 @@ class JointGraph:
         if key[0] == "input" or aliased_input(node) is None:
             return node, node
         copy = self._forward_copy(node)
-        self._return_instead({node: copy})
+        self.returned.return_instead({node: copy})
         copies.append(copy)
         return node, copy
-
-    def _return_instead(self, replacements: Dict[fx.Node, fx.Node]) -> None:
-        """Return each replacement at the returned places of the node it replaces (the outputs keep
-        their container: the gradients' places are untouched)."""
-        output = next(iter(self.graph.find_nodes(op="output")))
-        outputs = list(output.args[0])
-        for place in self.returned_places:
-            if isinstance(outputs[place], fx.Node) and outputs[place] in replacements:
-                outputs[place] = replacements[outputs[place]]
-        output.args = (type(output.args[0])(outputs),) + tuple(output.args[1:])
 
     def _read_as_callers(self, value: fx.Node, readers: List[fx.Node], first: fx.Node, callers,
                          copies: List[fx.Node]) -> None:

@@ -32,7 +32,7 @@ from ..patterns.context import PassContext
 from ..patterns.rewrite import Miss, RuleContext, Site
 from ..patterns.rule import FusionRule, RoundReport
 from ..patterns.nodes import one_round
-from .joint import JointGraph
+from .joint import JointGraph, ReturnedTensors, copy_by_to_copy
 from .logs import TRACE_AFTER, TRACE_BEFORE, dump_graph, log, trace_decisions, trace_graph
 from .options import FusionOptions
 
@@ -412,6 +412,7 @@ def _rewrite_or_restore(gm: fx.GraphModule, options, forward: Optional[fx.Graph]
             provenance = JointProvenance(graph, layout.backward, layout.min_cut)
         elif result.graph == "forward":
             provenance = PartitionedForwardProvenance(graph)
+            returned = ReturnedTensors.of_partitioned_forward(graph)
         elif inference:
             provenance = InferenceProvenance(graph)
         else:
@@ -421,6 +422,8 @@ def _rewrite_or_restore(gm: fx.GraphModule, options, forward: Optional[fx.Graph]
         result.sites, result.misses = _rewrite_in_rounds(context, options, INFERENCE_STAGES if inference else None)
         if layout is not None and result.sites:
             result.copies = [n.args[0].name for n in layout.prepare_for_partition()]
+        elif result.graph == "forward" and result.sites:  # the user's outputs: no view the pass made
+            result.copies = [n.args[0].name for n in returned.copy_made_views(copy_by_to_copy)]
         graph.lint()
         if result.sites:
             result.emitted = emitted_targets(snapshot, graph)
