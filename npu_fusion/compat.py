@@ -34,6 +34,7 @@ instead of reaching for a private name that only some releases have:
 """
 from __future__ import annotations
 
+import importlib.util
 import json
 from typing import Any, Callable, Optional
 
@@ -46,6 +47,9 @@ TORCHAIR_PASS_SLOT = "post_grad_custom_pre_pass"
 
 #: ``aten._fused_rms_norm.default`` and ``aten._fused_rms_norm_backward.default`` where this
 #: torch has them, else None (they are not in every torch the package supports)
+#: whether AOTAutograd describes its graphs' outputs (``PlainAOTOutput`` for the user's, on a
+#: partitioned forward's output node, ``meta["desc"]``): newer torch only
+AOT_OUTPUT_DESCRIPTIONS = importlib.util.find_spec("torch._functorch._aot_autograd.descriptors") is not None
 FUSED_RMS_NORM = getattr(getattr(torch.ops.aten, "_fused_rms_norm", None), "default", None)
 FUSED_RMS_NORM_BACKWARD = getattr(getattr(torch.ops.aten, "_fused_rms_norm_backward", None), "default", None)
 

@@ -10,6 +10,7 @@ import torch
 import npu_fusion
 from npu_fusion.plugin import torchair as plugin
 from npu_fusion.plugin.options import FusionOptions
+from npu_fusion.compat import AOT_OUTPUT_DESCRIPTIONS
 from npu_fusion_testing.in_place import UPDATED_PROGRAMS
 
 pytestmark = pytest.mark.smoke  # in the version matrix's smoke set: torchair
@@ -156,7 +157,13 @@ def test_caller_updating_the_input_in_place_before_backward(ge):
     assert_grads_close(got, expected, exact)
 
 
-_UPDATED = [pytest.param(p, d, id=f"{p.name}-{str(d)[6:]}") for p in UPDATED_PROGRAMS for d in p.legal]
+#: a returned tensor the pass made a view is copied on the partitioned forward where AOTAutograd says
+#: which outputs are the user's; an older torch does not, and the caller's update then fails
+_UNDESCRIBED = pytest.mark.xfail(not AOT_OUTPUT_DESCRIPTIONS, strict=True, reason="this torch's AOTAutograd does not "
+                                 "describe its outputs: the fused output permuted back is returned as a view")
+_UPDATED = [pytest.param(p, d, id=f"{p.name}-{str(d)[6:]}",
+                         marks=[_UNDESCRIBED] if p.name == "rope_transposed_rotation_returned" else [])
+            for p in UPDATED_PROGRAMS for d in p.legal]
 
 
 @pytest.mark.parametrize("program, dtype", _UPDATED)
