@@ -223,12 +223,11 @@ class JointGraph:
                                 if isinstance(o, fx.Node) and o not in self.backward]
         #: the forward values the unfused backward reads, each with its readers
         self.original_reads = self._backward_reads(self.backward)
-        self.read_by_backward = set(self.original_reads)
         #: the returned tensors, and which were views before the pass
         self.returned = ReturnedTensors(graph, self.returned_places)
         #: the caller-reachable storages the unfused backward reads, by :meth:`_reachable_keys`'s key
         reachable = self._reachable_keys()
-        self.reachable_read = {reachable[base_of(v)] for v in self.read_by_backward if base_of(v) in reachable}
+        self.reachable_read = {reachable[base_of(v)] for v in self.original_reads if base_of(v) in reachable}
 
     def _backward_nodes(self, gradient: Set[fx.Node]) -> Set[fx.Node]:
         if self.boundary is None:
@@ -339,10 +338,7 @@ class JointGraph:
             if key is None or not isinstance(value.meta.get("val"), torch.Tensor):
                 continue
             if key not in self.reachable_read:
-                copy = self._forward_copy(value)
-                for reader in readers:
-                    reader.replace_input_with(value, copy)
-                copies.append(copy)
+                copies.append(self._read_through_forward_copy(value, readers))
                 continue
             new_readers = [r for r in readers if r in backward and r not in self.original_reads.get(value, ())]
             if new_readers and not (value is self._callers_node(key) and aliased_input(value) is None):
@@ -395,10 +391,7 @@ class JointGraph:
                 chain.append(node)
             node = aliased_input(node)
         if node is None:  # another view of the returned node's base: its storage, not its tensor
-            copy = self._forward_copy(value)
-            for reader in readers:
-                reader.replace_input_with(value, copy)
-            copies.append(copy)
+            copies.append(self._read_through_forward_copy(value, readers))
             return
         with self.graph.inserting_before(first):
             # the views start from a whole-tensor expand, which no forward view chain starts from:
@@ -406,14 +399,20 @@ class JointGraph:
             head = call(self.graph, fake_mode_of(self.graph), aten.expand.default,
                         (saved, [-1] * saved.meta["val"].dim()))
             head.meta[TAG] = "must_be_in_backward"
-        made = {node_of_callers: head}
-        with self.graph.inserting_before(first):
+            made = {node_of_callers: head}
             for view in reversed(chain):
                 args, kwargs = fx.node.map_arg((view.args, view.kwargs), lambda n: made.get(n, n))
                 made[view] = call(self.graph, fake_mode_of(self.graph), view.target, args, kwargs)
                 made[view].meta[TAG] = "must_be_in_backward"
         for reader in readers:
             reader.replace_input_with(value, made.get(value, saved))
+
+    def _read_through_forward_copy(self, value: fx.Node, readers: List[fx.Node]) -> fx.Node:
+        """Make ``readers`` read a forward copy of ``value`` (:meth:`_forward_copy`); returns the copy."""
+        copy = self._forward_copy(value)
+        for reader in readers:
+            reader.replace_input_with(value, copy)
+        return copy
 
     def _forward_copy(self, value: fx.Node) -> fx.Node:
         """A copy of ``value`` among the forward nodes, right after ``value`` (after the last
