@@ -37,7 +37,8 @@ def unexplained(graph: fx.Graph, provenance: Optional[Provenance], misses: List[
     missed = {m.node for m in misses}
     norms: Dict[object, list] = {}  # the norm's statistic (or the product itself) -> [node, reason, reach]
     reached = set()
-    weight_gradient = _unfused_weight_gradient(graph, provenance, missed)
+    about = {name: {exact_source(n, provenance) for n in values} for name, values in (subjects or {}).items()}
+    weight_gradient = _unfused_weight_gradient(graph, provenance, missed, about)
     for node in calls_to(graph, aten.mul.Tensor, aten.div.Tensor):  # what _forward_operand reads
         operand = _forward_operand(node, gradient)
         spelled = node if node.target is aten.div.Tensor else operand
@@ -58,7 +59,6 @@ def unexplained(graph: fx.Graph, provenance: Optional[Provenance], misses: List[
         entry[1] = entry[1] or reason or (UNIT_AXIS_REASON if _over_a_unit_axis(node) else None) or (
             EVERY_AXIS_REASON if over_every_axis(operand, provenance) else None)
         entry[2].append(node)
-    about = {name: {exact_source(n, provenance) for n in values} for name, values in (subjects or {}).items()}
     accounted = _accounted([products for _, _, products in norms.values()], missed,
                            [_read(key, products, gradient, provenance) for key, (_, _, products) in norms.items()], about)
     return [Miss(OP.name, n.name, reason or (
@@ -172,20 +172,23 @@ def _forward_operand(node: fx.Node, gradient: set) -> Optional[fx.Node]:
     return None
 
 
-def _unfused_weight_gradient(graph: fx.Graph, provenance: Optional[Provenance], missed: set):
+def _unfused_weight_gradient(graph: fx.Graph, provenance: Optional[Provenance], missed: set, about: Dict[str, set]):
     """Test whether a product is an unaccounted weight gradient of an RMSNorm.
 
     A test of (product, forward operand): a gradient times a normalized value
     ``y * rsqrt(mean(y*y) + eps)`` summed over leading axes (a weight's gradient, as a norm
     whose input takes no gradient has), of a norm neither a fused op in the graph covers (a
     fused dx whose dgamma the rewrite left to the program, with a note) nor a recorded miss
-    (one at a node its statistic reaches: the norm's dx left unfused with the reason)."""
+    (one at a node its statistic reaches: the norm's dx left unfused with the reason; one known to
+    be about other forward values, ``about`` by its node's name, is another norm's)."""
     @functools.lru_cache(maxsize=None)  # computed once, and only where such a product is left
     def covered() -> frozenset:
         taken = taken_norms(graph, provenance, [])
         for node in graph.nodes:
             stat = rms_statistic_operand(node, provenance) if node.op in ("placeholder", "call_function") else None
-            if stat is not None and any(n.name in missed for n in downstream(graph, [node], 2 * DX_DEPTH)):
+            norm = {exact_source(node, provenance), exact_source(stat[0], provenance)} if stat is not None else set()
+            if stat is not None and any(n.name in missed and (n.name not in about or about[n.name] & norm)
+                                        for n in downstream(graph, [node], 2 * DX_DEPTH)):
                 taken.add(exact_source(stat[0], provenance))
         return frozenset(taken)
 

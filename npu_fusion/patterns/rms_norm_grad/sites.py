@@ -100,6 +100,7 @@ def find_sites(graph: fx.Graph, rewrites: RuleContext) -> RoundReport:
     provenance = rewrites.provenance
     matches: List[NormMatch] = []
     near = RoundReport()
+    rewrites.subjects.clear()  # the subjects of this round's near misses, the ones recorded
     gradient = gradient_dependent(graph)
     with_dx = set()  # the statistics of the norms whose dx the graph computes (matched or not)
     seeds = {tuple(size_key(x) for x in tail): (tail, list(nodes)) for tail, nodes in _norm_reductions(graph, provenance)}
