@@ -307,6 +307,8 @@ class RuleContext:
         self.sites: List[Site] = []
         self.round_misses: List[Miss] = []
         self.errors: List[Miss] = []
+        #: the forward values a recorded miss is about, by its node's name, where the rule's find knows them
+        self.subjects: Dict[str, frozenset] = {}
         self._failed: set = set()  # names of the nodes whose candidates failed
         self._replaced: Dict[fx.Node, fx.Node] = {}
 

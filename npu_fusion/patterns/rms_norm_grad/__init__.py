@@ -133,6 +133,6 @@ class RmsNormGradRule(FusionRule):
         # that rule is on when its op's option is (a rule's option is its op's unless it declares one)
         owned = FORWARD_OP.option in ctx.context.enabled and isinstance(ctx.provenance, JointProvenance)
         whole = [] if owned else whole_forward_misses(graph, ctx.provenance, OP.name)
-        found = unexplained(graph, ctx.provenance, misses) + whole
+        found = unexplained(graph, ctx.provenance, misses, ctx.subjects) + whole
         return found + backwards_of_forward_misses(ctx.context, FORWARD_OP.name, OP, "RMSNorm", [*misses, *found],
                                                    DX_DEPTH)

@@ -18,7 +18,8 @@ from ..rms_statistic import (EVERY_AXIS_REASON, clamped_statistic, definition_of
                              spelled_root, unmatched_spelling)
 
 
-def unexplained(graph: fx.Graph, provenance: Optional[Provenance], misses: List[Miss]) -> List[Miss]:
+def unexplained(graph: fx.Graph, provenance: Optional[Provenance], misses: List[Miss],
+                subjects: Optional[Dict[str, frozenset]] = None) -> List[Miss]:
     """Record each RMSNorm the pass left in the graph that no form matched and no miss explains.
 
     No silent misses: a gradient multiplied by an RMS statistic (``rsqrt(mean(x*x) + eps)``,
@@ -27,14 +28,17 @@ def unexplained(graph: fx.Graph, provenance: Optional[Provenance], misses: List[
     recorded miss accounts for, is an RMSNorm no form matched. One norm is one miss: its dx's
     product (by the statistic) and its weight gradient's (by the normalized value) are grouped
     by the norm's statistic, and a recorded miss any of them reaches accounts for all (the nearest norm's
-    miss: :func:`_accounted`)."""
+    miss: :func:`_accounted`), if it is about that norm: ``subjects`` are the forward values each near
+    miss was read to be about (its norm's x and statistic, :func:`.per_norm.subject`), and a miss with
+    them accounts only for the norms whose products read one of them."""
     gradient = gradient_dependent(graph)
     if gradient is None:
         return []
     missed = {m.node for m in misses}
     norms: Dict[object, list] = {}  # the norm's statistic (or the product itself) -> [node, reason, reach]
     reached = set()
-    weight_gradient = _unfused_weight_gradient(graph, provenance, missed)
+    about = {name: {exact_source(n, provenance) for n in values} for name, values in (subjects or {}).items()}
+    weight_gradient = _unfused_weight_gradient(graph, provenance, missed, about)
     for node in calls_to(graph, aten.mul.Tensor, aten.div.Tensor):  # what _forward_operand reads
         operand = _forward_operand(node, gradient)
         spelled = node if node.target is aten.div.Tensor else operand
@@ -55,7 +59,8 @@ def unexplained(graph: fx.Graph, provenance: Optional[Provenance], misses: List[
         entry[1] = entry[1] or reason or (UNIT_AXIS_REASON if _over_a_unit_axis(node) else None) or (
             EVERY_AXIS_REASON if over_every_axis(operand, provenance) else None)
         entry[2].append(node)
-    accounted = _accounted([products for _, _, products in norms.values()], missed)
+    accounted = _accounted([products for _, _, products in norms.values()], missed,
+                           [_read(key, products, gradient, provenance) for key, (_, _, products) in norms.items()], about)
     return [Miss(OP.name, n.name, reason or (
         "a gradient scaled by an RMS statistic rsqrt(mean(x*x) + eps), or by the normalized value "
         "x*rsqrt(mean(x*x) + eps) and summed as a weight's gradient, that no RMSNorm form matched (run with "
@@ -63,19 +68,22 @@ def unexplained(graph: fx.Graph, provenance: Optional[Provenance], misses: List[
         if i not in accounted]
 
 
-def _accounted(norms: List[List[fx.Node]], missed: set) -> set:
+def _accounted(norms: List[List[fx.Node]], missed: set, read: List[set], about: Dict[str, set]) -> set:
     """The indices of the norms (each its backward products) a recorded miss accounts for.
 
     A recorded miss at a node at most ``2 * DX_DEPTH`` uses after a norm's products accounts for
     that norm, and only for the norms nearest it (fewest uses): a residual stream carries each
     norm's dx into the next norm's backward, so an earlier norm's products reach a later norm's
-    miss too, and that miss says nothing of them."""
+    miss too, and that miss says nothing of them. A miss known to be about some forward values
+    (``about``, by its node's name) accounts only for the norms whose products read one of them
+    (``read``, per norm): a near miss of a norm the scan has no products of (eps outside the root:
+    no statistic) is nearest to the next norm's products, and is still not about them."""
     nearest: Dict[str, tuple] = {}  # a missed node's name -> (uses from the nearest norms, their indices)
     for i, products in enumerate(norms):
         seen, frontier = set(products), list(products)
         for uses in range(2 * DX_DEPTH + 1):
             for n in frontier:
-                if n.name in missed:
+                if n.name in missed and (n.name not in about or about[n.name] & read[i]):
                     best = nearest.get(n.name, (uses, set()))
                     if uses < best[0]:
                         best = (uses, set())
@@ -85,6 +93,19 @@ def _accounted(norms: List[List[fx.Node]], missed: set) -> set:
             frontier = [u for n in frontier for u in n.users if u not in seen]
             seen.update(frontier)
     return {i for _, indices in nearest.values() for i in indices}
+
+
+def _read(key, products: List[fx.Node], gradient: set, provenance: Optional[Provenance]) -> set:
+    """The forward values (exact sources) a norm's backward products read: each product's operand, the
+    factors of its definition (x and the statistic of a normalized value), and the norm's key's."""
+    found = {k for k in (key if isinstance(key, tuple) else (key,)) if isinstance(k, fx.Node)}
+    for product in products:
+        operand = _forward_operand(product, gradient)
+        definition = definition_of(operand, provenance)
+        found |= {operand, definition}
+        if definition.op == "call_function" and definition.target in (aten.mul.Tensor, aten.div.Tensor):
+            found.update(a for a in definition.args[:2] if isinstance(a, fx.Node))
+    return {exact_source(n, provenance) for n in found}
 
 
 #: why an RMSNorm over a last axis of size 1 keeps its backward decomposed
@@ -151,20 +172,23 @@ def _forward_operand(node: fx.Node, gradient: set) -> Optional[fx.Node]:
     return None
 
 
-def _unfused_weight_gradient(graph: fx.Graph, provenance: Optional[Provenance], missed: set):
+def _unfused_weight_gradient(graph: fx.Graph, provenance: Optional[Provenance], missed: set, about: Dict[str, set]):
     """Test whether a product is an unaccounted weight gradient of an RMSNorm.
 
     A test of (product, forward operand): a gradient times a normalized value
     ``y * rsqrt(mean(y*y) + eps)`` summed over leading axes (a weight's gradient, as a norm
     whose input takes no gradient has), of a norm neither a fused op in the graph covers (a
     fused dx whose dgamma the rewrite left to the program, with a note) nor a recorded miss
-    (one at a node its statistic reaches: the norm's dx left unfused with the reason)."""
+    (one at a node its statistic reaches: the norm's dx left unfused with the reason; one known to
+    be about other forward values, ``about`` by its node's name, is another norm's)."""
     @functools.lru_cache(maxsize=None)  # computed once, and only where such a product is left
     def covered() -> frozenset:
         taken = taken_norms(graph, provenance, [])
         for node in graph.nodes:
             stat = rms_statistic_operand(node, provenance) if node.op in ("placeholder", "call_function") else None
-            if stat is not None and any(n.name in missed for n in downstream(graph, [node], 2 * DX_DEPTH)):
+            norm = {exact_source(node, provenance), exact_source(stat[0], provenance)} if stat is not None else set()
+            if stat is not None and any(n.name in missed and (n.name not in about or about[n.name] & norm)
+                                        for n in downstream(graph, [node], 2 * DX_DEPTH)):
                 taken.add(exact_source(stat[0], provenance))
         return frozenset(taken)
 

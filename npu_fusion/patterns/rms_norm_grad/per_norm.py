@@ -15,7 +15,7 @@ import torch.fx as fx
 
 from ..algebra import graph_constant
 from ..evaluator import JointProvenance, Provenance
-from ..nodes import aten
+from ..nodes import aten, calls_to, gradient_product, normalize_dim, shape
 from ..norm_algebra import NormEvaluator
 from ..rms_statistic import CLAMPED_EPS_REASON
 from .match import symbols_of
@@ -51,6 +51,18 @@ def one_per_norm(ev: NormEvaluator, suspects: List[fx.Node], origin: Dict[int, f
             kept.append(n)
             claimed |= norms
     return kept
+
+
+def subject(ev: NormEvaluator, node: fx.Node) -> frozenset:
+    """The forward values a near miss at ``node`` is about: the leaves beside its sums over the normalized axes.
+
+    Those are the norm's x and statistic (``rstd**3 * x * sum(dy*g*x)``), of each norm whose reduction
+    it reads: a recorded miss accounts for those norms' backward products only (:func:`.misses.unexplained`),
+    not for another norm's that a residual stream carries into it."""
+    v = ev.memo.get(node)
+    terms = v.expr.split_terms() if v is not None and v.lead_sum is None else ()
+    return frozenset(ev.node_of[s] for mono, _ in terms if any(s in ev.sum_body for s, _ in mono)
+                     for s, _ in mono if s in ev.node_of and not ev.depends_on_gradient(ev.node_of[s]))
 
 
 def accumulated_suspects(ev: NormEvaluator, suspects: List[fx.Node], accumulated: List[fx.Node],
@@ -127,3 +139,61 @@ def clamped_gate_reason(node: fx.Node) -> str:
     """The reason of a miss at a clamped norm's backward read on a graph alone (:func:`clamped_gate`)."""
     return (f"{CLAMPED_EPS_REASON} (read on a backward graph alone: {node.name} is clamp_min's backward, passing dx's "
             "rstd**3*sum(dy*g*x) term only where the saved mean square is at least eps)")
+
+
+def other_axes_gates(graph: fx.Graph, gradient: Optional[set]) -> List[tuple]:
+    """[(node, axes, subject)]: clamp_min's backward over a clamped norm's dx term whose sum runs over other axes than the last.
+
+    On a backward graph alone, a norm whose mean runs over another axis (``mean(0).clamp_min(eps)``) has no
+    sum over the last axes for the algebra to start from (:func:`clamped_gate` reads the last axes'):
+    ``where(mean >= eps, t, 0)`` with ``t`` a product, through scalings, of a cubed forward value (dx's
+    ``rstd**3``) and a keep-dim sum over those axes of a gradient times a forward value (``sum(dy*g*x)``);
+    the subject is those forward values (:func:`subject`)."""
+    found = []
+    for node in calls_to(graph, aten.where.self) if gradient is not None else ():
+        if len(node.args) != 3 or not isinstance(node.args[1], fx.Node) or not _is_zero(node.args[2]):
+            continue
+        condition = node.args[0]
+        if not (isinstance(condition, fx.Node) and condition.op == "call_function"
+                and condition.target in (aten.ge.Scalar, aten.gt.Scalar) and isinstance(condition.args[0], fx.Node)
+                and condition.args[0] not in gradient and graph_constant(condition.args[1]) is not None
+                and graph_constant(condition.args[1]) >= 0):
+            continue
+        factors = _factors(node.args[1], gradient)
+        cubed = [f.args[0] for f in factors if f.target is aten.pow.Tensor_Scalar and f.args[1] == 3
+                 and isinstance(f.args[0], fx.Node) and f.args[0] not in gradient]
+        sums = [(f, _other_axes(f, gradient)) for f in factors if f.target is aten.sum.dim_IntList]
+        sums = [(f, axes) for f, axes in sums if axes is not None]
+        if cubed and len(sums) == 1:  # about the cubed statistic and the x its sum reads
+            found.append((node, sums[0][1], frozenset([*cubed, gradient_product(sums[0][0].args[0], gradient)[1]])))
+    return found
+
+
+def _factors(node: fx.Node, gradient: set, depth: int = 4) -> List[fx.Node]:
+    """The call nodes ``node`` multiplies together, read through products and scalings by numbers."""
+    if node.op != "call_function":
+        return []
+    if depth and node.target is aten.mul.Tensor:
+        return [f for a in node.args[:2] if isinstance(a, fx.Node) for f in _factors(a, gradient, depth - 1)]
+    if depth and node.target in (aten.mul.Scalar, aten.div.Scalar, aten.neg.default):
+        return _factors(node.args[0], gradient, depth - 1)
+    return [node]
+
+
+def _other_axes(node: fx.Node, gradient: set) -> Optional[List[int]]:
+    """The axes of a keep-dim sum of a gradient times a forward value over other axes than the last ones, or None."""
+    src = node.args[0]
+    rank = len(shape(src) or ()) if isinstance(src, fx.Node) else 0
+    keepdim = node.args[2] if len(node.args) > 2 else node.kwargs.get("keepdim", False)
+    if not rank or not keepdim or not node.args[1] or gradient_product(src, gradient) is None:
+        return None
+    dims = sorted(normalize_dim(d, rank) for d in node.args[1])
+    return dims if dims != list(range(rank - len(dims), rank)) or len(dims) == rank else None
+
+
+def other_axes_gate_reason(node: fx.Node, axes: List[int]) -> str:
+    """The reason of a miss at a clamped norm's backward over other axes read on a graph alone (:func:`other_axes_gates`)."""
+    over = "every axis" if len(shape(node) or ()) == len(axes) else f"axes {axes}"
+    return (f"{CLAMPED_EPS_REASON}; and its mean runs over {over}, not x's last axes (read on a backward graph alone: "
+            f"{node.name} is clamp_min's backward, passing dx's rstd**3*sum(dy*g*x) term only where the saved mean "
+            "square is at least eps)")

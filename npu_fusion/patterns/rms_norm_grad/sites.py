@@ -14,7 +14,8 @@ from ..nodes import (aten, calls_to, downstream, gradient_dependent, gradient_pr
                      outermost, shape, val)
 from ..rewrite import Miss, RuleContext, gradient_accumulation
 from ..rule import RoundReport
-from .per_norm import accumulated_suspects, backward_alone, clamped_gate, clamped_gate_reason, one_per_norm, sum_origins
+from .per_norm import (accumulated_suspects, backward_alone, clamped_gate, clamped_gate_reason, one_per_norm,
+                       other_axes_gate_reason, other_axes_gates, subject, sum_origins)
 from .match import NormMatch, dgamma_summand, match_root, site_region, stat_leaves, symbols_of, match_dgamma
 from ..rms_statistic import (SAME_VALUES, exact_source, fused_statistic_operand, norm_evaluator, normalized_operand,
                              rms_statistic_operand, unmatched_spelling)
@@ -99,6 +100,7 @@ def find_sites(graph: fx.Graph, rewrites: RuleContext) -> RoundReport:
     provenance = rewrites.provenance
     matches: List[NormMatch] = []
     near = RoundReport()
+    rewrites.subjects.clear()  # the subjects of this round's near misses, the ones recorded
     gradient = gradient_dependent(graph)
     with_dx = set()  # the statistics of the norms whose dx the graph computes (matched or not)
     seeds = {tuple(size_key(x) for x in tail): (tail, list(nodes)) for tail, nodes in _norm_reductions(graph, provenance)}
@@ -141,6 +143,11 @@ def find_sites(graph: fx.Graph, rewrites: RuleContext) -> RoundReport:
         with_dx |= _statistics_with_dx(ev) | {ev.node_of[s] for n in nodes if n.name in suspects
                                                and ev.memo.get(n) is not None for s in stat_leaves(ev, ev.memo[n].expr)}
         rewrites.evaluated(ev)
+    if backward_alone(provenance):  # a clamped norm over other axes: no sum over the last axes to start from
+        recorded = {m.node for m in near.misses}
+        gates = [g for g in other_axes_gates(graph, gradient) if g[0].name not in recorded]
+        rewrites.subjects.update({n.name: about for n, _, about in gates})
+        near += RoundReport([], [Miss(OP.name, n.name, other_axes_gate_reason(n, axes)) for n, axes, _ in gates])
     matches += dgamma_only_sites(graph, rewrites, matches, with_dx)
     return RoundReport(matches, near.misses, near.pending)
 
@@ -201,6 +208,8 @@ def _near_misses(rewrites: RuleContext, ev: NormEvaluator, nodes, matched: List[
     suspects += accumulated_suspects(ev, suspects, accumulated, origin)
     outer = one_per_norm(ev, outermost(sorted(suspects)), origin)
     gates = [n for n in nodes if backward_alone(ev.provenance) and rewrites.examine(n, clamped_gate, ev, n, outer, origin)]
+    rewrites.subjects.update({n.name: subject(ev, n) for n in outer})
+    rewrites.subjects.update({n.name: subject(ev, n.args[1]) for n in gates})  # clamp_min's backward passes dx's term
     return RoundReport([], [Miss(OP.name, n.name, _spelling_above(n, rewrites.provenance) or _two_copies(ev, n) or (
         "normalizes over the last axes like an RMSNorm dx, but its terms differ from rstd*dy*g - "
         "rstd**3*x*sum(dy*g*x)/N (eps outside the root, another statistic or a missing term)")) for n in outer]
