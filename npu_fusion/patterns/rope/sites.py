@@ -330,9 +330,11 @@ def find_sites(graph: fx.Graph, ctx: RuleContext) -> RoundReport:
     inside = {n for m in matches for n in site_region(m) if n is not m.y}
     matches = [m for m in matches if m.y not in inside]
     ctx.evaluated(ev)
-    scaled = [n for n in nodes if n not in looks and _reads_scaled_copy(ev, n)]
+    looked = set(looks)
+    scaled = [n for n in nodes if n not in looked and _reads_scaled_copy(ev, n)]
     # a rotation of a rotation this round fuses (RoPE applied twice) reads its fused output next round
-    pending = len(outermost([n for n in looks if n not in inside and _built_on_match(ev, n, matches)]))
+    outputs = {m.y for m in matches}
+    pending = len(outermost([n for n in looks if n not in inside and _built_on_match(ev, n, outputs)]))
     return RoundReport(matches, symbolic + _near_misses(ev, looks, matches, inside) + _near_misses(
         ev, scaled, matches, inside, SCALED_COPY_REASON), pending)
 
@@ -405,16 +407,16 @@ def _reads_scaled_copy(ev: LaneEvaluator, node: fx.Node) -> bool:
 
 def _near_misses(ev: LaneEvaluator, looks, matches, inside, reason: Optional[str] = None) -> List[Miss]:
     """Rotation-shaped forward nodes that are neither a match, inside one, nor built on one."""
-    matched = {m.y for m in matches} | inside
-    unmatched = [n for n in looks if n not in matched and not _built_on_match(ev, n, matches)]
+    outputs = {m.y for m in matches}
+    matched = outputs | inside
+    unmatched = [n for n in looks if n not in matched and not _built_on_match(ev, n, outputs)]
     return [Miss(OP.name, n.name, reason or ("two products per element like a RoPE forward, but no mode's formula "
                                             "(signs, split points or tables differ)" + _spanning(ev, n)))
             for n in outermost(unmatched)]
 
 
-def _built_on_match(ev: LaneEvaluator, node: fx.Node, matches) -> bool:
-    """``node`` is no match and is computed from a match's output (through the nodes the evaluator read)."""
-    outputs = {m.y for m in matches}
+def _built_on_match(ev: LaneEvaluator, node: fx.Node, outputs: set) -> bool:
+    """``node`` is no match's output (``outputs``) and is computed from one (through the nodes the evaluator read)."""
     if node in outputs:
         return False
     region = region_of([node], lambda r: r is node or (r in ev.interpreted and r not in outputs))
