@@ -236,7 +236,7 @@ class LaneEvaluator(LaneMoves, MemoEvaluator):
         return self._product(node, args[:2])
 
     def _addcmul(self, node, args) -> Lanes:
-        """``addcmul(a, b, c, value=v)``: ``a + v * b * c`` position by position (a rotation's sum of products in one call)."""
+        """Read ``addcmul(a, b, c, value=v)`` as ``a + v * b * c`` position by position (a rotation summed in one call)."""
         value = graph_constant(node.kwargs.get("value", 1))
         if value is None:
             raise Unsupported("value")
