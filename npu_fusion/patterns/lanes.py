@@ -235,6 +235,13 @@ class LaneEvaluator(LaneMoves, MemoEvaluator):
     def _multiply(self, node, args) -> Lanes:
         return self._product(node, args[:2])
 
+    def _addcmul(self, node, args) -> Lanes:
+        """Read ``addcmul(a, b, c, value=v)`` as ``a + v * b * c`` position by position (a rotation summed in one call)."""
+        value = graph_constant(node.kwargs.get("value", 1))
+        if value is None:
+            raise Unsupported("value")
+        return self._elementwise(node, args[:3], lambda a, b, c: add_polys(a, mul_polys(b, c), value))
+
     def _divide(self, node, args) -> Lanes:
         if graph_constant(args[1]) in (None, 0):
             raise Unsupported(f"op {node.target}")  # a quotient by a tensor is no polynomial
@@ -405,6 +412,7 @@ class LaneEvaluator(LaneMoves, MemoEvaluator):
     INTERPRETERS = {
         **dict.fromkeys(ADDITIVE_TARGETS, "_additive"),
         aten.mul.Tensor: "_multiply", aten.mul.Scalar: "_multiply",
+        aten.addcmul.default: "_addcmul",
         aten.div.Tensor: "_divide", aten.div.Scalar: "_divide",
         aten.neg.default: "_negate",
         aten.slice.Tensor: "_slice",

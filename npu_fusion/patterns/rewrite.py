@@ -246,7 +246,9 @@ def commit(edit: Edit, op: str, mode: Optional[str], region: List[fx.Node], outp
         old.replace_all_uses_with(new)
     inputs = {a for n in region for a in n.all_input_nodes}
     erase_dead(edit.graph, region)
-    erase_unused_upstream(edit.graph, inputs)
+    # the replaced outputs too, with what they alone read: a region found empty (a rotation of no
+    # positions) left them computed, and the leftover finder then recorded the fused site as a miss
+    erase_unused_upstream(edit.graph, inputs | {old for old in replacements if not is_erased(old)})
     return site
 
 def erase_dead(graph: fx.Graph, nodes: Iterable[fx.Node]) -> List[fx.Node]:

@@ -383,6 +383,9 @@ def _symbolic_last_axis(seeds, gradient) -> List[Miss]:
 def sums_rotation_terms(node: fx.Node) -> bool:
     if node.target is aten.mul.Tensor:
         return dtype(node) is not None and dtype(node).is_complex
+    if node.target is aten.addcmul.default:  # a + b * c, a rotation's two terms in one call
+        return varying_product(node.args[0]) and all(
+            isinstance(a, fx.Node) and shape(a) and static_int(shape(a)[-1]) != 1 for a in node.args[1:3])
     return node.target in (aten.add.Tensor, aten.sub.Tensor) and all(varying_product(a) for a in node.args[:2])
 
 
