@@ -65,6 +65,31 @@ SHAPE_CHECK_EXEMPT = {aten.sum.dim_IntList, aten.mean.dim, aten.view.default, at
                       aten._unsafe_view.default, *ALIGNED_VIEWS, *POINTWISE}
 
 
+#: clamps whose bounds are numbers: identities of a value they cannot move (:meth:`NormEvaluator._clamp`)
+CLAMPS = (aten.clamp.default, aten.clamp_min.default)
+
+
+def clamp_bounds(node: fx.Node) -> tuple:
+    """(min, max) of a ``clamp`` or ``clamp_min`` call: each a number, or None where there is no such bound.
+
+    A bound that is no number (a tensor, a symbolic value) makes it no clamp by numbers: (None, NaN), which
+    no reader takes."""
+    low = node.args[1] if len(node.args) > 1 else node.kwargs.get("min")
+    high = node.args[2] if len(node.args) > 2 else node.kwargs.get("max")
+    bounds = tuple(graph_constant(b) if b is not None else None for b in (low, high))
+    if any(b is not None and n is None for b, n in zip((low, high), bounds)):
+        return None, float("nan")
+    return bounds
+
+
+def is_zero(value) -> bool:
+    """A zero number, or the zero scalar tensor AOTAutograd writes for one."""
+    if isinstance(value, fx.Node):
+        return value.op == "call_function" and value.target is aten.scalar_tensor.default and \
+            graph_constant(value.args[0]) == 0
+    return graph_constant(value) == 0
+
+
 def _is_trailing_unit_view(node: fx.Node) -> bool:
     """An unsqueeze at the last axis, or a squeeze of trailing axes of size 1: every element stays
     where it was along the leading axes, counted from the right as broadcasting counts them."""
@@ -298,6 +323,10 @@ class NormEvaluator(MemoEvaluator):
                 self.is_nonnegative(a, depth - 1) for a in args[:2])
         if t in (aten.mean.dim, aten.sum.dim_IntList) or t in CAST_TARGETS or t in VIEWS:
             return self.is_nonnegative(args[0], depth - 1)
+        if t in CLAMPS:
+            low, high = clamp_bounds(node)
+            return (low is not None and low >= 0 and (high is None or high >= 0)) or (
+                (low is None or low <= 0) and high is None and self.is_nonnegative(args[0], depth - 1))
         return False
 
     def _arg(self, arg) -> Expr:
@@ -503,6 +532,37 @@ class NormEvaluator(MemoEvaluator):
             return NormValue(body, lead_sum=(src, dims))
         raise Unsupported("reduction axes")
 
+    def _clamp(self, node, forward: bool) -> NormValue:
+        """``clamp(v, min=c)`` with c <= 0 a number and no max, of a v that is >= 0 or NaN: v itself
+        (``clamp(mean(x*x), min=0)``, a guard some models put on a mean square). clamp keeps NaN, so
+        the identity holds for every input; any other clamp is a leaf."""
+        low, high = clamp_bounds(node)
+        src = node.args[0]
+        if high is not None or low is None or low > 0 or not isinstance(src, fx.Node) \
+                or not self.is_nonnegative(src) or not same_shape(shape(src), shape(node)):
+            raise Unsupported("clamp")
+        v = self.value(src)
+        if v is None:
+            raise Unsupported("clamp of opaque")
+        return v
+
+    def _passed_gate(self, node) -> NormValue:
+        """``where(v >= c, g, 0)`` with c <= 0 (``> c``, c < 0) and v >= 0 or NaN: g, clamp(v, min=c)'s backward.
+
+        Exact in real arithmetic, as the algebra is; where v is NaN, the gate passes 0, not g, but
+        there the norm's statistic ``rsqrt(clamp(v) + eps)`` is NaN, and so is every gradient it
+        scales, the program's and a fused op's alike."""
+        if len(node.args) != 3 or not isinstance(node.args[1], fx.Node) or not is_zero(node.args[2]):
+            raise Unsupported("where")
+        condition, passed = node.args[0], node.args[1]
+        bound = graph_constant(condition.args[1]) if isinstance(condition, fx.Node) and len(condition.args) > 1 else None
+        if not (isinstance(condition, fx.Node) and condition.op == "call_function" and bound is not None
+                and ((condition.target is aten.ge.Scalar and bound <= 0)
+                     or (condition.target is aten.gt.Scalar and bound < 0))
+                and self.is_nonnegative(condition.args[0]) and same_shape(shape(passed), shape(node))):
+            raise Unsupported("where")
+        return NormValue(self._arg(passed))
+
     def _forward_power(self, node, forward: bool) -> NormValue:
         """A power by a number, also of a saved tensor's forward definition: pointwise, so a saved
         ``(mean(x*x) + eps) ** -0.5`` is the saved mean square's power, the value its backward's
@@ -512,12 +572,14 @@ class NormEvaluator(MemoEvaluator):
     #: aten op -> the name of its interpreter, looked up on the instance (so a subclass or a
     #: test can replace one). FORWARD_SAFE interpreters take (node, forward) and may read
     #: forward nodes; BACKWARD_ONLY ones take (node). Ops in neither are leaves.
-    FORWARD_SAFE = {**dict.fromkeys(BINARY_OPS, "_binary"), aten.pow.Tensor_Scalar: "_forward_power"}
+    FORWARD_SAFE = {**dict.fromkeys(BINARY_OPS, "_binary"), aten.pow.Tensor_Scalar: "_forward_power",
+                    **dict.fromkeys(CLAMPS, "_clamp")}
     BACKWARD_ONLY = {
         aten.neg.default: "_negate",
         aten.sqrt.default: "_sqrt",
         aten.reciprocal.default: "_reciprocal",
         aten.expand.default: "_expand",
+        aten.where.self: "_passed_gate",
         aten.sum.dim_IntList: "_reduce", aten.mean.dim: "_reduce",
         aten.view.default: "_view", aten.reshape.default: "_view", aten._unsafe_view.default: "_view",
         **dict.fromkeys(ALIGNED_VIEWS, "_aligned_view"),
