@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import operator
+from fractions import Fraction
 from typing import List, Optional
 
 import torch.fx as fx
@@ -11,7 +12,7 @@ from ..lowering import RMS_NORM as FORWARD_OP
 from ..lowering.sizes import static_int
 from .algebra import graph_constant
 from .evaluator import Provenance
-from .norm_algebra import NormEvaluator
+from .norm_algebra import CLAMPS, NormEvaluator, clamp_bounds
 from .nodes import CAST_TARGETS, VIEWS, aten, calls_to, is_value_preserving_cast, normalize_dim, shape, val
 from .rewrite import Miss
 
@@ -48,7 +49,7 @@ def is_rms_statistic(node: fx.Node, provenance: Optional[Provenance]) -> bool:
     if not root or not isinstance(node.args[0], fx.Node) or node.args[0].target not in (
             aten.add.Tensor, aten.add.Scalar):
         return False
-    mean = next((a for a in node.args[0].args if isinstance(a, fx.Node)
+    mean = next((a for a in map(unclamped, node.args[0].args) if isinstance(a, fx.Node)
                  and a.target in (aten.mean.dim, aten.sum.dim_IntList)), None)
     square = mean.args[0] if mean is not None else None
     return isinstance(square, fx.Node) and square.op == "call_function" and (
@@ -152,6 +153,23 @@ def rms_statistic_operand(node: fx.Node, provenance: Optional[Provenance]) -> Op
     return found[:2] if found is not None and found[2] else None
 
 
+def unclamped(node):
+    """The v of ``clamp(v, min=c)`` with c <= 0 a number and no max, else ``node`` itself.
+
+    Below a root, v a mean of squares: such a clamp moves no value (a mean of squares is >= 0, and
+    clamp keeps NaN), and the norm algebra reads it as v (:meth:`~.norm_algebra.NormEvaluator._clamp`)."""
+    if not (isinstance(node, fx.Node) and node.op == "call_function" and node.target in CLAMPS
+            and isinstance(node.args[0], fx.Node)):
+        return node
+    low, high = clamp_bounds(node)
+    return node.args[0] if low is not None and low <= 0 and high is None else node
+
+
+def _mean_below(node: fx.Node, provenance: Optional[Provenance]) -> fx.Node:
+    """``node`` through casts, reshapes, saved tensors' definitions and a clamp at or below 0 (:func:`unclamped`)."""
+    return definition_of(unclamped(definition_of(node, provenance)), provenance)
+
+
 def _is_reciprocal_root(node: fx.Node) -> bool:
     return node.target is aten.rsqrt.default or (node.target is aten.pow.Tensor_Scalar and node.args[1] == -0.5)
 
@@ -169,10 +187,10 @@ def rms_root(node: fx.Node, provenance: Optional[Provenance], is_root, every_axi
             and shifted.kwargs.get("alpha", 1) == 1):
         return None
     operands = [a for a in shifted.args[:2]
-                if isinstance(a, fx.Node) and definition_of(a, provenance).target is aten.mean.dim]
+                if isinstance(a, fx.Node) and _mean_below(a, provenance).target is aten.mean.dim]
     if len(operands) != 1:
         return None
-    mean = definition_of(operands[0], provenance)
+    mean = _mean_below(operands[0], provenance)
     if not _is_scalar_eps(next(a for a in shifted.args[:2] if a is not operands[0])):
         return None
     square, dims = mean.args[0], mean.args[1]
@@ -345,6 +363,9 @@ def _resembling(node: fx.Node, provenance: Optional[Provenance]) -> Optional[tup
         for _ in range(2):
             if reduced.target in _SCALINGS and graph_constant(reduced.args[1]) is not None:
                 reduced, scaled = definition_of(reduced.args[0], provenance), True
+        norm = _squared_vector_norm(reduced, provenance)
+        if norm is not None:
+            return VECTOR_NORM_HOW, norm[0], len(norm[1])
         if reduced.target not in (aten.mean.dim, aten.sum.dim_IntList) or not isinstance(reduced.args[0], fx.Node):
             continue
         square = reduced.args[0]
@@ -364,6 +385,43 @@ def _resembling(node: fx.Node, provenance: Optional[Provenance]) -> Optional[tup
                     len(dims))
         return "a cast or a view between the root and its mean plus eps", squared, len(dims)
     return None
+
+
+#: how a statistic spelled through ``linalg.vector_norm`` differs from an RMS statistic (:func:`resembling_statistic`)
+VECTOR_NORM_HOW = ("its mean of squares is spelled through linalg.vector_norm (vector_norm(x)**2 / D: a square root "
+                   "then a square, rounded twice where the fused ops compute the mean of x*x and round once, so "
+                   "not the same function in floating point)")
+
+
+def _squared_vector_norm(node: fx.Node, provenance: Optional[Provenance]) -> Optional[tuple]:
+    """``(y, axes)`` when ``node`` is ``vector_norm(y, 2, axes) ** 2`` (or a square of ``sum(y*y) ** 0.5``, of
+    ``sqrt(sum(y*y))``: its decompositions), y not centred; else None."""
+    if node.op != "call_function" or node.target is not aten.pow.Tensor_Scalar or graph_constant(node.args[1]) != 2 \
+            or not isinstance(node.args[0], fx.Node):
+        return None
+    norm = definition_of(node.args[0], provenance)
+    if norm.op != "call_function" or not isinstance(norm.args[0], fx.Node):
+        return None
+    if norm.target is aten.linalg_vector_norm.default:
+        order = norm.args[1] if len(norm.args) > 1 else norm.kwargs.get("ord", 2)
+        axes = norm.args[2] if len(norm.args) > 2 else norm.kwargs.get("dim")
+        y = norm.args[0]
+        if graph_constant(order) != 2 or norm.kwargs.get("dtype") is not None:
+            return None
+    elif norm.target is aten.sqrt.default or (norm.target is aten.pow.Tensor_Scalar
+                                              and graph_constant(norm.args[1]) == Fraction(1, 2)):
+        total = definition_of(norm.args[0], provenance)
+        square = total.args[0] if total.op == "call_function" and total.target is aten.sum.dim_IntList else None
+        y = square.args[0] if isinstance(square, fx.Node) and (
+            (square.target is aten.pow.Tensor_Scalar and square.args[1] == 2)
+            or (square.target is aten.mul.Tensor and square.args[0] is square.args[1])) else None
+        axes = total.args[1] if y is not None and len(total.args) > 1 else None
+    else:
+        return None
+    if not isinstance(y, fx.Node) or shape(y) is None or is_centred(y, provenance):
+        return None
+    rank = len(shape(y))
+    return y, sorted({normalize_dim(d, rank) for d in (axes or range(rank))})
 
 
 def resembling_reason(how: str) -> str:

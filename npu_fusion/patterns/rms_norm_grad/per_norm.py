@@ -16,8 +16,8 @@ import torch.fx as fx
 from ..algebra import graph_constant
 from ..evaluator import JointProvenance, Provenance
 from ..nodes import aten, calls_to, gradient_product, normalize_dim, shape
-from ..norm_algebra import NormEvaluator
-from ..rms_statistic import CLAMPED_EPS_REASON
+from ..norm_algebra import NormEvaluator, is_zero
+from ..rms_statistic import CLAMPED_EPS_REASON, resembling_reason
 from .match import symbols_of
 
 
@@ -118,7 +118,7 @@ def clamped_gate(ev: NormEvaluator, node: fx.Node, suspects: List[fx.Node], orig
     if not (isinstance(condition, fx.Node) and condition.op == "call_function"
             and condition.target in (aten.ge.Scalar, aten.gt.Scalar) and isinstance(condition.args[0], fx.Node)
             and not ev.depends_on_gradient(condition.args[0]) and graph_constant(condition.args[1]) is not None
-            and graph_constant(condition.args[1]) >= 0 and _is_zero(zero) and isinstance(passed, fx.Node)):
+            and graph_constant(condition.args[1]) >= 0 and is_zero(zero) and isinstance(passed, fx.Node)):
         return False
     v = ev.memo.get(passed)
     sums = {s for s in v.expr.free_symbols if s in ev.sum_body} if v is not None and v.lead_sum is None else set()
@@ -127,18 +127,20 @@ def clamped_gate(ev: NormEvaluator, node: fx.Node, suspects: List[fx.Node], orig
     return len(norms) == 1 and not norms & claimed and any(_dx_sum(ev, v.expr, s, "statistic") for s in sums)
 
 
-def _is_zero(value) -> bool:
-    """A zero number, or the zero scalar tensor AOTAutograd writes for one."""
-    if isinstance(value, fx.Node):
-        return value.op == "call_function" and value.target is aten.scalar_tensor.default and \
-            graph_constant(value.args[0]) == 0
-    return graph_constant(value) == 0
-
-
 def clamped_gate_reason(node: fx.Node) -> str:
     """The reason of a miss at a clamped norm's backward read on a graph alone (:func:`clamped_gate`)."""
+    if graph_constant(node.args[0].args[1]) == 0:
+        return ZERO_CLAMP_REASON.format(node=node.name)
     return (f"{CLAMPED_EPS_REASON} (read on a backward graph alone: {node.name} is clamp_min's backward, passing dx's "
             "rstd**3*sum(dy*g*x) term only where the saved mean square is at least eps)")
+
+
+#: why clamp's backward at 0 over a norm's dx term stays unfused on a backward graph alone
+ZERO_CLAMP_REASON = ("an RMSNorm whose mean square is clamped at 0 (clamp(mean(x*x), min=0) or clamp_min(..., 0)), "
+                     "read on a backward graph alone: {node} is the clamp's backward, gating dx's rstd**3*sum(dy*g*x) "
+                     "term on the saved mean square being >= 0, which only the forward's definition proves; on a "
+                     "joint graph the norm fuses both ways, and without the clamp (a no-op on a mean of squares) "
+                     "it fuses here too")
 
 
 def other_axes_gates(graph: fx.Graph, gradient: Optional[set]) -> List[tuple]:
@@ -151,7 +153,7 @@ def other_axes_gates(graph: fx.Graph, gradient: Optional[set]) -> List[tuple]:
     the subject is those forward values (:func:`subject`)."""
     found = []
     for node in calls_to(graph, aten.where.self) if gradient is not None else ():
-        if len(node.args) != 3 or not isinstance(node.args[1], fx.Node) or not _is_zero(node.args[2]):
+        if len(node.args) != 3 or not isinstance(node.args[1], fx.Node) or not is_zero(node.args[2]):
             continue
         condition = node.args[0]
         if not (isinstance(condition, fx.Node) and condition.op == "call_function"
@@ -159,14 +161,68 @@ def other_axes_gates(graph: fx.Graph, gradient: Optional[set]) -> List[tuple]:
                 and condition.args[0] not in gradient and graph_constant(condition.args[1]) is not None
                 and graph_constant(condition.args[1]) >= 0):
             continue
-        factors = _factors(node.args[1], gradient)
-        cubed = [f.args[0] for f in factors if f.target is aten.pow.Tensor_Scalar and f.args[1] == 3
-                 and isinstance(f.args[0], fx.Node) and f.args[0] not in gradient]
-        sums = [(f, _other_axes(f, gradient)) for f in factors if f.target is aten.sum.dim_IntList]
-        sums = [(f, axes) for f, axes in sums if axes is not None]
-        if cubed and len(sums) == 1:  # about the cubed statistic and the x its sum reads
-            found.append((node, sums[0][1], frozenset([*cubed, gradient_product(sums[0][0].args[0], gradient)[1]])))
+        term = _other_axes_term(node.args[1], gradient)
+        if term is not None:
+            found.append((node, *term))
     return found
+
+
+def _other_axes_term(node: fx.Node, gradient: set) -> Optional[tuple]:
+    """``(axes, subject)`` when ``node`` is, through scalings, a cubed forward value (dx's ``rstd**3``) times one
+    keep-dim sum over other axes than the last of a gradient times a forward value (``sum(dy*g*x)``); else None."""
+    factors = _factors(node, gradient)
+    cubed = [f.args[0] for f in factors if f.target is aten.pow.Tensor_Scalar and f.args[1] == 3
+             and isinstance(f.args[0], fx.Node) and f.args[0] not in gradient]
+    sums = [(f, _other_axes(f, gradient)) for f in factors if f.target is aten.sum.dim_IntList]
+    sums = [(f, axes) for f, axes in sums if axes is not None]
+    if not cubed or len(sums) != 1:
+        return None
+    # about the cubed statistic and the x its sum reads
+    return sums[0][1], frozenset([*cubed, gradient_product(sums[0][0].args[0], gradient)[1]])
+
+
+def other_axes_terms(graph: fx.Graph, gradient: Optional[set]) -> List[tuple]:
+    """[(node, axes, subject)]: an unclamped norm's dx term whose sum runs over other axes than the last.
+
+    On a backward graph alone, a norm over another axis (``x * rsqrt(x.pow(2).mean(0, keepdim=True) + eps)``)
+    has no sum over the last axes for the algebra to start from: ``t``, a product of a cubed forward value and
+    a keep-dim sum over those axes of a gradient times a forward value x (:func:`_other_axes_term`), read by
+    no gate (:func:`other_axes_gates` reads those), carried by broadcasts and scalings by numbers to a product
+    with a multiple of that same x: the mean of squares' backward, ``expand(t) / N * 2x``."""
+    found = []
+    for node in calls_to(graph, aten.mul.Tensor) if gradient is not None else ():
+        if node not in gradient or any(u.target is aten.where.self for u in node.users):
+            continue
+        term = _other_axes_term(node, gradient)
+        if term is not None and _times_its_x(node, term[1], gradient):
+            found.append((node, *term))
+    return found
+
+
+#: what carries a mean's gradient to its summand's backward: broadcasts and scalings by numbers
+_CARRIERS = (aten.expand.default, aten.mul.Scalar, aten.div.Scalar, aten.neg.default)
+
+
+def _times_its_x(node: fx.Node, subject: frozenset, gradient: set, depth: int = 4) -> bool:
+    """``node``, through :data:`_CARRIERS`, is multiplied by a multiple of a forward value of ``subject`` (its x)."""
+    for user in node.users:
+        if user.target in _CARRIERS and depth:
+            if _times_its_x(user, subject, gradient, depth - 1):
+                return True
+        elif user.target is aten.mul.Tensor:
+            other = [a for a in user.args[:2] if a is not node]
+            if other and isinstance(other[0], fx.Node) and _scaled_base(other[0]) in subject:
+                return True
+    return False
+
+
+def _scaled_base(node: fx.Node, depth: int = 3) -> fx.Node:
+    """``node`` through scalings by numbers and ``pow(., 1.0)`` (the ``2 * x**1`` a square's backward writes)."""
+    for _ in range(depth):
+        if node.op == "call_function" and node.target in (aten.mul.Scalar, aten.div.Scalar) \
+                or (node.op == "call_function" and node.target is aten.pow.Tensor_Scalar and node.args[1] == 1):
+            node = node.args[0]
+    return node
 
 
 def _factors(node: fx.Node, gradient: set, depth: int = 4) -> List[fx.Node]:
@@ -189,6 +245,15 @@ def _other_axes(node: fx.Node, gradient: set) -> Optional[List[int]]:
         return None
     dims = sorted(normalize_dim(d, rank) for d in node.args[1])
     return dims if dims != list(range(rank - len(dims), rank)) or len(dims) == rank else None
+
+
+def other_axes_term_reason(node: fx.Node, axes: List[int]) -> str:
+    """The reason of a miss at a norm's dx term over other axes read on a graph alone (:func:`other_axes_terms`)."""
+    rank = len(shape(node) or ())
+    over = "every axis of the tensor (an RMSNorm keeps a leading axis)" if rank == len(axes) else \
+        f"axes {axes} of a rank-{rank} tensor, not its last axes"
+    return resembling_reason(f"a mean of squares over {over} (read on a backward graph alone: {node.name} is dx's "
+                             "rstd**3*sum(dy*g*x) term, its sum over those axes)")
 
 
 def other_axes_gate_reason(node: fx.Node, axes: List[int]) -> str:

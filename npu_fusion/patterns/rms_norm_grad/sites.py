@@ -15,7 +15,8 @@ from ..nodes import (aten, calls_to, downstream, gradient_dependent, gradient_pr
 from ..rewrite import Miss, RuleContext, gradient_accumulation
 from ..rule import RoundReport
 from .per_norm import (accumulated_suspects, backward_alone, clamped_gate, clamped_gate_reason, one_per_norm,
-                       other_axes_gate_reason, other_axes_gates, subject, sum_origins)
+                       other_axes_gate_reason, other_axes_gates, other_axes_term_reason, other_axes_terms, subject,
+                       sum_origins)
 from .match import NormMatch, dgamma_summand, match_root, site_region, stat_leaves, symbols_of, match_dgamma
 from ..rms_statistic import (SAME_VALUES, exact_source, fused_statistic_operand, norm_evaluator, normalized_operand,
                              rms_statistic_operand, unmatched_spelling)
@@ -148,6 +149,9 @@ def find_sites(graph: fx.Graph, rewrites: RuleContext) -> RoundReport:
         gates = [g for g in other_axes_gates(graph, gradient) if g[0].name not in recorded]
         rewrites.subjects.update({n.name: about for n, _, about in gates})
         near += RoundReport([], [Miss(OP.name, n.name, other_axes_gate_reason(n, axes)) for n, axes, _ in gates])
+        terms = [t for t in other_axes_terms(graph, gradient) if t[0].name not in recorded]
+        rewrites.subjects.update({n.name: about for n, _, about in terms})
+        near += RoundReport([], [Miss(OP.name, n.name, other_axes_term_reason(n, axes)) for n, axes, _ in terms])
     matches += dgamma_only_sites(graph, rewrites, matches, with_dx)
     return RoundReport(matches, near.misses, near.pending)
 
