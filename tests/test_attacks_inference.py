@@ -134,12 +134,17 @@ def test_rotation_of_an_empty_sequence_is_fused_once(path):
     assert [m for r in results for m in r.misses] == []
 
 
-# -- RMS statistics spelled so that neither the forward rule nor the leftover finder sees them -----
+# -- RMS statistics spelled so that neither the forward rule nor the leftover finder saw them (once silent) --
 
 def norm_clamped_statistic(x, w):
     x32 = x.float()
     variance = x32.pow(2).mean(-1, keepdim=True).clamp(min=0)
     return w * (x32 * torch.rsqrt(variance + 1e-6)).to(x.dtype)
+
+
+def norm_clamp_min_statistic(x, w):
+    x32 = x.float()
+    return w * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True).clamp_min(0.0) + 1e-6)).to(x.dtype)
 
 
 def norm_of_vector_norm(x, w):
@@ -148,15 +153,38 @@ def norm_of_vector_norm(x, w):
     return w * (x32 * torch.rsqrt(mean_square + 1e-6)).to(x.dtype)
 
 
-@pytest.mark.xfail(strict=True, reason="FINDING: silent RMSNorm miss. The statistic is rsqrt(m + eps) with m a mean "
-                   "of squares spelled clamp(mean(x*x), min=0) or vector_norm(x)**2 / D: the forward rule does not "
-                   "prove it, and the inference leftover finder (rms_statistic.is_rms_statistic) only knows "
-                   "rsqrt/pow(-0.5) of add(mean|sum(pow(x, 2)|x*x), eps), so the norm is neither fused nor recorded")
-@pytest.mark.parametrize("fn", [norm_clamped_statistic, norm_of_vector_norm], ids=lambda f: f.__name__)
-def test_rms_statistic_in_unusual_spelling_is_fused_or_recorded(fn):
-    """An RMSNorm whose mean of squares is clamped at 0 (a guard some codebases add) or taken from
-    ``linalg.vector_norm``: the output as eager's, and the norm fused or one recorded miss."""
+@pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dynamic"])
+@pytest.mark.parametrize("path", ["backend", "inductor"])
+@pytest.mark.parametrize("fn", [norm_clamped_statistic, norm_clamp_min_statistic], ids=lambda f: f.__name__)
+def test_rms_statistic_clamped_at_zero_fuses(fn, path, dynamic):
+    """A mean of squares clamped at 0 (a guard some codebases add; clamp keeps NaN, so on a mean of squares it
+    is the identity): the output as eager's, and the norm fused, with no miss (once silent: neither)."""
     x, w = _seeded(1, 2, 8, 64).to(torch.bfloat16), _seeded(2, 64).to(torch.bfloat16)
-    results = run_inference(fn, [x, w])
+    results = run_inference(fn, [x, w], path=path, dynamic=dynamic)
+    assert sum(r.fused("rms_norm") for r in results) == 1
+    assert [m for r in results for m in r.misses] == []
+
+
+def test_rms_statistic_clamped_at_zero_keeps_nan_as_eager():
+    """A row of NaN: clamp(NaN, min=0) is NaN, so the fused norm's row is NaN as eager's, and the other rows equal."""
+    x, w = _seeded(1, 2, 8, 64), _seeded(2, 64)
+    x[0, 3, 5] = float("nan")
+    torch._dynamo.reset()
+    recorder = Capture(target="generic")
+    with torch.no_grad():
+        got = torch.compile(norm_clamped_statistic, backend=recorder)(x.clone(), w)
+        eager = norm_clamped_statistic(x.clone(), w)
+    assert sum(r.fused("rms_norm") for r in recorder.results) == 1
+    torch.testing.assert_close(got, eager, rtol=1e-5, atol=1e-5, equal_nan=True)
+    assert got[0, 3].isnan().all() and not got[0, 2].isnan().any()
+
+
+@pytest.mark.parametrize("path", ["backend", "inductor"])
+def test_rms_statistic_through_vector_norm_is_one_recorded_miss(path):
+    """vector_norm(x)**2 / D (a square root then a square: rounded otherwise than the fused op's mean of x*x):
+    the output as eager's, and one recorded miss that names vector_norm and the spelling that fuses (once silent)."""
+    x, w = _seeded(1, 2, 8, 64).to(torch.bfloat16), _seeded(2, 64).to(torch.bfloat16)
+    results = run_inference(norm_of_vector_norm, [x, w], path=path)
     misses = [m for r in results for m in r.misses if m.op == "rms_norm"]
-    assert sum(r.fused("rms_norm") for r in results) + len(misses) == 1, misses
+    assert sum(r.fused("rms_norm") for r in results) == 0
+    assert len(misses) == 1 and "vector_norm" in misses[0].reason and "x.pow(2).mean(-1" in misses[0].reason, misses

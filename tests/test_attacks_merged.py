@@ -399,6 +399,84 @@ def test_clamped_statistic_over_another_axis_backward_alone_is_not_silent(fn, ax
     assert len(grads) == 1 and "clamp_min" in grads[0].reason and axes in grads[0].reason, result.misses
 
 
+
+def zero_clamped_residual(x, w):  # three norms whose mean square is clamped at 0 (a no-op guard), on a residual stream
+    h = x
+    for _ in range(3):
+        h = h + torch.tanh(h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True).clamp(min=0) + 1e-6) * w)
+    return h
+
+
+@pytest.mark.parametrize("decompositions", ["none", "core"])
+def test_norms_clamped_at_zero_fuse_both_ways(decompositions):
+    """clamp(mean(x*x), min=0) is the mean itself (clamp keeps NaN), and its backward where(mean >= 0, g, 0) passes g:
+    three norms fuse forward and backward, gradients as eager's (once neither fused nor recorded)."""
+    result = _norm_result(zero_clamped_residual, decompositions=decompositions)
+    assert result.fused(RMS) == 3 and result.fused(RMS_GRAD) == 3, (result.sites, result.misses)
+    assert not result.misses, result.misses
+
+
+@pytest.mark.parametrize("decompositions", ["none", "core"])
+def test_norms_clamped_at_zero_backward_alone_are_one_miss_each(decompositions):
+    """On a backward graph alone the saved mean square cannot be proven >= 0: one miss per norm, naming the clamp at 0
+    (not eps as a lower bound, which it is not)."""
+    (result,) = _backward_alone(zero_clamped_residual, decompositions)
+    grads = [m for m in result.misses if m.op == RMS_GRAD]
+    assert len(grads) == 3 and all("clamped at 0" in m.reason for m in grads), result.misses
+
+
+
+def test_norms_clamped_at_zero_fused_keep_a_nan_row_as_eager():
+    """A NaN in x: where(NaN >= 0, g, 0) drops g where the fused backward keeps it, but the row's rstd is NaN, so its
+    output and dx are NaN either way (and dgamma, a sum over rows): fused output and gradients equal eager's, NaN included."""
+    x, w = (t.detach() for t in _norm_inputs())
+    x[0, 1, 3] = float("nan")
+    got = []
+    for fn in (torch.compile(zero_clamped_residual, backend=Capture()), zero_clamped_residual):
+        torch._dynamo.reset()
+        xi, wi = x.clone().requires_grad_(), w.clone().requires_grad_()
+        y = fn(xi, wi)
+        y.backward(torch.ones_like(y))
+        got.append((y.detach(), xi.grad, wi.grad))
+    for fused, eager in zip(*got):
+        assert fused.isnan().any()
+        torch.testing.assert_close(fused, eager, rtol=1e-5, atol=1e-5, equal_nan=True)
+
+def norm_of_vector_norm(x, w):
+    return x * torch.rsqrt(torch.linalg.vector_norm(x, dim=-1, keepdim=True).pow(2) / x.shape[-1] + 1e-6) * w
+
+
+@pytest.mark.parametrize("decompositions", ["none", "core"])
+def test_norm_through_vector_norm_is_one_miss_each_way(decompositions):
+    """vector_norm(x)**2 / D is sum(x*x) / D only up to rounding: one forward miss naming vector_norm (once silent: the
+    backward's miss alone), one backward miss; no site."""
+    result = _norm_result(norm_of_vector_norm, decompositions=decompositions)
+    assert not [s for s in result.sites if s.op in (RMS, RMS_GRAD)]
+    forward = [m for m in result.misses if m.op == RMS]
+    assert len(forward) == 1 and "vector_norm" in forward[0].reason, result.misses
+    assert sum(m.op == RMS_GRAD for m in result.misses) == 1, result.misses
+
+
+def norm_over_axis_0(x, w):
+    return x * torch.rsqrt(x.pow(2).mean(0, keepdim=True) + 1e-6) * w
+
+
+def norm_over_every_axis(x, w):
+    return x * torch.rsqrt(x.pow(2).mean((0, 1, 2), keepdim=True) + 1e-6) * w
+
+
+@pytest.mark.parametrize("decompositions", ["none", "core"])
+@pytest.mark.parametrize("fn, axes", [(norm_over_axis_0, "axes [0]"), (norm_over_every_axis, "every axis")],
+                         ids=["axis_0", "every_axis"])
+def test_statistic_over_another_axis_backward_alone_is_not_silent(fn, axes, decompositions):
+    """A norm over another axis, not clamped, on a backward graph alone (once silent: no sum over the last axes for the
+    algebra to start from, and no clamp_min backward to read): one miss at dx's rstd**3*sum(dy*g*x) term naming the axes."""
+    (result,) = _backward_alone(fn, decompositions)
+    assert not result.sites
+    grads = [m for m in result.misses if m.op == RMS_GRAD]
+    assert len(grads) == 1 and axes in grads[0].reason and "backward graph alone" in grads[0].reason, result.misses
+
+
 # -- checked near misses (Change B) ----------------------------------------------------------
 
 def l2_normalize(x, w):
