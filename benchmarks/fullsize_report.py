@@ -7,7 +7,10 @@ that its second layer is a MoE layer), each in a process of its own, and prints 
 per config: the command's wall time, the report's own time after the imports (building the model
 on the meta device, counting its sites and tracing a step per target), the process's peak resident
 memory, the sites counted, and per target the counted sites that run fused and those refused, for
-the backward ops and the forward ops. It is the table of docs/report.md (``--write-docs fullsize``).
+the backward ops and the forward ops, and on the first target the pass's CPU time, per graph node and
+as a share of the step's CPU time. It is the table of docs/report.md (``--write-docs fullsize``);
+with ``--layers 32`` and ``80`` on Llama-3-70B, the depth rows of docs/benchmarks.md
+(``--write-docs pass-overhead-fullsize``).
 
     python -m benchmarks.fullsize_report
     python -m benchmarks.fullsize_report --configs llama-3-70b --seq 1024
@@ -45,7 +48,7 @@ LABELS = {op.name: op.label for op in FUSED_OPS}
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--configs", default=",".join(CONFIGS), help="comma-separated config names of examples/configs")
-    parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--layers", type=int, nargs="+", default=[2], help="decoder layers (several: a row each)")
     parser.add_argument("--seq", type=int, default=4096)
     parser.add_argument("--json", metavar="PATH", help="also write the reports as JSON")
     parser.add_argument("--write-docs", metavar="NAME",
@@ -53,10 +56,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def run_one(name: str, args: argparse.Namespace) -> Dict[str, Any]:
+def run_one(name: str, layers: int, args: argparse.Namespace) -> Dict[str, Any]:
     """The report's JSON for one config, with the command's wall time and the process's peak memory."""
     command = [sys.executable, "-m", "npu_fusion", "report", "--hf-config", str(EXAMPLES / f"{name}.json"),
-               *CONFIGS[name][1], "--layers", str(args.layers), "--seq", str(args.seq),
+               *CONFIGS[name][1], "--layers", str(layers), "--seq", str(args.seq),
                "--target", ",".join(TARGETS), "--json"]
     with tempfile.TemporaryFile("w+") as out:
         start = time.perf_counter()
@@ -97,23 +100,36 @@ def _runs_refuses(target: Dict[str, Any]) -> str:
     return cell + (f" ({'; '.join(refused)})" if refused else "")
 
 
+def _pass_cost(seconds: Dict[str, Any]) -> str:
+    """The pass's CPU time on one target, with its graphs' nodes, its time per node and its share of the step."""
+    nodes, share = seconds.get("pass_nodes"), seconds.get("pass_share")
+    if not nodes or share is None:
+        return f"{seconds['pass_cpu'] * 1e3:.0f} ms"
+    return (f"{seconds['pass_cpu'] * 1e3:.0f} ms ({nodes} nodes, {seconds['pass_cpu'] * 1e6 / nodes:.0f} us, "
+            f"{100 * share:.1f}%)")
+
+
 def print_table(reports: Dict[str, Dict[str, Any]], args: argparse.Namespace) -> None:
-    print(f"`npu-fusion report --hf-config examples/configs/NAME.json --layers {args.layers} --seq {args.seq} "
+    layers = args.layers[0] if len(args.layers) == 1 else "L"
+    print(f"`npu-fusion report --hf-config examples/configs/NAME.json --layers {layers} --seq {args.seq} "
           f"--target {','.join(TARGETS)}` (batch 2, bfloat16), one process per config:\n")
     print("| config | wall time (whole command) | of it, after the imports (build, count, trace both targets) | "
           "peak resident memory | sites | " + " | ".join(f"{t} runs / refuses" for t in TARGETS) + " | "
           f"{TARGETS[-1]}: modelled traffic of the replaced RMSNorm backwards, before -> after (minimum) | "
-          f"{TARGETS[-1]}: saved for the backward, without -> with the pass |")
-    print("|---|---|---|---|---|" + "---|" * len(TARGETS) + "---|---|")
-    for name, r in reports.items():
+          f"{TARGETS[-1]}: saved for the backward, without -> with the pass | "
+          f"{TARGETS[0]}: the pass's CPU time (graph nodes, per node, share of the step's CPU time) |")
+    print("|---|---|---|---|---|" + "---|" * len(TARGETS) + "---|---|---|")
+    for (name, layers), r in reports.items():
         targets = [r["targets"][t] for t in TARGETS]
         traffic, saved = targets[-1]["memory_traffic"].get(RMS_NORM_GRAD.name), targets[-1]["saved_activations"]
         traffic_cell = (f"{_gib(traffic['bytes_before'])} -> {_gib(traffic['bytes_after'])} "
                         f"({_gib(traffic['bytes_minimum'])})" if traffic else "-")
-        print(f"| {CONFIGS[name][0]} | {r['wall_seconds']:.0f} s | {r['seconds']:.0f} s | "
+        label = CONFIGS[name][0] + (f", {layers} layers" if len(args.layers) > 1 else "")
+        print(f"| {label} | {r['wall_seconds']:.0f} s | {r['seconds']:.0f} s | "
               f"{r['peak_rss_process'] / 2**20:.0f} MiB | {_sites(targets[0])} | "
               + " | ".join(_runs_refuses(t) for t in targets)
-              + f" | {traffic_cell} | {_gib(saved['bytes_before'])} -> {_gib(saved['bytes_after'])} |")
+              + f" | {traffic_cell} | {_gib(saved['bytes_before'])} -> {_gib(saved['bytes_after'])} | "
+              f"{_pass_cost(targets[0]['seconds'])} |")
     unexplained = sum(a["unexplained"] for r in reports.values() for t in TARGETS
                       for a in r["targets"][t]["accounting"].values())
     print(f"\ncounted sites left unexplained on any target: {unexplained}")
@@ -127,11 +143,12 @@ def main(argv=None) -> int:
         raise SystemExit(f"unknown configs {unknown}: one of {list(CONFIGS)}")
     reports = {}
     for name in names:
-        print(f"{name}...", file=sys.stderr, flush=True)
-        reports[name] = run_one(name, args)
+        for layers in args.layers:
+            print(f"{name}, {layers} layers...", file=sys.stderr, flush=True)
+            reports[name, layers] = run_one(name, layers, args)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(reports, f, indent=1)
+            json.dump({f"{name}, {layers} layers": r for (name, layers), r in reports.items()}, f, indent=1)
     with publishing(args.write_docs, script_command(__file__, argv), fenced=False):
         print_table(reports, args)
     return 0

@@ -99,6 +99,10 @@ def test_the_pass_share_of_the_compile_is_printed_per_target(llama_two_targets):
         assert 0 < r["seconds"]["pass_share"] < 1, (target, r["seconds"])
         section = text.split(f"# Target {r['settings']['resolved_target']}")[1]
         assert share_printed(section) == pytest.approx(r["seconds"]["pass_share"], abs=6e-4)
+        # the pass's time per node of the graphs it ran on, which the report counts off the graphs themselves
+        nodes = r["seconds"]["pass_nodes"]
+        assert nodes > 100, r["seconds"]
+        assert f"us per node of its {nodes} graph nodes" in section
         assert share_printed(html.html.unescape(page.split(f"Target {r['settings']['resolved_target']}:")[1])) == \
             pytest.approx(r["seconds"]["pass_share"], abs=6e-4)
 

@@ -32,8 +32,10 @@ class Clock:
 def pass_share(results: Iterable, step_cpu: float, recording_cpu: float = 0.0) -> dict:
     """The pass's CPU time over ``results`` (its ``FusionResult`` s), the compiled step's CPU time
     without ``recording_cpu``, and the share of the one in the other (None when the step took no
-    measurable time)."""
+    measurable time), with the nodes of the graphs the pass ran on (``pass_nodes``, before it)."""
+    results = list(results)
     pass_cpu = sum(r.cpu_seconds for r in results)
     step = max(step_cpu - recording_cpu, 0.0)
     share: Optional[float] = pass_cpu / step if step > 0 else None
-    return {"pass_cpu": pass_cpu, "step_cpu": step, "pass_share": share}
+    return {"pass_cpu": pass_cpu, "step_cpu": step, "pass_share": share,
+            "pass_nodes": sum(r.nodes_before for r in results)}

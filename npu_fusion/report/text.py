@@ -45,8 +45,10 @@ def pass_share_line(seconds: Dict[str, Any]) -> str:
     share = seconds.get("pass_share")
     if share is None:
         return "the pass's share of the compile: not measured (the compiled step took no CPU time)"
+    nodes = seconds.get("pass_nodes")
+    per_node = f", {seconds['pass_cpu'] * 1e6 / nodes:.0f} us per node of its {nodes} graph nodes" if nodes else ""
     return (f"the pass's share of the compile: {100 * share:.1f}% of the CPU time (the pass "
-            f"{seconds['pass_cpu'] * 1000:.1f} ms of the compiled step's {seconds['step_cpu']:.2f} s, "
+            f"{seconds['pass_cpu'] * 1000:.1f} ms{per_node}, of the compiled step's {seconds['step_cpu']:.2f} s, "
             "the report's own recording left out)")
 
 
