@@ -126,14 +126,29 @@ def norm_and_rope_in_another_memory_order():
 
 
 def norm_divided_by_its_root():
-    """``x / sqrt(mean(x*x) + eps)``: the forward's root read as the reciprocal of the fused rstd
-    (``reciprocal``), the backward's rstd as the root's power (``pow``)."""
+    """``x / sqrt(mean(x*x) + eps)`` fused both ways: the backward's rstd, the root's power, is the forward's fused rstd."""
     x, w = _randn(B, 8, 64, seed=17), _randn(64, seed=18)
 
     def fn(x, w):
         xf = x.float()
         return w * (xf / torch.sqrt(xf.pow(2).mean(-1, keepdim=True) + EPS)).to(x.dtype)
     return [x, w], fn
+
+
+def norms_returning_their_statistics():
+    """Two ``x / sqrt(mean(x*x) + eps)`` norms whose outputs add their root and their mean square (detached).
+
+    The first fuses both ways and reads its root as the reciprocal of the fused rstd (``reciprocal``);
+    the second's forward stays (the fused op has no mean square to give, a recorded miss) and its
+    fused backward reads the saved root's power as its rstd (``pow``). (Where both ways fuse, the backward's
+    power of the root is the fused rstd itself, and nothing of either stays.)"""
+    x1, x2, w = _randn(B, 8, 64, seed=23), _randn(B, 8, 64, seed=24), _randn(64, seed=25)
+
+    def fn(x1, x2, w):
+        ms1, ms2 = x1.pow(2).mean(-1, keepdim=True), x2.pow(2).mean(-1, keepdim=True)
+        root1, root2 = torch.sqrt(ms1 + EPS), torch.sqrt(ms2 + EPS)
+        return w * (x1 / root1) + root1.detach(), w * (x2 / root2) + ms2.detach()
+    return [x1, x2, w], fn
 
 
 def gate_up_swiglu():
@@ -161,6 +176,7 @@ def rope_of_a_3d_q():
 
 
 PROGRAMS = {f.__name__: f for f in (frozen_input_norm, complex_rope_s5, complex_rope_s1, norm_divided_by_its_root,
+                                      norms_returning_their_statistics,
                                       norms_without_weight_or_input_gradient, rotations_of_rebuilt_tables,
                                       norm_and_rope_in_another_memory_order, gate_up_swiglu, rope_of_a_3d_q)}
 

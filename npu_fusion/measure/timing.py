@@ -30,7 +30,9 @@ class Clock:
 
 
 def pass_share(results: Iterable, step_cpu: float, recording_cpu: float = 0.0) -> dict:
-    """The pass's CPU time over ``results`` (its ``FusionResult`` s), the compiled step's CPU time
+    """The pass's CPU time over ``results``, the step's CPU time and the share of the one in the other.
+
+    The pass's CPU time over ``results`` (its ``FusionResult`` s), the compiled step's CPU time
     without ``recording_cpu``, and the share of the one in the other (None when the step took no
     measurable time), with the nodes of the graphs the pass ran on (``pass_nodes``, before it)."""
     results = list(results)
