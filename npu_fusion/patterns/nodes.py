@@ -291,3 +291,24 @@ def outside_users(region: List[fx.Node], outputs: Iterable[fx.Node]) -> List[fx.
     """Interior nodes (not outputs) used by nodes outside the region."""
     inside, outs = set(region), set(outputs)
     return [n for n in region if n not in outs and any(u not in inside for u in n.users)]
+
+
+#: pointwise ops whose output is NaN wherever an operand is (a power: by a nonzero exponent), and clamps (which keep NaN)
+NAN_KEEPING = {aten.rsqrt.default, aten.sqrt.default, aten.reciprocal.default, aten.neg.default, aten.pow.Tensor_Scalar,
+               aten.add.Tensor, aten.add.Scalar, aten.sub.Tensor, aten.sub.Scalar, aten.mul.Tensor, aten.mul.Scalar,
+               aten.div.Tensor, aten.div.Scalar, aten.clamp.default, aten.clamp_min.default}
+
+
+def nan_wherever(node, source: fx.Node, definition=lambda n: n, depth: int = 8) -> bool:
+    """Whether ``node`` is NaN wherever ``source`` is: ``source`` itself, or pointwise ops and float casts of it.
+
+    ``definition`` maps a node to the node that computes it (a saved tensor to its forward definition)."""
+    node = definition(node) if isinstance(node, fx.Node) else node
+    if node is definition(source):
+        return True
+    if depth == 0 or not isinstance(node, fx.Node) or node.op != "call_function" or not (
+            node.target in NAN_KEEPING or is_float_cast(node)):
+        return False
+    if node.target is aten.pow.Tensor_Scalar and node.args[1] == 0:
+        return False  # NaN ** 0 is 1
+    return any(nan_wherever(a, source, definition, depth - 1) for a in node.args[:2] if isinstance(a, fx.Node))

@@ -29,7 +29,8 @@ from ..compat import symbolic_expr
 from ..lowering.sizes import same_shape, static_int
 from .algebra import Expr, accumulate, graph_constant
 from .evaluator import MemoEvaluator, Provenance, Unsupported
-from .nodes import CAST_TARGETS, VIEWS, aten, dtype, is_float_cast, is_value_preserving_cast, normalize_dim, shape, val
+from .nodes import (CAST_TARGETS, VIEWS, aten, dtype, is_float_cast, is_value_preserving_cast, nan_wherever, normalize_dim,
+                    shape, val)
 
 
 @dataclasses.dataclass
@@ -549,9 +550,9 @@ class NormEvaluator(MemoEvaluator):
     def _passed_gate(self, node) -> NormValue:
         """``where(v >= c, g, 0)`` with c <= 0 (``> c``, c < 0) and v >= 0 or NaN: g, clamp(v, min=c)'s backward.
 
-        Exact in real arithmetic, as the algebra is; where v is NaN, the gate passes 0, not g, but
-        there the norm's statistic ``rsqrt(clamp(v) + eps)`` is NaN, and so is every gradient it
-        scales, the program's and a fused op's alike."""
+        Exact in real arithmetic, as the algebra is; where v is NaN, the gate passes 0, not g, so each
+        term of g must have a factor NaN there (:func:`~.nodes.nan_wherever`), as the norm's statistic
+        ``rsqrt(clamp(v) + eps)``: every gradient it scales is NaN either way (a user's gate is no such)."""
         if len(node.args) != 3 or not isinstance(node.args[1], fx.Node) or not is_zero(node.args[2]):
             raise Unsupported("where")
         condition, passed = node.args[0], node.args[1]
@@ -561,7 +562,14 @@ class NormEvaluator(MemoEvaluator):
                      or (condition.target is aten.gt.Scalar and bound < 0))
                 and self.is_nonnegative(condition.args[0]) and same_shape(shape(passed), shape(node))):
             raise Unsupported("where")
-        return NormValue(self._arg(passed))
+        expr, source = self._arg(passed), condition.args[0]
+        if not all(any(s in self.node_of and nan_wherever(self.node_of[s], source, self._definition) for s, _ in mono)
+                   for mono, _ in expr.split_terms()):
+            raise Unsupported("where: a gate of a value that may be NaN where what it passes is not")
+        return NormValue(expr)
+
+    def _definition(self, node: fx.Node) -> fx.Node:
+        return (self.provenance.forward_definition(node) or node) if self.provenance and node.op == "placeholder" else node
 
     def _forward_power(self, node, forward: bool) -> NormValue:
         """A power by a number, also of a saved tensor's forward definition: pointwise, so a saved
