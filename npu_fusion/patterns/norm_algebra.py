@@ -539,7 +539,7 @@ class NormEvaluator(MemoEvaluator):
         the identity holds for every input; any other clamp is a leaf."""
         low, high = clamp_bounds(node)
         src = node.args[0]
-        if high is not None or low is None or low > 0 or not isinstance(src, fx.Node) \
+        if high is not None or low is None or not low <= 0 or not isinstance(src, fx.Node) \
                 or not self.is_nonnegative(src) or not same_shape(shape(src), shape(node)):
             raise Unsupported("clamp")
         v = self.value(src)
