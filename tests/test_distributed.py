@@ -1,7 +1,8 @@
 """The pass under distributed training, as users run it: 2 processes with the gloo backend
 on the CPU. DDP (DDPOptimizer splitting the graph at bucket boundaries, also inside a
 norm), FSDP2, activation checkpointing under FSDP2, and compiled autograd. Each asserts the
-fused counts and compares every parameter gradient with ``backend="aot_eager"``."""
+fused counts and compares every parameter gradient with eager's (compiled autograd: with
+``backend="aot_eager"``'s, see ``_worker``)."""
 import json
 import os
 import socket
@@ -41,10 +42,10 @@ def _wrap(model, scenario):
     return fully_shard(model, **kwargs)
 
 
-def _train_step(scenario, backend):
+def _train_step(scenario, backend=None):
     """One compiled forward + backward of a fresh bundled Llama: the gradients (full) and how
     many times each fused op ran (the profiler's count, so a graph compiled once and run
-    for both layers counts twice)."""
+    for both layers counts twice); with no backend, one eager step, the reference."""
     from npu_fusion.models import bundled
 
     checkpoint = "full" if scenario == "fsdp2_checkpointing" else "none"
@@ -57,6 +58,9 @@ def _train_step(scenario, backend):
         loss = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), i[:, 1:].flatten())
         loss.backward()
 
+    if backend is None:
+        step(ids)
+        return _full_grads(model), {}
     # compiled autograd is read when torch.compile wraps the step, as torchtitan sets it
     with torch._dynamo.config.patch(compiled_autograd=scenario == "compiled_autograd"):
         if scenario == "fsdp2_checkpointing":
@@ -71,12 +75,16 @@ def _train_step(scenario, backend):
         model.zero_grad(set_to_none=True)
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
             compiled(ids)
-    ran = {op: _calls(prof, f"npu_fusion::{op}") for op in (ROPE, RMS)}
+    return _full_grads(model), {op: _calls(prof, f"npu_fusion::{op}") for op in (ROPE, RMS)}
+
+
+def _full_grads(model):
+    """Every parameter's gradient, whole (an FSDP2 shard gathered)."""
     grads = {}
     for name, p in model.named_parameters():
         g = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
         grads[name] = g.detach().clone()
-    return grads, ran
+    return grads
 
 
 def _calls(prof, name: str) -> int:
@@ -101,7 +109,9 @@ def _worker(rank, port, scenario, out_path):
     try:
         capture = Capture(target="generic")
         fused, ran = _train_step(scenario, capture)
-        reference, _ = _train_step(scenario, "aot_eager")
+        # eager's autograd; under compiled autograd the same compiled step without the pass: with FSDP2,
+        # torch's compiled autograd itself gives gradients up to 12% off eager's (torch 2.13, no pass)
+        reference, _ = _train_step(scenario, "aot_eager" if scenario == "compiled_autograd" else None)
         worst = max((fused[n] - reference[n]).abs().max().item() / (1 + reference[n].abs().max().item())
                     for n in reference)
         result = {"rope": ran[ROPE], "rms_norm": ran[RMS], "worst": worst,
