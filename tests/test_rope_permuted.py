@@ -7,8 +7,8 @@ value the backward reads directly, and its ``[S, 1, D]`` view was read over two 
 BSND rotation's ``dy * cos[:, None]`` was refused ("broadcast") and its backward a recorded miss,
 under the ``npu_fusion`` backend with static shapes and through Inductor (both shapes). The view is
 now read as a leaf: both rotations fuse each way. Near misses (the tables paired with other rows, a
-sign flipped, the last axis moved) stay unfused and are recorded misses. Outputs and gradients are
-checked against eager by the float64 criterion."""
+sign flipped, the last axis moved) stay unfused and are recorded misses whose reasons name the
+difference. Outputs and gradients are checked against eager by the float64 criterion."""
 import pytest
 import torch
 
@@ -79,7 +79,10 @@ def last_axis_moved(q, k, cos, sin):
     return qr * 3, qr, k * cos[:, None] + moved * sin[:, None]
 
 
-NEAR_MISSES = {f.__name__: f for f in (sin_paired_with_the_heads, sin_transposed_differently, sign_flipped)}
+#: name: (program, what k's backward miss says, under static and dynamic shapes alike)
+NEAR_MISSES = {"sin_paired_with_the_heads": (sin_paired_with_the_heads, "have different shapes"),
+               "sin_transposed_differently": (sin_transposed_differently, "have different shapes"),
+               "sign_flipped": (sign_flipped, "no mode's formula")}
 
 
 def _inputs(dtype, heads=N, d=D):
@@ -129,18 +132,28 @@ def test_rotations_sharing_tables_across_a_transpose_fuse_both_ways(program, dty
 @pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dynamic"])
 @pytest.mark.parametrize("program", NEAR_MISSES)
 def test_near_misses_of_shared_tables_stay_unfused_and_are_recorded(program, dynamic):
-    """q's rotation fuses; k's, no rotation by one pair of tables, does not, and is a recorded miss."""
-    result, after = compiled_step(NEAR_MISSES[program], _inputs(torch.float32, heads=S), dynamic)
+    """q's rotation fuses; k's, no rotation by one pair of tables, does not, and is a recorded miss each
+    way whose reason names the difference (before the view was read as a leaf, the static backward's
+    said only "broadcast")."""
+    fn, reason = NEAR_MISSES[program]
+    result, after = compiled_step(fn, _inputs(torch.float32, heads=S), dynamic)
     assert result.fused(ROPE) == len(calls(after, ROPE)) == 1, result.sites
     assert result.fused(ROPE_GRAD) == len(calls(after, ROPE_GRAD)) == 1, result.sites
-    assert [m.op for m in result.misses if m.op in (ROPE, ROPE_GRAD)], result.misses
+    assert sorted(m.op for m in result.misses) == [ROPE, ROPE_GRAD], result.misses
+    [backward] = [m for m in result.misses if m.op == ROPE_GRAD]
+    assert reason in backward.reason, backward
 
 
-def test_the_last_axis_moved_is_no_rotation():
-    """k's rotated half read across the heads (N == D): nothing of k's fuses, q's rotation does."""
-    result, after = compiled_step(last_axis_moved, _inputs(torch.float32, heads=D), False)
+@pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dynamic"])
+def test_the_last_axis_moved_is_no_rotation_and_the_miss_says_so(dynamic):
+    """k's rotated half read across the heads (N == D): nothing of k's fuses, q's rotation does, and
+    k's backward, a gradient times the tables q's fused forward reads, is one recorded miss naming
+    the transpose that moves the last axis (the lanes prove values along it only)."""
+    result, after = compiled_step(last_axis_moved, _inputs(torch.float32, heads=D), dynamic)
     assert result.fused(ROPE) == result.fused(ROPE_GRAD) == 1, (result.sites, result.misses)
     assert len(calls(after, ROPE)) == len(calls(after, ROPE_GRAD)) == 1
+    [miss] = result.misses
+    assert miss.op == ROPE_GRAD and miss.reason.endswith("(aten.transpose.int): moves the last axis"), miss
 
 
 @pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dynamic"])

@@ -143,9 +143,13 @@ def _gradient_axis_makers(ev: LaneEvaluator, nodes) -> set:
         if source is not None and ev.depends_on_gradient(n) and v is not None and len(v.inner) >= 2 \
                 and len(source.inner) == 1 and v.inner[-2] > 1 and v.inner[-1] > 2:
             makers.add(n)
-        elif n in refused and _unit_axis_table(ev, n):
-            makers.add(n)
-    return makers
+    return makers | refused_unit_axis_tables(ev)
+
+
+def refused_unit_axis_tables(ev: LaneEvaluator) -> set:
+    """The table views of :func:`_unit_axis_table` that a product with a gradient refused for its broadcast reads."""
+    return {a for n, why in ev.unsupported.items() if why == "broadcast" and n.target is aten.mul.Tensor
+            and ev.depends_on_gradient(n) for a in n.all_input_nodes if _unit_axis_table(ev, a)}
 
 
 def _unit_axis_table(ev: LaneEvaluator, n: fx.Node) -> bool:
