@@ -195,7 +195,8 @@ _ROPE, _NORM, _SWIGLU = "rotary_position_embedding", "rms_norm", "swiglu"
 #: each group and its sites, fused and missed (static and dynamic alike)
 GROUPS = {"rms_norm": (rms_norm_programs, {_NORM: 6, f"{_NORM}_grad": 7, f"{_NORM}_missed": 3,
                                            f"{_NORM}_grad_missed": 3}),
-          "rope": (rope_programs, {_ROPE: 8, f"{_ROPE}_grad": 7, f"{_ROPE}_grad_missed": 1}),
+          # qr2 (BSND, ``cos[:, None]``) shares the [S, D] tables the BNSD rotations read: fused too
+          "rope": (rope_programs, {_ROPE: 8, f"{_ROPE}_grad": 8}),
           "swiglu": (swiglu_programs, {_SWIGLU: 2, f"{_SWIGLU}_grad": 2, f"{_SWIGLU}_missed": 2,
                                        f"{_SWIGLU}_grad_missed": 2}),
           "block": (block_programs, {_NORM: 3, f"{_NORM}_grad": 3, _ROPE: 2, f"{_ROPE}_grad": 2, _SWIGLU: 2,

@@ -117,8 +117,8 @@ class LaneMoves:
         rank = len(shape(args[0]))
         first = rank - len(v.inner)
         order = axis_order(node.target, args[1:], rank)
-        if order[:first] != list(range(first)):
-            raise Unsupported("permutes leading axes")
+        if order[:first] != list(range(first)):  # the lanes prove values along the tracked axes only
+            raise Unsupported("moves the last axis" if order[-1] != rank - 1 else "permutes leading axes")
         perm = [d - first for d in order[first:]]
         if perm == sorted(perm):  # the tracked axes stay in place (the heads and the sequence swapped): the value
             return v

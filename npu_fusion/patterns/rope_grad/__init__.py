@@ -72,6 +72,9 @@ class RopeGradRule(FusionRule):
          "adversarial programs (`tests/test_spellings.py`)"),
         ("a rotation before the heads' transpose with its output flattened (dy a view of the flattened gradient)",
          "`proj(x).view(B, S, N, D)` rotated with `[B, S, 1, D]` tables, then `reshape(B, S, N * D)`"),
+        ("one pair of `[S, D]` tables read as they are by a BNSD rotation (a transposed q) and as `cos[:, None]` "
+         "by a BSND one (the `[S, 1, D]` view read as the BSND rotation's table)",
+         "q transposed before its rotation and k after, or the other way round (`tests/test_rope_permuted.py`)"),
         ("output scaled by a constant before use", "`q * scale`, SDPA's math path"),
         ("a dy that is itself computed: output used elementwise, scaled per position, also when the rotation's backward reads it in pieces (halves, pair lanes)", "`q_rot . k_rot`, `q.square()`, Llama 4's L2 qk-norm, Ministral 3's q scaling, torchtune RoPE then `exp`"),
         ("dx summed in one accumulation with other gradients of x (x read again after the rotation, `rope(q) * q`, `rope(q) + q`; two rotations of one x), those added back", "adversarial programs (`tests/test_no_silent_misses.py`)"),

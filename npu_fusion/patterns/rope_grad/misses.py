@@ -13,6 +13,7 @@ from ..nodes import CAST_TARGETS, VIEWS, aten, calls_to, downstream, gradient_de
 from ..rewrite import Miss
 from ..pairing import calls, source
 from ..rotation import DX_DEPTH, lane_evaluator
+from .sites import refused_unit_axis_tables
 
 
 #: forward ops a rotary table comes from
@@ -181,9 +182,17 @@ def _is_fused_table_gradient(node: fx.Node) -> bool:
 
 
 def _nearest_difference(ev: LaneEvaluator, graph: fx.Graph, anchor: fx.Node) -> str:
+    """Where the lane evaluator stopped past ``anchor``, reading the table views the rule reads as leaves
+    as leaves too (:func:`~.sites.refused_unit_axis_tables`): a stop the rule went past is no difference."""
     nodes = downstream(graph, [anchor], DX_DEPTH)
     for node in nodes:
         ev.value(node)
+    forced = refused_unit_axis_tables(ev)
+    if forced:
+        gradient, ev = ev.gradient_nodes, lane_evaluator(ev.provenance, forced)
+        ev.gradient_nodes = gradient
+        for node in nodes:
+            ev.value(node)
     for node in nodes:
         if node in ev.unsupported:
             return f"the lane evaluator stopped at {node.name} ({node.target}): {ev.unsupported[node]}"

@@ -106,6 +106,8 @@ def _evaluated(rewrites: RuleContext, graph: fx.Graph, nodes, forced=()) -> Lane
 
 #: the lane evaluator's reshapes: a view that may split the tracked last axis into two
 SPLITTING_VIEWS = {aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.unflatten.int}
+#: the views that may insert axes of size 1 before a table's last axis (``cos[:, None]``)
+UNIT_AXIS_VIEWS = SPLITTING_VIEWS | {aten.unsqueeze.default}
 
 
 def _gradient_axis_makers(ev: LaneEvaluator, nodes) -> set:
@@ -118,7 +120,8 @@ def _gradient_axis_makers(ev: LaneEvaluator, nodes) -> set:
     view is dy over the head dim, the fused op's 4-D layout. Only views of a gradient that split one
     tracked axis into several, that a dx-shaped value spanning several axes reads and no matched
     dx over one axis computes (DeepSeek's ``view(..., D/2, 2)`` stays read), or that a product
-    refused for its broadcast reads."""
+    refused for its broadcast reads. Also a table's view that only inserts axes of size 1 before its
+    last (:func:`_unit_axis_table`), when a product with a gradient refused it."""
     spanning = [n for n in nodes if ev.depends_on_gradient(n) and _looks_like_dx(ev.memo.get(n), spanning=True)]
     # a product whose operands' tracked axes do not line up (dy over (S, N, D) times a table over
     # (1, D)): its operands are near too
@@ -140,7 +143,30 @@ def _gradient_axis_makers(ev: LaneEvaluator, nodes) -> set:
         if source is not None and ev.depends_on_gradient(n) and v is not None and len(v.inner) >= 2 \
                 and len(source.inner) == 1 and v.inner[-2] > 1 and v.inner[-1] > 2:
             makers.add(n)
-    return makers
+    return makers | refused_unit_axis_tables(ev)
+
+
+def refused_unit_axis_tables(ev: LaneEvaluator) -> set:
+    """The table views of :func:`_unit_axis_table` that a product with a gradient refused for its broadcast reads."""
+    return {a for n, why in ev.unsupported.items() if why == "broadcast" and n.target is aten.mul.Tensor
+            and ev.depends_on_gradient(n) for a in n.all_input_nodes if _unit_axis_table(ev, a)}
+
+
+def _unit_axis_table(ev: LaneEvaluator, n: fx.Node) -> bool:
+    """Whether ``n`` is a view of a value that takes no gradient, tracked over one axis, with axes of
+    size 1 inserted before it (``cos[:, None]``, ``[S, D]`` read as ``[S, 1, D]``).
+
+    A BSND rotation's ``cos[:, None]`` is such a view where another rotation (BNSD) reads ``[S, D]``
+    itself, which is then a leaf the view is read from: tracked over ``(1, D)``, the view times a
+    gradient tracked over ``(D,)`` is refused (the gradient's axis before D is N, no axis of size
+    1). Read as a leaf, the view is the table as the program broadcasts it: its shape, not the
+    unviewed table's, is what the fused op is given, so which table row meets which element is the
+    program's (a leaf is its own value)."""
+    v = ev.memo.get(n)
+    source = ev.memo.get(n.args[0]) if n.target in UNIT_AXIS_VIEWS and isinstance(n.args[0], fx.Node) else None
+    return (source is not None and v is not None and not ev.depends_on_gradient(n) and v.reduction is None
+            and source.reduction is None and not v.complex and len(source.inner) == 1 and len(v.inner) >= 2
+            and all(s == 1 for s in v.inner[:-1]) and v.inner[-1] == source.inner[0])
 
 
 def _dx_matches(rewrites: RuleContext, ev: LaneEvaluator, looks: List[fx.Node]):
