@@ -377,6 +377,30 @@ def _resembling(node: fx.Node, provenance: Optional[Provenance]) -> Optional[tup
     return None
 
 
+def eps_outside_reason(written: str) -> str:
+    """The reason of a miss at a norm whose eps is added to its root ``written`` (``sqrt(mean(x*x))``), not inside it."""
+    return (f"eps is added outside the root ({written} + eps): another function "
+            "than the fused ops' x * rsqrt(mean(x*x) + eps), which no RMSNorm form reads; if the model can take eps "
+            "inside the root, write x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) and it fuses")
+
+
+def root_plus_eps(node: fx.Node, provenance: Optional[Provenance]) -> Optional[str]:
+    """``sqrt(mean(y*y))`` (or ``rsqrt``) written as the program did, when ``node`` is it plus a number, else None."""
+    node = definition_of(node, provenance)
+    if node.op != "call_function" or node.target not in (aten.add.Tensor, aten.add.Scalar):
+        return None
+    for root, eps in (node.args[:2], node.args[1::-1]):
+        root = definition_of(root, provenance) if isinstance(root, fx.Node) else None
+        if root is None or graph_constant(eps) is None or root.op != "call_function" \
+                or root.target not in (aten.sqrt.default, aten.rsqrt.default) or not isinstance(root.args[0], fx.Node):
+            continue
+        mean = _mean_below(root.args[0], provenance)
+        found = squares_of(mean, provenance) if mean.target is aten.mean.dim else None
+        if found is not None:
+            return f"{'sqrt' if root.target is aten.sqrt.default else 'rsqrt'}(mean(x*x))"
+    return None
+
+
 def resembling_reason(how: str) -> str:
     """The reason of a miss at a norm whose statistic :func:`resembling_statistic` says ``how`` differs (either way)."""
     return (f"a root of a mean of squares plus eps like an RMS statistic, but {how}: no RMSNorm form is "
