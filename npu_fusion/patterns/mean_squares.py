@@ -103,6 +103,8 @@ def moving_clamp_how(clamp: fx.Node) -> str:
     """How a mean of squares passed through ``clamp`` (one that moves values) differs from an RMS statistic's."""
     low = clamp.args[1] if len(clamp.args) > 1 else clamp.kwargs.get("min")
     high = clamp.args[2] if len(clamp.args) > 2 else clamp.kwargs.get("max")
+    if clamp.target is aten.clamp_max.default:
+        low, high = None, low if low is not None else high
     bounds = ", ".join(f"{k}={'a tensor' if isinstance(b, fx.Node) else b}"
                        for k, b in (("min", low), ("max", high)) if b is not None)
     return (f"its mean of squares passes through clamp({bounds}), which is no identity on it (a NaN bound makes "
@@ -111,6 +113,8 @@ def moving_clamp_how(clamp: fx.Node) -> str:
             "mean of squares)")
 
 
+#: clamps a mean of squares may pass through (``clamp_max`` is Inductor's spelling of ``clamp(max=c)``)
+MOVING_CLAMPS = (aten.clamp.default, aten.clamp_min.default, aten.clamp_max.default)
 #: matrix products: a sum of products of x with itself accumulated by the matmul unit
 _PRODUCTS = {aten.bmm.default, aten.mm.default, aten.matmul.default, aten.dot.default, aten.vdot.default}
 _VECDOT = getattr(aten, "linalg_vecdot", None)
@@ -146,6 +150,9 @@ def _self_product(node: fx.Node, provenance: Optional[Provenance]) -> Optional[f
         return None
     if node.target is aten.einsum.default and len(node.args) > 1 and len(node.args[1]) == 2:
         operands = list(node.args[1])
+    elif node.target is aten.sum.dim_IntList and isinstance(node.args[0], fx.Node) \
+            and node.args[0].target is aten.mul.Tensor and node.args[0].args[0] is not node.args[0].args[1]:
+        operands = list(node.args[0].args[:2])  # a product with a unit axis as Inductor decomposes it: mul, then sum
     elif node.target in _PRODUCTS or (_VECDOT is not None and node.target is _VECDOT.default):
         operands = list(node.args[:2])
     else:
@@ -154,6 +161,8 @@ def _self_product(node: fx.Node, provenance: Optional[Provenance]) -> Optional[f
     if a is not b or not isinstance(a, fx.Node) or not shape(a) or shape(node) is None or is_centred(a, provenance):
         return None
     total, per_row = _numel(shape(a)), _numel(shape(node))
+    if any(not isinstance(o, fx.Node) or shape(o) is None or _numel(shape(o)) != total for o in operands):
+        return None  # a slice or a selection of x: some of its elements, not all of them
     rows = total // static_int(shape(a)[-1]) if total is not None and static_int(shape(a)[-1]) else None
     return a if rows is not None and per_row == rows else None
 

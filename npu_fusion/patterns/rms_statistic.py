@@ -11,7 +11,7 @@ from ..lowering import RMS_NORM as FORWARD_OP
 from ..lowering.sizes import static_int
 from .algebra import graph_constant
 from .evaluator import Provenance
-from .mean_squares import (SAME_VALUES, VECTOR_NORM_HOW, definition_of, is_centred, moving_clamp_how,  # noqa: F401
+from .mean_squares import (MOVING_CLAMPS, SAME_VALUES, VECTOR_NORM_HOW, definition_of, is_centred, moving_clamp_how,  # noqa: F401
                            other_mean_square, squared_vector_norm, squares_of)
 from .norm_algebra import CLAMPS, NormEvaluator, clamp_bounds
 from .nodes import CAST_TARGETS, VIEWS, aten, calls_to, normalize_dim, shape, val
@@ -347,7 +347,7 @@ def _resembling(node: fx.Node, provenance: Optional[Provenance]) -> Optional[tup
         norm = squared_vector_norm(reduced, provenance)
         if norm is not None:
             return VECTOR_NORM_HOW, norm[0], len(norm[1])
-        if reduced.target in CLAMPS and isinstance(reduced.args[0], fx.Node):
+        if reduced.target in MOVING_CLAMPS and isinstance(reduced.args[0], fx.Node):
             if unclamped(reduced) is reduced.args[0]:  # a clamp that moves no value: read what it clamps
                 reduced = definition_of(reduced.args[0], provenance)
             elif squares_of(definition_of(reduced.args[0], provenance), provenance) is not None:
