@@ -58,29 +58,31 @@ def _misses(results, op):
     return [m for r in results for m in r.misses if m.op == op]
 
 
+@pytest.mark.parametrize("decompositions", ["none", "core"])
 @pytest.mark.parametrize("name", SPELLINGS)
-def test_trained_norm_is_one_named_miss_each_way(name):
+def test_trained_norm_is_one_named_miss_each_way(name, decompositions):
     """Forward and backward of a norm whose input and weight train: nothing fused, one miss each way naming the
     spelling and saying what fuses (the matrix products and var + mean**2 once silent both ways; vector_norm's
     backward once said only that the terms differ)."""
     norm, named = SPELLINGS[name]
     w = torch.nn.Parameter(_seeded(3, 16))
     x = _seeded(1, 2, 3, 16).requires_grad_()
-    result, fw, bw = check(lambda x: norm(x, w), [x], [w], **BOTH)
+    result, fw, bw = check(lambda x: norm(x, w), [x], [w], decompositions=decompositions, **BOTH)
     assert result.fused(NORM) == result.fused(NORM_GRAD) == 0 and not calls(fw, NORM) and not calls(bw, NORM_GRAD)
     for op in (NORM, NORM_GRAD):
         misses = _misses([result], op)
         assert len(misses) == 1 and named in misses[0].reason and FUSING in misses[0].reason, result.misses
 
 
-@pytest.mark.parametrize("path", ["backend", "inductor"])
+@pytest.mark.parametrize("path, dynamic", [("backend", False), ("backend", True), ("inductor", False)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("name", SPELLINGS)
-def test_inference_norm_is_one_named_miss(name, dtype, path):
-    """Under no_grad (the forward rule alone): eager's output, no fused norm, one miss naming the spelling."""
+def test_inference_norm_is_one_named_miss(name, dtype, path, dynamic):
+    """Under no_grad (the forward rule alone): eager's output, no fused norm, one miss naming the spelling (with
+    dynamic=True too, where D and eps reach the graph as symbols and inputs)."""
     norm, named = SPELLINGS[name]
     x, w = _seeded(1, 2, 8, 64).to(dtype), _seeded(2, 64).to(dtype)
-    results = run_inference(lambda x, w: norm(x.float(), w.float()).to(x.dtype), [x, w], path=path)
+    results = run_inference(lambda x, w: norm(x.float(), w.float()).to(x.dtype), [x, w], path=path, dynamic=dynamic)
     misses = _misses(results, NORM)
     assert sum(r.fused(NORM) for r in results) == 0
     assert len(misses) == 1 and named in misses[0].reason and FUSING in misses[0].reason, misses

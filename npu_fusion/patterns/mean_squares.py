@@ -8,16 +8,18 @@ is another function in floating point: the RMSNorm rules record each as a miss w
 """
 from __future__ import annotations
 
+import math
 import operator
 from fractions import Fraction
 from typing import Optional
 
+import torch
 import torch.fx as fx
 
 from .algebra import graph_constant
 from .evaluator import Provenance
 from .nodes import CAST_TARGETS, VIEWS, aten, is_value_preserving_cast, normalize_dim, shape, val
-from ..lowering.sizes import static_int
+from ..lowering.sizes import same_size
 
 #: ops a statistic or a normalized value keeps its values through (casts, copies, reshapes);
 #: slices, selections and transposes move elements and are not among them
@@ -160,21 +162,17 @@ def _self_product(node: fx.Node, provenance: Optional[Provenance]) -> Optional[f
     a, b = (_product_source(o, provenance) for o in operands)
     if a is not b or not isinstance(a, fx.Node) or not shape(a) or shape(node) is None or is_centred(a, provenance):
         return None
-    total, per_row = _numel(shape(a)), _numel(shape(node))
-    if any(not isinstance(o, fx.Node) or shape(o) is None or _numel(shape(o)) != total for o in operands):
+    total = math.prod(shape(a))
+    if any(not isinstance(o, fx.Node) or shape(o) is None or not same_size(math.prod(shape(o)), total)
+           for o in operands):
         return None  # a slice or a selection of x: some of its elements, not all of them
-    rows = total // static_int(shape(a)[-1]) if total is not None and static_int(shape(a)[-1]) else None
-    return a if rows is not None and per_row == rows else None
+    return a if same_size(math.prod(shape(node)) * shape(a)[-1], total) else None
 
 
-def _numel(sizes) -> Optional[int]:
-    total = 1
-    for s in sizes:
-        n = static_int(s)
-        if n is None:
-            return None
-        total *= n
-    return total
+def is_number(arg) -> bool:
+    """``arg`` is a number: a constant, or a symbolic size or float (``dynamic=True`` passes ``x.shape[-1]`` so)."""
+    return graph_constant(arg) is not None or (
+        isinstance(arg, fx.Node) and isinstance(arg.meta.get("val"), (torch.SymInt, torch.SymFloat, int, float)))
 
 
 def _variance_and_mean(node: fx.Node, provenance: Optional[Provenance]) -> Optional[tuple]:

@@ -12,7 +12,7 @@ from ..lowering.sizes import static_int
 from .algebra import graph_constant
 from .evaluator import Provenance
 from .mean_squares import (MOVING_CLAMPS, SAME_VALUES, VECTOR_NORM_HOW, definition_of, is_centred, moving_clamp_how,  # noqa: F401
-                           other_mean_square, squared_vector_norm, squares_of)
+                           is_number, other_mean_square, squared_vector_norm, squares_of)
 from .norm_algebra import CLAMPS, NormEvaluator, clamp_bounds
 from .nodes import CAST_TARGETS, VIEWS, aten, calls_to, normalize_dim, shape, val
 from .rewrite import Miss
@@ -172,7 +172,7 @@ def rms_root(node: fx.Node, provenance: Optional[Provenance], is_root, every_axi
     if len(operands) != 1:
         return None
     mean = _mean_below(operands[0], provenance)
-    if not _is_scalar_eps(next(a for a in shifted.args[:2] if a is not operands[0])):
+    if not is_scalar_eps(next(a for a in shifted.args[:2] if a is not operands[0])):
         return None
     square, dims = mean.args[0], mean.args[1]
     keepdim = mean.args[2] if len(mean.args) > 2 else mean.kwargs.get("keepdim", False)
@@ -337,12 +337,12 @@ def _resembling(node: fx.Node, provenance: Optional[Provenance]) -> Optional[tup
     if shifted.target not in (aten.add.Tensor, aten.add.Scalar) or shifted.kwargs.get("alpha", 1) != 1:
         return None
     for reduced, eps in (shifted.args[:2], shifted.args[1::-1]):
-        if not isinstance(reduced, fx.Node) or not _is_scalar_eps(eps):
+        if not isinstance(reduced, fx.Node) or not is_scalar_eps(eps):
             continue
         scaled = False
         reduced = definition_of(reduced, provenance)
         for _ in range(2):
-            if reduced.target in _SCALINGS and graph_constant(reduced.args[1]) is not None:
+            if reduced.target in _SCALINGS and is_number(reduced.args[1]):
                 reduced, scaled = definition_of(reduced.args[0], provenance), True
         norm = squared_vector_norm(reduced, provenance)
         if norm is not None:
@@ -391,7 +391,7 @@ def root_plus_eps(node: fx.Node, provenance: Optional[Provenance]) -> Optional[s
         return None
     for root, eps in (node.args[:2], node.args[1::-1]):
         root = definition_of(root, provenance) if isinstance(root, fx.Node) else None
-        if root is None or graph_constant(eps) is None or root.op != "call_function" \
+        if root is None or not is_scalar_eps(eps) or root.op != "call_function" \
                 or root.target not in (aten.sqrt.default, aten.rsqrt.default) or not isinstance(root.args[0], fx.Node):
             continue
         mean = _mean_below(root.args[0], provenance)
@@ -408,7 +408,7 @@ def resembling_reason(how: str) -> str:
             "x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) and it fuses")
 
 
-def _is_scalar_eps(eps) -> bool:
+def is_scalar_eps(eps) -> bool:
     """A number >= 0, or a one-element tensor (``dynamic=True`` passes a float as a graph input)."""
     if isinstance(eps, fx.Node):
         return val(eps) is not None and all(static_int(n) == 1 for n in shape(eps))

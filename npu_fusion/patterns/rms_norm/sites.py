@@ -11,13 +11,13 @@ import torch.fx as fx
 from ...lowering import RMS_NORM as OP
 from ...lowering.ops.rms_norm_grad import RMS_NORM_DTYPES
 from ...lowering.sizes import same_shape, static_int
-from ..algebra import Expr, graph_constant
+from ..algebra import Expr
 from ..evaluator import JointProvenance, Unsupported, kept_precision, rounding_problem
 from ..nodes import (aten, calls_to, downstream, dtype, gradient_dependent, is_value_preserving_cast, normalize_dim, outermost,
                      region_of, shape, val)
 from ..rewrite import Miss, RuleContext, exact_common_dtype
 from ..norm_algebra import NormEvaluator, size_key
-from ..rms_statistic import eps_outside_reason, is_centred, norm_evaluator, rms_statistic_operand
+from ..rms_statistic import eps_outside_reason, is_centred, is_scalar_eps, norm_evaluator, rms_statistic_operand
 from ..rule import RoundReport
 
 
@@ -228,7 +228,7 @@ def written_statistic(root: fx.Node, eps) -> str:
 def _eps_outside(root: fx.Node) -> bool:
     """A number is added to ``root`` itself (eps outside the root: ``sqrt(mean(x*x)) + eps``)."""
     return any(u.op == "call_function" and u.target in (aten.add.Tensor, aten.add.Scalar)
-               and any(a is not root and graph_constant(a) is not None for a in u.args[:2]) for u in root.users)
+               and any(a is not root and is_scalar_eps(a) for a in u.args[:2]) for u in root.users)
 
 
 
