@@ -30,6 +30,11 @@ def _bmm(x):
     return torch.bmm(x.reshape(-1, 1, d), x.reshape(-1, d, 1)).reshape(*x.shape[:-1], 1) / d
 
 
+def _var_mean_square(x):
+    var, mean = torch.var_mean(x, -1, keepdim=True, correction=0)
+    return var + mean * mean
+
+
 SPELLINGS = {  # name: (the norm of x with weight w, what its misses' reasons must name)
     "einsum": (_statistic(lambda x: torch.einsum("...d,...d->...", x, x).unsqueeze(-1) / x.shape[-1]),
                "matrix product of x with itself"),
@@ -39,6 +44,7 @@ SPELLINGS = {  # name: (the norm of x with weight w, what its misses' reasons mu
     "variance_plus_squared_mean": (
         _statistic(lambda x: x.var(-1, keepdim=True, unbiased=False) + x.mean(-1, keepdim=True) ** 2),
         "var(x, unbiased=False) + mean(x)**2"),
+    "var_mean": (_statistic(_var_mean_square), "var(x, unbiased=False) + mean(x)**2"),
     "unbiased_variance_plus_squared_mean": (
         _statistic(lambda x: x.var(-1, keepdim=True) + x.mean(-1, keepdim=True).pow(2)), "correction 1"),
     "vector_norm": (_statistic(lambda x: torch.linalg.vector_norm(x, dim=-1, keepdim=True).pow(2) / x.shape[-1]),

@@ -185,22 +185,34 @@ def _variance_and_mean(node: fx.Node, provenance: Optional[Provenance]) -> Optio
         if var is None or square is None or not _is_square(square):
             continue
         mean = definition_of(square.args[0], provenance)
-        if var.target is operator.getitem and var.args[1] == 0 \
-                and var.args[0].target is aten.var_mean.correction:
-            var = var.args[0]
-        if var.target not in (aten.var.correction, aten.var_mean.correction) or mean.target is not aten.mean.dim:
+        var = _of_var_mean(var, 0)
+        if var.target not in (aten.var.correction, aten.var_mean.correction):
             continue
         y = var.args[0]
-        if not isinstance(y, fx.Node) or definition_of(mean.args[0], provenance) is not definition_of(y, provenance):
+        if not isinstance(y, fx.Node) or shape(y) is None:
+            continue
+        var_axes = var.args[1] if len(var.args) > 1 else var.kwargs.get("dim")
+        if _of_var_mean(mean, 1) is var:  # torch.var_mean's own mean
+            mean_axes = var_axes
+        elif mean.target is aten.mean.dim and definition_of(mean.args[0], provenance) is definition_of(y, provenance):
+            mean_axes = mean.args[1]
+        else:
             continue
         rank = len(shape(y))
-        axes = [sorted({normalize_dim(d, rank) for d in (dims or range(rank))})
-                for dims in (var.args[1] if len(var.args) > 1 else var.kwargs.get("dim"), mean.args[1])]
+        axes = [sorted({normalize_dim(d, rank) for d in (dims or range(rank))}) for dims in (var_axes, mean_axes)]
         if axes[0] != axes[1]:
             continue
         correction = var.kwargs.get("correction", 1)
         return y, axes[0], graph_constant(correction) if correction is not None else 1
     return None
+
+
+def _of_var_mean(node: fx.Node, index: int) -> fx.Node:
+    """The ``var_mean`` call whose output ``index`` ``node`` is (0 the variance, 1 the mean), else ``node`` itself."""
+    if node.op == "call_function" and node.target is operator.getitem and node.args[1] == index \
+            and isinstance(node.args[0], fx.Node) and node.args[0].target is aten.var_mean.correction:
+        return node.args[0]
+    return node
 
 
 def variance_how(correction) -> str:
