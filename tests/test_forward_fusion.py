@@ -268,7 +268,7 @@ def _frozen(dtype):
 
 NEAR_MISSES = {  # name: (the norm of h, the miss's reason or None when the site is no RMSNorm at all)
     "eps_outside_the_root": (lambda h, w: h * (torch.rsqrt(h.pow(2).mean(-1, keepdim=True)) + EPS) * w,
-                             "no node near it is rstd * x * gamma"),
+                             "but eps is added outside the root (rsqrt(mean(x*x)) + eps)"),
     "another_tensor_normalized": (lambda h, w: h.flip(-1) * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + EPS) * w,
                                   "no node near it is rstd * x * gamma"),
     # a statistic over another axis: the backward rule reads it as an RMS statistic, the forward records it too

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import operator
-from fractions import Fraction
 from typing import List, Optional
 
 import torch.fx as fx
@@ -12,8 +11,10 @@ from ..lowering import RMS_NORM as FORWARD_OP
 from ..lowering.sizes import static_int
 from .algebra import graph_constant
 from .evaluator import Provenance
+from .mean_squares import (MOVING_CLAMPS, SAME_VALUES, VECTOR_NORM_HOW, definition_of, is_centred, moving_clamp_how,  # noqa: F401
+                           is_number, other_mean_square, squared_vector_norm, squares_of)
 from .norm_algebra import CLAMPS, NormEvaluator, clamp_bounds
-from .nodes import CAST_TARGETS, VIEWS, aten, calls_to, is_value_preserving_cast, normalize_dim, shape, val
+from .nodes import CAST_TARGETS, VIEWS, aten, calls_to, normalize_dim, shape, val
 from .rewrite import Miss
 
 
@@ -58,26 +59,6 @@ def is_rms_statistic(node: fx.Node, provenance: Optional[Provenance]) -> bool:
 
 
 # -- dgamma alone: a norm whose input takes no gradient ----------------------------
-
-#: ops a statistic or a normalized value keeps its values through (casts, copies, reshapes);
-#: slices, selections and transposes move elements and are not among them
-SAME_VALUES = CAST_TARGETS | {aten.view.default, aten._unsafe_view.default, aten.reshape.default,
-                               aten.unsqueeze.default, aten.squeeze.dim, aten.squeeze.dims, aten.squeeze.default}
-
-
-def definition_of(node: fx.Node, provenance: Optional[Provenance], exact: bool = False) -> fx.Node:
-    """``node`` seen through casts, reshapes and saved tensors' forward definitions (with
-    ``exact``, through the casts that change no value only)."""
-    for _ in range(8):
-        if node.op == "placeholder" and provenance is not None:
-            node = provenance.forward_definition(node) or node
-        if node.op != "call_function" or node.target not in SAME_VALUES or not isinstance(node.args[0], fx.Node):
-            break
-        if exact and node.target in CAST_TARGETS and not is_value_preserving_cast(node):
-            break
-        node = node.args[0]
-    return node
-
 
 #: what the forward rule puts between the fused ``rms_norm`` and the program's values: casts,
 #: reshapes and the permutations of a norm run in another memory order (each undone on the way out)
@@ -191,7 +172,7 @@ def rms_root(node: fx.Node, provenance: Optional[Provenance], is_root, every_axi
     if len(operands) != 1:
         return None
     mean = _mean_below(operands[0], provenance)
-    if not _is_scalar_eps(next(a for a in shifted.args[:2] if a is not operands[0])):
+    if not is_scalar_eps(next(a for a in shifted.args[:2] if a is not operands[0])):
         return None
     square, dims = mean.args[0], mean.args[1]
     keepdim = mean.args[2] if len(mean.args) > 2 else mean.kwargs.get("keepdim", False)
@@ -356,16 +337,25 @@ def _resembling(node: fx.Node, provenance: Optional[Provenance]) -> Optional[tup
     if shifted.target not in (aten.add.Tensor, aten.add.Scalar) or shifted.kwargs.get("alpha", 1) != 1:
         return None
     for reduced, eps in (shifted.args[:2], shifted.args[1::-1]):
-        if not isinstance(reduced, fx.Node) or not _is_scalar_eps(eps):
+        if not isinstance(reduced, fx.Node) or not is_scalar_eps(eps):
             continue
         scaled = False
         reduced = definition_of(reduced, provenance)
         for _ in range(2):
-            if reduced.target in _SCALINGS and graph_constant(reduced.args[1]) is not None:
+            if reduced.target in _SCALINGS and is_number(reduced.args[1]):
                 reduced, scaled = definition_of(reduced.args[0], provenance), True
-        norm = _squared_vector_norm(reduced, provenance)
+        norm = squared_vector_norm(reduced, provenance)
         if norm is not None:
             return VECTOR_NORM_HOW, norm[0], len(norm[1])
+        if reduced.target in MOVING_CLAMPS and isinstance(reduced.args[0], fx.Node):
+            if unclamped(reduced) is reduced.args[0]:  # a clamp that moves no value: read what it clamps
+                reduced = definition_of(reduced.args[0], provenance)
+            elif squares_of(definition_of(reduced.args[0], provenance), provenance) is not None:
+                y, dims = squares_of(definition_of(reduced.args[0], provenance), provenance)
+                return moving_clamp_how(reduced), y, len(dims)
+        other = other_mean_square(reduced, provenance)
+        if other is not None:
+            return other
         if reduced.target not in (aten.mean.dim, aten.sum.dim_IntList) or not isinstance(reduced.args[0], fx.Node):
             continue
         square = reduced.args[0]
@@ -387,41 +377,28 @@ def _resembling(node: fx.Node, provenance: Optional[Provenance]) -> Optional[tup
     return None
 
 
-#: how a statistic spelled through ``linalg.vector_norm`` differs from an RMS statistic (:func:`resembling_statistic`)
-VECTOR_NORM_HOW = ("its mean of squares is spelled through linalg.vector_norm (vector_norm(x)**2 / D: a square root "
-                   "then a square, rounded twice where the fused ops compute the mean of x*x and round once, so "
-                   "not the same function in floating point)")
+def eps_outside_reason(written: str) -> str:
+    """The reason of a miss at a norm whose eps is added to its root ``written`` (``sqrt(mean(x*x))``), not inside it."""
+    return (f"eps is added outside the root ({written} + eps): another function "
+            "than the fused ops' x * rsqrt(mean(x*x) + eps), which no RMSNorm form reads; if the model can take eps "
+            "inside the root, write x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) and it fuses")
 
 
-def _squared_vector_norm(node: fx.Node, provenance: Optional[Provenance]) -> Optional[tuple]:
-    """``(y, axes)`` when ``node`` is ``vector_norm(y, 2, axes) ** 2`` (or a square of ``sum(y*y) ** 0.5``, of
-    ``sqrt(sum(y*y))``: its decompositions), y not centred; else None."""
-    if node.op != "call_function" or node.target is not aten.pow.Tensor_Scalar or graph_constant(node.args[1]) != 2 \
-            or not isinstance(node.args[0], fx.Node):
+def root_plus_eps(node: fx.Node, provenance: Optional[Provenance]) -> Optional[str]:
+    """``sqrt(mean(y*y))`` (or ``rsqrt``) written as the program did, when ``node`` is it plus a number, else None."""
+    node = definition_of(node, provenance)
+    if node.op != "call_function" or node.target not in (aten.add.Tensor, aten.add.Scalar):
         return None
-    norm = definition_of(node.args[0], provenance)
-    if norm.op != "call_function" or not isinstance(norm.args[0], fx.Node):
-        return None
-    if norm.target is aten.linalg_vector_norm.default:
-        order = norm.args[1] if len(norm.args) > 1 else norm.kwargs.get("ord", 2)
-        axes = norm.args[2] if len(norm.args) > 2 else norm.kwargs.get("dim")
-        y = norm.args[0]
-        if graph_constant(order) != 2 or norm.kwargs.get("dtype") is not None:
-            return None
-    elif norm.target is aten.sqrt.default or (norm.target is aten.pow.Tensor_Scalar
-                                              and graph_constant(norm.args[1]) == Fraction(1, 2)):
-        total = definition_of(norm.args[0], provenance)
-        square = total.args[0] if total.op == "call_function" and total.target is aten.sum.dim_IntList else None
-        y = square.args[0] if isinstance(square, fx.Node) and (
-            (square.target is aten.pow.Tensor_Scalar and square.args[1] == 2)
-            or (square.target is aten.mul.Tensor and square.args[0] is square.args[1])) else None
-        axes = total.args[1] if y is not None and len(total.args) > 1 else None
-    else:
-        return None
-    if not isinstance(y, fx.Node) or shape(y) is None or is_centred(y, provenance):
-        return None
-    rank = len(shape(y))
-    return y, sorted({normalize_dim(d, rank) for d in (axes or range(rank))})
+    for root, eps in (node.args[:2], node.args[1::-1]):
+        root = definition_of(root, provenance) if isinstance(root, fx.Node) else None
+        if root is None or not is_scalar_eps(eps) or root.op != "call_function" \
+                or root.target not in (aten.sqrt.default, aten.rsqrt.default) or not isinstance(root.args[0], fx.Node):
+            continue
+        mean = _mean_below(root.args[0], provenance)
+        found = squares_of(mean, provenance) if mean.target is aten.mean.dim else None
+        if found is not None:
+            return f"{'sqrt' if root.target is aten.sqrt.default else 'rsqrt'}(mean(x*x))"
+    return None
 
 
 def resembling_reason(how: str) -> str:
@@ -431,19 +408,12 @@ def resembling_reason(how: str) -> str:
             "x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) and it fuses")
 
 
-def _is_scalar_eps(eps) -> bool:
+def is_scalar_eps(eps) -> bool:
     """A number >= 0, or a one-element tensor (``dynamic=True`` passes a float as a graph input)."""
     if isinstance(eps, fx.Node):
         return val(eps) is not None and all(static_int(n) == 1 for n in shape(eps))
     value = graph_constant(eps)
     return value is not None and value >= 0
-
-
-def is_centred(y: fx.Node, provenance: Optional[Provenance]) -> bool:
-    """``y`` is ``a - mean(a)`` (a LayerNorm's centred value: its statistic is a variance)."""
-    y = definition_of(y, provenance, exact=True)
-    return y.op == "call_function" and y.target in (aten.sub.Tensor, aten.add.Tensor) and any(
-        isinstance(a, fx.Node) and definition_of(a, provenance).target is aten.mean.dim for a in y.args[:2])
 
 
 def normalized_operand(node: fx.Node, provenance: Optional[Provenance],

@@ -19,7 +19,8 @@ from .per_norm import (accumulated_suspects, backward_alone, clamped_gate, clamp
                        sum_origins)
 from .match import NormMatch, dgamma_summand, match_root, site_region, stat_leaves, symbols_of, match_dgamma
 from ..rms_statistic import (SAME_VALUES, exact_source, fused_statistic_operand, norm_evaluator, normalized_operand,
-                             rms_statistic_operand, unmatched_spelling)
+                             eps_outside_reason, resembling_operand, resembling_reason, rms_statistic_operand,
+                             root_plus_eps, unmatched_spelling)
 
 
 #: uses between a sum over the normalized axes and the root of dx (with its accumulation)
@@ -265,14 +266,23 @@ def _spelling_above(node: fx.Node, provenance: Optional[Provenance]) -> Optional
         above = []
         for n in frontier:
             if n.op == "call_function" and n.target in (aten.mul.Tensor, aten.div.Tensor):
-                reason = next(filter(None, (unmatched_spelling(a, provenance) for a in (n, *n.args[:2])
-                                            if isinstance(a, fx.Node))), None)
+                reason = next(filter(None, (unmatched_spelling(a, provenance) or _resembling_reason(a, provenance)
+                                            for a in (n, *n.args[:2]) if isinstance(a, fx.Node))), None)
                 if reason is not None:
                     return reason
             above += [a for a in n.all_input_nodes if a not in seen]
         seen.update(above)
         frontier = above
     return None
+
+
+def _resembling_reason(node: fx.Node, provenance: Optional[Provenance]) -> Optional[str]:
+    """Why a norm whose statistic is ``node`` matched no form: it resembles an RMS statistic, or adds eps to the root; or None."""
+    found = resembling_operand(node, provenance)
+    if found is not None:
+        return resembling_reason(found[2])
+    written = root_plus_eps(node, provenance)
+    return eps_outside_reason(written) if written is not None else None
 
 
 def _sums_and_region(ev: NormEvaluator, site: NormMatch) -> tuple:
