@@ -2,9 +2,18 @@ import collections
 import os
 import sys
 
-import pytest
+# Before torch is imported: the suite's tensors are tiny and its two xdist workers share two cores, so
+# each worker runs torch's kernels on one thread (a thread per core in each made the suite a fifth
+# to a quarter slower) and Inductor compiles in the worker, not in a pool of subprocesses.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
 
-from hypothesis import HealthCheck, settings
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from hypothesis import HealthCheck, settings  # noqa: E402
+
+torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))  # also where a plugin imported torch first
 
 # Profiles of the property tests (tests/test_properties.py): "ci" is deterministic and
 # sized for about 4 minutes on 2 cores; NPU_FUSION_PROPERTY_PROFILE=long runs thousands
