@@ -178,3 +178,23 @@ def test_through_inductor_dynamic(installed, program):  # noqa: F811
         assert_close_as_unfused(g.detach(), e, x, factor=MODEL_FACTOR)
     check_gradients(compiled, fn, inputs)
     assert dict(torch._dynamo.utils.counters[COUNTER]) == {ROPE: 2, ROPE_GRAD: 2}
+
+
+def sign_flipped(q, k, cos, sin):
+    qr = _rot(q.transpose(1, 2), cos, sin)
+    return qr * 3, k * cos.unsqueeze(1) + torch.cat((k[..., H:], k[..., :H]), -1) * sin.unsqueeze(1)
+
+
+def split_off_the_middle(q, k, cos, sin):
+    qr = _rot(q.transpose(1, 2), cos, sin)
+    return qr * 3, k * cos.unsqueeze(1) + torch.cat((-k[..., 6:], k[..., :6]), -1) * sin.unsqueeze(1)
+
+
+@pytest.mark.parametrize("program", [sign_flipped, split_off_the_middle], ids=lambda f: f.__name__)
+def test_near_misses_under_dynamic_shapes_name_the_difference(program):
+    """k's rotation, no RoPE, stays unfused under ``dynamic=True``, and its backward miss says the
+    formula differs (read through the ``unsqueeze(1)`` leaf; it said "inner sizes" before)."""
+    result, after = _step(program, _inputs("scaled_then_viewed"), True)
+    assert result.fused(ROPE) == result.fused(ROPE_GRAD) == len(calls(after, ROPE_GRAD)) == 1, result.sites
+    [backward] = [m for m in result.misses if m.op == ROPE_GRAD]
+    assert "no mode's formula" in backward.reason, backward
