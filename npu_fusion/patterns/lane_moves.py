@@ -128,8 +128,10 @@ class LaneMoves:
 
     def _expand(self, node, args) -> Lanes:
         v = self._checked(args[0])
-        return self._broadcast(v, shape(args[0]), tuple(
-            static_int(s) for s in shape(node)[len(shape(node)) - len(v.inner):]))
+        inner = tuple(static_int(s) for s in shape(node)[len(shape(node)) - len(v.inner):])
+        if None in inner:  # a symbolic size among the tracked axes (a mean's gradient over a dynamic axis)
+            raise Unsupported("inner sizes")
+        return self._broadcast(v, shape(args[0]), inner)
 
     def _select_backward(self, node, args) -> Lanes:
         """Evaluate ``select_backward``: the gradient placed at one index of a new axis.

@@ -127,8 +127,9 @@ def _gradient_axis_makers(ev: LaneEvaluator, nodes) -> set:
     # (1, D)): its operands are near too
     refused = [a for n, why in ev.unsupported.items() if why == "broadcast" and n.target is aten.mul.Tensor
                and ev.depends_on_gradient(n) for a in n.all_input_nodes]
+    tables = refused_unit_axis_tables(ev)
     if not spanning and not refused:
-        return set()
+        return tables
     # a dx over one axis that matches covers what it reads; one that matches no mode (the N * D wide
     # view of a rotation of N heads, flattened after it) does not
     flat = [n for n in nodes if ev.depends_on_gradient(n) and _looks_like_dx(ev.memo.get(n)) and match_dx(ev, n)]
@@ -143,12 +144,18 @@ def _gradient_axis_makers(ev: LaneEvaluator, nodes) -> set:
         if source is not None and ev.depends_on_gradient(n) and v is not None and len(v.inner) >= 2 \
                 and len(source.inner) == 1 and v.inner[-2] > 1 and v.inner[-1] > 2:
             makers.add(n)
-    return makers | refused_unit_axis_tables(ev)
+    return makers | tables
+
+
+#: why the lanes refuse a gradient's product with a table view tracked over ``(1, D)``: the gradient's axis
+#: before D is no axis of size 1 ("broadcast"), or is symbolic, so no second tracked axis ("inner sizes")
+REFUSED_PRODUCT = {"broadcast", "inner sizes"}
 
 
 def refused_unit_axis_tables(ev: LaneEvaluator) -> set:
-    """The table views of :func:`_unit_axis_table` that a product with a gradient refused for its broadcast reads."""
-    return {a for n, why in ev.unsupported.items() if why == "broadcast" and n.target is aten.mul.Tensor
+    """The table views of :func:`_unit_axis_table` read by a product with a gradient the lanes refused
+    (:data:`REFUSED_PRODUCT`: under ``dynamic=True`` the heads' axis is symbolic)."""
+    return {a for n, why in ev.unsupported.items() if why in REFUSED_PRODUCT and n.target is aten.mul.Tensor
             and ev.depends_on_gradient(n) for a in n.all_input_nodes if _unit_axis_table(ev, a)}
 
 
