@@ -350,8 +350,8 @@ def _resembling(node: fx.Node, provenance: Optional[Provenance]) -> Optional[tup
         if reduced.target in MOVING_CLAMPS and isinstance(reduced.args[0], fx.Node):
             if unclamped(reduced) is reduced.args[0]:  # a clamp that moves no value: read what it clamps
                 reduced = definition_of(reduced.args[0], provenance)
-            elif squares_of(definition_of(reduced.args[0], provenance), provenance) is not None:
-                y, dims = squares_of(definition_of(reduced.args[0], provenance), provenance)
+            elif (clamped := squares_of(definition_of(reduced.args[0], provenance), provenance)) is not None:
+                y, dims = clamped
                 return moving_clamp_how(reduced), y, len(dims)
         other = other_mean_square(reduced, provenance)
         if other is not None:
@@ -397,8 +397,16 @@ def root_plus_eps(node: fx.Node, provenance: Optional[Provenance]) -> Optional[s
         mean = _mean_below(root.args[0], provenance)
         found = squares_of(mean, provenance) if mean.target is aten.mean.dim else None
         if found is not None:
-            return f"{'sqrt' if root.target is aten.sqrt.default else 'rsqrt'}(mean(x*x))"
+            return written_statistic(root, 0)
     return None
+
+
+def written_statistic(root: fx.Node, eps) -> str:
+    """The statistic at ``root`` as the program wrote it (its root, eps inside it or none), for a miss's reason."""
+    inside = "mean(x*x) + eps" if eps else "mean(x*x)"
+    if root.target is aten.sqrt.default:
+        return f"sqrt({inside})"
+    return f"({inside}) ** -0.5" if root.target is aten.pow.Tensor_Scalar else f"rsqrt({inside})"
 
 
 def resembling_reason(how: str) -> str:

@@ -17,7 +17,8 @@ from ..nodes import (aten, calls_to, downstream, dtype, gradient_dependent, is_v
                      region_of, shape, val)
 from ..rewrite import Miss, RuleContext, exact_common_dtype
 from ..norm_algebra import NormEvaluator, size_key
-from ..rms_statistic import eps_outside_reason, is_centred, is_scalar_eps, norm_evaluator, rms_statistic_operand
+from ..rms_statistic import (eps_outside_reason, is_centred, is_scalar_eps, norm_evaluator, rms_statistic_operand,
+                             written_statistic)
 from ..rule import RoundReport
 
 
@@ -217,19 +218,10 @@ def _match_statistic(ev: NormEvaluator, graph: fx.Graph, rstd: fx.Node, forward)
     return Miss(OP.name, rstd.name, f"{head} {written} of {inputs[0].name}, but {reasons[0]}")
 
 
-def written_statistic(root: fx.Node, eps) -> str:
-    """The statistic at ``root`` as the program wrote it (its root, eps inside it or none), for a miss's reason."""
-    inside = "mean(x*x) + eps" if eps else "mean(x*x)"
-    if root.target is aten.sqrt.default:
-        return f"sqrt({inside})"
-    return f"({inside}) ** -0.5" if root.target is aten.pow.Tensor_Scalar else f"rsqrt({inside})"
-
-
 def _eps_outside(root: fx.Node) -> bool:
     """A number is added to ``root`` itself (eps outside the root: ``sqrt(mean(x*x)) + eps``)."""
     return any(u.op == "call_function" and u.target in (aten.add.Tensor, aten.add.Scalar)
                and any(a is not root and is_scalar_eps(a) for a in u.args[:2]) for u in root.users)
-
 
 
 def _tensor_eps(ev: NormEvaluator, argument: Expr) -> bool:
