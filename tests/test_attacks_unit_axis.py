@@ -13,20 +13,12 @@ import pytest
 import torch
 
 from test_inductor import installed  # noqa: F401  (the fixture: the pass in Inductor, compile caches off)
-from npu_fusion.measure.grads import MODEL_FACTOR, assert_close_as_unfused, float64_output
-from npu_fusion.models import rotate_half
-from npu_fusion.plugin.backend import aot_backend
-from npu_fusion.plugin.options import FusionOptions, forward_options
-from npu_fusion.plugin.pass_manager import COUNTER
-from test_forward_fusion import calls, check_gradients
+from test_forward_fusion import calls
+from test_rope_permuted import compiled_step, inductor_step, rotate
 
 ROPE, ROPE_GRAD = "rotary_position_embedding", "rotary_position_embedding_grad"
 B, S, N, D = 2, 6, 4, 16
 H = D // 2
-
-
-def _rot(x, cos, sin):
-    return x * cos + rotate_half(x) * sin
 
 
 def _rot_interleaved(x, cos, sin):
@@ -34,14 +26,14 @@ def _rot_interleaved(x, cos, sin):
 
 
 def _partial(x, cos, sin):
-    return torch.cat((_rot(x[..., :H], cos, sin), x[..., H:]), -1)
+    return torch.cat((rotate(x[..., :H], cos, sin), x[..., H:]), -1)
 
 
 def _shared(view, q_tables=lambda t: t):
     """q rotated as BNSD with the tables (as ``q_tables`` makes them), k as BSND with ``view`` of them."""
     def program(q, k, cos, sin):
-        qr = _rot(q.transpose(1, 2), q_tables(cos), q_tables(sin))
-        return qr * 3, qr, _rot(k, view(cos), view(sin))
+        qr = rotate(q.transpose(1, 2), q_tables(cos), q_tables(sin))
+        return qr * 3, qr, rotate(k, view(cos), view(sin))
     return program
 
 
@@ -55,8 +47,8 @@ def partial_rotary(q, k, cos, sin):
 
 
 def half_tables_viewed_then_cat(q, k, cos, sin):
-    return (_rot(q.transpose(1, 2), _half(cos), _half(sin)) * 3,
-            _rot(k, _half(cos[:, None]), _half(sin[:, None])))
+    return (rotate(q.transpose(1, 2), _half(cos), _half(sin)) * 3,
+            rotate(k, _half(cos[:, None]), _half(sin[:, None])))
 
 
 def interleaved(q, k, cos, sin):
@@ -66,12 +58,12 @@ def interleaved(q, k, cos, sin):
 
 def rows_meet_the_batch(q, k, cos, sin):
     """``cos.view(S, 1, 1, D)`` on a ``[S, S, N, D]`` k (B == S): table rows meet the batch."""
-    qr = _rot(q.transpose(1, 2), cos, sin)
-    return qr * 3, _rot(k, cos.view(S, 1, 1, D), sin.view(S, 1, 1, D))
+    qr = rotate(q.transpose(1, 2), cos, sin)
+    return qr * 3, rotate(k, cos.view(S, 1, 1, D), sin.view(S, 1, 1, D))
 
 
 def tnd_k(q, k, cos, sin):
-    return _rot(q.transpose(0, 1), cos, sin) * 3, _rot(k, cos[:, None], sin[:, None])
+    return rotate(q.transpose(0, 1), cos, sin) * 3, rotate(k, cos[:, None], sin[:, None])
 
 
 def checkpointed(q, k, cos, sin):
@@ -111,29 +103,9 @@ def _inputs(name, dtype=torch.float32):
     return [q, k, cos, sin]
 
 
-def _step(fn, inputs, dynamic, forward_rules=True):
-    """One training step of ``fn`` compiled by the ``npu_fusion`` backend (strict, target generic);
-    outputs and gradients pass the float64 criterion. Returns the joint graph's result and graph."""
-    seen = {}
-
-    def around(gm, run):
-        seen[run.stage] = (run(), gm.graph)
-
-    torch._dynamo.reset()
-    options = dict({"strict": True, "target": "generic"}, **dict.fromkeys(forward_options(), forward_rules))
-    compiled = torch.compile(fn, backend=aot_backend(FusionOptions.from_mapping(options), around), dynamic=dynamic)
-    with torch.no_grad():
-        eager, exact = fn(*inputs), float64_output(fn, inputs)
-    for g, e, x in zip(compiled(*inputs), eager, exact):
-        assert g.dtype == e.dtype and g.shape == e.shape
-        assert_close_as_unfused(g.detach(), e, x, factor=MODEL_FACTOR)
-    check_gradients(compiled, fn, inputs)
-    return seen["joint"]
-
-
 @pytest.mark.parametrize("program", PROGRAMS)
 def test_near_programs_fuse_both_rotations_exactly(program):
-    result, after = _step(PROGRAMS[program][0], _inputs(program), False)
+    result, after = compiled_step(PROGRAMS[program][0], _inputs(program), False)
     assert not result.misses, result.misses
     assert result.fused(ROPE) == result.fused(ROPE_GRAD) == 2, result.sites
     assert len(calls(after, ROPE_GRAD)) == 2
@@ -148,13 +120,13 @@ SPELLINGS = {"unsqueeze": lambda t: t.unsqueeze(1), "view": lambda t: t.view(S, 
 def test_every_spelling_fuses_under_dynamic_shapes(spelling):
     """Under ``dynamic=True`` the heads' axis is symbolic: the BSND product was refused for its
     "inner sizes", not its broadcast, and the backward a miss (1 of 2 fused) before."""
-    result, after = _step(_shared(SPELLINGS[spelling]), _inputs("unsqueeze_tables_take_grad"), True)
+    result, after = compiled_step(_shared(SPELLINGS[spelling]), _inputs("unsqueeze_tables_take_grad"), True)
     assert not result.misses, result.misses
     assert result.fused(ROPE) == result.fused(ROPE_GRAD) == len(calls(after, ROPE_GRAD)) == 2, result.sites
 
 
 def test_forward_rules_off_the_backward_fuses_alone():
-    result, after = _step(_shared(SPELLINGS["unsqueeze"]), _inputs("unsqueeze_tables_take_grad"), True, False)
+    result, after = compiled_step(_shared(SPELLINGS["unsqueeze"]), _inputs("unsqueeze_tables_take_grad"), True, False)
     assert not result.misses and result.fused(ROPE) == 0, (result.sites, result.misses)
     assert result.fused(ROPE_GRAD) == len(calls(after, ROPE_GRAD)) == 2, result.sites
 
@@ -163,30 +135,23 @@ def test_tables_from_q_under_dynamic_shapes_no_crash():
     """Tables computed from q: the mean's gradient is an expand to a symbolic size among the tracked
     axes, which crashed the lanes (a TypeError, raised under strict). Both rotations fuse; the table
     gradient's chain through ``cos``'s backward is a recorded miss, a gradient times a table."""
-    result, _ = _step(tables_from_q, _inputs("scaled_then_viewed"), True)
+    result, _ = compiled_step(tables_from_q, _inputs("scaled_then_viewed"), True)
     assert result.fused(ROPE) == result.fused(ROPE_GRAD) == 2, (result.sites, result.misses)
     assert [m.op for m in result.misses] == [ROPE_GRAD], result.misses
 
 
 @pytest.mark.parametrize("program", ["interleaved", "unsqueeze_tables_take_grad"])
 def test_through_inductor_dynamic(installed, program):  # noqa: F811
-    fn, inputs = PROGRAMS[program][0], _inputs(program)
-    compiled = torch.compile(fn, dynamic=True)
-    with torch.no_grad():
-        eager, exact = fn(*inputs), float64_output(fn, inputs)
-    for g, e, x in zip(compiled(*inputs), eager, exact):
-        assert_close_as_unfused(g.detach(), e, x, factor=MODEL_FACTOR)
-    check_gradients(compiled, fn, inputs)
-    assert dict(torch._dynamo.utils.counters[COUNTER]) == {ROPE: 2, ROPE_GRAD: 2}
+    assert inductor_step(PROGRAMS[program][0], _inputs(program), True) == {ROPE: 2, ROPE_GRAD: 2}
 
 
 def sign_flipped(q, k, cos, sin):
-    qr = _rot(q.transpose(1, 2), cos, sin)
+    qr = rotate(q.transpose(1, 2), cos, sin)
     return qr * 3, k * cos.unsqueeze(1) + torch.cat((k[..., H:], k[..., :H]), -1) * sin.unsqueeze(1)
 
 
 def split_off_the_middle(q, k, cos, sin):
-    qr = _rot(q.transpose(1, 2), cos, sin)
+    qr = rotate(q.transpose(1, 2), cos, sin)
     return qr * 3, k * cos.unsqueeze(1) + torch.cat((-k[..., 6:], k[..., :6]), -1) * sin.unsqueeze(1)
 
 
@@ -194,7 +159,7 @@ def split_off_the_middle(q, k, cos, sin):
 def test_near_misses_under_dynamic_shapes_name_the_difference(program):
     """k's rotation, no RoPE, stays unfused under ``dynamic=True``, and its backward miss says the
     formula differs (read through the ``unsqueeze(1)`` leaf; it said "inner sizes" before)."""
-    result, after = _step(program, _inputs("scaled_then_viewed"), True)
+    result, after = compiled_step(program, _inputs("scaled_then_viewed"), True)
     assert result.fused(ROPE) == result.fused(ROPE_GRAD) == len(calls(after, ROPE_GRAD)) == 1, result.sites
     [backward] = [m for m in result.misses if m.op == ROPE_GRAD]
     assert "no mode's formula" in backward.reason, backward

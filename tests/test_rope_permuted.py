@@ -21,11 +21,10 @@ from npu_fusion.plugin.pass_manager import COUNTER
 from test_forward_fusion import calls, check_gradients
 
 ROPE, ROPE_GRAD = "rotary_position_embedding", "rotary_position_embedding_grad"
-ROPE_ON = dict.fromkeys(forward_options(), True)
 B, S, N, D = 2, 6, 4, 16
 
 
-def _rot(x, cos, sin):
+def rotate(x, cos, sin):
     return x * cos + rotate_half(x) * sin
 
 
@@ -35,19 +34,19 @@ def _rot_sign_flipped(x, cos, sin):  # near miss: rotate_half's halves not negat
 
 
 def transposed_then_rotated(q, k, cos, sin):
-    qr = _rot(q.transpose(1, 2), cos, sin)
-    return qr * 3, qr, _rot(k, cos[:, None], sin[:, None])
+    qr = rotate(q.transpose(1, 2), cos, sin)
+    return qr * 3, qr, rotate(k, cos[:, None], sin[:, None])
 
 
 def rotated_then_transposed(q, k, cos, sin):
-    qr = _rot(q, cos[:, None], sin[:, None]).transpose(1, 2)
-    return qr * 3, qr, _rot(k.transpose(1, 2), cos, sin)
+    qr = rotate(q, cos[:, None], sin[:, None]).transpose(1, 2)
+    return qr * 3, qr, rotate(k.transpose(1, 2), cos, sin)
 
 
 def one_q_both_ways(q, k, cos, sin):
     """One q rotated in both layouts: its gradient sums both rotations' dx."""
-    qr = _rot(q.transpose(1, 2), cos, sin)
-    return qr * 3, qr, _rot(q * 2, cos[:, None], sin[:, None]) + k
+    qr = rotate(q.transpose(1, 2), cos, sin)
+    return qr * 3, qr, rotate(q * 2, cos[:, None], sin[:, None]) + k
 
 
 PROGRAMS = {f.__name__: f for f in (transposed_then_rotated, rotated_then_transposed, one_q_both_ways)}
@@ -57,24 +56,24 @@ PROGRAMS = {f.__name__: f for f in (transposed_then_rotated, rotated_then_transp
 
 def sin_paired_with_the_heads(q, k, cos, sin):
     """k's sin read as ``[1, S, D]``: row n of sin meets head n, cos's row s meets position s."""
-    qr = _rot(q.transpose(1, 2), cos, sin)
-    return qr * 3, qr, _rot(k, cos[:, None], sin[None])
+    qr = rotate(q.transpose(1, 2), cos, sin)
+    return qr * 3, qr, rotate(k, cos[:, None], sin[None])
 
 
 def sin_transposed_differently(q, k, cos, sin):
     """The same pairing spelled as ``sin[:, None].transpose(0, 1)``, a permute of the leading axes."""
-    qr = _rot(q.transpose(1, 2), cos, sin)
-    return qr * 3, qr, _rot(k, cos[:, None], sin[:, None].transpose(0, 1))
+    qr = rotate(q.transpose(1, 2), cos, sin)
+    return qr * 3, qr, rotate(k, cos[:, None], sin[:, None].transpose(0, 1))
 
 
 def sign_flipped(q, k, cos, sin):
-    qr = _rot(q.transpose(1, 2), cos, sin)
+    qr = rotate(q.transpose(1, 2), cos, sin)
     return qr * 3, qr, _rot_sign_flipped(k, cos[:, None], sin[:, None])
 
 
 def last_axis_moved(q, k, cos, sin):
     """k's rotated half read across the heads (``k.transpose(-1, -2)``, N == D): no rotation."""
-    qr = _rot(q.transpose(1, 2), cos, sin)
+    qr = rotate(q.transpose(1, 2), cos, sin)
     moved = rotate_half(k.transpose(-1, -2)).transpose(-1, -2)
     return qr * 3, qr, k * cos[:, None] + moved * sin[:, None]
 
@@ -93,10 +92,10 @@ def _inputs(dtype, heads=N, d=D):
     return [q, k, angles.cos().to(dtype), angles.sin().to(dtype)]
 
 
-def compiled_step(fn, inputs, dynamic):
+def compiled_step(fn, inputs, dynamic, forward_rules=True):
     """``fn`` compiled by the ``npu_fusion`` backend (``strict``, target ``generic``, the forward rules
-    on) and trained one step; every output and gradient passes the float64 criterion against eager.
-    Returns the pass's result on the joint graph and the graph after it."""
+    on or off) and trained one step; every output and gradient passes the float64 criterion against
+    eager. Returns the pass's result on the joint graph and the graph after it."""
     seen = {}
 
     def around(gm, run):
@@ -104,7 +103,8 @@ def compiled_step(fn, inputs, dynamic):
         seen[result.graph] = (result, gm.graph)
 
     torch._dynamo.reset()
-    options = FusionOptions.from_mapping(dict({"strict": True, "target": "generic"}, **ROPE_ON))
+    options = FusionOptions.from_mapping(dict({"strict": True, "target": "generic"},
+                                              **dict.fromkeys(forward_options(), forward_rules)))
     compiled = torch.compile(fn, backend=aot_backend(options, around), dynamic=dynamic)
     with torch.no_grad():
         eager, exact = fn(*inputs), float64_output(fn, inputs)
@@ -161,11 +161,16 @@ def test_the_last_axis_moved_is_no_rotation_and_the_miss_says_so(dynamic):
 def test_through_inductor_both_rotations_fuse(installed, program, dynamic):  # noqa: F811
     """Through ``install_inductor`` (its decompositions, min-cut): two sites each way, no miss, and
     outputs and gradients by the float64 criterion."""
-    fn, inputs = PROGRAMS[program], _inputs(torch.float32)
+    assert inductor_step(PROGRAMS[program], _inputs(torch.float32), dynamic) == {ROPE: 2, ROPE_GRAD: 2}
+
+
+def inductor_step(fn, inputs, dynamic):
+    """``fn`` compiled by Inductor with the pass installed and trained one step; outputs and gradients
+    pass the float64 criterion against eager. Returns the pass's counts of fused sites."""
     compiled = torch.compile(fn, dynamic=dynamic)
     with torch.no_grad():
         eager, exact = fn(*inputs), float64_output(fn, inputs)
     for g, e, x in zip(compiled(*inputs), eager, exact):
         assert_close_as_unfused(g.detach(), e, x, factor=MODEL_FACTOR)
     check_gradients(compiled, fn, inputs)
-    assert dict(torch._dynamo.utils.counters[COUNTER]) == {ROPE: 2, ROPE_GRAD: 2}
+    return dict(torch._dynamo.utils.counters[COUNTER])
